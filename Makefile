@@ -1,0 +1,34 @@
+# The two commands that work on a fresh machine: `make serve` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install build serve test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml setup.py
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Rebuild the Cython extensions in place (after editing a .pyx).
+build: install
+	$(BIN)/python setup.py -q build_ext --inplace
+
+serve: build
+	$(BIN)/fastserve pull
+	$(BIN)/fastserve serve --host 127.0.0.1 --port 8080
+
+test: build
+	$(BIN)/python -m pytest -q tests
+
+bench: build
+	$(BIN)/python -m pytest -q bench --benchmark-only
+
+clean:
+	rm -rf build $(VENV) *.egg-info fastserve/*.so fastserve/*.c

@@ -1,0 +1,1 @@
+"""fastserve: single-process LLM inference for llama-family GGUF models."""

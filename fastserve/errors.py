@@ -1,0 +1,25 @@
+"""The exceptions fastserve raises on purpose. Each message says what to do."""
+
+
+class FastserveError(Exception):
+    """Base class of every error fastserve raises on purpose."""
+
+
+class ModelLoadError(FastserveError):
+    """The model file is missing, is not GGUF, is truncated, or holds something we cannot run."""
+
+
+class PullError(FastserveError):
+    """The default model could not be obtained."""
+
+
+class RequestError(FastserveError, ValueError):
+    """A request is invalid (bad parameter, prompt too long, empty prompt)."""
+
+
+class ServerBusy(FastserveError):
+    """Every slot is busy and the waiting queue is full."""
+
+
+class EngineClosed(FastserveError):
+    """The engine was closed; no more requests are taken."""

@@ -1,0 +1,55 @@
+"""Build the Cython hot path and ship cuda/*.cu inside the package.
+
+Environment switches (read at build time only):
+  FASTSERVE_TEST_FAULTS=1   compile the test-only fault points in (never in a release build)
+  FASTSERVE_DEBUG=1         Cython annotate + linetrace, no -O3
+"""
+import glob
+import os
+import shutil
+
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEBUG = os.environ.get("FASTSERVE_DEBUG") == "1"
+FAULTS = os.environ.get("FASTSERVE_TEST_FAULTS") == "1"
+
+
+class BuildPyWithKernels(build_py):
+    """Copy cuda/*.cu into the built package as fastserve/cuda/."""
+
+    def run(self):
+        super().run()
+        target = os.path.join(self.build_lib, "fastserve", "cuda")
+        os.makedirs(target, exist_ok=True)
+        for src in glob.glob(os.path.join(HERE, "cuda", "*.cu")) + glob.glob(os.path.join(HERE, "cuda", "*.cuh")):
+            shutil.copy2(src, target)
+
+
+def extensions():
+    macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
+    if DEBUG:
+        macros.append(("CYTHON_TRACE_NOGIL", "1"))
+    args = ["-O0", "-g"] if DEBUG else ["-O3"]
+    exts = []
+    for pyx in sorted(glob.glob(os.path.join("fastserve", "*.pyx"))):
+        name = "fastserve." + os.path.splitext(os.path.basename(pyx))[0]
+        exts.append(Extension(name, [pyx], define_macros=macros, extra_compile_args=args))
+    return cythonize(
+        exts,
+        language_level=3,
+        annotate=DEBUG,
+        compile_time_env={"FASTSERVE_TEST_FAULTS": FAULTS},
+        compiler_directives={
+            "boundscheck": False,
+            "wraparound": False,
+            "cdivision": True,
+            "initializedcheck": False,
+            "linetrace": DEBUG,
+        },
+    )
+
+
+setup(ext_modules=extensions(), cmdclass={"build_py": BuildPyWithKernels})
