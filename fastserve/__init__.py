@@ -1,1 +1,15 @@
-"""fastserve: single-process LLM inference for llama-family GGUF models."""
+"""fastserve: single-process LLM inference for llama-family GGUF models.
+
+    import fastserve
+    model = fastserve.load_model(fastserve.default_model_path())
+    with fastserve.Engine(model, n_parallel=8) as engine:
+        print(engine.generate("The capital of France is", max_tokens=16, temperature=0).text)
+"""
+from .engine import Engine
+from .errors import EngineClosed, FastserveError, ModelLoadError, PullError, RequestError, ServerBusy
+from .model import Model, load_model
+from .pull import default_model_path, pull
+from .request import Completion
+
+__all__ = ["Engine", "Model", "Completion", "load_model", "default_model_path", "pull",
+           "FastserveError", "ModelLoadError", "PullError", "RequestError", "ServerBusy", "EngineClosed"]

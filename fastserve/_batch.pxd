@@ -1,0 +1,33 @@
+# The batch of one step, preallocated for n_batch tokens. Contract in _batch.pyx.
+
+cdef struct BatchMark:
+    Py_ssize_t n
+    Py_ssize_t n_out
+    int owner
+
+cdef class Batch:
+    cdef readonly Py_ssize_t capacity
+    cdef public Py_ssize_t n          # tokens in the batch
+    cdef public Py_ssize_t n_out      # rows whose logits are wanted
+    cdef public int owner             # slot that added tokens last (-1: none)
+    cdef int[::1] tokens_v
+    cdef long[::1] positions_v
+    cdef long[::1] slots_v
+    cdef long[::1] out_rows_v
+    cdef int[::1] row_slot_v
+    cdef readonly object tokens, positions, slots, out_rows, row_slot
+
+    cdef inline bint push(self, int token, long pos, int slot, bint output) noexcept nogil:
+        """Add one token; False when the batch is full (nothing is added then)."""
+        if self.n >= self.capacity:
+            return False
+        self.tokens_v[self.n] = token
+        self.positions_v[self.n] = pos
+        self.slots_v[self.n] = slot
+        if output:
+            self.out_rows_v[self.n_out] = self.n
+            self.row_slot_v[self.n_out] = slot
+            self.n_out += 1
+        self.n += 1
+        self.owner = slot
+        return True

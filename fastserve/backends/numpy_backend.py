@@ -1,0 +1,105 @@
+"""The llama forward pass in NumPy (float32): the CPU backend and the reference for the GPU one.
+
+Shapes: n = tokens in the batch, d = n_embd, H = heads, Hkv = KV heads,
+D = head_dim, G = H // Hkv (queries per KV head), L = keys attended.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .._attention import attend
+from ..models.llama import LlamaConfig, LlamaWeights
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x [n, d] -> x / rms(x) * w, in float32."""
+    ms = np.einsum("ij,ij->i", x, x) / np.float32(x.shape[1])
+    return x * (1.0 / np.sqrt(ms + np.float32(eps)))[:, None].astype(np.float32) * w
+
+
+def rope_tables(cfg: LlamaConfig, n_pos: int, freq_factors: np.ndarray | None):
+    """cos, sin [n_pos, rope_dim/2] in float32, for llama.cpp's 'normal' (adjacent pair) RoPE."""
+    half = cfg.rope_dim // 2
+    inv_freq = cfg.rope_base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rope_dim)
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors[:half].astype(np.float64)
+    pos = np.arange(n_pos, dtype=np.float64) / cfg.rope_scale
+    theta = np.outer(pos, inv_freq)
+    return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int) -> None:
+    """In place. x [n, heads, D]; cos/sin [n, rope_dim/2]; rotates pairs (2i, 2i+1) of the first rope_dim."""
+    x0 = x[:, :, 0:rope_dim:2].copy()
+    x1 = x[:, :, 1:rope_dim:2]
+    c, s = cos[:, None, :], sin[:, None, :]
+    x[:, :, 0:rope_dim:2] = x0 * c - x1 * s
+    x[:, :, 1:rope_dim:2] = x0 * s + x1 * c
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (np.float32(1.0) + np.exp(-x))
+
+
+class NumpyBackend:
+    """CPU backend. KV cache: per layer float32 [n_slots, n_ctx_slot, Hkv, D].
+
+    Batch invariance: a token's logits do not depend on what else is in the
+    batch. OpenBLAS picks other kernels (other summation orders) for a
+    one-row product (gemv) and for "small" products (rows*cols below ~1152), so
+    every product is given at least `min_rows` rows (zero padding), and
+    attention (fastserve._attention) computes each (token, head) on its own.
+    """
+
+    def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, n_slots: int, n_ctx_slot: int):
+        self.cfg, self.w = cfg, weights
+        self.n_slots, self.n_ctx_slot, self.n_vocab = n_slots, n_ctx_slot, cfg.n_vocab
+        shape = (n_slots, n_ctx_slot, cfg.n_head_kv, cfg.head_dim)
+        self.k_cache = [np.zeros(shape, np.float32) for _ in range(cfg.n_layer)]
+        self.v_cache = [np.zeros(shape, np.float32) for _ in range(cfg.n_layer)]
+        self.cos, self.sin = rope_tables(cfg, n_ctx_slot, weights.rope_freqs)
+        self.scale = float(1.0 / np.sqrt(cfg.head_dim))
+        self.scratch = np.zeros(n_ctx_slot, np.float32)        # attention scores of one (token, head)
+        narrowest = min(cfg.n_embd, cfg.n_head_kv * cfg.head_dim)
+        self.min_rows = max(3, -(-2048 // narrowest))
+
+    def kv_bytes_per_token(self) -> int:
+        c = self.cfg
+        return 2 * c.n_layer * c.n_head_kv * c.head_dim * 4
+
+    def copy_slot(self, src: int, dst: int, n_tokens: int) -> None:
+        for k, v in zip(self.k_cache, self.v_cache):
+            k[dst, :n_tokens] = k[src, :n_tokens]
+            v[dst, :n_tokens] = v[src, :n_tokens]
+
+    def forward(self, tokens, positions, slots, out_rows) -> np.ndarray:
+        cfg, w = self.cfg, self.w
+        positions = np.asarray(positions, dtype=np.int64)
+        slots = np.asarray(slots, dtype=np.int64)
+        n = len(positions)
+        q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+        cos, sin = self.cos[positions], self.sin[positions]
+        # Rows past n are zero padding so that every product has >= min_rows rows.
+        x = np.zeros((max(n, self.min_rows), cfg.n_embd), np.float32)
+        x[:n] = w.tok_embd[np.asarray(tokens, dtype=np.int64)]
+        for li, lw in enumerate(w.layers):
+            h = rms_norm(x, lw.attn_norm, cfg.norm_eps)
+            qkv = h @ lw.wqkv.T
+            q = qkv[:n, :q_dim].reshape(n, cfg.n_head, cfg.head_dim)
+            k = qkv[:n, q_dim:q_dim + kv_dim].reshape(n, cfg.n_head_kv, cfg.head_dim)
+            v = qkv[:n, q_dim + kv_dim:].reshape(n, cfg.n_head_kv, cfg.head_dim)
+            apply_rope(q, cos, sin, cfg.rope_dim)
+            apply_rope(k, cos, sin, cfg.rope_dim)
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            kc[slots, positions] = k
+            vc[slots, positions] = v
+            attn = np.zeros((len(x), q_dim), np.float32)
+            attend(np.ascontiguousarray(q), kc, vc, slots, positions, attn, self.scratch, self.scale)
+            x += attn @ lw.wo.T
+            h = rms_norm(x, lw.ffn_norm, cfg.norm_eps)
+            gu = h @ lw.w_gate_up.T
+            x += (silu(gu[:, :cfg.n_ff]) * gu[:, cfg.n_ff:]) @ lw.w_down.T
+        rows = np.asarray(out_rows, dtype=np.int64)
+        h = np.zeros((max(len(rows), self.min_rows), cfg.n_embd), np.float32)
+        h[:len(rows)] = rms_norm(x[rows], w.out_norm, cfg.norm_eps)
+        return (h @ w.output.T)[:len(rows)]

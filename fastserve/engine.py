@@ -1,0 +1,438 @@
+"""Engine: continuous batching on one decode thread. The one module that wires the others.
+
+    submit() ──Inbox──▶ decode thread: admit → build batch → forward → sample → commit → deliver
+    Reader ◀──ResultBuffer (one per request, no lock) + one wake-up per step──┘
+
+Contracts (../shared/DESIGN.md 1-4, 9): the decode thread owns slots, batch,
+sampler and KV cache; other threads reach it only through the inbox; it never
+waits for a reader; everything a step touches is allocated here, up front.
+The engine imports nothing from server/, asyncio, h11 or uvloop: its only
+outward call is the Waker it hands to Delivery.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _delivery
+from ._batch import Batch
+from ._delivery import Delivery
+from ._sampling import Sampler
+from ._slots import DECODE, IDLE, SlotTable
+from .errors import EngineClosed, RequestError, ServerBusy
+from .inbox import Inbox
+from .reader import Waker
+from .ref.sampling import check_config
+from .request import SAMPLING_DEFAULTS, Completion, Job, random_seed
+from .text_reader import TextReader
+from .tracer import Tracer
+
+log = logging.getLogger("fastserve.engine")
+
+FINISH_STOP, FINISH_LENGTH = _delivery.FINISH_STOP, _delivery.FINISH_LENGTH
+FINISH_CANCELLED, FINISH_ERROR, FINISH_CLOSED = (_delivery.FINISH_CANCELLED, _delivery.FINISH_ERROR,
+                                                 _delivery.FINISH_CLOSED)
+IDLE_WAIT_S = 0.05          # an idle decode thread still wakes this often (heartbeat, close)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the decode thread publishes after each step; readers never block on it."""
+    step: int                   # heartbeat: grows by one per step
+    t_step: float               # time.monotonic() at the end of the last step
+    busy: bool                  # work pending (running or waiting requests)
+    n_running: int
+    n_waiting: int
+    slot_state: tuple           # per slot: IDLE / PREFILL / DECODE
+    slot_tokens: tuple          # per slot: tokens held (prompt + generated)
+    slot_job: tuple             # per slot: job id or 0
+    tokens_generated: int       # since start
+    tokens_prompt: int          # prompt tokens computed since start
+
+
+class Engine:
+    """Many concurrent requests on one model, decoded together.
+
+    n_parallel slots share n_ctx tokens of KV (n_ctx / n_parallel each, as
+    llama.cpp's -c / -np); a step carries at most n_batch tokens, decode tokens
+    first; at most max_queue requests wait for a slot.
+    """
+
+    def __init__(self, model, n_parallel: int = 8, n_ctx: int = 8192, n_batch: int = 512,
+                 max_queue: int = 256, backend=None, trace: bool = False, blas_threads: int | None = None,
+                 prefill_chunk: int = 32):
+        if n_parallel < 1 or n_batch < 1 or max_queue < 0:
+            raise ValueError("n_parallel and n_batch must be >= 1, max_queue >= 0")
+        if n_ctx // n_parallel < 2:
+            raise ValueError(f"n_ctx={n_ctx} leaves less than 2 tokens per slot for n_parallel={n_parallel}")
+        if blas_threads:
+            from threadpoolctl import threadpool_limits
+            self._blas_limits = threadpool_limits(blas_threads)
+        self.model = model
+        self.tokenizer = model.tokenizer
+        self.n_slots, self.n_ctx_slot, self.n_batch = n_parallel, n_ctx // n_parallel, n_batch
+        self.max_queue, self.prefill_chunk = max_queue, max(1, prefill_chunk)
+        n_vocab = model.config.n_vocab
+        self.backend = self._make_backend(backend)
+        eog = np.zeros(n_vocab, np.uint8)
+        eog[list(self.tokenizer.eog_ids)] = 1
+        self.slots = SlotTable(self.n_slots, self.n_ctx_slot, eog)
+        self.batch = Batch(n_batch)
+        self.sampler = Sampler(self.n_slots, n_vocab)
+        self.delivery = Delivery(self.n_slots, Waker())
+        self.inbox = Inbox()
+        self.tracer = Tracer() if trace else None
+        # Step outputs, one row per output row of the batch: [n_batch] and [n_batch, max n_probs].
+        self._sampled = np.zeros(n_batch, np.int32)
+        self._finish = np.zeros(n_batch, np.int8)
+        self._probs_ids = np.zeros((n_batch, 100), np.int32)
+        self._probs = np.zeros((n_batch, 100), np.float32)
+        self._jobs: list[Job | None] = [None] * self.n_slots     # slot -> running job
+        self._waiting: deque[Job] = deque()
+        self._closing = False
+        self._closed = False
+        self._seq = 0
+        self._n_probs_slots = 0
+        self._tokens_generated = 0
+        self._tokens_prompt = 0
+        self.snapshot = self._make_snapshot(0)
+        self._thread = threading.Thread(target=self._run, name="fastserve-decode", daemon=True)
+        self._thread.start()
+
+    def _make_backend(self, backend):
+        if backend is None or backend in ("cpu", "numpy"):
+            from .backends.numpy_backend import NumpyBackend
+            return NumpyBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot)
+        if callable(backend) and not hasattr(backend, "forward"):
+            return backend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot)
+        return backend
+
+    # -- the caller's side (any thread) ------------------------------------------------------
+
+    def submit(self, prompt, *, max_tokens: int = -1, stop=(), seed: int | None = None,
+               add_special: bool = True, cache_prompt: bool = True, id_slot: int = -1,
+               truncate: bool = False, **sampling) -> TextReader:
+        """Queue a request; returns its Reader at once. prompt: text or a list of token ids.
+
+        sampling: temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
+        presence_penalty, frequency_penalty, logit_bias, n_probs, post_sampling_probs.
+        Raises RequestError (bad request), ServerBusy (queue full), EngineClosed."""
+        if self._closing:
+            raise EngineClosed("the engine is closed")
+        ids = self._prompt_ids(prompt, add_special, truncate)
+        unknown = set(sampling) - set(SAMPLING_DEFAULTS)
+        if unknown:
+            raise RequestError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+        params = {**SAMPLING_DEFAULTS, **sampling}
+        params["seed"] = random_seed() if seed is None or seed == -1 else seed
+        if params["n_probs"] and params["n_probs"] > self._probs.shape[1]:
+            raise RequestError(f"n_probs must be at most {self._probs.shape[1]}")
+        cfg = check_config(self.model.config.n_vocab, self.sampler.max_penalty_window,
+                           self.sampler.max_logit_bias, history=(), **params)
+        del cfg["history"]                  # the prompt becomes the penalty history at admission
+        cfg["logit_bias"] = dict(cfg["logit_bias"])
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(max_tokens, int) or max_tokens < -1:
+            raise RequestError("max_tokens must be an integer >= -1 (-1: until the context is full)")
+        if not -1 <= id_slot < self.n_slots:
+            raise RequestError(f"id_slot must be -1 or in [0, {self.n_slots})")
+        if len(self._waiting) + len(self.inbox) >= self.max_queue + self._free_slots_hint():
+            raise ServerBusy(f"server busy: {self.n_slots} slots running and {self.max_queue} requests waiting")
+        reader = TextReader(self.n_ctx_slot, self.tokenizer, stop=list(stop), n_probs=cfg["n_probs"],
+                            prompt_tokens=len(ids))
+        job = Job(prompt=ids, sampling=cfg, max_tokens=max_tokens, buffer=reader.buffer,
+                  cache_prompt=bool(cache_prompt), id_slot=id_slot)
+        reader._on_cancel = lambda inbox=self.inbox, jid=job.id: inbox.put("cancel", jid)
+        self.inbox.put("submit", job)
+        if self._closed:                    # the decode thread is gone: nobody else will end it
+            self.delivery.reject(job.buffer, FINISH_CLOSED)
+            self.delivery.wake()
+        return reader
+
+    def generate(self, prompt, **kwargs) -> Completion:
+        """Submit and wait: the whole completion (callable from many threads at once)."""
+        return self.submit(prompt, **kwargs).result()
+
+    def stream(self, prompt, **kwargs):
+        """Submit and iterate: text pieces as they are produced."""
+        reader = self.submit(prompt, **kwargs)
+        try:
+            yield from reader
+        finally:
+            reader.cancel()
+
+    def erase_slot(self, slot: int) -> None:
+        """Drop slot's cached prefix (its running request, if any, is cancelled)."""
+        if not 0 <= slot < self.n_slots:
+            raise RequestError(f"slot must be in [0, {self.n_slots})")
+        self.inbox.put("erase", slot)
+
+    def trace_summary(self) -> dict:
+        if self.tracer is None:
+            raise RuntimeError("tracing is off: create the Engine with trace=True")
+        return self.tracer.summary()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop taking requests, finish every reader with 'closed', stop the decode thread (within a step)."""
+        self._closing = True
+        self.inbox.wake()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _free_slots_hint(self) -> int:
+        return self.n_slots - self.snapshot.n_running
+
+    def _prompt_ids(self, prompt, add_special: bool, truncate: bool) -> np.ndarray:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special=add_special)
+        elif isinstance(prompt, (list, tuple, np.ndarray)) and all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+            ids = [int(t) for t in prompt]
+            if any(not 0 <= t < self.model.config.n_vocab for t in ids):
+                raise RequestError(f"prompt token ids must be in [0, {self.model.config.n_vocab})")
+        else:
+            raise RequestError("prompt must be a string or a list of token ids")
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) >= self.n_ctx_slot:
+            if not truncate:
+                raise RequestError(f"the prompt has {len(ids)} tokens but a slot holds {self.n_ctx_slot} "
+                                   f"(n_ctx / n_parallel); shorten it or ask for truncation")
+            ids = ids[-(self.n_ctx_slot // 2):]
+        return np.asarray(ids, dtype=np.int32)
+
+    # -- the decode thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._closing:
+                if not self._step():
+                    t0 = time.perf_counter_ns()
+                    self.inbox.wait(IDLE_WAIT_S)
+                    if self.tracer is not None:
+                        self.tracer.idle(time.perf_counter_ns() - t0)
+        except BaseException:
+            log.exception("decode thread crashed")
+            raise
+        finally:
+            self._shutdown()
+
+    def _step(self) -> bool:
+        """One step: admit → build → forward → sample → commit → deliver. False when there was nothing to do."""
+        tr = self.tracer
+        if tr is not None:
+            tr.begin()
+        self._admit()
+        if tr is not None:
+            tr.lap("admit")
+        batch = self.batch
+        if not self._build():
+            self._publish()
+            return False
+        if tr is not None:
+            tr.lap("build")
+        tokens, positions, slots, out_rows, row_slot = batch.view()
+        try:
+            logits = self.backend.forward(tokens, positions, slots, out_rows)
+            if tr is not None:
+                tr.lap("forward")
+            sync = getattr(self.backend, "sync", None)
+            if sync is not None:
+                sync()
+        except Exception as exc:   # contained: only this batch's requests fail
+            log.exception("forward pass failed")
+            self._fail_batch(f"forward pass failed: {type(exc).__name__}: {exc}")
+            self._publish()
+            return True
+        if tr is not None:
+            tr.lap("sync")
+        n_out = batch.n_out
+        sampled = self._sampled[:n_out]
+        self.sampler.sample(logits, row_slot, sampled, self._probs_ids, self._probs)
+        if tr is not None:
+            tr.lap("sample")
+        self.slots.commit(batch, self._sampled, self._finish)
+        self._deliver(row_slot, sampled, n_out)
+        self._tokens_prompt += batch.n - self._n_decode
+        self._tokens_generated += n_out
+        self._publish()
+        if tr is not None:
+            tr.lap("publish")
+            tr.end()
+        return True
+
+    def _build(self) -> bool:
+        """Decode tokens first, then prompt chunks; a failed fill is rolled back and fails only its request."""
+        batch = self.batch
+        batch.clear()
+        self._n_decode = self.slots.add_decode(batch)
+        budget = batch.free if self._n_decode == 0 else min(batch.free, max(self.prefill_chunk, self._n_decode))
+        for slot in self.slots.prefill_order():
+            if budget <= 0:
+                break
+            mark = batch.mark()
+            try:
+                budget -= self.slots.add_prefill(batch, slot, budget)
+                self._after_fill(slot)
+            except Exception as exc:
+                batch.rollback(mark)
+                log.warning("prompt fill of slot %d failed: %s", slot, exc)
+                self._end(slot, FINISH_ERROR, f"prompt processing failed: {exc}")
+        return batch.n > 0
+
+    def _after_fill(self, slot: int) -> None:
+        """Called after a slot added its prompt tokens to the batch (state copies, test faults)."""
+
+    def _deliver(self, row_slot, sampled, n_out: int) -> None:
+        t0 = time.perf_counter_ns()
+        if self._n_probs_slots:
+            self.delivery.send_step(row_slot, sampled, self._probs_ids[:n_out], self._probs[:n_out])
+        else:
+            self.delivery.send_step(row_slot, sampled)
+        if self.tracer is not None:
+            self.tracer.sends(n_out, time.perf_counter_ns() - t0)
+        finish = self._finish[:n_out]
+        for r in np.flatnonzero(finish):
+            self._end(int(row_slot[r]), int(finish[r]))
+        self.delivery.wake()
+
+    def _admit(self) -> None:
+        for msg in self.inbox.drain():
+            if msg.kind == "submit":
+                self._waiting.append(msg.payload)
+            elif msg.kind == "cancel":
+                self._cancel(msg.payload)
+            elif msg.kind == "erase":
+                self._erase(msg.payload)
+        while self._waiting and not self._closing:
+            job = self._waiting[0]
+            slot = self._pick_slot(job)
+            if slot < 0:
+                if job.id_slot >= 0:
+                    self._waiting.rotate(-1)     # a pinned job waits without blocking the others
+                    if all(j.id_slot >= 0 and self.slots.state[j.id_slot] != IDLE for j in self._waiting):
+                        break
+                    continue
+                break
+            self._waiting.popleft()
+            try:
+                self._start(job, slot)
+            except Exception as exc:       # contained: this request fails, the others go on
+                log.exception("admitting request %d failed", job.id)
+                if self._jobs[slot] is job:
+                    self._end(slot, FINISH_ERROR, f"admission failed: {exc}")
+                else:
+                    self.slots.release(slot)
+                    self.delivery.reject(job.buffer, FINISH_ERROR, f"admission failed: {exc}")
+
+    def _pick_slot(self, job: Job) -> int:
+        """The free slot whose cached tokens share the longest prefix with the prompt (lowest id on ties)."""
+        state = self.slots.state
+        if job.id_slot >= 0:
+            return job.id_slot if state[job.id_slot] == IDLE else -1
+        free = np.flatnonzero(state == IDLE)
+        if len(free) == 0:
+            return -1
+        if not job.cache_prompt:
+            return int(free[0])
+        best, best_len = int(free[0]), -1
+        for s in free:
+            n = self._common_prefix(int(s), job.prompt)
+            if n > best_len:
+                best, best_len = int(s), n
+        return best
+
+    def _common_prefix(self, slot: int, prompt: np.ndarray) -> int:
+        n = min(int(self.slots.n_tokens[slot]), len(prompt))
+        diff = np.flatnonzero(self.slots.tokens[slot, :n] != prompt[:n])
+        return int(diff[0]) if len(diff) else n
+
+    def _start(self, job: Job, slot: int) -> None:
+        n_cached = min(self._common_prefix(slot, job.prompt), len(job.prompt) - 1) if job.cache_prompt else 0
+        job.slot, job.n_cached = slot, n_cached
+        max_gen = job.max_tokens if job.max_tokens >= 0 else self.n_ctx_slot
+        if max_gen == 0:
+            self.delivery.reject(job.buffer, FINISH_LENGTH)
+            return
+        self.sampler.configure(slot, history=job.prompt, **job.sampling)
+        self._seq += 1
+        self.slots.start(slot, job.prompt, n_cached, max_gen, self._seq)
+        self.delivery.attach(slot, job.buffer)
+        self._jobs[slot] = job
+        if job.sampling["n_probs"]:
+            self._n_probs_slots += 1
+
+    def _end(self, slot: int, code: int, error: str | None = None) -> None:
+        """Finish the slot's request, detach its reader, free the slot (its KV prefix stays reusable)."""
+        job = self._jobs[slot]
+        if job is None:
+            return
+        self.delivery.finish(slot, code, error)
+        self.delivery.detach(slot)
+        self.slots.release(slot)
+        self._jobs[slot] = None
+        if job.sampling["n_probs"]:
+            self._n_probs_slots -= 1
+
+    def _cancel(self, job_id: int) -> None:
+        for slot, job in enumerate(self._jobs):
+            if job is not None and job.id == job_id:
+                self._end(slot, FINISH_CANCELLED)
+                self.delivery.wake()
+                return
+        for job in self._waiting:
+            if job.id == job_id:
+                self._waiting.remove(job)
+                self.delivery.reject(job.buffer, FINISH_CANCELLED)
+                self.delivery.wake()
+                return
+
+    def _erase(self, slot: int) -> None:
+        if self._jobs[slot] is not None:
+            self._end(slot, FINISH_CANCELLED)
+            self.delivery.wake()
+        self.slots.forget(slot)
+
+    def _fail_batch(self, error: str) -> None:
+        for slot in sorted(set(self.batch.view()[2].tolist())):
+            self._end(int(slot), FINISH_ERROR, error)
+        self.delivery.wake()
+
+    def _publish(self) -> None:
+        self.snapshot = self._make_snapshot(self.snapshot.step + 1)
+
+    def _make_snapshot(self, step: int) -> Snapshot:
+        n_running = sum(j is not None for j in self._jobs)
+        n_waiting = len(self._waiting)
+        return Snapshot(step=step, t_step=time.monotonic(), busy=bool(n_running or n_waiting or len(self.inbox)),
+                        n_running=n_running, n_waiting=n_waiting,
+                        slot_state=tuple(self.slots.state.tolist()), slot_tokens=tuple(self.slots.n_tokens.tolist()),
+                        slot_job=tuple(0 if j is None else j.id for j in self._jobs),
+                        tokens_generated=self._tokens_generated, tokens_prompt=self._tokens_prompt)
+
+    def _shutdown(self) -> None:
+        """Decode thread exit: every reader, running, waiting or still in the inbox, ends 'closed'."""
+        self._closing = True
+        for msg in self.inbox.drain():
+            if msg.kind == "submit":
+                self._waiting.append(msg.payload)
+        for job in self._waiting:
+            self.delivery.reject(job.buffer, FINISH_CLOSED)
+        self._waiting.clear()
+        for slot in range(self.n_slots):
+            self._jobs[slot] = None
+        self.delivery.close()
+        self._closed = True
+        self._publish()

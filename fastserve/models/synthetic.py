@@ -1,0 +1,116 @@
+"""Write small (or large) llama GGUF files with random weights: for tests, benchmarks and device checks.
+
+The vocabulary is GPT-2 byte-level BPE (pre-tokenizer "smollm"): three special
+tokens, the 256 byte symbols, a few merges, and filler tokens up to n_vocab.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s", "r e", "a t", "Ġ w", "o r", "e n", "l l"]
+CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                 "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def byte_symbols() -> list[str]:
+    """GPT-2's printable stand-in for each byte value 0..255 (bytes_to_unicode)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return [out[b] for b in range(256)]
+
+
+def tiny_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
+    """tokens, token types, merges for a byte-level BPE vocabulary of exactly n_vocab entries."""
+    tokens = list(SPECIALS) + byte_symbols()
+    for m in MERGES:
+        a, b = m.split(" ")
+        tokens.append(a + b)
+    if n_vocab < len(tokens):
+        raise ValueError(f"n_vocab must be >= {len(tokens)}")
+    sym = byte_symbols()
+    i = 0
+    while len(tokens) < n_vocab:       # filler: unreachable by merges, still valid byte-level strings
+        tokens.append("Ġ" + "".join(sym[ord(c)] for c in f"f{i}"))
+        i += 1
+    types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))
+    return tokens, types, list(MERGES)
+
+
+def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
+                     n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 512, n_ctx: int = 2048,
+                     weight_type: str = "F32", tied: bool = False, seed: int = 0,
+                     architecture: str = "llama") -> str:
+    """Write a llama GGUF with random weights. weight_type: F32, F16, or a type gguf.quants can quantize."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+    w = gguf.GGUFWriter(os.fspath(path), architecture)
+    w.add_block_count(n_layer)
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(n_vocab)
+    tokens, types, merges = tiny_vocab(n_vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+    def mat(name, rows, cols, scale):
+        _add(w, name, (rng.standard_normal((rows, cols)) * scale).astype(np.float32), weight_type)
+
+    def vec(name, n):
+        w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
+
+    mat("token_embd.weight", n_vocab, n_embd, 1.0)
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        vec(b + "attn_norm.weight", n_embd)
+        mat(b + "attn_q.weight", n_head * head_dim, n_embd, n_embd ** -0.5)
+        mat(b + "attn_k.weight", n_head_kv * head_dim, n_embd, n_embd ** -0.5)
+        mat(b + "attn_v.weight", n_head_kv * head_dim, n_embd, n_embd ** -0.5)
+        mat(b + "attn_output.weight", n_embd, n_head * head_dim, (n_head * head_dim) ** -0.5)
+        vec(b + "ffn_norm.weight", n_embd)
+        mat(b + "ffn_gate.weight", n_ff, n_embd, n_embd ** -0.5)
+        mat(b + "ffn_up.weight", n_ff, n_embd, n_embd ** -0.5)
+        mat(b + "ffn_down.weight", n_embd, n_ff, n_ff ** -0.5)
+    vec("output_norm.weight", n_embd)
+    if not tied:
+        mat("output.weight", n_vocab, n_embd, n_embd ** -0.5)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return os.fspath(path)
+
+
+def _add(writer, name: str, arr: np.ndarray, weight_type: str) -> None:
+    import gguf
+
+    if weight_type == "F32":
+        writer.add_tensor(name, arr)
+    elif weight_type == "F16":
+        writer.add_tensor(name, arr.astype(np.float16))
+    else:
+        qtype = gguf.GGMLQuantizationType[weight_type]
+        writer.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)

@@ -1,0 +1,53 @@
+"""Pure-Python twin of fastserve._batch (same names, same behaviour)."""
+import numpy as np
+
+
+class Batch:
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError("batch capacity must be >= 1")
+        self.capacity = capacity
+        self.tokens = np.zeros(capacity, np.int32)
+        self.positions = np.zeros(capacity, np.int64)
+        self.slots = np.zeros(capacity, np.int64)
+        self.out_rows = np.zeros(capacity, np.int64)
+        self.row_slot = np.zeros(capacity, np.int32)
+        self.clear()
+
+    def clear(self):
+        self.n = 0
+        self.n_out = 0
+        self.owner = -1
+
+    def push(self, token, pos, slot, output) -> bool:
+        if self.n >= self.capacity:
+            return False
+        self.tokens[self.n], self.positions[self.n], self.slots[self.n] = token, pos, slot
+        if output:
+            self.out_rows[self.n_out] = self.n
+            self.row_slot[self.n_out] = slot
+            self.n_out += 1
+        self.n += 1
+        self.owner = slot
+        return True
+
+    def add(self, token, pos, slot, output=False):
+        if not self.push(token, pos, slot, output):
+            raise OverflowError(f"batch full ({self.capacity} tokens)")
+
+    @property
+    def free(self):
+        return self.capacity - self.n
+
+    def mark(self):
+        return (self.n, self.n_out, self.owner)
+
+    def rollback(self, mark):
+        n, n_out, owner = mark
+        if not (0 <= n <= self.n and 0 <= n_out <= self.n_out):
+            raise ValueError(f"rollback to {mark} from a batch at ({self.n}, {self.n_out}, {self.owner})")
+        self.n, self.n_out, self.owner = n, n_out, owner
+
+    def view(self):
+        return (self.tokens[:self.n], self.positions[:self.n], self.slots[:self.n],
+                self.out_rows[:self.n_out], self.row_slot[:self.n_out])

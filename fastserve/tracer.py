@@ -1,0 +1,80 @@
+"""Host-stall tracer: where each decode step's time goes.
+
+Phases of a step, in order: admit (inbox, slot assignment), build (batch
+assembly), forward (the backend's submit; on the CPU backend the whole pass),
+sync (waiting for the device), sample, publish (delivery, wake-up, snapshot).
+Idle is time the decode thread slept with nothing to do.
+
+Off (the default), the engine pays one `if` per phase boundary.
+"""
+from __future__ import annotations
+
+import time
+
+PHASES = ("admit", "build", "forward", "sync", "sample", "publish")
+DEVICE_PHASES = ("forward", "sync")
+
+
+class Tracer:
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.ns = {p: 0 for p in PHASES}
+        self.steps = 0
+        self.idle_ns = 0
+        self.sent_tokens = 0
+        self.send_ns = 0
+        self._t = 0
+        self._t_first = None
+        self._t_last = None
+
+    def begin(self) -> None:
+        self._t = time.perf_counter_ns()
+        if self._t_first is None:
+            self._t_first = self._t
+
+    def lap(self, phase: str) -> None:
+        t = time.perf_counter_ns()
+        self.ns[phase] += t - self._t
+        self._t = t
+
+    def end(self) -> None:
+        self.steps += 1
+        self._t_last = self._t
+
+    def sends(self, n_tokens: int, ns: int) -> None:
+        self.sent_tokens += n_tokens
+        self.send_ns += ns
+
+    def idle(self, ns: int) -> None:
+        self.idle_ns += ns
+
+    def summary(self) -> dict:
+        """ms per step for each phase, µs per delivered token, host share of the step, idle time."""
+        steps = max(self.steps, 1)
+        total = sum(self.ns.values())
+        host = total - sum(self.ns[p] for p in DEVICE_PHASES)
+        return {
+            "steps": self.steps,
+            "ms_per_step": {p: self.ns[p] / steps / 1e6 for p in PHASES},
+            "step_ms": total / steps / 1e6,
+            "host_ms_per_step": host / steps / 1e6,
+            "host_share": host / total if total else 0.0,
+            "send_us_per_token": self.send_ns / self.sent_tokens / 1e3 if self.sent_tokens else 0.0,
+            "tokens_sent": self.sent_tokens,
+            "idle_s": self.idle_ns / 1e9,
+        }
+
+
+def format_summary(s: dict) -> str:
+    """The tracer's table, as a profiler would print it."""
+    lines = [f"{'phase':<10}{'ms/step':>10}{'share':>8}"]
+    for p, ms in s["ms_per_step"].items():
+        share = ms / s["step_ms"] if s["step_ms"] else 0.0
+        lines.append(f"{p:<10}{ms:>10.3f}{share:>8.1%}")
+    lines.append(f"{'step':<10}{s['step_ms']:>10.3f}")
+    lines.append(f"host work {s['host_ms_per_step']:.3f} ms/step ({s['host_share']:.1%} of the step); "
+                 f"send {s['send_us_per_token']:.3f} µs/token over {s['tokens_sent']} tokens; "
+                 f"{s['steps']} steps; idle {s['idle_s']:.2f} s")
+    return "\n".join(lines)
