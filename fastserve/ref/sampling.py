@@ -1,0 +1,353 @@
+"""Token sampler, pure-Python twin of fastserve/_sampling.pyx: the readable statement
+of what the sampler does. Same class, same methods, same token ids bit for bit.
+
+The chain is llama.cpp's default one (common/sampling.cpp), per row:
+  logit bias -> penalties (repeat/presence/frequency over the slot's last
+  repeat_last_n tokens) -> top-k -> top-p -> min-p -> temperature -> draw.
+temperature <= 0 is greedy: the argmax after bias and penalties.
+
+Rules both implementations follow exactly (they are what makes parity exact):
+- Rank order: higher logit first, equal logits -> lower token id first. Every
+  "top" (top-k, top-p prefix, greedy, n_probs lists) uses it.
+- A token is a candidate only if its effective logit is > -inf; NaN logits are
+  never sampled nor listed. A row with no candidate yields token 0.
+- Bias and penalties are float32 arithmetic, as in llama.cpp:
+  x += bias; x = x * rp if x <= 0 else x / rp; x -= count * freq + present.
+- Weights are fixed-point integers: q = trunc(exp((x - max) / temp) * 2**QBITS)
+  with exp of double (libm, math.exp here) and QBITS = 63 - n_vocab.bit_length(),
+  so a sum over the whole vocab fits in 63 bits. Integer sums do not depend on
+  summation order, which lets the Cython side find the top-p cut without sorting
+  the vocab and still agree with this sorted reference to the last bit. Tokens
+  whose weight is below 2**-QBITS of the best one get q == 0 (never drawn).
+- top-p keeps the shortest rank prefix whose mass reaches
+  T = min(total, ceil(top_p * total)) (mass of the top-k set, before temperature).
+- min-p keeps logits >= max + log(min_p) (double).
+- The draw: u = splitmix64 output, r = (u * total) >> 64; walk the kept tokens in
+  ascending id order and pick the first whose running mass exceeds r. Exactly one
+  u is consumed per non-greedy row.
+- Probabilities reported: float32(q / total) (both as doubles). Pre-sampling:
+  raw logits, whole vocab, temperature 1. Post-sampling: the kept set after
+  temperature. Entries past the available candidates are id -1, prob 0.0.
+"""
+import math
+import operator
+from collections.abc import Mapping
+
+import numpy as np
+
+from fastserve.errors import RequestError
+
+MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def splitmix64(state):
+    """One splitmix64 step: (new_state, output), both uint64 as Python ints."""
+    state = (state + _GOLDEN) & MASK64
+    z = state
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return state, z ^ (z >> 31)
+
+
+def quant_bits(n_vocab):
+    """Fixed-point bits of a weight: n_vocab weights of at most 2**bits sum below 2**63."""
+    return 63 - int(n_vocab).bit_length()
+
+
+def weight(x, m, temp, scale):
+    """Fixed-point weight of logit x given the row's max m: trunc(exp((x - m) / temp) * scale)."""
+    if x == m:  # also covers x == m == +inf
+        return int(scale)
+    return int(math.exp((float(x) - float(m)) / temp) * scale)
+
+
+def top_p_target(top_p, total):
+    """The mass a top-p prefix must reach, as an integer."""
+    return min(total, math.ceil(top_p * float(total)))
+
+
+def _number(name, value):
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise RequestError(f"{name} must be a number, got {value!r}") from None
+
+
+def _integer(name, value):
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise RequestError(f"{name} must be an integer, got {value!r}") from None
+
+
+def check_config(n_vocab, max_penalty_window, max_logit_bias, *, temperature, top_k, top_p, min_p,
+                 repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, seed,
+                 logit_bias, n_probs, post_sampling_probs, history):
+    """Validate one request's sampling parameters; return them normalized as a dict.
+
+    Shared by both implementations so they accept and refuse exactly the same
+    things. Raises RequestError with a message saying what to change.
+    """
+    temperature = _number("temperature", temperature)
+    if not math.isfinite(temperature):
+        raise RequestError(f"temperature must be finite, got {temperature}")
+    top_k = _integer("top_k", top_k)
+    top_k = 0 if top_k <= 0 else min(top_k, n_vocab)
+    top_p = _number("top_p", top_p)
+    if not 0.0 <= top_p <= 1.0:
+        raise RequestError(f"top_p must be in [0, 1], got {top_p}")
+    min_p = _number("min_p", min_p)
+    if not 0.0 <= min_p <= 1.0:
+        raise RequestError(f"min_p must be in [0, 1], got {min_p}")
+    repeat_penalty = _number("repeat_penalty", repeat_penalty)
+    if not (math.isfinite(repeat_penalty) and repeat_penalty > 0.0):
+        raise RequestError(f"repeat_penalty must be finite and > 0 (1.0 disables it), got {repeat_penalty}")
+    presence_penalty = _number("presence_penalty", presence_penalty)
+    frequency_penalty = _number("frequency_penalty", frequency_penalty)
+    for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not math.isfinite(v):
+            raise RequestError(f"{name} must be finite, got {v}")
+    repeat_last_n = _integer("repeat_last_n", repeat_last_n)
+    if repeat_last_n == -1:
+        repeat_last_n = max_penalty_window
+    if not 0 <= repeat_last_n <= max_penalty_window:
+        raise RequestError(f"repeat_last_n must be -1 (the whole window), 0 (off) or up to "
+                           f"max_penalty_window={max_penalty_window}, got {repeat_last_n}")
+    seed = _integer("seed", seed)
+    if not 0 <= seed <= MASK64:
+        raise RequestError(f"seed must be in [0, 2**64), got {seed}")
+    bias = []
+    if logit_bias is not None:
+        if not isinstance(logit_bias, Mapping):
+            raise RequestError(f"logit_bias must be a dict {{token_id: bias}}, got {type(logit_bias).__name__}")
+        if len(logit_bias) > max_logit_bias:
+            raise RequestError(f"logit_bias has {len(logit_bias)} entries, at most "
+                               f"max_logit_bias={max_logit_bias} are allowed")
+        for tok, b in logit_bias.items():
+            tok = _integer("logit_bias token id", tok)
+            if not 0 <= tok < n_vocab:
+                raise RequestError(f"logit_bias token id {tok} is outside the vocabulary [0, {n_vocab})")
+            b = _number(f"logit_bias[{tok}]", b)
+            if math.isnan(b):
+                raise RequestError(f"logit_bias[{tok}] is NaN")
+            bias.append((tok, b))
+    n_probs = _integer("n_probs", n_probs)
+    if not 0 <= n_probs <= n_vocab:
+        raise RequestError(f"n_probs must be in [0, {n_vocab}], got {n_probs}")
+    if not isinstance(post_sampling_probs, (bool, np.bool_)):
+        raise RequestError(f"post_sampling_probs must be a bool, got {post_sampling_probs!r}")
+    try:
+        hist = np.asarray(history if history is not None else (), dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError, OverflowError):
+        raise RequestError("history must be a sequence of token ids") from None
+    if hist.size and (hist.min() < 0 or hist.max() >= n_vocab):
+        raise RequestError(f"history holds token ids outside the vocabulary [0, {n_vocab})")
+    kept = [int(t) for t in hist[max(0, hist.size - repeat_last_n):]] if repeat_last_n else []
+    return dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                seed=seed, logit_bias=bias, n_probs=n_probs,
+                post_sampling_probs=bool(post_sampling_probs), history=kept)
+
+
+def check_sample_args(n_vocab, configured, n_probs, logits, row_slot, out_ids, probs_ids, probs):
+    """Shape checks of sample(); `configured` and `n_probs` are per-slot sequences."""
+    n_rows = len(row_slot)
+    if logits.ndim != 2 or logits.shape[1] != n_vocab:
+        raise ValueError(f"logits must be [n_rows, {n_vocab}], got shape {logits.shape}")
+    if logits.shape[0] < n_rows or len(out_ids) < n_rows:
+        raise ValueError(f"logits and out_ids need at least {n_rows} rows")
+    for r in range(n_rows):
+        s = int(row_slot[r])
+        if not 0 <= s < len(configured):
+            raise ValueError(f"row {r}: slot {s} out of range [0, {len(configured)})")
+        if not configured[s]:
+            raise ValueError(f"row {r}: slot {s} was never configured")
+        n = n_probs[s]
+        if n:
+            for name, a in (("probs_ids", probs_ids), ("probs", probs)):
+                if a is None or a.shape[0] <= r or a.shape[1] < n:
+                    raise ValueError(f"row {r}: slot {s} asked for n_probs={n}; {name} must be at least "
+                                     f"[{r + 1}, {n}]")
+
+
+class _Slot:
+    """One slot's parameters and state (the Cython side keeps them in a C struct)."""
+
+    def __init__(self, cfg):
+        self.__dict__.update(cfg)
+        self.greedy = cfg["temperature"] <= 0.0
+        self.rp = np.float32(cfg["repeat_penalty"])
+        self.pp = np.float32(cfg["presence_penalty"])
+        self.fp = np.float32(cfg["frequency_penalty"])
+        self.penalize = self.repeat_last_n > 0 and not (self.rp == 1 and self.fp == 0 and self.pp == 0)
+        self.bias = [(t, np.float32(b)) for t, b in cfg["logit_bias"]]
+        self.rng = cfg["seed"]
+        self.hist = list(cfg["history"])   # oldest first, at most repeat_last_n
+
+
+class Sampler:
+    """Per-slot token sampler over float32 logits [n_rows, n_vocab].
+
+    Reference twin of fastserve._sampling.Sampler; see the module docstring for
+    the exact rules. sample() leaves `logits` unchanged.
+    """
+
+    def __init__(self, n_slots, n_vocab, max_penalty_window=256, max_logit_bias=256):
+        if n_slots < 1 or n_vocab < 1 or max_penalty_window < 0 or max_logit_bias < 0:
+            raise ValueError("n_slots and n_vocab must be >= 1, the maxima >= 0")
+        self.n_slots = int(n_slots)
+        self.n_vocab = int(n_vocab)
+        self.max_penalty_window = int(max_penalty_window)
+        self.max_logit_bias = int(max_logit_bias)
+        self._scale = float(1 << quant_bits(n_vocab))
+        self._slots = [None] * self.n_slots
+
+    def configure(self, slot, *, seed, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
+                  repeat_penalty=1.0, repeat_last_n=64, presence_penalty=0.0, frequency_penalty=0.0,
+                  logit_bias=None, n_probs=0, post_sampling_probs=False, history=()):
+        """Give `slot` a request's parameters, its RNG seed, and its prompt as penalty history."""
+        slot = _integer("slot", slot)
+        if not 0 <= slot < self.n_slots:
+            raise RequestError(f"slot {slot} out of range [0, {self.n_slots})")
+        cfg = check_config(self.n_vocab, self.max_penalty_window, self.max_logit_bias,
+                           temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                           repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                           presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                           seed=seed, logit_bias=logit_bias, n_probs=n_probs,
+                           post_sampling_probs=post_sampling_probs, history=history)
+        self._slots[slot] = _Slot(cfg)
+
+    def history(self, slot):
+        """The slot's penalty window, oldest token first (a new list)."""
+        if not 0 <= slot < self.n_slots:
+            raise IndexError(f"slot {slot} out of range [0, {self.n_slots})")
+        st = self._slots[slot]
+        return [] if st is None else list(st.hist)
+
+    def greedy_rows(self, logits, out_ids):
+        """out_ids[r] = argmax of logits[r] (ties -> lowest id, NaN ignored, no candidate -> 0)."""
+        if logits.ndim != 2 or logits.shape[1] != self.n_vocab or len(out_ids) < logits.shape[0]:
+            raise ValueError(f"logits must be [n_rows, {self.n_vocab}] and out_ids at least n_rows long")
+        for r in range(logits.shape[0]):
+            out_ids[r] = _argmax(logits[r])
+
+    def sample(self, logits, row_slot, out_ids, probs_ids=None, probs=None):
+        """Sample one token per row r for slot row_slot[r] into out_ids[r] and append it to
+        that slot's penalty history. Slots with n_probs > 0 also get their top-n_probs
+        ids/probabilities in probs_ids[r, :n] / probs[r, :n]; other rows are left alone."""
+        check_sample_args(self.n_vocab, [s is not None for s in self._slots],
+                          [0 if s is None else s.n_probs for s in self._slots],
+                          logits, row_slot, out_ids, probs_ids, probs)
+        for r in range(len(row_slot)):
+            st = self._slots[int(row_slot[r])]
+            pids = probs_ids[r] if st.n_probs else None
+            pp = probs[r] if st.n_probs else None
+            tok = self._sample_row(st, logits[r], pids, pp)
+            out_ids[r] = tok
+            if st.repeat_last_n:
+                st.hist.append(tok)
+                del st.hist[:-st.repeat_last_n]
+
+    # -- one row ---------------------------------------------------------------
+
+    def _effective(self, st, row):
+        """Logits after bias and penalties (a float32 copy)."""
+        x = np.array(row, dtype=np.float32, copy=True)
+        with np.errstate(all="ignore"):   # inf - inf and overflow are meant: NaN / inf, as in C
+            for t, b in st.bias:
+                x[t] = x[t] + b
+            if st.penalize and st.hist:
+                counts = {}
+                for t in st.hist:
+                    counts[t] = counts.get(t, 0) + 1
+                for t, c in counts.items():
+                    v = x[t]
+                    v = v * st.rp if v <= 0 else v / st.rp
+                    v = v - (np.float32(c) * st.fp + np.float32(1.0) * st.pp)
+                    x[t] = v
+        return x
+
+    def _rank(self, x):
+        """Candidate ids in rank order (logit descending, id ascending)."""
+        ids = np.flatnonzero(x > -np.inf)   # NaN and -inf are not candidates
+        return ids[np.lexsort((ids, -x[ids]))]
+
+    def _sample_row(self, st, row, pids, pp):
+        scale = self._scale
+        if st.n_probs and not st.post_sampling_probs:
+            raw = np.asarray(row, dtype=np.float32)
+            order = self._rank(raw)
+            if len(order):
+                m = raw[order[0]]
+                total = sum(weight(v, m, 1.0, scale) for v in raw[order].tolist())
+                top = [(int(t), float(weight(raw[t], m, 1.0, scale)) / float(total))
+                       for t in order[:st.n_probs]]
+            else:
+                top = []
+            _write_probs(top, st.n_probs, pids, pp)
+
+        x = self._effective(st, row)
+        order = self._rank(x)
+        if len(order) == 0:
+            if st.n_probs and st.post_sampling_probs:
+                _write_probs([], st.n_probs, pids, pp)
+            return 0
+        m = x[order[0]]
+        if st.greedy:
+            tok = int(order[0])
+            if st.n_probs and st.post_sampling_probs:
+                _write_probs([(tok, 1.0)], st.n_probs, pids, pp)
+            return tok
+
+        if st.top_k > 0:
+            order = order[:st.top_k]
+        n = len(order)
+        if st.top_p < 1.0:
+            q = [weight(v, m, 1.0, scale) for v in x[order].tolist()]
+            target = top_p_target(st.top_p, sum(q))
+            cum = 0
+            for i, qi in enumerate(q):
+                cum += qi
+                if cum >= target:
+                    n = i + 1
+                    break
+        if st.min_p > 0.0:
+            thr = float(m) + math.log(st.min_p)
+            below = np.flatnonzero(x[order[:n]].astype(np.float64) < thr)
+            if len(below):
+                n = int(below[0])
+        kept = order[:n]
+        q2 = {int(t): weight(x[t], m, st.temperature, scale) for t in kept}
+        total2 = sum(q2.values())
+        if st.n_probs and st.post_sampling_probs:
+            _write_probs([(int(t), float(q2[int(t)]) / float(total2)) for t in kept[:st.n_probs]],
+                         st.n_probs, pids, pp)
+        st.rng, u = splitmix64(st.rng)
+        r = (u * total2) >> 64
+        cum = 0
+        for t in sorted(q2):
+            cum += q2[t]
+            if cum > r:
+                return t
+        raise AssertionError("unreachable: r < total2")
+
+
+def _argmax(row):
+    x = np.asarray(row, dtype=np.float32)
+    ok = x > -np.inf
+    if not ok.any():
+        return 0
+    m = x[ok].max()
+    return int(np.flatnonzero(x == m)[0])
+
+
+def _write_probs(top, n, pids, pp):
+    for j in range(n):
+        if j < len(top):
+            pids[j] = top[j][0]
+            pp[j] = np.float32(top[j][1])
+        else:
+            pids[j] = -1
+            pp[j] = 0.0
