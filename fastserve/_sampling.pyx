@@ -83,6 +83,15 @@ cdef extern from *:
         return z ^ (z >> 31);
     }
 
+    /* llama.cpp's penalties on one logit, each operation rounded to float like the twin's
+       numpy.float32 arithmetic: the volatile keeps compilers (GCC's default -ffp-contract=fast
+       on FMA targets) from fusing count * freq + present into one FMA. */
+    static inline float fs_penalize(float x, int32_t count, float repeat, float freq, float present) {
+        x = x <= 0.0f ? x * repeat : x / repeat;
+        volatile float pen = (float)count * freq;
+        return x - (pen + present);
+    }
+
     /* (a * b) >> 64 without a 128-bit type (MSVC has none) */
     static inline uint64_t fs_mulhi64(uint64_t a, uint64_t b) {
         uint64_t a_lo = a & 0xFFFFFFFFu, a_hi = a >> 32, b_lo = b & 0xFFFFFFFFu, b_hi = b >> 32;
@@ -94,6 +103,7 @@ cdef extern from *:
     float fs_max_f32(const float *p, Py_ssize_t n) nogil
     uint64_t fs_splitmix64(uint64_t *state) nogil
     uint64_t fs_mulhi64(uint64_t a, uint64_t b) nogil
+    float fs_penalize(float x, int32_t count, float repeat, float freq, float present) nogil
 
 cdef extern from "<stdlib.h>" nogil:
     void c_qsort "qsort"(void *base, size_t n, size_t size,
@@ -483,7 +493,6 @@ cdef class Sampler:
         """Logit bias, then penalties, in place; the originals go to _saved_*. Returns their count."""
         cdef Py_ssize_t i, n = 0, t
         cdef int32_t c
-        cdef float x
         cdef int32_t *ids = self._bias_ids + slot * self.max_logit_bias
         cdef float *vals = self._bias_vals + slot * self.max_logit_bias
         cdef int32_t *h = self._hist + slot * self.max_penalty_window
@@ -505,13 +514,8 @@ cdef class Sampler:
                 self._saved_ids[n] = <int32_t>t
                 self._saved_vals[n] = row[t]
                 n += 1
-                x = row[t]
-                if x <= 0:
-                    x = x * sp.repeat_penalty
-                else:
-                    x = x / sp.repeat_penalty
-                x = x - (<float>c * sp.frequency_penalty + <float>1.0 * sp.presence_penalty)
-                row[t] = x
+                row[t] = fs_penalize(row[t], c, sp.repeat_penalty, sp.frequency_penalty,
+                                     sp.presence_penalty)
         return n
 
     cdef int32_t _sample_row(self, SlotParams *sp, Py_ssize_t slot, float *row,
