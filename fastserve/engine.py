@@ -175,6 +175,13 @@ class Engine:
             raise RequestError(f"slot must be in [0, {self.n_slots})")
         self.inbox.put("erase", slot)
 
+    def erase_idle_slot(self, slot: int) -> None:
+        """Drop slot's cached prefix only if no request runs there when the decode thread gets to
+        it; a busy slot is left alone (check snapshot.slot_tokens to see whether it happened)."""
+        if not 0 <= slot < self.n_slots:
+            raise RequestError(f"slot must be in [0, {self.n_slots})")
+        self.inbox.put("erase_idle", slot)
+
     def trace_summary(self) -> dict:
         if self.tracer is None:
             raise RuntimeError("tracing is off: create the Engine with trace=True")
@@ -317,6 +324,9 @@ class Engine:
                 self._cancel(msg.payload)
             elif msg.kind == "erase":
                 self._erase(msg.payload)
+            elif msg.kind == "erase_idle":          # erase_idle_slot(): never cuts a running request
+                if self._jobs[msg.payload] is None:
+                    self.slots.forget(msg.payload)
         while self._waiting and not self._closing:
             job = self._waiting[0]
             slot = self._pick_slot(job)
