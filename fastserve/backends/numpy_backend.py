@@ -37,6 +37,15 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int) -
     x[:, :, 1:rope_dim:2] = x0 * s + x1 * c
 
 
+def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x [n, in] times w [out, in] transposed: [n, out], C-contiguous.
+
+    Written as w @ x.T: with the weight as BLAS's first operand, OpenBLAS is
+    faster than x @ w.T at the small n of decode steps. The copy back to C
+    order keeps every later operation's summation order independent of n."""
+    return np.ascontiguousarray((w @ x.T).T)
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (np.float32(1.0) + np.exp(-x))
 
@@ -46,7 +55,7 @@ class NumpyBackend:
 
     Batch invariance: a token's logits do not depend on what else is in the
     batch. OpenBLAS picks other kernels (other summation orders) for a
-    one-row product (gemv) and for "small" products (rows*cols below ~1152), so
+    one-column product (gemv) and for "small" products (out*n up to ~1152), so
     every product is given at least `min_rows` rows (zero padding), and
     attention (fastserve._attention) computes each (token, head) on its own.
     """
@@ -60,8 +69,8 @@ class NumpyBackend:
         self.cos, self.sin = rope_tables(cfg, n_ctx_slot, weights.rope_freqs)
         self.scale = float(1.0 / np.sqrt(cfg.head_dim))
         self.scratch = np.zeros(n_ctx_slot, np.float32)        # attention scores of one (token, head)
-        narrowest = min(cfg.n_embd, cfg.n_head_kv * cfg.head_dim)
-        self.min_rows = max(3, -(-2048 // narrowest))
+        narrowest = min(cfg.n_embd, (cfg.n_head + 2 * cfg.n_head_kv) * cfg.head_dim, 2 * cfg.n_ff)
+        self.min_rows = max(2, -(-2048 // narrowest))
 
     def kv_bytes_per_token(self) -> int:
         c = self.cfg
@@ -71,6 +80,28 @@ class NumpyBackend:
         for k, v in zip(self.k_cache, self.v_cache):
             k[dst, :n_tokens] = k[src, :n_tokens]
             v[dst, :n_tokens] = v[src, :n_tokens]
+
+    def save_slot(self, slot: int, start: int, n_tokens: int, into: np.ndarray) -> None:
+        """KV rows start..start+n_tokens of slot into `into` (uint8, >= n_tokens * kv_bytes_per_token()),
+        laid out [n_layer, 2 (K, V), n_tokens, Hkv * D] float32. Copies into `into`, allocates nothing."""
+        dst = self._kv_rows(into, n_tokens)
+        for li, (k, v) in enumerate(zip(self.k_cache, self.v_cache)):
+            np.copyto(dst[li, 0], k[slot, start:start + n_tokens])
+            np.copyto(dst[li, 1], v[slot, start:start + n_tokens])
+
+    def restore_slot(self, slot: int, start: int, n_tokens: int, src: np.ndarray) -> None:
+        """The inverse of save_slot: KV rows start..start+n_tokens of slot from `src`."""
+        rows = self._kv_rows(src, n_tokens)
+        for li, (k, v) in enumerate(zip(self.k_cache, self.v_cache)):
+            np.copyto(k[slot, start:start + n_tokens], rows[li, 0])
+            np.copyto(v[slot, start:start + n_tokens], rows[li, 1])
+
+    def _kv_rows(self, buf: np.ndarray, n_tokens: int) -> np.ndarray:
+        c = self.cfg
+        nbytes = n_tokens * self.kv_bytes_per_token()
+        if buf.dtype != np.uint8 or buf.ndim != 1 or len(buf) < nbytes or not buf.flags.c_contiguous:
+            raise ValueError(f"a KV copy of {n_tokens} tokens needs a contiguous uint8 buffer of {nbytes} bytes")
+        return buf[:nbytes].view(np.float32).reshape(c.n_layer, 2, n_tokens, c.n_head_kv, c.head_dim)
 
     def forward(self, tokens, positions, slots, out_rows) -> np.ndarray:
         cfg, w = self.cfg, self.w
@@ -84,7 +115,7 @@ class NumpyBackend:
         x[:n] = w.tok_embd[np.asarray(tokens, dtype=np.int64)]
         for li, lw in enumerate(w.layers):
             h = rms_norm(x, lw.attn_norm, cfg.norm_eps)
-            qkv = h @ lw.wqkv.T
+            qkv = matmul(h, lw.wqkv)
             q = qkv[:n, :q_dim].reshape(n, cfg.n_head, cfg.head_dim)
             k = qkv[:n, q_dim:q_dim + kv_dim].reshape(n, cfg.n_head_kv, cfg.head_dim)
             v = qkv[:n, q_dim + kv_dim:].reshape(n, cfg.n_head_kv, cfg.head_dim)
@@ -95,11 +126,11 @@ class NumpyBackend:
             vc[slots, positions] = v
             attn = np.zeros((len(x), q_dim), np.float32)
             attend(np.ascontiguousarray(q), kc, vc, slots, positions, attn, self.scratch, self.scale)
-            x += attn @ lw.wo.T
+            x += matmul(attn, lw.wo)
             h = rms_norm(x, lw.ffn_norm, cfg.norm_eps)
-            gu = h @ lw.w_gate_up.T
-            x += (silu(gu[:, :cfg.n_ff]) * gu[:, cfg.n_ff:]) @ lw.w_down.T
+            gu = matmul(h, lw.w_gate_up)
+            x += matmul(silu(gu[:, :cfg.n_ff]) * gu[:, cfg.n_ff:], lw.w_down)
         rows = np.asarray(out_rows, dtype=np.int64)
         h = np.zeros((max(len(rows), self.min_rows), cfg.n_embd), np.float32)
         h[:len(rows)] = rms_norm(x[rows], w.out_norm, cfg.norm_eps)
-        return (h @ w.output.T)[:len(rows)]
+        return matmul(h, w.output)[:len(rows)]

@@ -59,7 +59,7 @@ def _forward_rows(backend, seqs):
     return np.split(out, split)
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_model"])
+@pytest.mark.parametrize("model_fixture", ["tiny_model", "default_model"])
 def test_batch_invariance(request, model_fixture):
     """A token's logits are bit-identical alone, among other sequences, and under any prompt chunking."""
     model = request.getfixturevalue(model_fixture)
