@@ -26,8 +26,32 @@ def main(argv=None) -> int:
 
     sp = sub.add_parser("serve", help="serve the model over HTTP")
     _model_args(sp)
-    sp.add_argument("--host", default="127.0.0.1")
-    sp.add_argument("--port", type=int, default=8080)
+    sp.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    sp.add_argument("--port", type=int, default=8080, help="port (0: any free port, printed at start)")
+    sp.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or X-Api-Key) on every route "
+                                      "but /health")
+    sp.add_argument("-to", "--timeout", type=float, default=600.0,
+                    help="seconds a client may read (or send) nothing before it is dropped")
+    sp.add_argument("--stall-limit", type=float, default=30.0,
+                    help="seconds without a decode step, work pending, before /health says 503 and running "
+                         "requests fail")
+    sp.add_argument("--queue-timeout", type=float, default=600.0,
+                    help="seconds a request may wait for a slot (0: no limit)")
+    sp.add_argument("--request-timeout", type=float, default=0.0,
+                    help="seconds a request may take in all (0: no limit)")
+    sp.add_argument("--token-timeout", type=float, default=60.0,
+                    help="seconds a running request may go without a token (0: no limit)")
+    sp.add_argument("-n", "--n-predict", type=int, default=-1,
+                    help="tokens to generate when a request does not say (-1: until the slot is full)")
+    sp.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot; more get 503")
+    sp.add_argument("--cors-origin", help="allow browser calls from this origin ('*' for any)")
+    sp.add_argument("--body-limit", type=int, default=2 << 20, help="largest request body, bytes (413 above)")
+    sp.add_argument("-a", "--alias", help="model name shown in responses (default: the file name)")
+    sp.add_argument("-t", "--threads", type=int, default=0,
+                    help="BLAS threads for the decode thread (default: cores - 1, leaving one to the HTTP loop)")
+    sp.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop implementation")
+    sp.add_argument("--log-disable", action="store_true", help="no per-request log lines")
+    sp.add_argument("--test-stall-file", help=argparse.SUPPRESS)   # tests: forward() hangs while this file exists
 
     args = p.parse_args(argv)
     from .errors import FastserveError
@@ -98,15 +122,12 @@ def _interactive():
 
 
 def _serve(args) -> int:
+    from .server.app import serve
     try:
-        from .server.app import serve
-    except ImportError:
-        # Until the HTTP server lands, serve means an interactive session on the model.
-        print("fastserve: the HTTP server is not built yet; starting an interactive session", file=sys.stderr)
-        args.prompt, args.n_predict, args.chat = None, 256, True
-        args.temp, args.top_k, args.top_p, args.min_p, args.seed = 0.8, 40, 0.95, 0.05, -1
-        return _generate(args)
-    return serve(args)
+        return serve(args)
+    except (ValueError, OSError) as exc:      # bad flag values, port in use
+        print(f"fastserve: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

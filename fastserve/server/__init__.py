@@ -1,0 +1,15 @@
+"""The HTTP server: uvloop + h11 in the engine's process, llama.cpp- and OpenAI-compatible.
+
+    http.py      sans-I/O HTTP/1.1 (h11): bytes in → HttpRequest, responses → bytes
+    protocol.py  one connection on the loop: flow control, disconnects, timeouts
+    app.py       routing, auth, CORS, request lifecycle; Server; serve(args)
+    routes.py    the route table; /health /slots /metrics /props /tokenize /detokenize /slots/{id}
+    llama_api.py POST /completion          openai_api.py  /v1/models /v1/completions /v1/chat/completions
+    generation.py one engine request as the loop sees it (text, deadlines)
+    watchdog.py  stall detection, deadlines, dropping clients that do not read
+    metrics.py   Prometheus text          sse.py, response.py, fields.py, errors.py, reqlog.py, config.py
+"""
+from .app import App, Server, serve
+from .config import ServerConfig
+
+__all__ = ["App", "Server", "ServerConfig", "serve"]

@@ -1,0 +1,268 @@
+"""The HTTP application (routing, auth, CORS, logs, request lifecycle) and the server around it.
+
+    serve(args) ─ load model ─ Engine (decode thread) ─ App ─ Server: uvloop + HttpProtocol per connection
+                                                             └ Watchdog (stall, deadlines, dropped clients)
+
+The event loop runs on the main thread beside the engine's decode thread. It
+never blocks on the engine: submit() returns at once, tokens arrive through each
+request's reader with one wake-up per step, and every state route reads the
+published snapshot. SIGTERM/SIGINT: stop accepting, fail what runs, drop the
+connections, stop the engine; the process exits 0 within 3 s in every case.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+from . import routes
+from .config import ServerConfig
+from .errors import LLAMA, OPENAI, HttpError, error_json
+from .generation import Generation
+from .metrics import ServerMetrics
+from .protocol import HttpProtocol
+from .reqlog import RequestLog
+from .response import JSON, TEXT, Response
+from .watchdog import Watchdog
+
+EXIT_DEADLINE_S = 2.8           # after SIGTERM, the process is gone by then whatever happens
+GRACE_S = 0.05                  # time given to cancelled requests to write their last bytes
+
+
+class App:
+    def __init__(self, engine, config: ServerConfig | None = None, log_stream=None):
+        self.engine = engine
+        self.config = config or ServerConfig()
+        self.model_alias = self.config.alias or getattr(engine.model, "name", "model")
+        self.fingerprint = "fastserve-0.1.0"
+        self.started_wall = time.time()
+        self.inflight: set[Generation] = set()
+        self.connections: set = set()
+        self.closing = False
+        self.log = RequestLog(log_stream, enabled=self.config.log_requests)
+        self.metrics = ServerMetrics(self)
+        self.watchdog = Watchdog(self)
+        key = self.config.api_key
+        self._key_digest = hashlib.sha256(key.encode()).digest() if key else None
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def handle(self, req, ex):
+        """A Response now, or a coroutine that produces a Response or StreamResponse."""
+        path = req.path
+        ex.family = OPENAI if path in routes.OPENAI_PATHS else LLAMA
+        try:
+            if req.method == "OPTIONS" and self.config.cors_origin:
+                return Response(204, b"", TEXT, [
+                    ("access-control-allow-methods", "GET, POST, OPTIONS"),
+                    ("access-control-allow-headers", "authorization, content-type, x-api-key"),
+                    ("access-control-max-age", "600")])
+            if self._key_digest is not None and path not in routes.PUBLIC and not self._authorized(req):
+                raise HttpError(401, "Invalid API Key", headers=[("www-authenticate", "Bearer")])
+            methods, args = routes.lookup(path)
+            if methods is None:
+                raise HttpError(404, f"File Not Found: no route {path}")
+            route = methods.get(req.method)
+            if route is None:
+                raise HttpError(405, f"{path} takes {', '.join(methods)}, not {req.method}",
+                                headers=[("allow", ", ".join(methods))])
+            return route(self, req, ex, *args)
+        except HttpError as err:
+            return self.error_response(ex.family, err)
+
+    def _authorized(self, req) -> bool:
+        given = req.header("authorization", "")
+        if given[:7].lower() == "bearer ":
+            given = given[7:].strip()
+        else:
+            given = req.header("x-api-key", "")
+        # Digests of equal length: the comparison time says nothing about the key, not even its length.
+        return hmac.compare_digest(hashlib.sha256(given.encode("utf-8", "replace")).digest(), self._key_digest)
+
+    def error_response(self, family: str, err: HttpError) -> Response:
+        return Response(err.status, error_json(family, err.status, err.message, err.type), JSON, err.headers)
+
+    def headers(self, ex, content_type: str, extra: list) -> list:
+        out = [("content-type", content_type)]
+        out.extend(extra)
+        origin = self.config.cors_origin
+        if origin:
+            asked = ex.req.header("origin") if ex.req is not None else None
+            if origin == "*":
+                out.append(("access-control-allow-origin", "*"))
+            elif asked == origin:
+                out.append(("access-control-allow-origin", origin))
+                out.append(("vary", "origin"))
+        return out
+
+    def start_generation(self, ex, ids: list, **kwargs) -> Generation:
+        """Submit to the engine (never blocks); refuses with 503 while stalled or shutting down."""
+        if self.closing:
+            raise HttpError(503, "the server is shutting down")
+        stall = self.stall_reason()
+        if stall:
+            self.metrics.rejected.inc(1, "stalled")
+            raise HttpError(503, stall)
+        return Generation(self, ex, ids, **kwargs)
+
+    def fail(self, ex, err: HttpError) -> None:
+        """End ex's request with err (deadline, stall, disconnect, shutdown): its task writes the error."""
+        if ex.failure is not None:
+            return
+        ex.failure = err
+        if ex.generation is not None:
+            ex.generation.close()
+        if ex.task is not None and not ex.task.done():
+            ex.task.cancel()
+
+    def finish(self, ex) -> None:
+        """The exchange is over: one log line, one count."""
+        status = ex.status or (ex.failure.status if ex.failure is not None else 0)
+        self.metrics.http.inc(1, str(status))
+        gen = ex.generation
+        note = ""
+        if ex.failure is not None:
+            note = ex.failure.message
+        self.log.request(ex.conn.peer, ex.method, ex.target, status, gen.n_prompt if gen else 0,
+                         len(gen.ids) if gen else 0, (time.monotonic() - ex.t0) * 1e3, note)
+
+    def log_exception(self, ex, exc: BaseException) -> None:
+        self.log.line(f"internal error on {ex.method} {ex.target}: "
+                      + "".join(traceback.format_exception(exc)).rstrip())
+
+    # -- health --------------------------------------------------------------------------------
+
+    def stall_reason(self, now: float | None = None) -> str | None:
+        """Why the decode loop counts as stalled (work pending, no step for > --stall-limit), or None."""
+        snap = self.engine.snapshot
+        age = (now or time.monotonic()) - snap.t_step
+        limit = self.config.stall_limit
+        if age <= limit:
+            return None
+        if not (snap.busy or len(self.engine.inbox) or any(not g.reader.buffer.finished for g in self.inflight)):
+            return None
+        return f"the decode loop is stalled: no step for {age:.1f} s (--stall-limit {limit:g} s) with work pending"
+
+    def unhealthy_reason(self) -> str | None:
+        if self.closing:
+            return "the server is shutting down"
+        return self.stall_reason()
+
+
+class Server:
+    """Listens and serves an App on the running loop until stop() (signals call it)."""
+
+    def __init__(self, app: App):
+        self.app = app
+        self._server = None
+        self._stopped: asyncio.Event | None = None
+        self.port = None
+
+    async def start(self) -> int:
+        loop = asyncio.get_running_loop()
+        self._stopped = asyncio.Event()
+        cfg = self.app.config
+        self._server = await loop.create_server(lambda: HttpProtocol(self.app), cfg.host, cfg.port,
+                                                reuse_address=True, backlog=1024)
+        self.port = self._server.sockets[0].getsockname()[1]
+        self.app.watchdog.start()
+        return self.port
+
+    def stop(self) -> None:
+        if self._stopped is not None:
+            self._stopped.set()
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        """Stop accepting, fail every running request, drop every connection."""
+        app = self.app
+        app.closing = True
+        if self._server is not None:
+            self._server.close()
+        app.watchdog.stop()
+        for conn in list(app.connections):
+            ex = conn.exchange
+            if ex is not None and ex.task is not None:
+                app.fail(ex, HttpError(503, "the server is shutting down"))
+        await asyncio.sleep(GRACE_S)
+        for conn in list(app.connections):
+            conn.abort()
+        await asyncio.sleep(0)
+
+
+def make_backend_factory(stall_file: str | None):
+    """Test-only (hidden flag --test-stall-file): forward() blocks while that file exists, like a hung device."""
+    if not stall_file:
+        return None
+    from .faults import StallFileBackend
+
+    def factory(cfg, weights, n_slots, n_ctx_slot):
+        from ..backends.numpy_backend import NumpyBackend
+        return StallFileBackend(NumpyBackend(cfg, weights, n_slots, n_ctx_slot), stall_file)
+    return factory
+
+
+def _force_exit() -> None:
+    os.write(2, b"fastserve: shutdown took too long; exiting now\n")
+    os._exit(0)
+
+
+def serve(args) -> int:
+    """`fastserve serve`: load the model, start the engine, serve until SIGTERM/SIGINT; returns 0."""
+    from ..engine import Engine
+    from ..default_model import default_model_path
+    from ..model import load_model
+
+    cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, timeout=args.timeout,
+                       stall_limit=args.stall_limit, queue_timeout=args.queue_timeout,
+                       request_timeout=args.request_timeout, token_timeout=args.token_timeout,
+                       n_predict=args.n_predict, cors_origin=args.cors_origin, body_limit=args.body_limit,
+                       alias=args.alias, log_requests=not args.log_disable)
+    path = args.model or default_model_path()
+    model = load_model(path)
+    threads = args.threads if args.threads and args.threads > 0 else max(1, (os.cpu_count() or 2) - 1)
+    engine = Engine(model, n_parallel=args.parallel, n_ctx=args.ctx_size, n_batch=args.batch_size,
+                    max_queue=args.max_queue, backend=make_backend_factory(args.test_stall_file), trace=True,
+                    blas_threads=threads)
+    app = App(engine, cfg)
+    server = Server(app)
+    timer: list = []
+
+    def on_signal(signame: str) -> None:
+        if not timer:
+            app.log.line(f"{signame}: shutting down")
+            t = threading.Timer(EXIT_DEADLINE_S, _force_exit)
+            t.daemon = True
+            t.start()
+            timer.append(t)
+        server.stop()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, on_signal, sig.name)
+        port = await server.start()
+        print(f"fastserve: listening on http://{cfg.host}:{port} ({model.name}, {engine.n_slots} slots x "
+              f"{engine.n_ctx_slot} tokens, {args.loop} loop, {threads} BLAS thread(s))", file=sys.stderr, flush=True)
+        await server.wait()
+
+    try:
+        if args.loop == "uvloop":
+            import uvloop
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                runner.run(main())
+        else:
+            asyncio.run(main())
+    finally:
+        engine.close(timeout=1.5)
+        app.log.close()
+    return 0

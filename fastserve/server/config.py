@@ -1,0 +1,41 @@
+"""The server's settings: one frozen dataclass, validated here (the engine's own are the Engine's)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .http import DEFAULT_BODY_LIMIT
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080                 # 0: any free port (the log line says which)
+    api_key: str | None = None       # required on every route but /health when set
+    timeout: float = 600.0           # s: a client that reads nothing (or sends nothing) this long is dropped
+    stall_limit: float = 30.0        # s: work pending and no decode step this long → /health 503, requests fail
+    queue_timeout: float = 600.0     # s: most time a request may wait for a slot (0: no limit)
+    request_timeout: float = 0.0     # s: most time a request may take in all (0: no limit)
+    token_timeout: float = 60.0      # s: most time between two tokens of a running request (0: no limit)
+    n_predict: int = -1              # tokens generated when a request does not say (-1: until the slot is full)
+    cors_origin: str | None = None   # "*" or one origin allowed to call from a browser
+    body_limit: int = DEFAULT_BODY_LIMIT
+    alias: str | None = None         # the model name in responses (default: the file name)
+    erase_wait: float = 30.0         # s: how long /slots/{id}?action=erase waits for a busy slot
+    tick: float = 0.1                # s: watchdog period (deadlines, stall, dropped clients)
+    log_requests: bool = True
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        for name in ("timeout", "stall_limit"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds")
+        for name in ("queue_timeout", "request_timeout", "token_timeout"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 seconds (0: no limit)")
+        if self.body_limit < 1024:
+            raise ValueError("--body-limit must be at least 1024 bytes")
+        if self.n_predict < -1:
+            raise ValueError("--n-predict must be -1 (no limit) or >= 0")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("--api-key must not be empty")

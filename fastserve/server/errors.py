@@ -1,0 +1,51 @@
+"""HTTP errors and their two wire formats (llama.cpp's and OpenAI's).
+
+llama.cpp:  {"error": {"code": 400, "message": "...", "type": "invalid_request_error"}}
+OpenAI:     {"error": {"message": "...", "type": "invalid_request_error", "param": null, "code": 400}}
+The OpenAI format is used for routes under /v1/ (and their unprefixed aliases).
+"""
+from __future__ import annotations
+
+import orjson
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    500: "server_error",
+    501: "not_supported_error",
+    503: "unavailable_error",
+    504: "timeout_error",
+}
+
+LLAMA, OPENAI = "llama", "openai"
+
+
+class HttpError(Exception):
+    """Raised by a route: answered as `status` with `message` in the route's error format."""
+
+    def __init__(self, status: int, message: str, type: str | None = None, headers: list | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers or []
+
+    def payload(self, family: str) -> dict:
+        return error_payload(family, self.status, self.message, self.type)
+
+
+def error_payload(family: str, status: int, message: str, type: str | None = None) -> dict:
+    type = type or ERROR_TYPES.get(status, "server_error")
+    if family == OPENAI:
+        return {"error": {"message": message, "type": type, "param": None, "code": status}}
+    return {"error": {"code": status, "message": message, "type": type}}
+
+
+def error_json(family: str, status: int, message: str, type: str | None = None) -> bytes:
+    return orjson.dumps(error_payload(family, status, message, type))

@@ -1,0 +1,235 @@
+"""Generation: one engine request as the HTTP side sees it — text, token ids, probabilities, deadlines.
+
+Text is the event loop's business (DESIGN.md contract 4): token ids come from the
+reader in batches (one wake-up per step), are detokenized here, and a stop string
+found here cancels the request through the engine's inbox. Whoever consumes
+`deltas()` reads at its own pace: a slow HTTP client only makes batches bigger,
+the decode thread never waits (the reader's buffer holds the whole request).
+
+Deadlines (queue time, total time, inter-token stall) are checked by the
+watchdog every tick from `check()`, which reads only this object and the
+engine's snapshot. Ending a request for any reason goes through the exchange:
+its `fail()` records why and cancels the task that is writing the response.
+"""
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+from ..errors import EngineClosed, RequestError, ServerBusy
+from ..text import TextStream
+from .errors import HttpError
+
+
+class Limits(NamedTuple):
+    """Seconds; 0 means no limit."""
+    queue: float
+    total: float
+    token: float
+
+
+class Delta(NamedTuple):
+    text: str
+    ids: list            # token ids behind this text
+    probs: list | None   # per id: (top_ids list, top_probs list) when the request asked for them
+
+
+class Generation:
+    __slots__ = ("app", "reader", "job_id", "n_prompt", "n_probs", "limits", "text", "ids", "probs",
+                 "t_submit", "t_admit", "t_first", "t_last", "t_end", "count_seen", "t_progress",
+                 "slot", "stop_type", "exchange", "_closed", "queued_behind")
+
+    def __init__(self, app, exchange, ids: list, *, stop: list, limits: Limits, **submit_kwargs):
+        """ids: the prompt's token ids (tokenized on the loop by the route)."""
+        engine = app.engine
+        snap = engine.snapshot
+        try:
+            self.reader = engine.submit(ids, stop=(), **submit_kwargs)
+        except ServerBusy as exc:
+            app.metrics.rejected.inc(1, "queue_full")
+            raise HttpError(503, str(exc)) from None
+        except EngineClosed:
+            raise HttpError(503, "the server is shutting down") from None
+        except RequestError as exc:
+            raise HttpError(400, str(exc)) from None
+        self.job_id = engine.last_job_id
+        self.app = app
+        self.exchange = exchange
+        self.n_prompt = len(ids)
+        self.n_probs = submit_kwargs.get("n_probs", 0)
+        self.limits = limits
+        self.text = TextStream(engine.tokenizer, stop)
+        self.ids: list[int] = []
+        self.probs: list | None = [] if self.n_probs else None
+        now = time.monotonic()
+        self.t_submit = self.t_progress = now
+        self.t_admit = self.t_first = self.t_last = self.t_end = None
+        self.queued_behind = snap.n_waiting + snap.n_running >= engine.n_slots
+        self.count_seen = 0
+        self.slot = -1
+        self.stop_type = "none"
+        self._closed = False
+        exchange.generation = self
+        app.inflight.add(self)
+
+    # -- consuming ---------------------------------------------------------------------------
+
+    async def deltas(self):
+        """Async iterator of Delta until the request ends; raises HttpError when it failed."""
+        reader = self.reader
+        buf = reader.buffer
+        try:
+            while True:
+                done = buf.finished
+                if self.n_probs:
+                    ids, top_ids, top_probs = reader.read_available_probs()
+                else:
+                    ids = reader.read_available()
+                if ids:
+                    probs = [(top_ids[i].tolist(), top_probs[i].tolist()) for i in range(len(ids))] \
+                        if self.n_probs else None
+                    delta = self._feed(ids, probs)
+                    if delta.text or delta.ids:
+                        yield delta
+                    if self.text.stopped:
+                        break
+                elif done:
+                    break
+                else:
+                    await reader.wait_async()
+            tail = self.text.finish()
+            self._finish()
+            if tail:
+                yield Delta(tail, [], [] if self.n_probs else None)
+        finally:
+            self.close()
+
+    async def run(self) -> None:
+        """Consume to the end (non-streaming responses)."""
+        async for _ in self.deltas():
+            pass
+
+    def _feed(self, ids: list, probs) -> Delta:
+        now = time.monotonic()
+        m = self.app.metrics
+        if self.t_first is None:
+            self.t_first = now
+            self.id_slot()
+            m.ttft.observe(now - self.t_submit)
+            if self.t_admit is None:
+                self._admitted(now if self.queued_behind else self.t_submit)
+        else:
+            m.itl.observe((now - self.t_last) / len(ids), len(ids))
+        self.t_last = now
+        text = self.text
+        pieces = []
+        n = 0
+        for tok in ids:
+            n += 1
+            pieces.append(text.push(tok))
+            if text.stopped:
+                self.reader.cancel()        # the slot is free within a step
+                break
+        used = ids[:n] if n < len(ids) else ids
+        self.ids.extend(used)
+        if probs is not None:
+            probs = probs[:n]
+            self.probs.extend(probs)
+        return Delta("".join(pieces), used, probs)
+
+    def _finish(self) -> None:
+        """The reader ended: classify how, or raise the failure."""
+        self.t_end = time.monotonic()
+        if self.text.stopped:
+            self.stop_type = "word"
+        else:
+            reason = self.reader.finish_reason
+            if reason == "stop":
+                self.stop_type = "eos"
+            elif reason == "length":
+                self.stop_type = "limit"
+            elif reason == "closed":
+                raise HttpError(503, "the server is shutting down")
+            elif reason == "error":
+                raise HttpError(500, f"generation failed: {self.reader.error or 'unknown error'}")
+            else:
+                raise HttpError(503, f"the request ended early ({reason})")
+        self.app.metrics.e2e.observe(self.t_end - self.t_submit)
+        self.app.metrics.requests_done.inc(1, self.stop_type)
+
+    def _admitted(self, t: float) -> None:
+        self.t_admit = t
+        self.app.metrics.queue_time.observe(t - self.t_submit)
+
+    def close(self) -> None:
+        """Stop the request if it still runs (idempotent); nothing is left behind."""
+        if self._closed:
+            return
+        self._closed = True
+        self.reader.cancel()
+        self.app.inflight.discard(self)
+
+    # -- watchdog ----------------------------------------------------------------------------
+
+    def check(self, now: float, snap) -> HttpError | None:
+        """Deadlines and admission tracking, from the snapshot only. Returns the failure, if any."""
+        buf = self.reader.buffer
+        if self.t_admit is None:
+            if self.job_id in snap.slot_job:
+                self.slot = snap.slot_job.index(self.job_id)
+                self._admitted(now)
+            elif buf.count or buf.finished:
+                self._admitted(now)
+            elif self.limits.queue and now - self.t_submit > self.limits.queue:
+                self.app.metrics.deadlines.inc(1, "queue")
+                return HttpError(503, f"no slot became free within the queue limit of {self.limits.queue:g} s "
+                                      f"({snap.n_running} running, {snap.n_waiting} waiting)")
+        if buf.finished:
+            return None
+        if self.limits.total and now - self.t_submit > self.limits.total:
+            self.app.metrics.deadlines.inc(1, "total")
+            return HttpError(504, f"the request ran past its time limit of {self.limits.total:g} s")
+        count = buf.count
+        if count != self.count_seen:
+            self.count_seen = count
+            self.t_progress = now
+        elif self.t_admit is not None and self.limits.token and \
+                now - max(self.t_progress, self.t_admit) > self.limits.token:
+            self.app.metrics.deadlines.inc(1, "token")
+            return HttpError(504, f"no token for {now - max(self.t_progress, self.t_admit):.1f} s "
+                                  f"(inter-token limit {self.limits.token:g} s)")
+        return None
+
+    def id_slot(self) -> int:
+        if self.slot < 0:
+            snap = self.app.engine.snapshot
+            if self.job_id in snap.slot_job:
+                self.slot = snap.slot_job.index(self.job_id)
+        return self.slot
+
+    # -- summaries ---------------------------------------------------------------------------
+
+    def timings(self) -> dict:
+        """llama.cpp's timings object (ms). prompt_ms runs from admission to the first token."""
+        t_end = self.t_end or time.monotonic()
+        t0 = self.t_admit if self.t_admit is not None else self.t_submit
+        t1 = self.t_first if self.t_first is not None else t_end
+        prompt_ms = max(0.0, (t1 - t0) * 1e3)
+        n_gen = len(self.ids)
+        predicted_ms = max(0.0, (t_end - t1) * 1e3)
+        return {
+            "cache_n": 0,
+            "prompt_n": self.n_prompt,
+            "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / self.n_prompt if self.n_prompt else 0.0,
+            "prompt_per_second": self.n_prompt / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
+            "predicted_n": n_gen,
+            "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / n_gen if n_gen else 0.0,
+            "predicted_per_second": n_gen / predicted_ms * 1e3 if predicted_ms > 0 else 0.0,
+            "queue_ms": max(0.0, (t0 - self.t_submit) * 1e3),
+        }
+
+    @property
+    def openai_finish_reason(self) -> str:
+        return "length" if self.stop_type == "limit" else "stop"

@@ -1,0 +1,192 @@
+"""Prometheus text exposition (format 0.0.4) without a client library: counters, gauges, histograms.
+
+Everything here runs on the event loop thread (observations and scrapes), so no
+lock is needed. Gauges that describe the engine are computed at scrape time from
+its published Snapshot (DESIGN.md contract 5), never by asking the decode thread.
+"""
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+
+# Bucket upper bounds, seconds.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+def _fmt(v: float) -> str:
+    if v == float("inf"):
+        return "+Inf"
+    if float(v).is_integer() and abs(v) < 1e15:
+        return str(int(v))
+    return repr(float(v))
+
+
+def _labels(labels: dict) -> str:
+    if not labels:
+        return ""
+    inner = ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+                     for k, v in labels.items())
+    return "{" + inner + "}"
+
+
+class Counter:
+    def __init__(self, name: str, help: str, labelnames: tuple = ()):
+        self.name, self.help, self.labelnames = name, help, labelnames
+        self.values: dict[tuple, float] = {} if labelnames else {(): 0.0}
+
+    def inc(self, amount: float = 1.0, *labels) -> None:
+        self.values[labels] = self.values.get(labels, 0.0) + amount
+
+    def render(self, out: list) -> None:
+        out.append(f"# HELP {self.name} {self.help}\n# TYPE {self.name} counter\n")
+        for labels, v in self.values.items():
+            out.append(f"{self.name}_total{_labels(dict(zip(self.labelnames, labels)))} {_fmt(v)}\n")
+
+
+class Gauge:
+    """A gauge whose value is read at scrape time from `fn()` (or set())."""
+
+    def __init__(self, name: str, help: str, fn=None):
+        self.name, self.help, self.fn, self.value = name, help, fn, 0.0
+
+    def set(self, v: float) -> None:
+        self.value = v
+
+    def render(self, out: list) -> None:
+        v = self.fn() if self.fn is not None else self.value
+        out.append(f"# HELP {self.name} {self.help}\n# TYPE {self.name} gauge\n{self.name} {_fmt(v)}\n")
+
+
+class Histogram:
+    def __init__(self, name: str, help: str, buckets: tuple, labelnames: tuple = ()):
+        self.name, self.help, self.buckets, self.labelnames = name, help, tuple(buckets), labelnames
+        self._series: dict[tuple, list] = {}     # labels -> [counts per bucket + inf, sum]
+        if not labelnames:
+            self._new(())
+
+    def _new(self, labels: tuple) -> list:
+        s = self._series[labels] = [[0] * (len(self.buckets) + 1), 0.0]
+        return s
+
+    def observe(self, v: float, count: int = 1, *labels) -> None:
+        """Record `count` observations of value v (seconds)."""
+        s = self._series.get(labels) or self._new(labels)
+        s[0][bisect_left(self.buckets, v)] += count
+        s[1] += v * count
+
+    def count(self, *labels) -> int:
+        s = self._series.get(labels)
+        return sum(s[0]) if s else 0
+
+    def render(self, out: list) -> None:
+        out.append(f"# HELP {self.name} {self.help}\n# TYPE {self.name} histogram\n")
+        for labels, (counts, total) in self._series.items():
+            base = dict(zip(self.labelnames, labels))
+            acc = 0
+            for le, c in zip(self.buckets + (float("inf"),), counts):
+                acc += c
+                out.append(f"{self.name}_bucket{_labels({**base, 'le': _fmt(le)})} {acc}\n")
+            out.append(f"{self.name}_sum{_labels(base)} {_fmt(total)}\n")
+            out.append(f"{self.name}_count{_labels(base)} {acc}\n")
+
+
+class Registry:
+    def __init__(self):
+        self._metrics: list = []
+
+    def add(self, metric):
+        self._metrics.append(metric)
+        return metric
+
+    def counter(self, name, help, labelnames=()):
+        return self.add(Counter(name, help, labelnames))
+
+    def gauge(self, name, help, fn=None):
+        return self.add(Gauge(name, help, fn))
+
+    def histogram(self, name, help, buckets, labelnames=()):
+        return self.add(Histogram(name, help, buckets, labelnames))
+
+    def render(self) -> bytes:
+        out: list[str] = []
+        for m in self._metrics:
+            m.render(out)
+        return "".join(out).encode()
+
+
+class CounterFn(Counter):
+    """A counter whose total is read at scrape time (e.g. from the engine's snapshot)."""
+
+    def __init__(self, name: str, help: str, fn):
+        super().__init__(name, help)
+        self.fn = fn
+
+    def render(self, out: list) -> None:
+        self.values[()] = float(self.fn())
+        super().render(out)
+
+
+class ServerMetrics:
+    """Every metric /metrics shows. Engine state is read from app.engine.snapshot at scrape time."""
+
+    def __init__(self, app):
+        self.app = app
+        r = self.registry = Registry()
+        eng = app.engine
+        snap = lambda: eng.snapshot     # noqa: E731
+        r.gauge("fastserve_requests_running", "Requests holding a slot.", lambda: snap().n_running)
+        r.gauge("fastserve_requests_waiting", "Requests waiting for a slot (queued or not yet seen by the decode "
+                "thread).", lambda: snap().n_waiting + len(eng.inbox))
+        r.add(CounterFn("fastserve_prompt_tokens", "Prompt tokens computed.", lambda: snap().tokens_prompt))
+        r.add(CounterFn("fastserve_generated_tokens", "Tokens generated.", lambda: snap().tokens_generated))
+        r.add(CounterFn("fastserve_decode_steps", "Decode steps (the heartbeat).", lambda: snap().step))
+        r.gauge("fastserve_slots_total", "Slots (-np).", lambda: eng.n_slots)
+        r.gauge("fastserve_slots_busy", "Slots running a request.", lambda: sum(1 for s in snap().slot_state if s))
+        r.gauge("fastserve_kv_tokens", "Tokens held in the KV cache, all slots.", lambda: sum(snap().slot_tokens))
+        r.gauge("fastserve_kv_usage_ratio", "Share of the KV cache in use.",
+                lambda: sum(snap().slot_tokens) / (eng.n_slots * eng.n_ctx_slot))
+        r.gauge("fastserve_seconds_since_last_step", "Seconds since the decode thread last published a step.",
+                lambda: max(0.0, time.monotonic() - snap().t_step))
+        r.gauge("fastserve_decode_stalled", "1 while work is pending and no step came for longer than "
+                "--stall-limit.", lambda: 1 if app.stall_reason() else 0)
+        self.stalls = r.counter("fastserve_decode_stalls", "Times the decode loop was seen stalled.")
+        self.ttft = r.histogram("fastserve_time_to_first_token_seconds", "Time from submit to the first token.",
+                                LATENCY_BUCKETS)
+        self.itl = r.histogram("fastserve_inter_token_latency_seconds", "Time between two tokens of a request, "
+                               "as the HTTP side receives them.", TOKEN_BUCKETS)
+        self.e2e = r.histogram("fastserve_request_duration_seconds", "Time from submit to the last token.",
+                               LATENCY_BUCKETS)
+        self.queue_time = r.histogram("fastserve_queue_time_seconds", "Time from submit to getting a slot "
+                                      "(resolution: one watchdog tick).", LATENCY_BUCKETS)
+        self.phase = r.histogram("fastserve_step_phase_seconds", "Host time per decode step in each phase "
+                                 "(tracer; mean per step over each one-second window).", STEP_BUCKETS, ("phase",))
+        self.http = r.counter("fastserve_http_requests", "HTTP requests answered, by status.", ("code",))
+        self.requests_done = r.counter("fastserve_requests_finished", "Generations finished, by stop type.",
+                                       ("stop_type",))
+        self.deadlines = r.counter("fastserve_deadlines_expired", "Requests ended by a deadline.", ("kind",))
+        self.rejected = r.counter("fastserve_requests_rejected", "Requests refused before they ran.", ("reason",))
+        self.dropped = r.counter("fastserve_clients_dropped", "Connections dropped by the server.", ("reason",))
+        self.disconnects = r.counter("fastserve_client_disconnects", "Requests cancelled because the client went "
+                                     "away.")
+        r.gauge("fastserve_connections", "Open HTTP connections.", lambda: len(app.connections))
+        r.add(CounterFn("fastserve_log_lines_dropped", "Request log lines dropped (stderr too slow).",
+                        lambda: app.log.dropped))
+        self._trace_last = None
+
+    def sample_tracer(self) -> None:
+        """Called about once a second: per-phase mean ms/step since the last call, into the histogram."""
+        tr = self.app.engine.tracer
+        if tr is None:
+            return
+        now = (tr.steps, dict(tr.ns))
+        last, self._trace_last = self._trace_last, now
+        if last is None or now[0] <= last[0]:
+            return
+        steps = now[0] - last[0]
+        for phase, ns in now[1].items():
+            self.phase.observe((ns - last[1].get(phase, 0)) / steps / 1e9, 1, phase)
+
+    def render(self) -> bytes:
+        return self.registry.render()

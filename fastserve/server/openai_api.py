@@ -1,0 +1,217 @@
+"""OpenAI-compatible API: GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
+
+Streams are SSE ending with `data: [DONE]`; usage comes in the response (and, when
+stream_options.include_usage is set, in a last chunk with no choices). Fields
+OpenAI defines that fastserve cannot honour (n > 1, best_of > 1, echo, tools,
+non-text response formats) are refused with a 400 that says so; llama.cpp's extra
+sampling fields (top_k, min_p, repeat_penalty, ...) are accepted as llama-server does.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from ..errors import RequestError
+from . import sse
+from .errors import OPENAI, HttpError
+from .fields import Body, parse_object
+from .generation import Generation
+from .llama_api import _log, check_prompt_length, limits, prompt_ids, sampling
+from .response import StreamResponse, json_response
+
+MAX_TOP_LOGPROBS = 20
+# The engine reports the top-N probabilities of each step; the sampled token's own logprob is found
+# among them (-9999.0 when it lies outside, which needs sampling far from the top).
+LOGPROB_POOL = 10
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def models(app, req, ex):
+    return json_response({"object": "list", "data": [{
+        "id": app.model_alias, "object": "model", "created": int(app.started_wall), "owned_by": "fastserve",
+        "meta": {"n_ctx_slot": app.engine.n_ctx_slot, "n_vocab": app.engine.tokenizer.n_vocab,
+                 "n_slots": app.engine.n_slots}}]})
+
+
+def _common(body: Body, app):
+    n = body.int("n", 1, lo=1)
+    if n > 1:
+        raise HttpError(400, f"'n' = {n} is not supported: fastserve returns one choice per request; "
+                             f"send {n} requests instead")
+    max_tokens = body.int("max_completion_tokens", None, lo=-1)
+    if max_tokens is None:
+        max_tokens = body.int("max_tokens", app.config.n_predict, lo=-1)
+    opts = body.raw("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise HttpError(400, "'stream_options' must be an object")
+    include_usage = Body(opts or {}).bool("include_usage")
+    return max_tokens, body.bool("stream"), include_usage
+
+
+def _usage(gen: Generation) -> dict:
+    return {"prompt_tokens": gen.n_prompt, "completion_tokens": len(gen.ids),
+            "total_tokens": gen.n_prompt + len(gen.ids)}
+
+
+def _new_id(prefix: str) -> str:
+    return prefix + os.urandom(12).hex()
+
+
+# -- /v1/completions -----------------------------------------------------------------------------
+
+async def completions(app, req, ex):
+    body = parse_object(req.body)
+    max_tokens, stream, include_usage = _common(body, app)
+    if body.bool("echo"):
+        raise HttpError(400, "'echo' is not supported")
+    if body.int("best_of", 1, lo=1) > 1:
+        raise HttpError(400, "'best_of' > 1 is not supported")
+    if body.str("suffix"):
+        raise HttpError(400, "'suffix' is not supported")
+    ids = prompt_ids(app, body.raw("prompt"))
+    logprobs = body.int("logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    n_probs = 0 if logprobs is None else max(LOGPROB_POOL, logprobs)
+    gen = app.start_generation(ex, ids, stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens,
+                               seed=body.seed(), n_probs=n_probs, **sampling(body, app.engine.tokenizer.n_vocab))
+    rid, created = _new_id("cmpl-"), int(time.time())
+    tok = app.engine.tokenizer
+
+    def choice(text, ids, probs, offset, finish):
+        lp = None
+        if logprobs is not None:
+            lp = _legacy_logprobs(tok, ids, probs or [], logprobs, offset)
+        return {"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}
+
+    def envelope(choices, **extra):
+        return {"id": rid, "object": "text_completion", "created": created, "model": app.model_alias,
+                "system_fingerprint": app.fingerprint, "choices": choices, **extra}
+
+    if stream:
+        async def events():
+            offset = 0
+            async for d in gen.deltas():
+                yield sse.event(envelope([choice(d.text, d.ids, d.probs, offset, None)]))
+                offset += len(d.text)
+            yield sse.event(envelope([choice("", [], [], offset, gen.openai_finish_reason)]))
+            if include_usage:
+                yield sse.event(envelope([], usage=_usage(gen)))
+            yield sse.DONE
+        return StreamResponse(events(), on_error=lambda err: sse.error_event(err.payload(OPENAI)))
+    await gen.run()
+    return json_response(envelope([choice(gen.text.text, gen.ids, gen.probs, 0, gen.openai_finish_reason)],
+                                  usage=_usage(gen), timings=gen.timings()))
+
+
+def _legacy_logprobs(tok, ids, probs, k: int, offset: int) -> dict:
+    tokens, token_lp, top, offsets = [], [], [], []
+    for tid, (top_ids, top_ps) in zip(ids, probs):
+        text = tok.token_bytes(tid).decode("utf-8", "replace")
+        tokens.append(text)
+        token_lp.append(_log(next((q for t, q in zip(top_ids, top_ps) if t == tid), 0.0)))
+        top.append({tok.token_bytes(t).decode("utf-8", "replace"): _log(q) for t, q in zip(top_ids[:k], top_ps[:k])})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lp, "top_logprobs": top, "text_offset": offsets}
+
+
+# -- /v1/chat/completions ------------------------------------------------------------------------
+
+def chat_messages(value) -> list[dict]:
+    """Validate OpenAI messages; content parts of type text are joined into one string."""
+    if not isinstance(value, list) or not value:
+        raise HttpError(400, "'messages' must be a non-empty array of {\"role\": ..., \"content\": ...} objects")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise HttpError(400, f"messages[{i}] must be an object")
+        role = m.get("role")
+        if role not in ROLES:
+            raise HttpError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            parts = []
+            for j, p in enumerate(content):
+                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise HttpError(400, f"messages[{i}].content[{j}] must be {{\"type\": \"text\", \"text\": ...}}; "
+                                         f"other content types are not supported")
+                parts.append(p["text"])
+            content = "".join(parts)
+        elif not isinstance(content, str):
+            raise HttpError(400, f"messages[{i}].content must be a string or an array of text parts")
+        if m.get("tool_calls"):
+            raise HttpError(400, f"messages[{i}].tool_calls: tool calls are not supported")
+        out.append({"role": role, "content": content})
+    return out
+
+
+async def chat_completions(app, req, ex):
+    body = parse_object(req.body)
+    max_tokens, stream, include_usage = _common(body, app)
+    if body.raw("tools") or body.raw("functions"):
+        raise HttpError(400, "tools and function calling are not supported")
+    fmt = body.raw("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
+        raise HttpError(400, "'response_format' other than {\"type\": \"text\"} is not supported")
+    messages = chat_messages(body.raw("messages"))
+    tok = app.engine.tokenizer
+    total = sum(len(m["content"]) for m in messages)
+    check_prompt_length(app, total, "the conversation")
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    except RequestError as exc:
+        raise HttpError(400, str(exc)) from None
+    check_prompt_length(app, len(text), "the conversation")
+    ids = tok.encode(text, add_special=True)
+    if not ids:
+        raise HttpError(400, "the conversation is empty")
+    want_lp = body.bool("logprobs")
+    top_lp = body.int("top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    if top_lp is not None and not want_lp:
+        raise HttpError(400, "'top_logprobs' needs 'logprobs': true")
+    n_probs = max(LOGPROB_POOL, top_lp or 0) if want_lp else 0
+    gen = app.start_generation(ex, ids, stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens,
+                               seed=body.seed(), n_probs=n_probs, **sampling(body, tok.n_vocab))
+    rid, created = _new_id("chatcmpl-"), int(time.time())
+
+    def logprobs(ids, probs):
+        return {"content": _chat_logprobs(tok, ids, probs or [], top_lp or 0)} if want_lp else None
+
+    def envelope(obj: str, choices, **extra):
+        return {"id": rid, "object": obj, "created": created, "model": app.model_alias,
+                "system_fingerprint": app.fingerprint, "choices": choices, **extra}
+
+    if stream:
+        async def events():
+            yield sse.event(envelope("chat.completion.chunk", [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
+            async for d in gen.deltas():
+                if d.text or want_lp:
+                    yield sse.event(envelope("chat.completion.chunk", [
+                        {"index": 0, "delta": {"content": d.text}, "logprobs": logprobs(d.ids, d.probs),
+                         "finish_reason": None}]))
+            yield sse.event(envelope("chat.completion.chunk", [
+                {"index": 0, "delta": {}, "logprobs": None, "finish_reason": gen.openai_finish_reason}],
+                timings=gen.timings()))
+            if include_usage:
+                yield sse.event(envelope("chat.completion.chunk", [], usage=_usage(gen)))
+            yield sse.DONE
+        return StreamResponse(events(), on_error=lambda err: sse.error_event(err.payload(OPENAI)))
+    await gen.run()
+    return json_response(envelope("chat.completion", [{
+        "index": 0, "message": {"role": "assistant", "content": gen.text.text},
+        "logprobs": logprobs(gen.ids, gen.probs), "finish_reason": gen.openai_finish_reason}],
+        usage=_usage(gen), timings=gen.timings()))
+
+
+def _chat_logprobs(tok, ids, probs, k: int) -> list:
+    out = []
+    for tid, (top_ids, top_ps) in zip(ids, probs):
+        b = tok.token_bytes(tid)
+        out.append({"token": b.decode("utf-8", "replace"), "bytes": list(b),
+                    "logprob": _log(next((q for t, q in zip(top_ids, top_ps) if t == tid), 0.0)),
+                    "top_logprobs": [{"token": tok.token_bytes(t).decode("utf-8", "replace"),
+                                      "bytes": list(tok.token_bytes(t)), "logprob": _log(q)}
+                                     for t, q in zip(top_ids[:k], top_ps[:k])]})
+    return out

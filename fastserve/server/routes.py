@@ -1,0 +1,182 @@
+"""The route table and the routes that read state: /health, /slots, /metrics, /props, /tokenize, /detokenize.
+
+Every route is a plain function `route(app, req, ex)` returning a Response (or,
+for the ones that wait, a coroutine). The monitoring routes read only the
+engine's published snapshot (DESIGN.md contract 5): they answer in microseconds
+whatever the decode thread is doing, stuck in a forward pass included.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from .._slots import IDLE
+from ..request import SAMPLING_DEFAULTS
+from . import llama_api, openai_api
+from .errors import LLAMA, HttpError, error_json
+from .fields import parse_object
+from .response import PROMETHEUS, Response, json_response
+
+SLOT_STATES = {0: "idle", 1: "prefill", 2: "decode"}
+
+
+def health(app, req, ex):
+    reason = app.unhealthy_reason()
+    if reason:
+        return Response(503, error_json(LLAMA, 503, reason, "unavailable_error"))
+    return json_response({"status": "ok"})
+
+
+def slots(app, req, ex):
+    snap = app.engine.snapshot
+    n_ctx = app.engine.n_ctx_slot
+    if req.query.get("fail_on_no_slot") not in (None, "", "0", "false") and IDLE not in snap.slot_state:
+        raise HttpError(503, "no slot available")
+    return json_response([
+        {"id": i, "id_task": job or -1, "n_ctx": n_ctx, "is_processing": state != IDLE,
+         "state": SLOT_STATES.get(state, str(state)), "n_tokens": n_tok, "speculative": False}
+        for i, (state, n_tok, job) in enumerate(zip(snap.slot_state, snap.slot_tokens, snap.slot_job))])
+
+
+def metrics(app, req, ex):
+    return Response(200, app.metrics.render(), PROMETHEUS)
+
+
+def props(app, req, ex):
+    eng = app.engine
+    tok = eng.tokenizer
+    return json_response({
+        "default_generation_settings": {"n_ctx": eng.n_ctx_slot, "params": {
+            **{k: v for k, v in SAMPLING_DEFAULTS.items() if k != "logit_bias"}, "n_predict": app.config.n_predict}},
+        "total_slots": eng.n_slots,
+        "model_path": str(getattr(eng.model, "path", "")),
+        "model_alias": app.model_alias,
+        "chat_template": tok.chat_template or "",
+        "bos_token": _piece(tok, getattr(tok, "bos_id", None)),
+        "eos_token": _piece(tok, getattr(tok, "eos_id", None)),
+        "modalities": {"vision": False, "audio": False},
+        "build_info": app.fingerprint,
+    })
+
+
+def _piece(tok, tid) -> str:
+    if tid is None or not 0 <= tid < tok.n_vocab:
+        return ""
+    return tok.token_text(tid)
+
+
+def tokenize(app, req, ex):
+    body = parse_object(req.body)
+    content = body.raw("content")
+    if content is None:
+        raise HttpError(400, "'content' is required")
+    tok = app.engine.tokenizer
+    cap = app.engine.n_ctx_slot * app.engine.n_slots * llama_api.PROMPT_CHARS_PER_TOKEN
+    if isinstance(content, str):
+        if len(content) > cap:
+            raise HttpError(400, f"'content' has {len(content)} characters; at most {cap} are tokenized at once")
+        ids = tok.encode(content, add_special=body.bool("add_special"), parse_special=body.bool("parse_special", True))
+    else:
+        ids = llama_api.prompt_ids(app, content, "content")
+    if body.bool("with_pieces"):
+        out = []
+        for t in ids:
+            b = tok.token_bytes(t)
+            try:
+                piece = b.decode("utf-8")
+            except UnicodeDecodeError:
+                piece = list(b)
+            out.append({"id": t, "piece": piece})
+        return json_response({"tokens": out})
+    return json_response({"tokens": ids})
+
+
+def detokenize(app, req, ex):
+    body = parse_object(req.body)
+    ids = body.raw("tokens", [])
+    tok = app.engine.tokenizer
+    cap = app.engine.n_ctx_slot * app.engine.n_slots
+    if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+        raise HttpError(400, "'tokens' must be an array of token ids")
+    if len(ids) > cap:
+        raise HttpError(400, f"'tokens' has {len(ids)} ids; at most {cap} are detokenized at once")
+    if any(not 0 <= t < tok.n_vocab for t in ids):
+        raise HttpError(400, f"token ids must be in [0, {tok.n_vocab})")
+    return json_response({"content": tok.decode(ids)})
+
+
+async def slot_action(app, req, ex, slot: int):
+    """POST /slots/{id}?action=erase. A busy slot is erased once it is idle (llama-server defers
+    it too), never by cutting the request running there; waits at most --erase-wait seconds."""
+    action = req.query.get("action")
+    if action in ("save", "restore"):
+        raise HttpError(501, f"slot {action} is not supported")
+    if action != "erase":
+        raise HttpError(400, "'action' must be erase (?action=erase)")
+    eng = app.engine
+    if not 0 <= slot < eng.n_slots:
+        raise HttpError(400, f"slot id must be in [0, {eng.n_slots})")
+    deadline = time.monotonic() + app.config.erase_wait
+    n_erased = None
+    while time.monotonic() < deadline:
+        reason = app.unhealthy_reason()
+        if reason:
+            raise HttpError(503, reason)
+        snap = eng.snapshot
+        if snap.slot_state[slot] == IDLE:
+            if snap.slot_tokens[slot] == 0 and n_erased is not None:
+                return json_response({"id_slot": slot, "n_erased": n_erased})
+            if n_erased is None or snap.slot_tokens[slot]:
+                n_erased = max(n_erased or 0, snap.slot_tokens[slot])
+            eng.erase_idle_slot(slot)
+            step = snap.step
+            while eng.snapshot.step < step + 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)      # the erase is drained at a step start, seen after it ends
+            snap = eng.snapshot
+            if snap.slot_state[slot] == IDLE and snap.slot_tokens[slot] == 0:
+                return json_response({"id_slot": slot, "n_erased": n_erased})
+        else:
+            await asyncio.sleep(0.01)
+    raise HttpError(503, f"slot {slot} stayed busy for {app.config.erase_wait:g} s; try again later")
+
+
+def not_supported(app, req, ex):
+    raise HttpError(501, f"{req.path} is not supported by fastserve")
+
+
+# path -> {method: route}; the family picks the error format.
+ROUTES = {
+    "/health": {"GET": health},
+    "/v1/health": {"GET": health},
+    "/slots": {"GET": slots},
+    "/metrics": {"GET": metrics},
+    "/props": {"GET": props},
+    "/tokenize": {"POST": tokenize},
+    "/detokenize": {"POST": detokenize},
+    "/completion": {"POST": llama_api.completion},
+    "/completions": {"POST": llama_api.completion},
+    "/v1/models": {"GET": openai_api.models},
+    "/models": {"GET": openai_api.models},
+    "/v1/completions": {"POST": openai_api.completions},
+    "/v1/chat/completions": {"POST": openai_api.chat_completions},
+    "/chat/completions": {"POST": openai_api.chat_completions},
+    "/embedding": {"POST": not_supported},
+    "/embeddings": {"POST": not_supported},
+    "/v1/embeddings": {"POST": not_supported},
+    "/infill": {"POST": not_supported},
+}
+PUBLIC = frozenset({"/health", "/v1/health"})
+OPENAI_PATHS = frozenset({"/v1/models", "/models", "/v1/completions", "/v1/chat/completions", "/chat/completions",
+                          "/v1/embeddings", "/v1/health"})
+
+
+def lookup(path: str):
+    """(methods dict, extra args) for a path, or (None, ()) when unknown."""
+    methods = ROUTES.get(path)
+    if methods is not None:
+        return methods, ()
+    if path.startswith("/slots/"):
+        tail = path[len("/slots/"):]
+        if tail.isdigit() and len(tail) < 7:
+            return {"POST": slot_action}, (int(tail),)
+    return None, ()
