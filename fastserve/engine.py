@@ -19,13 +19,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _delivery
+from . import _delivery, _faults
 from ._batch import Batch
 from ._delivery import Delivery
 from ._sampling import Sampler
 from ._slots import DECODE, IDLE, SlotTable
 from .errors import EngineClosed, RequestError, ServerBusy
 from .inbox import Inbox
+from .prompt_cache import MIB, PromptCache
 from .reader import Waker
 from .ref.sampling import check_config
 from .request import SAMPLING_DEFAULTS, Completion, Job, random_seed
@@ -65,7 +66,7 @@ class Engine:
 
     def __init__(self, model, n_parallel: int = 8, n_ctx: int = 8192, n_batch: int = 512,
                  max_queue: int = 256, backend=None, trace: bool = False, blas_threads: int | None = None,
-                 prefill_chunk: int = 32):
+                 prefill_chunk: int = 32, cache_ram_mib: float = 0, slot_prompt_similarity: float = 0.1):
         if n_parallel < 1 or n_batch < 1 or max_queue < 0:
             raise ValueError("n_parallel and n_batch must be >= 1, max_queue >= 0")
         if n_ctx // n_parallel < 2:
@@ -87,6 +88,11 @@ class Engine:
         self.delivery = Delivery(self.n_slots, Waker())
         self.inbox = Inbox()
         self.tracer = Tracer() if trace else None
+        # Prefix reuse: a free slot is picked for its cached prefix when that prefix is more than this
+        # share of the prompt (llama.cpp's --slot-prompt-similarity); the host-RAM cache keeps the
+        # prefixes of reused slots (llama.cpp's --cache-ram, MiB, 0 = off), its pool allocated here, once.
+        self.slot_prompt_similarity = float(slot_prompt_similarity)
+        self.prompt_cache = PromptCache(self.backend, int(cache_ram_mib * MIB)) if cache_ram_mib > 0 else None
         # Step outputs, one row per output row of the batch: [n_batch] and [n_batch, max n_probs].
         self._sampled = np.zeros(n_batch, np.int32)
         self._finish = np.zeros(n_batch, np.int8)
@@ -148,7 +154,7 @@ class Engine:
         reader = TextReader(self.n_ctx_slot, self.tokenizer, stop=list(stop), n_probs=cfg["n_probs"],
                             prompt_tokens=len(ids))
         job = Job(prompt=ids, sampling=cfg, max_tokens=max_tokens, buffer=reader.buffer,
-                  cache_prompt=bool(cache_prompt), id_slot=id_slot)
+                  cache_prompt=bool(cache_prompt), id_slot=id_slot, admission=reader.admission)
         reader._on_cancel = lambda inbox=self.inbox, jid=job.id: inbox.put("cancel", jid)
         self.last_job_id = job.id           # read it right after submit(), on the submitting thread
         self.inbox.put("submit", job)
@@ -252,6 +258,7 @@ class Engine:
             return False
         if tr is not None:
             tr.lap("build")
+        _faults.check_step()
         tokens, positions, slots, out_rows, row_slot = batch.view()
         try:
             logits = self.backend.forward(tokens, positions, slots, out_rows)
@@ -293,16 +300,19 @@ class Engine:
                 break
             mark = batch.mark()
             try:
-                budget -= self.slots.add_prefill(batch, slot, budget)
+                n_added = self.slots.add_prefill(batch, slot, budget)
                 self._after_fill(slot)
-            except Exception as exc:
+            except Exception as exc:       # no turn used: the budget stays for the next slots
                 batch.rollback(mark)
                 log.warning("prompt fill of slot %d failed: %s", slot, exc)
                 self._end(slot, FINISH_ERROR, f"prompt processing failed: {exc}")
+                continue
+            budget -= n_added
         return batch.n > 0
 
     def _after_fill(self, slot: int) -> None:
-        """Called after a slot added its prompt tokens to the batch (state copies, test faults)."""
+        """Called after a slot added its prompt tokens to the batch; an exception fails only that fill."""
+        _faults.check_fill()
 
     def _deliver(self, row_slot, sampled, n_out: int) -> None:
         t0 = time.perf_counter_ns()
@@ -349,21 +359,24 @@ class Engine:
                     self.delivery.reject(job.buffer, FINISH_ERROR, f"admission failed: {exc}")
 
     def _pick_slot(self, job: Job) -> int:
-        """The free slot whose cached tokens share the longest prefix with the prompt (lowest id on ties)."""
+        """A free slot (-1: none): the one whose cached tokens share the longest prefix with the prompt
+        (lowest id on ties) when that prefix is more than slot_prompt_similarity of the prompt, as
+        llama.cpp's LCP similarity; else the least recently used one, whose prefix is the least missed."""
         state = self.slots.state
         if job.id_slot >= 0:
             return job.id_slot if state[job.id_slot] == IDLE else -1
         free = np.flatnonzero(state == IDLE)
         if len(free) == 0:
             return -1
-        if not job.cache_prompt:
-            return int(free[0])
-        best, best_len = int(free[0]), -1
-        for s in free:
-            n = self._common_prefix(int(s), job.prompt)
-            if n > best_len:
-                best, best_len = int(s), n
-        return best
+        if job.cache_prompt:
+            best, best_len = -1, 0
+            for s in free:
+                n = self._common_prefix(int(s), job.prompt)
+                if n > best_len:
+                    best, best_len = int(s), n
+            if best >= 0 and best_len > self.slot_prompt_similarity * len(job.prompt):
+                return best
+        return int(free[np.argmin(self.slots.admit_seq[free])])
 
     def _common_prefix(self, slot: int, prompt: np.ndarray) -> int:
         n = min(int(self.slots.n_tokens[slot]), len(prompt))
@@ -372,18 +385,37 @@ class Engine:
 
     def _start(self, job: Job, slot: int) -> None:
         n_cached = min(self._common_prefix(slot, job.prompt), len(job.prompt) - 1) if job.cache_prompt else 0
-        job.slot, job.n_cached = slot, n_cached
         max_gen = job.max_tokens if job.max_tokens >= 0 else self.n_ctx_slot
         if max_gen == 0:
+            job.slot, job.n_cached = slot, n_cached
             self.delivery.reject(job.buffer, FINISH_LENGTH)
             return
         self.sampler.configure(slot, history=job.prompt, **job.sampling)
+        if self.prompt_cache is not None:       # it writes the slot's KV: nothing that can fail comes after it
+            n_cached = self._swap_prefix(slot, job, n_cached)
+        job.slot, job.n_cached = slot, n_cached
+        if job.admission is not None:
+            job.admission.slot, job.admission.n_cached = slot, n_cached
         self._seq += 1
         self.slots.start(slot, job.prompt, n_cached, max_gen, self._seq)
         self.delivery.attach(slot, job.buffer)
         self._jobs[slot] = job
         if job.sampling["n_probs"]:
             self._n_probs_slots += 1
+
+    def _swap_prefix(self, slot: int, job: Job, n_cached: int) -> int:
+        """The host-RAM cache at admission: keep the slot's prefix before the new prompt overwrites it,
+        and bring back a longer prefix of the prompt when the cache holds one. Returns the new n_cached.
+        Neither copy can fail the request: a refused save is logged, a failed restore computes instead."""
+        pc, prompt = self.prompt_cache, job.prompt
+        entry, n_hit = pc.lookup(prompt) if job.cache_prompt else (None, 0)
+        n_hit = min(n_hit, len(prompt) - 1)
+        n_old = int(self.slots.n_tokens[slot])
+        if n_old > self._common_prefix(slot, prompt):
+            pc.save(slot, self.slots.tokens[slot, :n_old], keep=entry if n_hit > n_cached else None)
+        if n_hit > n_cached and pc.restore(entry, slot, n_cached, n_hit):
+            return n_hit
+        return n_cached
 
     def _end(self, slot: int, code: int, error: str | None = None) -> None:
         """Finish the slot's request, detach its reader, free the slot (its KV prefix stays reusable)."""

@@ -30,6 +30,16 @@ class Job:
     id: int = field(default_factory=lambda: next(_ids))
     slot: int = -1              # set when admitted
     n_cached: int = 0           # prompt tokens whose KV was reused
+    admission: Any = None       # the reader's Admission, filled in when admitted
+
+
+class Admission:
+    """Where a request ran and how much of its prompt came from a cache: written once by the
+    decode thread when it admits the request, read by its reader (a plain object, no lock)."""
+    __slots__ = ("slot", "n_cached")
+
+    def __init__(self):
+        self.slot, self.n_cached = -1, 0
 
 
 @dataclass
@@ -42,4 +52,6 @@ class Completion:
     stopping_word: str = ""
     error: str | None = None
     probs: list | None = None              # per generated token: [(id, prob), ...] when n_probs > 0
-    timings: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)   # total_ms, first_token_ms, cache_n, prompt_n (llama.cpp's names)
+    tokens_cached: int = 0                 # tokens the slot's KV holds at the end: prompt + generated (llama.cpp)
+    id_slot: int = -1                      # the slot that ran it

@@ -11,12 +11,12 @@ import time
 from typing import Optional
 
 from .reader import Reader
-from .request import Completion
+from .request import Admission, Completion
 from .text import TextStream
 
 
 class TextReader(Reader):
-    __slots__ = ("_text", "_tokens", "_prompt_tokens", "_t_submit", "_t_first", "_params")
+    __slots__ = ("_text", "_tokens", "_prompt_tokens", "_t_submit", "_t_first", "_params", "admission")
 
     def __init__(self, capacity: int, tokenizer, stop=(), n_probs: int = 0, on_cancel=None,
                  prompt_tokens: int = 0, params=None):
@@ -27,6 +27,7 @@ class TextReader(Reader):
         self._params = params
         self._t_submit = time.perf_counter()
         self._t_first: float | None = None
+        self.admission = Admission()       # slot and cached prompt tokens, set by the engine at admission
 
     def _feed(self, batch) -> str:
         if self._t_first is None and batch:
@@ -94,6 +95,11 @@ class TextReader(Reader):
         timings = {"total_ms": (t_end - self._t_submit) * 1e3}
         if self._t_first is not None:
             timings["first_token_ms"] = (self._t_first - self._t_submit) * 1e3
+        adm = self.admission
+        if adm.slot >= 0:
+            timings["cache_n"] = adm.n_cached
+            timings["prompt_n"] = self._prompt_tokens - adm.n_cached
         return Completion(text=self._text.text, token_ids=list(self._tokens), finish_reason=reason,
                           prompt_tokens=self._prompt_tokens, stopping_word=self._text.stopping_word,
-                          error=self.error, probs=probs, timings=timings)
+                          error=self.error, probs=probs, timings=timings, id_slot=adm.slot,
+                          tokens_cached=self._prompt_tokens + self.buffer.count if adm.slot >= 0 else 0)

@@ -29,3 +29,17 @@ class Backend(Protocol):
     def copy_slot(self, src: int, dst: int, n_tokens: int) -> None:
         """Copy the first n_tokens of KV from slot src to slot dst."""
         ...
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV one token takes in one slot (every layer, K and V)."""
+        ...
+
+    def save_slot(self, slot: int, start: int, n_tokens: int, into: np.ndarray) -> None:
+        """Copy KV rows start..start+n_tokens of slot into host memory `into` (uint8, at least
+        n_tokens * kv_bytes_per_token() bytes, in a layout of the backend's choosing that
+        restore_slot reads back). Allocates nothing: `into` belongs to the prompt cache's pool."""
+        ...
+
+    def restore_slot(self, slot: int, start: int, n_tokens: int, src: np.ndarray) -> None:
+        """Write KV rows start..start+n_tokens of slot from what save_slot put in `src`."""
+        ...
