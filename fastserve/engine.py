@@ -103,7 +103,6 @@ class Engine:
         self._closing = False
         self._closed = False
         self._seq = 0
-        self.last_job_id = 0        # id of the job the latest submit() queued (as in snapshot.slot_job)
         self._n_probs_slots = 0
         self._tokens_generated = 0
         self._tokens_prompt = 0
@@ -156,7 +155,6 @@ class Engine:
         job = Job(prompt=ids, sampling=cfg, max_tokens=max_tokens, buffer=reader.buffer,
                   cache_prompt=bool(cache_prompt), id_slot=id_slot, admission=reader.admission)
         reader._on_cancel = lambda inbox=self.inbox, jid=job.id: inbox.put("cancel", jid)
-        self.last_job_id = job.id           # read it right after submit(), on the submitting thread
         self.inbox.put("submit", job)
         if self._closed:                    # the decode thread is gone: nobody else will end it
             self.delivery.reject(job.buffer, FINISH_CLOSED)

@@ -21,6 +21,7 @@ import threading
 import time
 import traceback
 
+from ..errors import RequestError
 from . import routes
 from .config import ServerConfig
 from .errors import LLAMA, OPENAI, HttpError, error_json
@@ -75,6 +76,11 @@ class App:
             return route(self, req, ex, *args)
         except HttpError as err:
             return self.error_response(ex.family, err)
+        except RequestError as exc:
+            return self.error_response(ex.family, HttpError(400, str(exc)))
+        except Exception as exc:        # a bug in a route: log it, answer 500, keep serving
+            self.log_exception(ex, exc)
+            return self.error_response(ex.family, HttpError(500, f"internal error: {type(exc).__name__}"))
 
     def _authorized(self, req) -> bool:
         given = req.header("authorization", "")

@@ -35,14 +35,17 @@ class Delta(NamedTuple):
 
 
 class Generation:
-    __slots__ = ("app", "reader", "job_id", "n_prompt", "n_probs", "limits", "text", "ids", "probs",
+    __slots__ = ("app", "reader", "admission", "n_prompt", "n_probs", "limits", "text", "ids", "probs",
                  "t_submit", "t_admit", "t_first", "t_last", "t_end", "count_seen", "t_progress",
-                 "slot", "stop_type", "exchange", "_closed", "queued_behind")
+                 "stop_type", "exchange", "_closed", "queued_behind")
 
     def __init__(self, app, exchange, ids: list, *, stop: list, limits: Limits, **submit_kwargs):
         """ids: the prompt's token ids (tokenized on the loop by the route)."""
         engine = app.engine
         snap = engine.snapshot
+        n = submit_kwargs.get("max_tokens", -1)
+        if n > engine.n_ctx_slot:               # the slot is full by then anyway: keep the value sane
+            submit_kwargs["max_tokens"] = engine.n_ctx_slot
         try:
             self.reader = engine.submit(ids, stop=(), **submit_kwargs)
         except ServerBusy as exc:
@@ -52,7 +55,7 @@ class Generation:
             raise HttpError(503, "the server is shutting down") from None
         except RequestError as exc:
             raise HttpError(400, str(exc)) from None
-        self.job_id = engine.last_job_id
+        self.admission = self.reader.admission     # slot and cached prompt tokens, set at admission
         self.app = app
         self.exchange = exchange
         self.n_prompt = len(ids)
@@ -66,7 +69,6 @@ class Generation:
         self.t_admit = self.t_first = self.t_last = self.t_end = None
         self.queued_behind = snap.n_waiting + snap.n_running >= engine.n_slots
         self.count_seen = 0
-        self.slot = -1
         self.stop_type = "none"
         self._closed = False
         exchange.generation = self
@@ -86,7 +88,7 @@ class Generation:
                 else:
                     ids = reader.read_available()
                 if ids:
-                    probs = [(top_ids[i].tolist(), top_probs[i].tolist()) for i in range(len(ids))] \
+                    probs = [_valid(top_ids[i].tolist(), top_probs[i].tolist()) for i in range(len(ids))] \
                         if self.n_probs else None
                     delta = self._feed(ids, probs)
                     if delta.text or delta.ids:
@@ -114,7 +116,6 @@ class Generation:
         m = self.app.metrics
         if self.t_first is None:
             self.t_first = now
-            self.id_slot()
             m.ttft.observe(now - self.t_submit)
             if self.t_admit is None:
                 self._admitted(now if self.queued_behind else self.t_submit)
@@ -175,10 +176,7 @@ class Generation:
         """Deadlines and admission tracking, from the snapshot only. Returns the failure, if any."""
         buf = self.reader.buffer
         if self.t_admit is None:
-            if self.job_id in snap.slot_job:
-                self.slot = snap.slot_job.index(self.job_id)
-                self._admitted(now)
-            elif buf.count or buf.finished:
+            if self.admission.slot >= 0 or buf.count or buf.finished:
                 self._admitted(now)
             elif self.limits.queue and now - self.t_submit > self.limits.queue:
                 self.app.metrics.deadlines.inc(1, "queue")
@@ -201,11 +199,7 @@ class Generation:
         return None
 
     def id_slot(self) -> int:
-        if self.slot < 0:
-            snap = self.app.engine.snapshot
-            if self.job_id in snap.slot_job:
-                self.slot = snap.slot_job.index(self.job_id)
-        return self.slot
+        return self.admission.slot
 
     # -- summaries ---------------------------------------------------------------------------
 
@@ -216,13 +210,14 @@ class Generation:
         t1 = self.t_first if self.t_first is not None else t_end
         prompt_ms = max(0.0, (t1 - t0) * 1e3)
         n_gen = len(self.ids)
+        n_eval = self.n_prompt - self.admission.n_cached
         predicted_ms = max(0.0, (t_end - t1) * 1e3)
         return {
-            "cache_n": 0,
-            "prompt_n": self.n_prompt,
+            "cache_n": self.admission.n_cached,
+            "prompt_n": self.n_prompt - self.admission.n_cached,
             "prompt_ms": prompt_ms,
-            "prompt_per_token_ms": prompt_ms / self.n_prompt if self.n_prompt else 0.0,
-            "prompt_per_second": self.n_prompt / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
+            "prompt_per_token_ms": prompt_ms / n_eval if n_eval else 0.0,
+            "prompt_per_second": n_eval / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
             "predicted_n": n_gen,
             "predicted_ms": predicted_ms,
             "predicted_per_token_ms": predicted_ms / n_gen if n_gen else 0.0,
@@ -233,3 +228,11 @@ class Generation:
     @property
     def openai_finish_reason(self) -> str:
         return "length" if self.stop_type == "limit" else "stop"
+
+
+def _valid(ids: list, probs: list) -> tuple:
+    """Drop the padding (id -1) of a top-N row that had fewer than N candidates."""
+    if ids and ids[-1] < 0:
+        keep = [i for i, t in enumerate(ids) if t >= 0]
+        return [ids[i] for i in keep], [probs[i] for i in keep]
+    return ids, probs

@@ -171,7 +171,7 @@ def _final(app, gen: Generation, settings: dict, content: str, tokens: list) -> 
         "truncated": False,
         "stop_type": gen.stop_type,
         "stopping_word": gen.text.stopping_word,
-        "tokens_cached": 0,
+        "tokens_cached": gen.n_prompt + len(gen.ids) if gen.id_slot() >= 0 else 0,
         "timings": gen.timings(),
         "prompt": settings.get("_prompt", ""),
     }

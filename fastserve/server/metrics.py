@@ -40,7 +40,7 @@ class Counter:
         self.values[labels] = self.values.get(labels, 0.0) + amount
 
     def render(self, out: list) -> None:
-        out.append(f"# HELP {self.name} {self.help}\n# TYPE {self.name} counter\n")
+        out.append(f"# HELP {self.name}_total {self.help}\n# TYPE {self.name}_total counter\n")
         for labels, v in self.values.items():
             out.append(f"{self.name}_total{_labels(dict(zip(self.labelnames, labels)))} {_fmt(v)}\n")
 

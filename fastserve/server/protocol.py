@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from ..errors import RequestError
 from .errors import HttpError
 from .http import ProtocolFailure, ServerConnection
 from .response import Response, StreamResponse
@@ -155,6 +156,8 @@ class HttpProtocol(asyncio.Protocol):
                 resp = await coro
             except HttpError as err:
                 resp = self.app.error_response(ex.family, err)
+            except RequestError as exc:
+                resp = self.app.error_response(ex.family, HttpError(400, str(exc)))
             if isinstance(resp, StreamResponse):
                 ex.status = resp.status
                 ex.streaming = True
@@ -170,6 +173,8 @@ class HttpProtocol(asyncio.Protocol):
             self._cut(ex, resp, ex.failure or HttpError(503, "the request was cancelled"))
         except HttpError as err:
             self._cut(ex, resp, err)
+        except RequestError as exc:     # the engine or tokenizer refused the input
+            self._cut(ex, resp, HttpError(400, str(exc)))
         except ConnectionError:
             pass
         except Exception as exc:       # a bug: log it, answer 500, keep serving everyone else
