@@ -57,7 +57,7 @@ class App:
     def handle(self, req, ex):
         """A Response now, or a coroutine that produces a Response or StreamResponse."""
         path = req.path
-        ex.family = OPENAI if path in routes.OPENAI_PATHS else LLAMA
+        ex.family = OPENAI if path in routes.OPENAI_PATHS or path.startswith("/v1/") else LLAMA
         try:
             if req.method == "OPTIONS" and self.config.cors_origin:
                 return Response(204, b"", TEXT, [
