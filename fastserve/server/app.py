@@ -147,13 +147,15 @@ class App:
     def stall_reason(self, now: float | None = None) -> str | None:
         """Why the decode loop counts as stalled (work pending, no step for > --stall-limit), or None."""
         snap = self.engine.snapshot
-        age = (now or time.monotonic()) - snap.t_step
+        now = now or time.monotonic()
+        age = now - snap.t_step
         limit = self.config.stall_limit
-        if age <= limit:
-            return None
-        if not (snap.busy or len(self.engine.inbox) or any(not g.reader.buffer.finished for g in self.inflight)):
-            return None
-        return f"the decode loop is stalled: no step for {age:.1f} s (--stall-limit {limit:g} s) with work pending"
+        reason = None
+        if age > limit and (snap.busy or len(self.engine.inbox) or
+                            any(not g.reader.buffer.finished for g in self.inflight)):
+            reason = f"the decode loop is stalled: no step for {age:.1f} s (--stall-limit {limit:g} s) with work pending"
+        self.watchdog.observe(reason, now)
+        return reason
 
     def unhealthy_reason(self) -> str | None:
         if self.closing:

@@ -14,6 +14,7 @@ Requests on one connection are answered in order, one at a time (pipelining).
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 from ..errors import RequestError
@@ -24,6 +25,7 @@ from .response import Response, StreamResponse
 WRITE_HIGH = 64 << 10       # bytes buffered in the transport before a stream waits
 WRITE_LOW = 16 << 10
 PIPELINE_LIMIT = 256 << 10  # bytes of pipelined requests buffered before we stop reading
+KERNEL_SNDBUF = 64 << 10    # SO_SNDBUF per connection (the kernel doubles it)
 
 
 class Exchange:
@@ -68,6 +70,12 @@ class HttpProtocol(asyncio.Protocol):
         if peer:
             self.peer = f"{peer[0]}:{peer[1]}"
         transport.set_write_buffer_limits(high=WRITE_HIGH, low=WRITE_LOW)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:    # a fixed kernel buffer: else Linux grows it to MBs for a client that never reads
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, KERNEL_SNDBUF)
+            except OSError:
+                pass
         self.app.connections.add(self)
         if self.app.closing:
             self.abort()

@@ -45,17 +45,20 @@ class Watchdog:
             if self._handle is not None:
                 self._schedule()
 
+    def observe(self, stall: str | None, now: float) -> None:
+        """Every stall check lands here (from a tick or a request): log and count the transitions."""
+        if stall and self.stalled_since is None:
+            self.stalled_since = now
+            self.app.metrics.stalls.inc()
+            self.app.log.line(f"watchdog: {stall}; failing the running requests")
+        elif not stall and self.stalled_since is not None:
+            self.app.log.line(f"watchdog: the decode loop moves again after {now - self.stalled_since:.1f} s")
+            self.stalled_since = None
+
     def tick(self, now: float) -> None:
         app = self.app
         snap = app.engine.snapshot
         stall = app.stall_reason(now)
-        if stall and self.stalled_since is None:
-            self.stalled_since = now
-            app.metrics.stalls.inc()
-            app.log.line(f"watchdog: {stall}; failing the running requests")
-        elif not stall and self.stalled_since is not None:
-            app.log.line(f"watchdog: the decode loop moves again after {now - self.stalled_since:.1f} s")
-            self.stalled_since = None
         for gen in list(app.inflight):
             ex = gen.exchange
             if ex.failure is not None:
