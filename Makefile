@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install build serve test bench clean
+.PHONY: install build build-faults serve test bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -20,12 +20,19 @@ install: $(STAMP)
 build: install
 	$(BIN)/python setup.py -q build_ext --inplace
 
+# The same extensions with the test-only fault points compiled in (FASTSERVE_TEST_FAULTS=1), built
+# apart (never in place): tests/faults/ load them from here in child processes (tests/faults/launch.py).
+FAULTS_LIB := build/faults
+build-faults: install
+	FASTSERVE_TEST_FAULTS=1 $(BIN)/python setup.py -q build_ext -b $(FAULTS_LIB) -t build/faults-tmp
+
 serve: build
 	$(BIN)/fastserve pull
 	$(BIN)/fastserve serve --host 127.0.0.1 --port 8080
 
-test: build
-	$(BIN)/python -m pytest -q tests
+# The whole suite on the normal build; tests/faults/ also on the fault build.
+test: build build-faults
+	FASTSERVE_FAULTS_LIB=$(FAULTS_LIB) $(BIN)/python -m pytest -q tests
 
 bench: build
 	$(BIN)/python -m pytest -q bench --benchmark-only
