@@ -150,7 +150,8 @@ def test_routes_without_a_socket(app):
     r = _call(app, "POST", "/completion", b'{"prompt": "hi", "n_predict": 3, "temperature": 0}')
     assert r.status == 200 and orjson.loads(r.body)["tokens_predicted"] == 3
     r = _call(app, "POST", "/completion", b'{"prompt": "hi", "n_predict": 3, "temperature": 0, "stream": true}')
-    assert r.status == 200 and r.body.count(b"data: ") == 4
+    assert r.status == 200 and 2 <= r.body.count(b"data: ") <= 4       # tokens may arrive batched
+    assert orjson.loads(r.body.split(b"data: ")[-1])["tokens_predicted"] == 3
     r = _call(app, "POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}')
     assert r.status == 200 and orjson.loads(r.body)["usage"]["completion_tokens"] <= 2
     assert _call(app, "POST", "/v1/chat/completions", b'{"messages": 1}').status == 400
