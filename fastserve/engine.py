@@ -62,6 +62,10 @@ class Engine:
     n_parallel slots share n_ctx tokens of KV (n_ctx / n_parallel each, as
     llama.cpp's -c / -np); a step carries at most n_batch tokens, decode tokens
     first; at most max_queue requests wait for a slot.
+    Prefix reuse: a request reuses the longest prefix of its prompt already in a slot's KV
+    (cache_prompt); slot_prompt_similarity is the share of the prompt a free slot's prefix must
+    exceed for that slot to be picked (else the least recently used one); cache_ram_mib > 0 keeps
+    the prefixes of reused slots in that much host RAM (fastserve/prompt_cache.py), 0 = off.
     """
 
     def __init__(self, model, n_parallel: int = 8, n_ctx: int = 8192, n_batch: int = 512,

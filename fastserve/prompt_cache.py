@@ -55,7 +55,13 @@ class PromptCache:
         if self.n_blocks == 0:
             log.warning("prompt cache: %.2f MiB holds no block of %d tokens (%.2f MiB); every copy will be refused",
                         budget_bytes / MIB, block_tokens, self.block_bytes / MIB)
-        self.pool = np.empty((self.n_blocks, self.block_bytes), np.uint8)
+        try:        # np.empty: pages are taken from the OS on first use, never zero-filled per copy
+            self.pool = np.empty((self.n_blocks, self.block_bytes), np.uint8)
+        except MemoryError:
+            log.warning("prompt cache: %.0f MiB of host RAM could not be allocated; every copy will be refused",
+                        budget_bytes / MIB)
+            self.n_blocks = 0
+            self.pool = np.empty((0, self.block_bytes), np.uint8)
         self.ids = np.empty((self.n_blocks, block_tokens), np.int32)
         self.free = list(range(self.n_blocks - 1, -1, -1))     # a stack: low blocks are used first
         self.index: OrderedDict[int, Entry] = OrderedDict()    # least recently used first

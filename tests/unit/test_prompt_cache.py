@@ -92,6 +92,14 @@ def test_a_copy_that_does_not_fit_is_refused_and_logged(backend, caplog):
     assert "refused" in caplog.text and "40 tokens" in caplog.text
 
 
+def test_a_pool_that_cannot_be_allocated_refuses_every_copy(backend, caplog):
+    with caplog.at_level(logging.WARNING, "fastserve.prompt_cache"):
+        pc = PromptCache(backend, 1 << 60)                  # an exabyte: numpy cannot have it
+        assert not pc.save(0, np.asarray(STEMS[0][:40], np.int32))
+    assert pc.n_blocks == 0 and pc.n_refused == 1
+    assert "could not be allocated" in caplog.text and "refused" in caplog.text
+
+
 def test_a_copy_that_fails_halfway_leaves_nothing_behind(backend, caplog):
     pc = PromptCache(backend, 64 * 1024, block_tokens=16)
     assert pc.save(0, np.asarray(STEMS[1][:20], np.int32))
@@ -294,7 +302,7 @@ def _check_waves(engines, waves):
             assert all(g.timings["cache_n"] < len(p) for g, (p, *_) in zip(got, reqs))
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(waves=waves)
 def test_cache_never_changes_greedy_output(engines, waves):
     _check_waves(engines, waves)
