@@ -62,7 +62,7 @@ def test_stuck_forward(make_server, tmp_path):
         # past the stall limit: 503 with the reason, the stall in /metrics, requests ended with an error
         r = wait_until(lambda: (lambda r: r if r.status_code == 503 else None)(c.get("/health")), 3)
         assert r and "stalled" in r.json()["error"]["message"]
-        assert time.monotonic() - t_stall > STALL_LIMIT
+        assert time.monotonic() - t_stall > STALL_LIMIT - 0.2      # the heartbeat stopped just before t_stall
         for path in ("/slots", "/metrics"):
             t0 = time.monotonic()
             assert c.get(path).status_code == 200 and time.monotonic() - t0 < 0.05
