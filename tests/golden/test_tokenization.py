@@ -1,0 +1,116 @@
+"""The tokenizer against llama.cpp on the default model: ids must match exactly, text must round-trip.
+
+Reference: shared/reference/smollm2_q41_llamacpp_greedy.json (llama.cpp's /tokenize and /completion).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fastserve.tokenizer import Tokenizer
+
+_REFERENCE = Path(__file__).resolve().parents[2].parent / "shared" / "reference" / "smollm2_q41_llamacpp_greedy.json"
+
+
+def _names(section: str) -> list[str]:
+    """Case names for test ids; the `reference` fixture skips when the file is absent."""
+    if not _REFERENCE.is_file():
+        return ["<reference absent>"]
+    return [c["name"] for c in json.loads(_REFERENCE.read_text(encoding="utf-8"))[section]]
+
+
+def _case(reference: dict, section: str, name: str) -> dict:
+    return next(c for c in reference[section] if c["name"] == name)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """llama.cpp's outputs; unlike tests/conftest.py's fixture of that name, this one skips when absent."""
+    if not _REFERENCE.is_file():
+        pytest.skip(f"llama.cpp reference outputs not found at {_REFERENCE}")
+    return json.loads(_REFERENCE.read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def tok(model_metadata) -> Tokenizer:
+    return Tokenizer.from_metadata(model_metadata)
+
+
+def _decode_stream(tok: Tokenizer, ids, skip_special: bool = False) -> list[str]:
+    dec = tok.decoder(skip_special=skip_special)
+    return [dec.push(i) for i in ids] + [dec.flush()]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", _names("tokenization_cases"))
+def test_tokenization_case(tok, reference, name):
+    c = _case(reference, "tokenization_cases", name)
+    text = c["text"]
+    assert tok.encode(text) == c["ids_default"]
+    assert tok.encode(text, add_special=False) == c["ids_add_special_false"]
+    assert tok.encode(text, add_special=True) == c["ids_add_special_true"]
+    assert tok.encode(text, parse_special=False) == c["ids_parse_special_false"]
+    for p in c["pieces"]:   # a str piece is valid UTF-8; otherwise llama.cpp gave the byte values
+        want = p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"])
+        assert tok.token_bytes(p["id"]) == want, p
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", _names("completions"))
+def test_completion_prompt_ids(tok, reference, name):
+    c = _case(reference, "completions", name)
+    prompt = c["prompt"]
+    assert tok.encode(prompt) == c["prompt_token_ids"]
+    assert tok.encode(prompt, add_special=False) == c["prompt_token_ids_add_special_false"]
+    assert tok.encode(prompt, add_special=True) == c["prompt_token_ids_add_special_true"]
+    assert tok.encode(prompt, parse_special=False) == c["prompt_token_ids_parse_special_false"]
+
+
+@pytest.mark.model
+def test_round_trip_and_streaming(tok, reference):
+    texts = [c["text"] for c in reference["tokenization_cases"]] + [c["prompt"] for c in reference["completions"]]
+    for text in texts:
+        for ids in (tok.encode(text), tok.encode(text, parse_special=False)):
+            assert tok.decode(ids) == text
+            parts = _decode_stream(tok, ids)
+            assert "".join(parts) == text
+            assert not any("\ufffd" in p for p in parts), (text, parts)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", ["emoji", "unicode_cjk"])
+def test_streaming_never_splits_a_character(tok, reference, name):
+    c = _case(reference, "tokenization_cases", name)
+    parts = _decode_stream(tok, c["ids_default"])
+    assert "".join(parts) == c["text"]
+    assert all("\ufffd" not in p for p in parts)
+    # the cases do split characters across tokens, so holding bytes back is really exercised
+    assert any(p == "" for p in parts[:-1])
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", _names("completions"))
+def test_generated_text_matches_server_content(tok, reference, name):
+    """llama.cpp's server renders generated control tokens (EOS) as nothing in `content`."""
+    c = _case(reference, "completions", name)
+    ids = c["generated_token_ids"]
+    assert "".join(_decode_stream(tok, ids, skip_special=True)) == c["content"]
+    assert tok.decode(ids, skip_special=True) == c["content"]
+
+
+@pytest.mark.model
+def test_special_ids_and_chat_template(tok, reference):
+    props = reference["metadata"]["props"]
+    assert tok.n_vocab == 49152
+    assert (tok.bos_id, tok.eos_id) == (1, 2)
+    assert tok.add_bos is False and tok.add_eos is False
+    assert tok.token_bytes(tok.bos_id).decode() == props["bos_token"]
+    assert tok.token_bytes(tok.eos_id).decode() == props["eos_token"]
+    # <|endoftext|> and <|im_end|> by text; <reponame> because llama.cpp takes it as the FIM repo token
+    assert tok.eog_ids == frozenset({0, 2, 4})
+    chat = _case(reference, "completions", "chat_chatml_system")["prompt"]
+    messages = [{"role": "system", "content": "You are a helpful AI assistant named SmolLM, trained by Hugging Face"},
+                {"role": "user", "content": "Write a haiku about autumn leaves."}]
+    assert tok.apply_chat_template(messages) == chat
