@@ -1,0 +1,227 @@
+"""HTTP serving under closed-loop streaming load on the default model, and what HTTP costs the decode thread.
+
+For 1, 8 and 32 concurrent clients (streaming /completion, n_predict 128, greedy, prompts of
+60-100 tokens): aggregate tokens/s, time to first token p50/p99, inter-token p50/p99/max, and
+/health and /slots latency (p50/p99, polled at 10 Hz each) under that load. Then the mean decode
+step time (the tracer's phases, from /metrics) at 32 HTTP clients against the same load run
+in-process with no HTTP at all: the ratio is the HTTP loop's cost to the decode thread.
+
+Run: python bench/bench_http.py [--seconds 30] [--clients 1,8,32]
+ or: pytest bench/bench_http.py --benchmark-only -s   (make bench)
+The clients are raw asyncio sockets (uvloop) in this process, to keep the load generator light:
+it shares the machine's cores with the server.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from fastserve.bench import LoadResult, closed_loop, format_rows, make_prompts  # noqa: E402
+
+N_SLOTS, N_CTX = 32, 32 * 256
+
+
+class Server:
+    def __init__(self, model_path: str, threads: int):
+        self.log = tempfile.NamedTemporaryFile("w+b", suffix=".log", delete=False)
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen([sys.executable, "-m", "fastserve", "serve", "-m", model_path, "--port", "0",
+                                      "-c", str(N_CTX), "-np", str(N_SLOTS), "-t", str(threads), "--log-disable"],
+                                     stdout=subprocess.DEVNULL, stderr=self.log, env=env, cwd=str(REPO))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            m = re.search(rb"listening on http://127\.0\.0\.1:(\d+)", Path(self.log.name).read_bytes())
+            if m:
+                self.port = int(m.group(1))
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(Path(self.log.name).read_text(errors="replace"))
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(10)
+
+
+async def _open(port):
+    return await asyncio.open_connection("127.0.0.1", port)
+
+
+async def _get(reader, writer, path: str) -> bytes:
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    head = await reader.readuntil(b"\r\n\r\n")
+    n = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+    return await reader.readexactly(n)
+
+
+async def _stream_one(port, prompt: list, n_predict: int, t_measure: float, res: LoadResult) -> None:
+    reader, writer = await _open(port)
+    body = orjson.dumps({"prompt": prompt, "n_predict": n_predict, "temperature": 0, "stream": True,
+                         "cache_prompt": False})
+    t0 = time.perf_counter()
+    writer.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    await reader.readuntil(b"\r\n\r\n")
+    last, n, gaps, ttft = None, 0, [], None
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).strip(), 16)     # chunked framing
+        if size == 0:
+            break
+        chunk = await reader.readexactly(size + 2)
+        now = time.perf_counter()
+        for line in chunk.split(b"\n"):
+            if not line.startswith(b"data: "):
+                continue
+            ev = orjson.loads(line[6:])
+            if ev.get("stop"):
+                continue
+            k = ev["tokens_predicted"] - n
+            if k <= 0:
+                continue
+            if last is None:
+                ttft = now - t0
+            else:
+                gaps.extend([(now - last) / k] * k)
+            last, n = now, ev["tokens_predicted"]
+    writer.close()
+    if t0 >= t_measure:
+        res.requests += 1
+        res.ttft.append(ttft)
+    if last is not None and last >= t_measure:
+        res.tokens += n
+        res.gaps.extend(gaps)
+
+
+async def _probe(port, path: str, stop_at: float, t_measure: float, out: list) -> None:
+    reader, writer = await _open(port)
+    while time.perf_counter() < stop_at:
+        t0 = time.perf_counter()
+        await _get(reader, writer, path)
+        if t0 >= t_measure:
+            out.append(time.perf_counter() - t0)
+        await asyncio.sleep(0.1)
+    writer.close()
+
+
+async def _metrics_step_ms(port) -> tuple[float, float]:
+    """(Σ phase sums, phase observations) of the tracer histograms in /metrics."""
+    reader, writer = await _open(port)
+    text = (await _get(reader, writer, "/metrics")).decode()
+    writer.close()
+    sums = {m.group(1): float(m.group(2)) for m in re.finditer(r'fastserve_step_phase_seconds_sum\{phase="(\w+)"\} (\S+)', text)}
+    counts = {m.group(1): float(m.group(2)) for m in re.finditer(r'fastserve_step_phase_seconds_count\{phase="(\w+)"\} (\S+)', text)}
+    return sum(sums.values()), max(counts.values(), default=0.0)
+
+
+async def http_load(port, prompts, clients: int, seconds: float, warmup_s: float, n_predict: int = 128):
+    stop_at = time.perf_counter() + warmup_s + seconds
+    t_measure = time.perf_counter() + warmup_s
+    res = LoadResult(clients, seconds, 0, 0)
+    health, slots = [], []
+
+    async def client(k):
+        i = k
+        while time.perf_counter() < stop_at:
+            await _stream_one(port, prompts[i % len(prompts)], n_predict, t_measure, res)
+            i += clients
+
+    await asyncio.sleep(0)
+    s0 = None
+    tasks = [asyncio.create_task(client(k)) for k in range(clients)]
+    probes = [asyncio.create_task(_probe(port, "/health", stop_at, t_measure, health)),
+              asyncio.create_task(_probe(port, "/slots", stop_at, t_measure, slots))]
+    await asyncio.sleep(warmup_s)
+    s0 = await _metrics_step_ms(port)
+    await asyncio.sleep(max(0.0, stop_at - time.perf_counter()))
+    s1 = await _metrics_step_ms(port)
+    res.seconds = time.perf_counter() - t_measure
+    await asyncio.gather(*tasks, *probes)
+    step_ms = (s1[0] - s0[0]) / (s1[1] - s0[1]) * 1e3 if s1[1] > s0[1] else float("nan")
+    return res, health, slots, step_ms
+
+
+def _pct(xs, q):
+    return float(np.percentile(xs, q)) * 1e3 if xs else float("nan")
+
+
+def run(model_path: str, clients_list=(1, 8, 32), seconds: float = 30.0, warmup_s: float = 8.0,
+        threads: int = 1) -> dict:
+    import uvloop
+
+    import fastserve
+    model = fastserve.load_model(model_path)
+    prompts = make_prompts(model.tokenizer, 64)
+    out = {"rows": [], "probes": []}
+    srv = Server(model_path, threads)
+    try:
+        for clients in clients_list:
+            res, health, slots, step_ms = uvloop.run(http_load(srv.port, prompts, clients, seconds, warmup_s))
+            out["rows"].append(res.row())
+            out["probes"].append({"clients": clients, "health_p50_ms": _pct(health, 50),
+                                  "health_p99_ms": _pct(health, 99), "slots_p50_ms": _pct(slots, 50),
+                                  "slots_p99_ms": _pct(slots, 99), "step_ms": step_ms})
+    finally:
+        out["exit_code"] = srv.stop()
+    # the same load, in-process, no HTTP
+    clients = max(clients_list)
+    engine = fastserve.Engine(model, n_parallel=N_SLOTS, n_ctx=N_CTX, trace=True, blas_threads=threads)
+    with engine:
+        closed_loop(engine, prompts, clients, warmup_s, warmup_s=0)
+        engine.tracer.reset()
+        res = closed_loop(engine, prompts, clients, seconds)
+        out["inproc_row"] = res.row()
+        out["inproc_step_ms"] = engine.trace_summary()["step_ms"]
+    out["http_step_ms"] = out["probes"][-1]["step_ms"]
+    out["ratio"] = out["http_step_ms"] / out["inproc_step_ms"]
+    return out
+
+
+def report(out: dict) -> str:
+    lines = ["HTTP, streaming /completion, n_predict 128, greedy:", format_rows(out["rows"]), "",
+             f"{'clients':>7} {'/health p50':>12} {'p99':>8} {'/slots p50':>11} {'p99':>8} {'step ms':>8}"]
+    for p in out["probes"]:
+        lines.append(f"{p['clients']:>7} {p['health_p50_ms']:>10.2f}ms {p['health_p99_ms']:>6.2f}ms "
+                     f"{p['slots_p50_ms']:>9.2f}ms {p['slots_p99_ms']:>6.2f}ms {p['step_ms']:>8.1f}")
+    lines += ["", "in-process, same load, no HTTP:", format_rows([out["inproc_row"]]), "",
+              f"decode step: {out['http_step_ms']:.1f} ms with HTTP clients vs {out['inproc_step_ms']:.1f} ms "
+              f"in-process: ratio {out['ratio']:.3f} (target <= 1.05); server exit code {out['exit_code']}"]
+    return "\n".join(lines)
+
+
+def test_http_load(benchmark, default_model_file):
+    out = benchmark.pedantic(run, args=(default_model_file,), kwargs={"seconds": 20.0}, rounds=1, iterations=1)
+    print("\n" + report(out))
+    benchmark.extra_info.update({"ratio": out["ratio"], "rows": out["rows"], "probes": out["probes"]})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", help="GGUF path (default: the default model)")
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--warmup", type=float, default=8.0)
+    ap.add_argument("--clients", default="1,8,32")
+    ap.add_argument("-t", "--threads", type=int, default=1)
+    a = ap.parse_args()
+    from fastserve.default_model import default_model_path
+    out = run(a.model or default_model_path(), tuple(int(x) for x in a.clients.split(",")), a.seconds, a.warmup,
+              a.threads)
+    print(report(out))
+
+
+if __name__ == "__main__":
+    main()
