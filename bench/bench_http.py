@@ -203,8 +203,9 @@ def report(out: dict) -> str:
     return "\n".join(lines)
 
 
-def test_http_load(benchmark, default_model_file):
-    out = benchmark.pedantic(run, args=(default_model_file,), kwargs={"seconds": 20.0}, rounds=1, iterations=1)
+def test_http_load(benchmark):
+    from fastserve.default_model import default_model_path
+    out = benchmark.pedantic(run, args=(default_model_path(),), kwargs={"seconds": 20.0}, rounds=1, iterations=1)
     print("\n" + report(out))
     benchmark.extra_info.update({"ratio": out["ratio"], "rows": out["rows"], "probes": out["probes"]})
 
