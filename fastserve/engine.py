@@ -118,7 +118,9 @@ class Engine:
         if backend is None or backend in ("cpu", "numpy"):
             from .backends.numpy_backend import NumpyBackend
             return NumpyBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot)
-        if callable(backend) and not hasattr(backend, "forward"):
+        if isinstance(backend, str):
+            raise ValueError(f"unknown backend {backend!r}; known: cpu")
+        if isinstance(backend, type) or not hasattr(backend, "forward"):   # a class or a factory
             return backend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot)
         return backend
 

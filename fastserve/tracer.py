@@ -20,19 +20,16 @@ class Tracer:
         self.reset()
 
     def reset(self) -> None:
+        """Zero the totals (safe from another thread: a step in flight keeps its start time)."""
         self.ns = {p: 0 for p in PHASES}
         self.steps = 0
         self.idle_ns = 0
         self.sent_tokens = 0
         self.send_ns = 0
-        self._t = 0
-        self._t_first = None
-        self._t_last = None
+        self._t = time.perf_counter_ns()
 
     def begin(self) -> None:
         self._t = time.perf_counter_ns()
-        if self._t_first is None:
-            self._t_first = self._t
 
     def lap(self, phase: str) -> None:
         t = time.perf_counter_ns()
@@ -41,7 +38,6 @@ class Tracer:
 
     def end(self) -> None:
         self.steps += 1
-        self._t_last = self._t
 
     def sends(self, n_tokens: int, ns: int) -> None:
         self.sent_tokens += n_tokens
