@@ -9,6 +9,7 @@ STAMP := $(VENV)/.installed
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q 'setuptools>=68' wheel 'Cython>=3.0'
 
 $(STAMP): $(BIN)/python pyproject.toml setup.py
 	$(BIN)/python -m pip install -q -e '.[test]'
