@@ -53,10 +53,17 @@ def main(argv=None) -> int:
     sp.add_argument("--log-disable", action="store_true", help="no per-request log lines")
     sp.add_argument("--test-stall-file", help=argparse.SUPPRESS)   # tests: forward() hangs while this file exists
 
+    bp = sub.add_parser("bench", help="closed-loop load in-process: tok/s, latency, and where a step's time goes")
+    _model_args(bp)
+    bp.add_argument("--clients", default="1,8,32", help="comma-separated concurrency levels")
+    bp.add_argument("--seconds", type=float, default=30.0, help="measured seconds per level (after a warm-up)")
+    bp.add_argument("-n", "--n-predict", type=int, default=128)
+    bp.add_argument("-t", "--threads", type=int, default=0, help="BLAS threads (0: library default)")
+
     args = p.parse_args(argv)
     from .errors import FastserveError
     try:
-        return {"pull": _pull, "generate": _generate, "serve": _serve}[args.cmd](args)
+        return {"pull": _pull, "generate": _generate, "serve": _serve, "bench": _bench}[args.cmd](args)
     except FastserveError as exc:
         print(f"fastserve: error: {exc}", file=sys.stderr)
         return 1
@@ -119,6 +126,25 @@ def _interactive():
             return
         if line.strip():
             yield line
+
+
+def _bench(args) -> int:
+    from .bench import closed_loop, format_rows, make_prompts
+    from .engine import Engine
+    from .tracer import format_summary
+    model = _load(args)
+    prompts = make_prompts(model.tokenizer, 64)
+    rows = []
+    for clients in (int(c) for c in args.clients.split(",")):
+        n_parallel = max(1, clients)               # a slot per client, as llama-server -np N
+        with Engine(model, n_parallel=n_parallel, n_ctx=max(args.ctx_size, 512 * n_parallel),
+                    n_batch=args.batch_size, trace=True, blas_threads=args.threads or None) as engine:
+            closed_loop(engine, prompts, clients, 3.0, n_predict=args.n_predict)     # warm-up
+            engine.tracer.reset()
+            rows.append(closed_loop(engine, prompts, clients, args.seconds, n_predict=args.n_predict).row())
+            print(f"\n{clients} clients, {n_parallel} slots:\n{format_summary(engine.trace_summary())}")
+    print("\n" + format_rows(rows))
+    return 0
 
 
 def _serve(args) -> int:

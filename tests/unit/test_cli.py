@@ -19,3 +19,9 @@ def test_missing_model_is_a_clear_error(tmp_path):
     assert p.returncode == 1
     assert "fastserve: error:" in p.stderr and "no such file" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_bench_prints_the_phase_table(tiny_model_path):
+    p = _run("bench", "-m", tiny_model_path, "--clients", "2", "--seconds", "1", "-n", "8")
+    assert p.returncode == 0, p.stderr
+    assert "forward" in p.stdout and "host work" in p.stdout and "tok/s" in p.stdout
