@@ -148,7 +148,7 @@ def test_queue_bound_gives_server_busy(tiny_model):
 
 
 def test_close_wakes_every_waiting_consumer(tiny_model):
-    e = fastserve.Engine(tiny_model, n_parallel=2, n_ctx=256, max_queue=16)
+    e = fastserve.Engine(tiny_model, n_parallel=2, n_ctx=2 * 16384, max_queue=16)   # long enough to be running
     readers = [e.submit("x", max_tokens=-1, temperature=0) for _ in range(6)]
     results = []
     threads = [threading.Thread(target=lambda r=r: results.append(r.result(timeout=10).finish_reason))
