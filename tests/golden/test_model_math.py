@@ -68,3 +68,17 @@ def test_greedy_continuations_match(default_model, reference):
             f"{case['name']}: diverges at {first} ({got[first]} vs {want[first]}) outside a near-tie")
         flips.append((case["name"], first, round(top[0]["prob"] - top[1]["prob"], 4)))
     print(f"near-tie flips: {flips}")
+
+
+def test_greedy_is_batch_invariant_on_the_default_model(default_model, reference):
+    """A request's greedy tokens are the same alone and among 31 concurrent others (prompt chunking,
+    batch composition and slot all differ between the two runs)."""
+    prompts = [c["prompt_token_ids"] for c in reference["completions"]]
+    crowd_prompts = (prompts * 3)[:32]
+    with fastserve.Engine(default_model, n_parallel=32, n_ctx=32 * 512, n_batch=256) as engine:
+        crowd = [engine.submit(p, max_tokens=16, temperature=0, cache_prompt=False) for p in crowd_prompts]
+        crowd = [r.result().token_ids for r in crowd]
+    with fastserve.Engine(default_model, n_parallel=1, n_ctx=512) as engine:
+        alone = [engine.generate(p, max_tokens=16, temperature=0, cache_prompt=False).token_ids for p in prompts[:6]]
+    for i, want in enumerate(alone):
+        assert crowd[i] == want and crowd[i + 13] == want, f"prompt {i} differs in company"
