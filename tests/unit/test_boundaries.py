@@ -1,0 +1,28 @@
+"""The boundaries STYLE.md asks a test for: the engine knows nothing of HTTP or event loops,
+and every Cython module has its pure-Python twin (no silent fallback)."""
+import importlib
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+PKG = pathlib.Path(__file__).resolve().parents[2] / "fastserve"
+
+
+def test_engine_imports_no_server_or_event_loop():
+    code = ("import sys, fastserve.engine, fastserve.text_reader; "
+            "bad = [m for m in ('asyncio', 'uvloop', 'h11', 'fastserve.server') if m in sys.modules]; "
+            "print(','.join(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "", f"the engine pulled in {out.stdout.strip()}"
+
+
+@pytest.mark.parametrize("pyx", sorted(p.stem for p in PKG.glob("_*.pyx")))
+def test_every_extension_has_a_twin_and_is_built(pyx):
+    twin = PKG / "ref" / f"{pyx.lstrip('_')}.py"
+    assert twin.is_file(), f"{pyx}.pyx has no pure-Python twin at {twin}"
+    importlib.import_module(f"fastserve.ref.{pyx.lstrip('_')}")
+    mod = importlib.import_module(f"fastserve.{pyx}")          # a missing build raises here: no fallback
+    assert mod.__file__.endswith((".so", ".pyd")), f"fastserve.{pyx} is not the compiled extension"
