@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -69,7 +70,7 @@ async def _get(reader, writer, path: str) -> bytes:
     return await reader.readexactly(n)
 
 
-async def _stream_one(port, prompt: list, n_predict: int, t_measure: float, res: LoadResult) -> None:
+async def _stream_one(port, prompt: list, n_predict: int, t_measure: float, t_end: float, res: LoadResult) -> None:
     reader, writer = await _open(port)
     body = orjson.dumps({"prompt": prompt, "n_predict": n_predict, "temperature": 0, "stream": True,
                          "cache_prompt": False})
@@ -95,16 +96,13 @@ async def _stream_one(port, prompt: list, n_predict: int, t_measure: float, res:
                 continue
             if last is None:
                 ttft = now - t0
-            else:
-                gaps.extend([(now - last) / k] * k)
+            elif t_measure <= now <= t_end:
+                res.gaps.extend([(now - last) / k] * k)
             last, n = now, ev["tokens_predicted"]
     writer.close()
-    if t0 >= t_measure:
+    if t_measure <= t0 and ttft is not None and t0 + ttft <= t_end:
         res.requests += 1
         res.ttft.append(ttft)
-    if last is not None and last >= t_measure:
-        res.tokens += n
-        res.gaps.extend(gaps)
 
 
 async def _probe(port, path: str, stop_at: float, t_measure: float, out: list) -> None:
@@ -118,14 +116,15 @@ async def _probe(port, path: str, stop_at: float, t_measure: float, out: list) -
     writer.close()
 
 
-async def _metrics_step_ms(port) -> tuple[float, float]:
-    """(Σ phase sums, phase observations) of the tracer histograms in /metrics."""
+async def _server_counters(port) -> tuple[float, float, float]:
+    """(Σ phase sums, phase observations, generated tokens) from /metrics."""
     reader, writer = await _open(port)
     text = (await _get(reader, writer, "/metrics")).decode()
     writer.close()
     sums = {m.group(1): float(m.group(2)) for m in re.finditer(r'fastserve_step_phase_seconds_sum\{phase="(\w+)"\} (\S+)', text)}
     counts = {m.group(1): float(m.group(2)) for m in re.finditer(r'fastserve_step_phase_seconds_count\{phase="(\w+)"\} (\S+)', text)}
-    return sum(sums.values()), max(counts.values(), default=0.0)
+    gen = float(re.search(r"^fastserve_generated_tokens_total (\S+)$", text, re.M).group(1))
+    return sum(sums.values()), max(counts.values(), default=0.0), gen
 
 
 async def http_load(port, prompts, clients: int, seconds: float, warmup_s: float, n_predict: int = 128):
@@ -137,19 +136,19 @@ async def http_load(port, prompts, clients: int, seconds: float, warmup_s: float
     async def client(k):
         i = k
         while time.perf_counter() < stop_at:
-            await _stream_one(port, prompts[i % len(prompts)], n_predict, t_measure, res)
+            await _stream_one(port, prompts[i % len(prompts)], n_predict, t_measure, stop_at, res)
             i += clients
 
-    await asyncio.sleep(0)
-    s0 = None
     tasks = [asyncio.create_task(client(k)) for k in range(clients)]
     probes = [asyncio.create_task(_probe(port, "/health", stop_at, t_measure, health)),
               asyncio.create_task(_probe(port, "/slots", stop_at, t_measure, slots))]
     await asyncio.sleep(warmup_s)
-    s0 = await _metrics_step_ms(port)
+    s0 = await _server_counters(port)
+    t0 = time.perf_counter()
     await asyncio.sleep(max(0.0, stop_at - time.perf_counter()))
-    s1 = await _metrics_step_ms(port)
-    res.seconds = time.perf_counter() - t_measure
+    s1 = await _server_counters(port)
+    res.seconds = time.perf_counter() - t0
+    res.tokens = int(s1[2] - s0[2])            # the server's count of tokens generated in the window
     await asyncio.gather(*tasks, *probes)
     step_ms = (s1[0] - s0[0]) / (s1[1] - s0[1]) * 1e3 if s1[1] > s0[1] else float("nan")
     return res, health, slots, step_ms
@@ -159,7 +158,7 @@ def _pct(xs, q):
     return float(np.percentile(xs, q)) * 1e3 if xs else float("nan")
 
 
-def run(model_path: str, clients_list=(1, 8, 32), seconds: float = 30.0, warmup_s: float = 8.0,
+def run(model_path: str, clients_list=(1, 8, 32), seconds: float = 40.0, warmup_s: float = 20.0,
         threads: int = 1) -> dict:
     import uvloop
 
@@ -181,11 +180,19 @@ def run(model_path: str, clients_list=(1, 8, 32), seconds: float = 30.0, warmup_
     clients = max(clients_list)
     engine = fastserve.Engine(model, n_parallel=N_SLOTS, n_ctx=N_CTX, trace=True, blas_threads=threads)
     with engine:
-        closed_loop(engine, prompts, clients, warmup_s, warmup_s=0)
-        engine.tracer.reset()
-        res = closed_loop(engine, prompts, clients, seconds)
+        mark = {}
+
+        def measure_start():
+            engine.tracer.reset()
+            mark["t"], mark["gen"] = time.perf_counter(), engine.snapshot.tokens_generated
+        timer = threading.Timer(warmup_s, measure_start)
+        timer.start()
+        res = closed_loop(engine, prompts, clients, seconds, warmup_s=warmup_s)
+        summary = engine.trace_summary()
+        res.tokens = engine.snapshot.tokens_generated - mark["gen"]
+        res.seconds = time.perf_counter() - mark["t"]
         out["inproc_row"] = res.row()
-        out["inproc_step_ms"] = engine.trace_summary()["step_ms"]
+        out["inproc_step_ms"] = summary["step_ms"]
     out["http_step_ms"] = out["probes"][-1]["step_ms"]
     out["ratio"] = out["http_step_ms"] / out["inproc_step_ms"]
     return out
@@ -213,8 +220,8 @@ def test_http_load(benchmark):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", help="GGUF path (default: the default model)")
-    ap.add_argument("--seconds", type=float, default=30.0)
-    ap.add_argument("--warmup", type=float, default=8.0)
+    ap.add_argument("--seconds", type=float, default=40.0)
+    ap.add_argument("--warmup", type=float, default=20.0)
     ap.add_argument("--clients", default="1,8,32")
     ap.add_argument("-t", "--threads", type=int, default=1)
     a = ap.parse_args()
