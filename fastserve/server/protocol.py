@@ -189,6 +189,7 @@ class HttpProtocol(asyncio.Protocol):
             self.app.log_exception(ex, exc)
             self._cut(ex, resp, HttpError(500, f"internal error: {type(exc).__name__}"))
         finally:
+            coro.close()                # cancelled before it started: no "never awaited" warning
             if isinstance(resp, StreamResponse):
                 try:
                     await resp.body.aclose()
