@@ -1,5 +1,9 @@
 """The llama forward pass in NumPy (float32): the CPU backend and the reference for the GPU one.
 
+The matrix products run on int8 weights (fastserve._matmul, "q8", the default: a quarter of the
+memory traffic of float32, and batch-invariant by construction) or on the float32 weights through
+OpenBLAS ("f32"). Everything else is float32.
+
 Shapes: n = tokens in the batch, d = n_embd, H = heads, Hkv = KV heads,
 D = head_dim, G = H // Hkv (queries per KV head), L = keys attended.
 """
@@ -8,7 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 from .._attention import attend
+from .._matmul import Matmul, Q8Matrix
 from ..models.llama import LlamaConfig, LlamaWeights
+
+WEIGHT_TYPES = ("q8", "f32")
 
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -46,6 +53,16 @@ def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray((w @ x.T).T)
 
 
+def q8_matrices(w: LlamaWeights):
+    """([(wqkv, wo, w_gate_up, w_down) per layer], output) as Q8Matrix: requantized once per weights
+    object (cached in w.packed) and shared by every backend built on them."""
+    if "q8" not in w.packed:
+        layers = [tuple(Q8Matrix.from_float(m) for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down))
+                  for lw in w.layers]
+        w.packed["q8"] = (layers, Q8Matrix.from_float(w.output))
+    return w.packed["q8"]
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (np.float32(1.0) + np.exp(-x))
 
@@ -53,15 +70,33 @@ def silu(x: np.ndarray) -> np.ndarray:
 class NumpyBackend:
     """CPU backend. KV cache: per layer float32 [n_slots, n_ctx_slot, Hkv, D].
 
+    weight_type: "q8" (fastserve._matmul on int8 weights, the default) or "f32" (OpenBLAS).
+    threads: threads of the q8 products (the caller + threads - 1 helpers); 1 is the safe default
+    on a machine whose other cores serve the event loop (see bench/bench_matmul.py). The f32
+    path's threads are OpenBLAS's (threadpoolctl).
+
     Batch invariance: a token's logits do not depend on what else is in the
-    batch. OpenBLAS picks other kernels (other summation orders) for a
-    one-column product (gemv) and for "small" products (out*n up to ~1152), so
-    every product is given at least `min_rows` rows (zero padding), and
-    attention (fastserve._attention) computes each (token, head) on its own.
+    batch. The q8 product sums every output in a fixed order whatever n. OpenBLAS
+    picks other kernels (other summation orders) for a one-column product (gemv)
+    and for "small" products (out*n up to ~1152), so on the f32 path every product
+    is given at least `min_rows` rows (zero padding). Attention
+    (fastserve._attention) computes each (token, head) on its own.
     """
 
-    def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, n_slots: int, n_ctx_slot: int):
+    def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, n_slots: int, n_ctx_slot: int,
+                 weight_type: str = "q8", threads: int = 1):
+        if weight_type not in WEIGHT_TYPES:
+            raise ValueError(f"unknown weight_type {weight_type!r}; known: {', '.join(WEIGHT_TYPES)}")
         self.cfg, self.w = cfg, weights
+        self.weight_type = weight_type
+        if weight_type == "q8":
+            self._mm = Matmul(threads)
+            layers, output = q8_matrices(weights)
+        else:
+            self._mm = None
+            layers = [(lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down) for lw in weights.layers]
+            output = weights.output
+        self._layer_mats, self._output = layers, output   # per layer (wqkv, wo, w_gate_up, w_down)
         self.n_slots, self.n_ctx_slot, self.n_vocab = n_slots, n_ctx_slot, cfg.n_vocab
         shape = (n_slots, n_ctx_slot, cfg.n_head_kv, cfg.head_dim)
         self.k_cache = [np.zeros(shape, np.float32) for _ in range(cfg.n_layer)]
@@ -70,7 +105,13 @@ class NumpyBackend:
         self.scale = float(1.0 / np.sqrt(cfg.head_dim))
         self.scratch = np.zeros(n_ctx_slot, np.float32)        # attention scores of one (token, head)
         narrowest = min(cfg.n_embd, (cfg.n_head + 2 * cfg.n_head_kv) * cfg.head_dim, 2 * cfg.n_ff)
-        self.min_rows = max(2, -(-2048 // narrowest))
+        self.min_rows = max(2, -(-2048 // narrowest)) if weight_type == "f32" else 1
+
+    def _matmul(self, x: np.ndarray, m) -> np.ndarray:
+        """x [n, in] times m [out, in] transposed: [n, out] float32, C-contiguous."""
+        if self._mm is None:
+            return matmul(x, m)
+        return self._mm(x, m, np.empty((len(x), m.n_out), np.float32))
 
     def kv_bytes_per_token(self) -> int:
         c = self.cfg
@@ -114,8 +155,9 @@ class NumpyBackend:
         x = np.zeros((max(n, self.min_rows), cfg.n_embd), np.float32)
         x[:n] = w.tok_embd[np.asarray(tokens, dtype=np.int64)]
         for li, lw in enumerate(w.layers):
+            wqkv, wo, w_gate_up, w_down = self._layer_mats[li]
             h = rms_norm(x, lw.attn_norm, cfg.norm_eps)
-            qkv = matmul(h, lw.wqkv)
+            qkv = self._matmul(h, wqkv)
             q = qkv[:n, :q_dim].reshape(n, cfg.n_head, cfg.head_dim)
             k = qkv[:n, q_dim:q_dim + kv_dim].reshape(n, cfg.n_head_kv, cfg.head_dim)
             v = qkv[:n, q_dim + kv_dim:].reshape(n, cfg.n_head_kv, cfg.head_dim)
@@ -126,11 +168,11 @@ class NumpyBackend:
             vc[slots, positions] = v
             attn = np.zeros((len(x), q_dim), np.float32)
             attend(np.ascontiguousarray(q), kc, vc, slots, positions, attn, self.scratch, self.scale)
-            x += matmul(attn, lw.wo)
+            x += self._matmul(attn, wo)
             h = rms_norm(x, lw.ffn_norm, cfg.norm_eps)
-            gu = matmul(h, lw.w_gate_up)
-            x += matmul(silu(gu[:, :cfg.n_ff]) * gu[:, cfg.n_ff:], lw.w_down)
+            gu = self._matmul(h, w_gate_up)
+            x += self._matmul(silu(gu[:, :cfg.n_ff]) * gu[:, cfg.n_ff:], w_down)
         rows = np.asarray(out_rows, dtype=np.int64)
         h = np.zeros((max(len(rows), self.min_rows), cfg.n_embd), np.float32)
         h[:len(rows)] = rms_norm(x[rows], w.out_norm, cfg.norm_eps)
-        return matmul(h, w.output)[:len(rows)]
+        return self._matmul(h, self._output)[:len(rows)]

@@ -4,14 +4,17 @@ Covers SmolLM2, TinyLlama, Llama 2/3, Mistral-style models: RMSNorm, RoPE
 (llama.cpp's "normal" pair layout, since convert_hf_to_gguf permutes Q and K for
 it), grouped-query attention, SwiGLU, tied or separate output matrix.
 
-Weights are dequantized once at load to float32 (CPU) with gguf.quants.
+Weights are dequantized once at load to float32 (CPU) with gguf.quants, and the matrices are also
+packed once for fastserve._matmul's int8 product (LlamaWeights.packed["q8"]): the int8 blocks of
+Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 tensors are taken as they are (exact; Q4_1/Q5_1 keep their offset),
+any other type is requantized from float32 (one scale per 32 inputs).
 Matrix orientation: numpy shape (out_features, in_features), so y = x @ W.T.
 """
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -94,6 +97,9 @@ class LlamaWeights:
     out_norm: np.ndarray            # [n_embd]
     output: np.ndarray              # [n_vocab, n_embd]; the same array as tok_embd when tied
     rope_freqs: np.ndarray | None   # [rope_dim/2] llama3-style frequency factors, or None
+    # Backend-specific copies made once per weights object (e.g. "q8": the matrices requantized for
+    # fastserve._matmul), so that every backend built on these weights shares them.
+    packed: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def dequantize(entry, path: str) -> np.ndarray:
@@ -110,6 +116,65 @@ def dequantize(entry, path: str) -> np.ndarray:
         from gguf.quants import dequantize as gguf_dequantize
         out = gguf_dequantize(np.asarray(entry.data), GGMLQuantizationType(entry.type_id)).astype(np.float32, copy=False)
     return np.ascontiguousarray(out.reshape(entry.shape))
+
+
+# GGUF blocks of 32 weights that are int8 values times a scale (plus an offset): bytes per block.
+EXACT_BLOCK_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
+
+
+def exact_blocks(entry):
+    """A Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 matrix [rows, cols] as it is stored: (q int8 [rows, cols],
+    d float32 [rows, cols/32], m float32 like d for Q4_1/Q5_1, else None), w = d * q (+ m) per
+    block. None for any other type. (ggml's block layouts: f16 d, [f16 m], [u32 high bits], then
+    16 bytes whose low nibbles are elements 0..15 and high nibbles 16..31, or 32 int8 for Q8_0.)"""
+    t = entry.type_name
+    if t not in EXACT_BLOCK_TYPES or len(entry.shape) != 2 or entry.shape[1] % 32:
+        return None
+    rows, cols = entry.shape
+    raw = np.asarray(entry.data, dtype=np.uint8).reshape(-1, EXACT_BLOCK_TYPES[t])
+    d = raw[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(rows, cols // 32)
+    m = None
+    if t == "Q8_0":
+        return raw[:, 2:].copy().view(np.int8).reshape(rows, cols), d, None
+    at = 2
+    if t in ("Q4_1", "Q5_1"):
+        m = raw[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(rows, cols // 32)
+        at = 4
+    q = np.empty((len(raw), 32), np.uint8)
+    if t in ("Q5_0", "Q5_1"):
+        qh = raw[:, at:at + 4].copy().view("<u4")                      # [blocks, 1]
+        at += 4
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+    qs = raw[:, at:at + 16]
+    q[:, :16], q[:, 16:] = qs & 0x0F, qs >> 4
+    if t in ("Q5_0", "Q5_1"):
+        q |= high
+    q = q.view(np.int8)
+    if t == "Q4_0":
+        q -= 8
+    elif t == "Q5_0":
+        q -= 16
+    return q.reshape(rows, cols), d, m
+
+
+def _q8_matrix(entries, f32: np.ndarray):
+    """The Q8Matrix of the row-wise concatenation of entries (whose float32 values are f32): exact
+    blocks where the type has them, the others requantized from f32; offsets if any part has them."""
+    from .._matmul import Q8Matrix, quantize_rows
+
+    parts, row = [], 0
+    for e in entries:
+        blocks = exact_blocks(e)
+        if blocks is None:
+            blocks = (*quantize_rows(np.ascontiguousarray(f32[row:row + e.shape[0]])), None)
+        parts.append(blocks)
+        row += e.shape[0]
+    q = np.concatenate([p[0] for p in parts])
+    d = np.concatenate([p[1] for p in parts])
+    m = None
+    if any(p[2] is not None for p in parts):
+        m = np.concatenate([p[2] if p[2] is not None else np.zeros_like(p[1]) for p in parts])
+    return Q8Matrix.from_blocks(np.ascontiguousarray(q), np.ascontiguousarray(d), m)
 
 
 class _Progress:
@@ -130,8 +195,9 @@ class _Progress:
             sys.stderr.flush()
 
 
-def load_weights(gf: GGUFFile, cfg: LlamaConfig) -> LlamaWeights:
-    """Dequantize every tensor the forward pass needs; checks shapes against cfg."""
+def load_weights(gf: GGUFFile, cfg: LlamaConfig, q8: bool = True) -> LlamaWeights:
+    """Dequantize every tensor the forward pass needs; checks shapes against cfg. q8: also pack the
+    matrices for fastserve._matmul (packed["q8"], see the module docstring)."""
     names = ["token_embd.weight", "output_norm.weight"]
     per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
@@ -175,5 +241,17 @@ def load_weights(gf: GGUFFile, cfg: LlamaConfig) -> LlamaWeights:
     if "rope_freqs.weight" in gf.tensors:
         rope_freqs = dequantize(gf.tensors["rope_freqs.weight"], gf.path).reshape(-1)
     tok = got["token_embd.weight"]
-    return LlamaWeights(tok_embd=tok, layers=layers, out_norm=got["output_norm.weight"],
-                        output=got["output.weight"] if has_output else tok, rope_freqs=rope_freqs)
+    weights = LlamaWeights(tok_embd=tok, layers=layers, out_norm=got["output_norm.weight"],
+                           output=got["output.weight"] if has_output else tok, rope_freqs=rope_freqs)
+    if q8:
+        t = gf.tensors
+        packed = []
+        for i, lw in enumerate(layers):
+            b = f"blk.{i}."
+            packed.append((_q8_matrix([t[b + "attn_q.weight"], t[b + "attn_k.weight"], t[b + "attn_v.weight"]], lw.wqkv),
+                           _q8_matrix([t[b + "attn_output.weight"]], lw.wo),
+                           _q8_matrix([t[b + "ffn_gate.weight"], t[b + "ffn_up.weight"]], lw.w_gate_up),
+                           _q8_matrix([t[b + "ffn_down.weight"]], lw.w_down)))
+        output = _q8_matrix([t["output.weight" if has_output else "token_embd.weight"]], weights.output)
+        weights.packed["q8"] = (packed, output)
+    return weights

@@ -1,0 +1,631 @@
+/* Q8 matrix product y[n, out] = x[n, in] . W[out, in]^T: the C behind fastserve/_matmul.pyx.
+ *
+ * Numbers (the contract that fastserve/ref/matmul.py restates in NumPy):
+ *   - A row is cut into blocks of 32 inputs (the last one zero padded). A block is quantized as
+ *     d = amax / 127, q = rint(v * (127 / amax)) in [-127, 127] (q = 0, d = 0 when amax = 0), with
+ *     float32 arithmetic and round-half-even. Weights are quantized so once, at packing; each
+ *     activation row at each call.
+ *   - Per block the integer dot  isum = sum q_w * q_x  is exact (|isum| <= 32 * 127 * 127 < 2^24,
+ *     so its float conversion is exact too).
+ *   - Weights may carry a per-block offset m_w too (x_w = d_w * q_w + m_w: the exact form of GGUF's
+ *     Q4_1 / Q5_1 blocks); its share of a block is m_w * s_x with s_x = d_x * (float)sum q_x.
+ *   - Output (r, o): acc = 0; for blocks b = 0, 1, ... IN THAT ORDER:
+ *         acc = acc + (float)isum * (d_w * d_x);   then, with offsets,  acc = acc + m_w * s_x;
+ *     each product and each sum rounded to float32, no fused multiply-add (the extension is built
+ *     with -ffp-contract=off). Nothing in that order depends on n, on the other rows, on the
+ *     kernel (scalar, AVX2, AVX-512 VNNI) or on which thread computes which outputs: results are
+ *     bit-identical whatever the batch, and equal to the NumPy twin.
+ *
+ * Packed weight layout: outputs in panels of 16 (the last one padded with q = 0, d = 0); a panel is
+ * nb consecutive panel-blocks of FS_PB_BYTES bytes:
+ *   bytes [0, 512):  byte k*64 + lane*4 + j = (uint8)(q[lane][b*32 + k*4 + j] + 128), k < 8, j < 4
+ *                    (lane = output within the panel: one 32-bit SIMD lane per output, four inputs
+ *                    per lane, the layout of VNNI's u8 x s8 dot);
+ *   bytes [512, 576): d[lane] as float32;
+ *   bytes [576, 640): m[lane] as float32, only in a matrix with offsets.
+ * One weight stream per panel: a matrix is read once per call, whatever n.
+ */
+#ifndef FASTSERVE_MATMUL_KERNELS_H
+#define FASTSERVE_MATMUL_KERNELS_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <pthread.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define FS_X86 1
+#include <immintrin.h>
+#endif
+
+#define FS_QK 32                 /* inputs per block */
+#define FS_LANES 16              /* outputs per panel */
+#define FS_PB_QBYTES 512         /* quants of one panel-block */
+#define FS_PB_BYTES 576          /* quants + 16 float32 scales (+ 16 float32 offsets: FS_PB_BYTES_M) */
+#define FS_PB_BYTES_M 640
+#define FS_MAX_THREADS 64
+
+enum { FS_ISA_SCALAR = 0, FS_ISA_AVX2 = 1, FS_ISA_AVX512VNNI = 2 };
+
+/* ---- quantization ------------------------------------------------------------------------- */
+
+/* rint(v) for |v| < 2^22 under the default round-to-nearest-even mode: adding 1.5 * 2^23 leaves
+ * no fraction bits. Exact and vectorizable (rintf is a library call on baseline x86-64). */
+static inline int32_t fs_rint(float v)
+{
+    const float magic = 12582912.0f;
+    float t = v + magic;
+    return (int32_t)(t - magic);
+}
+
+/* One row of n_in floats -> q [nb*32] (zero padded), d [nb], qsum [nb] (sum of each block's q)
+ * and, when sx is not NULL, sx [nb] = d * (float)qsum. */
+static void fs_quantize_row(const float *x, int64_t n_in, int8_t *q, float *d, int32_t *qsum, float *sx)
+{
+    int64_t nb = (n_in + FS_QK - 1) / FS_QK;
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + b * FS_QK;
+        int m = (int)(n_in - b * FS_QK < FS_QK ? n_in - b * FS_QK : FS_QK);
+        float v[FS_QK];
+        float amax = 0.0f;
+        for (int i = 0; i < FS_QK; i++) {
+            v[i] = i < m ? xb[i] : 0.0f;
+            float a = fabsf(v[i]);
+            amax = a > amax ? a : amax;
+        }
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t s = 0;
+        for (int i = 0; i < FS_QK; i++) {
+            int32_t qi = fs_rint(v[i] * id);
+            q[b * FS_QK + i] = (int8_t)qi;
+            s += qi;
+        }
+        d[b] = amax / 127.0f;
+        qsum[b] = s;
+        if (sx)
+            sx[b] = d[b] * (float)s;
+    }
+}
+
+/* x [n, ldx] (n_in used) -> q [n, nb*32], d [n, nb], qsum [n, nb], sx [n, nb] (or NULL). */
+static void fs_quantize_rows(const float *x, int64_t n, int64_t n_in, int64_t ldx,
+                             int8_t *q, float *d, int32_t *qsum, float *sx)
+{
+    int64_t nb = (n_in + FS_QK - 1) / FS_QK;
+    for (int64_t r = 0; r < n; r++)
+        fs_quantize_row(x + r * ldx, n_in, q + r * nb * FS_QK, d + r * nb, qsum + r * nb,
+                        sx ? sx + r * nb : NULL);
+}
+
+/* ---- packing ------------------------------------------------------------------------------ */
+
+static inline int64_t fs_pb_bytes(int has_min)
+{
+    return has_min ? FS_PB_BYTES_M : FS_PB_BYTES;
+}
+
+static inline int64_t fs_packed_bytes(int64_t n_out, int64_t n_in, int has_min)
+{
+    return (n_out + FS_LANES - 1) / FS_LANES * ((n_in + FS_QK - 1) / FS_QK) * fs_pb_bytes(has_min);
+}
+
+/* Writes output row o's blocks into its lane: q [n_in] (the last block zero padded), d [nb], m [nb]
+ * (NULL: a matrix without offsets). The padding lanes must have been cleared (fs_pack_clear). */
+static void fs_pack_row(uint8_t *dst, int64_t n_in, int64_t o, const int8_t *q, const float *d, const float *m)
+{
+    int64_t nb = (n_in + FS_QK - 1) / FS_QK, pbb = fs_pb_bytes(m != NULL), lane = o % FS_LANES;
+    uint8_t *panel = dst + o / FS_LANES * nb * pbb;
+    for (int64_t b = 0; b < nb; b++) {
+        int8_t qb[FS_QK];
+        int64_t take = n_in - b * FS_QK < FS_QK ? n_in - b * FS_QK : FS_QK;
+        memset(qb, 0, sizeof qb);
+        memcpy(qb, q + b * FS_QK, (size_t)take);
+        uint8_t *pb = panel + b * pbb;
+        for (int k = 0; k < 8; k++)
+            for (int j = 0; j < 4; j++)
+                pb[k * 64 + lane * 4 + j] = (uint8_t)(qb[k * 4 + j] + 128);
+        memcpy(pb + FS_PB_QBYTES + lane * 4, &d[b], 4);
+        if (m)
+            memcpy(pb + FS_PB_BYTES + lane * 4, &m[b], 4);
+    }
+}
+
+/* Every lane q = 0, d = 0, m = 0: what the padding outputs keep. */
+static void fs_pack_clear(uint8_t *dst, int64_t n_out, int64_t n_in, int has_min)
+{
+    int64_t pbb = fs_pb_bytes(has_min), n_pb = fs_packed_bytes(n_out, n_in, has_min) / pbb;
+    for (int64_t i = 0; i < n_pb; i++) {
+        memset(dst + i * pbb, 128, FS_PB_QBYTES);
+        memset(dst + i * pbb + FS_PB_QBYTES, 0, (size_t)(pbb - FS_PB_QBYTES));
+    }
+}
+
+/* Exact blocks: q [n_out, n_in] int8, d [n_out, nb], m [n_out, nb] or NULL -> dst. */
+static void fs_pack_blocks(const int8_t *q, const float *d, const float *m, int64_t n_out, int64_t n_in, uint8_t *dst)
+{
+    int64_t nb = (n_in + FS_QK - 1) / FS_QK;
+    fs_pack_clear(dst, n_out, n_in, m != NULL);
+    for (int64_t o = 0; o < n_out; o++)
+        fs_pack_row(dst, n_in, o, q + o * n_in, d + o * nb, m ? m + o * nb : NULL);
+}
+
+/* w [n_out, n_in] float32, each row quantized as an activation row -> dst (no offsets).
+ * Returns 0, or -1 when out of memory. */
+static int fs_pack_float(const float *w, int64_t n_out, int64_t n_in, uint8_t *dst)
+{
+    int64_t nb = (n_in + FS_QK - 1) / FS_QK;
+    int8_t *q = (int8_t *)malloc((size_t)(nb * FS_QK));
+    float *d = (float *)malloc((size_t)nb * sizeof(float));
+    int32_t *s = (int32_t *)malloc((size_t)nb * sizeof(int32_t));
+    if (!q || !d || !s) {
+        free(q); free(d); free(s);
+        return -1;
+    }
+    fs_pack_clear(dst, n_out, n_in, 0);
+    for (int64_t o = 0; o < n_out; o++) {
+        fs_quantize_row(w + o * n_in, n_in, q, d, s, NULL);
+        fs_pack_row(dst, n_in, o, q, d, NULL);
+    }
+    free(q); free(d); free(s);
+    return 0;
+}
+
+/* The inverse of the packing: q [n_out, nb*32] int8, d [n_out, nb], m [n_out, nb] (when has_min). */
+static void fs_unpack(const uint8_t *src, int64_t n_out, int64_t n_in, int has_min, int8_t *q, float *d, float *m)
+{
+    int64_t nb = (n_in + FS_QK - 1) / FS_QK, pbb = fs_pb_bytes(has_min);
+    for (int64_t o = 0; o < n_out; o++) {
+        int64_t lane = o % FS_LANES;
+        const uint8_t *panel = src + o / FS_LANES * nb * pbb;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *pb = panel + b * pbb;
+            for (int k = 0; k < 8; k++)
+                for (int j = 0; j < 4; j++)
+                    q[o * nb * FS_QK + b * FS_QK + k * 4 + j] = (int8_t)(pb[k * 64 + lane * 4 + j] - 128);
+            memcpy(&d[o * nb + b], pb + FS_PB_QBYTES + lane * 4, 4);
+            if (has_min)
+                memcpy(&m[o * nb + b], pb + FS_PB_BYTES + lane * 4, 4);
+        }
+    }
+}
+
+/* ---- kernels ------------------------------------------------------------------------------ */
+
+typedef struct {
+    const uint8_t *w;       /* packed weights */
+    int64_t n_out, nb;      /* outputs; blocks per row (K = nb*32 inputs, padded) */
+    int64_t pbb;            /* bytes per panel-block: FS_PB_BYTES, or FS_PB_BYTES_M with offsets */
+    const int8_t *xq;       /* [n, K] quantized activations */
+    const float *dx;        /* [n, nb] their scales */
+    const int32_t *xs;      /* [n, nb] their block sums */
+    const float *sx;        /* [n, nb] dx * xs (used with offsets) */
+    int64_t n;
+    float *y;               /* [n, ldy], outputs 0..n_out written */
+    int64_t ldy;
+} fs_job;
+
+/* Computes every row of panels [p0, p1). */
+typedef void (*fs_kernel)(const fs_job *, int64_t, int64_t);
+
+/* Lanes of panel p that are real outputs. */
+static inline int fs_valid(const fs_job *j, int64_t p)
+{
+    int64_t v = j->n_out - p * FS_LANES;
+    return (int)(v < FS_LANES ? v : FS_LANES);
+}
+
+static void fs_kernel_scalar(const fs_job *j, int64_t p0, int64_t p1)
+{
+    const int64_t nb = j->nb, K = nb * FS_QK, pbb = j->pbb;
+    const int has_min = pbb == FS_PB_BYTES_M;
+    for (int64_t p = p0; p < p1; p++) {
+        const uint8_t *panel = j->w + p * nb * pbb;
+        int valid = fs_valid(j, p);
+        for (int64_t r = 0; r < j->n; r++) {
+            const int8_t *xr = j->xq + r * K;
+            float acc[FS_LANES];
+            for (int l = 0; l < FS_LANES; l++)
+                acc[l] = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                const uint8_t *pb = panel + b * pbb;
+                int32_t is[FS_LANES];
+                for (int l = 0; l < FS_LANES; l++)
+                    is[l] = 0;
+                for (int k = 0; k < 8; k++)
+                    for (int jj = 0; jj < 4; jj++) {
+                        int32_t xv = xr[b * FS_QK + k * 4 + jj];
+                        for (int l = 0; l < FS_LANES; l++)
+                            is[l] += (int32_t)pb[k * 64 + l * 4 + jj] * xv;
+                    }
+                float dw[FS_LANES], mw[FS_LANES];
+                memcpy(dw, pb + FS_PB_QBYTES, sizeof dw);
+                const float dxb = j->dx[r * nb + b];
+                const int32_t corr = 128 * j->xs[r * nb + b];   /* the +128 of the stored weights */
+                for (int l = 0; l < FS_LANES; l++) {
+                    float s = dw[l] * dxb;
+                    float t = (float)(is[l] - corr) * s;
+                    acc[l] = acc[l] + t;
+                }
+                if (has_min) {
+                    const float sxb = j->sx[r * nb + b];
+                    memcpy(mw, pb + FS_PB_BYTES, sizeof mw);
+                    for (int l = 0; l < FS_LANES; l++) {
+                        float t = mw[l] * sxb;
+                        acc[l] = acc[l] + t;
+                    }
+                }
+            }
+            memcpy(j->y + r * j->ldy + p * FS_LANES, acc, (size_t)valid * sizeof(float));
+        }
+    }
+}
+
+#if defined(FS_X86)
+
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 8)
+#define FS_HAVE_AVX512VNNI 1
+#endif
+
+#define FS_AVX2 __attribute__((target("avx2")))
+#define FS_INLINE static inline __attribute__((always_inline))
+
+static inline int32_t fs_load4(const int8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* AVX2 (no VNNI): one half panel (8 outputs) times R rows; M: the matrix has offsets. The weights
+ * are made signed again (xor 0x80) and multiplied with maddubs(|w|, sign(x, w)), whose i16 pair
+ * sums cannot saturate (2 * 128 * 127 < 2^15); the integer result is VNNI's exact dot. */
+FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, int64_t p, int h, int64_t r0, const int R, const int M)
+{
+    const int64_t nb = j->nb, K = nb * FS_QK, pbb = M ? FS_PB_BYTES_M : FS_PB_BYTES;
+    const uint8_t *wp = j->w + p * nb * pbb + h * 32;
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    __m256 f[4];
+    __m256i a[4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        f[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *pb = wp + b * pbb;
+        const int8_t *xb = j->xq + r0 * K + b * FS_QK;
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            a[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {
+            __m256i ws = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(pb + k * 64)), flip);
+            __m256i aw = _mm256_abs_epi8(ws);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                __m256i xv = _mm256_set1_epi32(fs_load4(xb + r * K + k * 4));
+                __m256i m = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, ws));
+                a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(m, ones));
+            }
+        }
+        /* half h's 8 scales (offsets) sit h*32 bytes into them, as its quants into each chunk */
+        __m256 dw = _mm256_loadu_ps((const float *)(pb + FS_PB_QBYTES));
+        __m256 mw = M ? _mm256_loadu_ps((const float *)(pb + FS_PB_BYTES)) : dw;
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            __m256 s = _mm256_mul_ps(dw, _mm256_set1_ps(j->dx[(r0 + r) * nb + b]));
+            f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_cvtepi32_ps(a[r]), s));
+            if (M)
+                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(mw, _mm256_set1_ps(j->sx[(r0 + r) * nb + b])));
+        }
+    }
+    int valid = fs_valid(j, p) - h * 8;
+    valid = valid > 8 ? 8 : valid;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        float *yr = j->y + (r0 + r) * j->ldy + p * FS_LANES + h * 8;
+        if (valid == 8) {
+            _mm256_storeu_ps(yr, f[r]);
+        } else if (valid > 0) {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, f[r]);
+            memcpy(yr, tmp, (size_t)valid * sizeof(float));
+        }
+    }
+}
+
+FS_AVX2 FS_INLINE void fs_panels_avx2(const fs_job *j, int64_t p0, int64_t p1, const int M)
+{
+    for (int64_t p = p0; p < p1; p++)
+        for (int h = 0; h < 2; h++) {
+            int64_t r = 0;
+            for (; r + 4 <= j->n; r += 4)
+                fs_tile_avx2(j, p, h, r, 4, M);
+            switch (j->n - r) {
+            case 3: fs_tile_avx2(j, p, h, r, 3, M); break;
+            case 2: fs_tile_avx2(j, p, h, r, 2, M); break;
+            case 1: fs_tile_avx2(j, p, h, r, 1, M); break;
+            default: break;
+            }
+        }
+}
+
+FS_AVX2 static void fs_kernel_avx2(const fs_job *j, int64_t p0, int64_t p1)
+{
+    fs_panels_avx2(j, p0, p1, 0);
+}
+
+FS_AVX2 static void fs_kernel_avx2_m(const fs_job *j, int64_t p0, int64_t p1)
+{
+    fs_panels_avx2(j, p0, p1, 1);
+}
+
+#if defined(FS_HAVE_AVX512VNNI)
+#define FS_AVX512 __attribute__((target("avx512f,avx512vnni")))
+
+/* AVX-512 VNNI: P panels (16 outputs each) times R rows; M: the matrix has offsets. vpdpbusd
+ * multiplies the stored unsigned weights (q + 128) with the signed activations; starting each
+ * block's sum at -128 * sum(q_x) removes the offset exactly. */
+FS_AVX512 FS_INLINE void fs_tile_avx512(const fs_job *j, int64_t p, const int P, int64_t r0, const int R,
+                                        const int M)
+{
+    const int64_t nb = j->nb, K = nb * FS_QK, pbb = M ? FS_PB_BYTES_M : FS_PB_BYTES;
+    const uint8_t *w0 = j->w + p * nb * pbb;
+    const uint8_t *w1 = w0 + (P > 1 ? nb * pbb : 0);
+    __m512 f[4][2];
+    __m512i a[4][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        f[r][0] = _mm512_setzero_ps();
+        f[r][1] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *pb0 = w0 + b * pbb, *pb1 = w1 + b * pbb;
+        const int8_t *xb = j->xq + r0 * K + b * FS_QK;
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            __m512i c = _mm512_set1_epi32(-128 * j->xs[(r0 + r) * nb + b]);
+            a[r][0] = c;
+            if (P > 1)
+                a[r][1] = c;
+        }
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {
+            __m512i w0v = _mm512_loadu_si512((const void *)(pb0 + k * 64));
+            __m512i w1v = P > 1 ? _mm512_loadu_si512((const void *)(pb1 + k * 64)) : w0v;
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                __m512i xv = _mm512_set1_epi32(fs_load4(xb + r * K + k * 4));
+                a[r][0] = _mm512_dpbusd_epi32(a[r][0], w0v, xv);
+                if (P > 1)
+                    a[r][1] = _mm512_dpbusd_epi32(a[r][1], w1v, xv);
+            }
+        }
+        __m512 d0 = _mm512_loadu_ps((const void *)(pb0 + FS_PB_QBYTES));
+        __m512 d1 = P > 1 ? _mm512_loadu_ps((const void *)(pb1 + FS_PB_QBYTES)) : d0;
+        __m512 m0 = M ? _mm512_loadu_ps((const void *)(pb0 + FS_PB_BYTES)) : d0;
+        __m512 m1 = M && P > 1 ? _mm512_loadu_ps((const void *)(pb1 + FS_PB_BYTES)) : d0;
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            __m512 dxv = _mm512_set1_ps(j->dx[(r0 + r) * nb + b]);
+            f[r][0] = _mm512_add_ps(f[r][0], _mm512_mul_ps(_mm512_cvtepi32_ps(a[r][0]), _mm512_mul_ps(d0, dxv)));
+            if (P > 1)
+                f[r][1] = _mm512_add_ps(f[r][1], _mm512_mul_ps(_mm512_cvtepi32_ps(a[r][1]), _mm512_mul_ps(d1, dxv)));
+            if (M) {
+                __m512 sxv = _mm512_set1_ps(j->sx[(r0 + r) * nb + b]);
+                f[r][0] = _mm512_add_ps(f[r][0], _mm512_mul_ps(m0, sxv));
+                if (P > 1)
+                    f[r][1] = _mm512_add_ps(f[r][1], _mm512_mul_ps(m1, sxv));
+            }
+        }
+    }
+    for (int pp = 0; pp < P; pp++) {
+        int valid = fs_valid(j, p + pp);
+        __mmask16 msk = (__mmask16)(valid >= 16 ? 0xFFFF : (1u << valid) - 1u);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            _mm512_mask_storeu_ps(j->y + (r0 + r) * j->ldy + (p + pp) * FS_LANES, msk, f[r][pp]);
+    }
+}
+
+FS_AVX512 FS_INLINE void fs_rows_avx512(const fs_job *j, int64_t p, const int P, const int M)
+{
+    int64_t r = 0;
+    for (; r + 4 <= j->n; r += 4)
+        fs_tile_avx512(j, p, P, r, 4, M);
+    switch (j->n - r) {
+    case 3: fs_tile_avx512(j, p, P, r, 3, M); break;
+    case 2: fs_tile_avx512(j, p, P, r, 2, M); break;
+    case 1: fs_tile_avx512(j, p, P, r, 1, M); break;
+    default: break;
+    }
+}
+
+FS_AVX512 static void fs_kernel_avx512(const fs_job *j, int64_t p0, int64_t p1)
+{
+    int64_t p = p0;
+    for (; p + 2 <= p1; p += 2)
+        fs_rows_avx512(j, p, 2, 0);
+    if (p < p1)
+        fs_rows_avx512(j, p, 1, 0);
+}
+
+FS_AVX512 static void fs_kernel_avx512_m(const fs_job *j, int64_t p0, int64_t p1)
+{
+    int64_t p = p0;
+    for (; p + 2 <= p1; p += 2)
+        fs_rows_avx512(j, p, 2, 1);
+    if (p < p1)
+        fs_rows_avx512(j, p, 1, 1);
+}
+#endif /* FS_HAVE_AVX512VNNI */
+#endif /* FS_X86 */
+
+static int fs_isa_supported(int isa)
+{
+    if (isa == FS_ISA_SCALAR)
+        return 1;
+#if defined(FS_X86)
+    __builtin_cpu_init();
+    if (isa == FS_ISA_AVX2)
+        return __builtin_cpu_supports("avx2") ? 1 : 0;
+#if defined(FS_HAVE_AVX512VNNI)
+    if (isa == FS_ISA_AVX512VNNI)
+        return (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni")) ? 1 : 0;
+#endif
+#endif
+    return 0;
+}
+
+static int fs_best_isa(void)
+{
+    for (int isa = FS_ISA_AVX512VNNI; isa > FS_ISA_SCALAR; isa--)
+        if (fs_isa_supported(isa))
+            return isa;
+    return FS_ISA_SCALAR;
+}
+
+static fs_kernel fs_kernel_for(int isa, int has_min)
+{
+#if defined(FS_X86)
+    if (isa == FS_ISA_AVX2)
+        return has_min ? fs_kernel_avx2_m : fs_kernel_avx2;
+#if defined(FS_HAVE_AVX512VNNI)
+    if (isa == FS_ISA_AVX512VNNI)
+        return has_min ? fs_kernel_avx512_m : fs_kernel_avx512;
+#endif
+#endif
+    (void)isa;
+    (void)has_min;
+    return fs_kernel_scalar;
+}
+
+/* ---- threads ------------------------------------------------------------------------------ */
+
+/* A caller and n_helpers helper threads share the panels of one call in tasks claimed one at a
+ * time under a mutex. Which thread computes which panel does not change any number (every output
+ * is summed by one thread in the fixed block order), so the claiming may be dynamic: when a
+ * helper's core is busy with another process, the caller simply takes the tasks that helper has
+ * not claimed, and waits only for the tasks already running. Helpers sleep on a condition
+ * variable between calls (no spinning that would steal a busy core). */
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t work, done;
+    int n_helpers, stop, active;
+    uint64_t gen;
+    pid_t owner;
+    fs_kernel kern;
+    fs_job job;
+    int64_t n_panels, chunk, n_tasks, next;
+    pthread_t th[FS_MAX_THREADS];
+} fs_pool;
+
+static void fs_task_range(const fs_pool *pl, int64_t t, int64_t *p0, int64_t *p1)
+{
+    *p0 = t * pl->chunk;
+    *p1 = *p0 + pl->chunk < pl->n_panels ? *p0 + pl->chunk : pl->n_panels;
+}
+
+static void *fs_helper_main(void *arg)
+{
+    fs_pool *pl = (fs_pool *)arg;
+    uint64_t seen = 0;
+    pthread_mutex_lock(&pl->mu);
+    for (;;) {
+        while (!pl->stop && pl->gen == seen)
+            pthread_cond_wait(&pl->work, &pl->mu);
+        if (pl->stop)
+            break;
+        seen = pl->gen;
+        while (pl->next < pl->n_tasks) {
+            int64_t p0, p1;
+            fs_task_range(pl, pl->next++, &p0, &p1);
+            fs_job job = pl->job;
+            fs_kernel kern = pl->kern;
+            pl->active++;
+            pthread_mutex_unlock(&pl->mu);
+            kern(&job, p0, p1);
+            pthread_mutex_lock(&pl->mu);
+            if (--pl->active == 0)
+                pthread_cond_signal(&pl->done);
+        }
+    }
+    pthread_mutex_unlock(&pl->mu);
+    return NULL;
+}
+
+static void fs_pool_free(fs_pool *pl)
+{
+    if (!pl)
+        return;
+    if (pl->owner == getpid()) {     /* a forked child has none of the parent's threads */
+        pthread_mutex_lock(&pl->mu);
+        pl->stop = 1;
+        pthread_cond_broadcast(&pl->work);
+        pthread_mutex_unlock(&pl->mu);
+        for (int i = 0; i < pl->n_helpers; i++)
+            pthread_join(pl->th[i], NULL);
+        pthread_mutex_destroy(&pl->mu);
+        pthread_cond_destroy(&pl->work);
+        pthread_cond_destroy(&pl->done);
+    }
+    free(pl);
+}
+
+/* A pool of n_threads - 1 helpers (the caller is the n-th thread); NULL when out of resources. */
+static fs_pool *fs_pool_new(int n_threads)
+{
+    fs_pool *pl = (fs_pool *)calloc(1, sizeof(fs_pool));
+    if (!pl)
+        return NULL;
+    pthread_mutex_init(&pl->mu, NULL);
+    pthread_cond_init(&pl->work, NULL);
+    pthread_cond_init(&pl->done, NULL);
+    pl->owner = getpid();
+    int want = n_threads - 1 < FS_MAX_THREADS ? n_threads - 1 : FS_MAX_THREADS;
+    for (int i = 0; i < want; i++) {
+        if (pthread_create(&pl->th[i], NULL, fs_helper_main, pl) != 0) {
+            fs_pool_free(pl);
+            return NULL;
+        }
+        pl->n_helpers++;
+    }
+    return pl;
+}
+
+/* Computes job with kern over all its panels, on the caller and the pool's helpers (pool may be NULL). */
+static void fs_run(fs_pool *pl, fs_kernel kern, const fs_job *job)
+{
+    int64_t n_panels = (job->n_out + FS_LANES - 1) / FS_LANES;
+    if (job->n == 0 || n_panels == 0)
+        return;
+    /* Tasks of >= ~64k multiply-adds, so that claiming one costs well under 1 % of it. */
+    int64_t per_panel = FS_LANES * job->nb * FS_QK * job->n;
+    int64_t chunk = (65536 + per_panel - 1) / per_panel;
+    chunk += chunk & 1;                      /* the AVX-512 kernel takes panels in pairs */
+    if (!pl || pl->n_helpers == 0 || n_panels <= chunk || pl->owner != getpid()) {
+        kern(job, 0, n_panels);
+        return;
+    }
+    pthread_mutex_lock(&pl->mu);
+    pl->kern = kern;
+    pl->job = *job;
+    pl->n_panels = n_panels;
+    pl->chunk = chunk;
+    pl->n_tasks = (n_panels + chunk - 1) / chunk;
+    pl->next = 0;
+    pl->gen++;
+    pthread_cond_broadcast(&pl->work);
+    while (pl->next < pl->n_tasks) {
+        int64_t p0, p1;
+        fs_task_range(pl, pl->next++, &p0, &p1);
+        pthread_mutex_unlock(&pl->mu);
+        kern(job, p0, p1);
+        pthread_mutex_lock(&pl->mu);
+    }
+    while (pl->active > 0)
+        pthread_cond_wait(&pl->done, &pl->mu);
+    pthread_mutex_unlock(&pl->mu);
+}
+
+#endif /* FASTSERVE_MATMUL_KERNELS_H */

@@ -1,0 +1,245 @@
+"""The int8 matrix product: semantics on hand-made blocks, bit-exact parity between the C kernels
+(fastserve._matmul, every kernel this machine runs, 1 to 3 threads) and the NumPy twin
+(fastserve.ref.matmul), batch invariance, and GGUF's exact int8 blocks.
+
+The extension is imported inside each test, so an unbuilt extension makes its tests FAIL with
+ImportError (never skip) while the twin's tests still run.
+"""
+import importlib
+import threading
+
+import numpy as np
+import pytest
+
+IMPLS = ["fastserve._matmul", "fastserve.ref.matmul"]
+# (n_out, n_in): whole panels and blocks, ragged ones, a single input, the default model's shapes.
+SHAPES = [(16, 32), (37, 70), (1, 1), (33, 1536), (960, 576), (5, 100)]
+
+
+@pytest.fixture(params=IMPLS)
+def mod(request):
+    return importlib.import_module(request.param)
+
+
+def c_mod():
+    return importlib.import_module("fastserve._matmul")
+
+
+def twin():
+    return importlib.import_module("fastserve.ref.matmul")
+
+
+def kernels():
+    """(isa, threads) of the C side worth comparing on this machine."""
+    return [(isa, t) for isa in c_mod().isas() for t in (1, 2, 3)]
+
+
+def rand(rng, *shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def weights(m, kind, rng, n_out, n_in):
+    """The same random matrix for both sides: from float32, from symmetric or from offset blocks."""
+    if kind == "float":
+        return m.Q8Matrix.from_float(rand(np.random.default_rng(n_out * 7 + n_in), n_out, n_in))
+    r = np.random.default_rng(n_out * 11 + n_in)
+    nb = -(-n_in // 32)
+    d = r.random((n_out, nb)).astype(np.float32) * 0.01
+    if kind == "sym":
+        return m.Q8Matrix.from_blocks(r.integers(-128, 128, (n_out, n_in)).astype(np.int8), d)
+    q = r.integers(0, 32, (n_out, n_in)).astype(np.int8)
+    return m.Q8Matrix.from_blocks(q, d, -r.random((n_out, nb)).astype(np.float32) * 0.1)
+
+
+def product(m, x, w, **kw):
+    out = np.full((len(x), w.n_out), np.nan, np.float32)
+    assert m.Matmul(**kw)(x, w, out) is out
+    return out
+
+
+# -- semantics, on both sides -----------------------------------------------------------------
+
+def test_block_quantization_by_hand(mod):
+    x = np.zeros((2, 40), np.float32)
+    x[0, :32] = np.linspace(-2.0, 1.0, 32, dtype=np.float32)
+    x[0, 32:] = [0.5, -0.25, 0, 0, 0, 0, 0, 0]
+    q, d = mod.quantize_rows(x)
+    assert q.shape == (2, 40) and q.dtype == np.int8 and d.shape == (2, 2) and d.dtype == np.float32
+    assert d[0, 0] == np.float32(2.0) / np.float32(127) and d[0, 1] == np.float32(0.5) / np.float32(127)
+    assert q[0, 0] == -127 and q[0, 32] == 127 and q[0, 33] == -64       # -63.5 rounds half to even
+    assert (q[1] == 0).all() and (d[1] == 0).all()                          # an all-zero block
+    assert np.abs(q).max() <= 127
+
+
+def test_rounding_is_half_to_even(mod):
+    # amax 127 makes the step exactly 1: the values are their own quantization.
+    x = np.array([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.49] + [0.0] * 24], np.float32)
+    q, d = mod.quantize_rows(x)
+    assert d[0, 0] == 1.0
+    assert q[0, :8].tolist() == [127, 0, 2, 2, 0, -2, -2, 3]
+
+
+def test_from_blocks_round_trip(mod):
+    rng = np.random.default_rng(0)
+    q = rng.integers(-128, 128, (20, 70)).astype(np.int8)
+    d = rng.random((20, 3)).astype(np.float32)
+    m = rng.random((20, 3)).astype(np.float32)
+    w = mod.Q8Matrix.from_blocks(q, d, m)
+    assert w.shape == (20, 70) and w.has_min
+    q2, d2, m2 = w.unpack()
+    np.testing.assert_array_equal(q2, q)
+    np.testing.assert_array_equal(d2, d)
+    np.testing.assert_array_equal(m2, m)
+    assert mod.Q8Matrix.from_blocks(q, d).unpack()[2] is None
+    with pytest.raises(ValueError):
+        mod.Q8Matrix.from_blocks(q, d[:, :2])
+
+
+def test_product_is_the_block_formula(mod):
+    """One output by hand: sum over blocks of isum * (d_w * d_x) (+ m_w * d_x * sum q_x)."""
+    rng = np.random.default_rng(1)
+    q = rng.integers(0, 16, (1, 64)).astype(np.int8)
+    d = np.array([[0.5, 0.25]], np.float32)
+    m = np.array([[-1.0, 2.0]], np.float32)
+    x = rand(rng, 1, 64)
+    xq, dx = mod.quantize_rows(x)
+    acc = np.float32(0)
+    for b in range(2):
+        isum = int(np.dot(q[0, b * 32:(b + 1) * 32].astype(np.int64), xq[0, b * 32:(b + 1) * 32]))
+        acc = acc + np.float32(isum) * (d[0, b] * dx[0, b])
+        acc = acc + m[0, b] * (dx[0, b] * np.float32(xq[0, b * 32:(b + 1) * 32].astype(np.int32).sum()))
+    y = product(mod, x, mod.Q8Matrix.from_blocks(q, d, m))
+    assert y[0, 0] == acc
+
+
+@pytest.mark.parametrize("n_out,n_in", SHAPES)
+def test_close_to_float32(mod, n_out, n_in):
+    rng = np.random.default_rng(2)
+    w = rand(rng, n_out, n_in)
+    x = rand(rng, 9, n_in)
+    y = product(mod, x, mod.Q8Matrix.from_float(w))
+    ref = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert np.abs(y - ref).max() <= 0.02 * np.abs(ref).max() + 1e-6
+
+
+def test_shape_errors(mod):
+    w = mod.Q8Matrix.from_float(np.ones((4, 8), np.float32))
+    with pytest.raises(ValueError):
+        mod.Matmul()(np.ones((2, 9), np.float32), w, np.empty((2, 4), np.float32))
+    with pytest.raises(ValueError):
+        mod.Matmul()(np.ones((2, 8), np.float32), w, np.empty((3, 4), np.float32))
+    with pytest.raises(ValueError):
+        mod.Matmul(threads=0)
+    out = np.empty((0, 4), np.float32)
+    assert mod.Matmul()(np.ones((0, 8), np.float32), w, out) is out
+
+
+# -- C against the twin, bit for bit ------------------------------------------------------------
+
+@pytest.mark.parametrize("n_out,n_in", SHAPES)
+def test_quantization_bit_exact(n_out, n_in):
+    rng = np.random.default_rng(3)
+    x = rand(rng, n_out, n_in, scale=3.0)
+    x[0, : min(n_in, 5)] = 0.0
+    if n_out > 2:
+        x[1] = 0.0                                   # a row of zero blocks
+        x[2] *= np.float32(1e-30)                    # tiny scales
+    for a, b in zip(c_mod().quantize_rows(x), twin().quantize_rows(x)):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(c_mod().Q8Matrix.from_float(x).unpack(), twin().Q8Matrix.from_float(x).unpack()):
+        if a is None:
+            assert b is None
+        else:
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["float", "sym", "offsets"])
+@pytest.mark.parametrize("n_out,n_in", SHAPES)
+def test_outputs_bit_exact(kind, n_out, n_in):
+    rng = np.random.default_rng(4)
+    x = rand(rng, 19, n_in)
+    x[3] = 0.0
+    want = product(twin(), x, weights(twin(), kind, rng, n_out, n_in))
+    wc = weights(c_mod(), kind, rng, n_out, n_in)
+    for isa, threads in kernels():
+        got = product(c_mod(), x, wc, threads=threads, isa=isa)
+        np.testing.assert_array_equal(got, want, err_msg=f"{isa}, {threads} threads")
+
+
+@pytest.mark.parametrize("kind", ["float", "offsets"])
+def test_batch_invariance(kind):
+    """Each row's outputs are bit-identical alone, among 1..63 other rows, at any offset in the batch."""
+    rng = np.random.default_rng(5)
+    n_out, n_in = 200, 576
+    x = rand(rng, 64, n_in)
+    wc, wt = weights(c_mod(), kind, rng, n_out, n_in), weights(twin(), kind, rng, n_out, n_in)
+    full = product(twin(), x, wt)
+    for isa, threads in kernels():
+        mm = c_mod().Matmul(threads=threads, isa=isa)
+        for n in (1, 2, 3, 17, 64):
+            for start in sorted({0, 1, 5, 64 - n}):
+                if start + n > 64:
+                    continue
+                got = mm(x[start:start + n], wc, np.empty((n, n_out), np.float32))
+                np.testing.assert_array_equal(got, full[start:start + n],
+                                              err_msg=f"{isa}, {threads} threads, rows {start}..{start + n}")
+
+
+def test_scratch_reuse_after_a_larger_call():
+    rng = np.random.default_rng(6)
+    w = c_mod().Q8Matrix.from_float(rand(rng, 40, 300))
+    mm = c_mod().Matmul()
+    big, small = rand(rng, 50, 300), rand(rng, 2, 300)
+    mm(big, w, np.empty((50, 40), np.float32))
+    np.testing.assert_array_equal(mm(small, w, np.empty((2, 40), np.float32)), product(c_mod(), small, w))
+
+
+def test_two_threads_each_with_its_own_matmul():
+    rng = np.random.default_rng(7)
+    w = c_mod().Q8Matrix.from_float(rand(rng, 300, 256))
+    xs = [rand(rng, 8, 256) for _ in range(2)]
+    want = [product(c_mod(), x, w) for x in xs]
+    errors = []
+
+    def work(i):
+        mm = c_mod().Matmul(threads=2)
+        for _ in range(50):
+            got = mm(xs[i], w, np.empty((8, 300), np.float32))
+            if not np.array_equal(got, want[i]):
+                errors.append(i)
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors
+
+
+def test_unknown_isa_is_refused():
+    with pytest.raises(ValueError):
+        c_mod().Matmul(isa="sse9")
+    assert "scalar" in c_mod().isas() and c_mod().best_isa() in c_mod().isas()
+
+
+# -- GGUF blocks taken as they are ---------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_gguf_blocks_are_exact(tmp_path, qtype):
+    """exact_blocks gives the very values gguf.quants dequantizes, and the packed matrix keeps them."""
+    from fastserve.models.gguf_file import GGUFFile
+    from fastserve.models.llama import dequantize, exact_blocks
+    from fastserve.models.synthetic import write_llama_gguf
+
+    gf = GGUFFile(write_llama_gguf(tmp_path / f"{qtype}.gguf", seed=3, weight_type=qtype))
+    entry = gf.tensors["blk.1.ffn_down.weight"]
+    assert entry.type_name == qtype
+    q, d, m = exact_blocks(entry)
+    rebuilt = q.reshape(q.shape[0], -1, 32).astype(np.float32) * d[:, :, None]
+    if m is not None:
+        rebuilt = rebuilt + m[:, :, None]
+    np.testing.assert_array_equal(rebuilt.reshape(q.shape), dequantize(entry, gf.path))
+    assert (m is not None) == (qtype in ("Q4_1", "Q5_1"))
+    packed = c_mod().Q8Matrix.from_blocks(q, d, m).unpack()
+    np.testing.assert_array_equal(packed[0], q)
+    np.testing.assert_array_equal(packed[1], d)
