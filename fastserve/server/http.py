@@ -18,7 +18,7 @@ from urllib.parse import parse_qsl, unquote
 
 import h11
 
-DEFAULT_BODY_LIMIT = 8 << 20        # bytes
+DEFAULT_BODY_LIMIT = 2 << 20        # bytes (--body-limit)
 DEFAULT_HEADER_LIMIT = 16 << 10     # bytes of request line + headers
 
 

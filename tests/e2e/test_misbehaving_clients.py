@@ -3,6 +3,7 @@ and a storm of all of it leaves healthy clients' output exactly as it is alone (
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import struct
 import threading
@@ -71,7 +72,13 @@ def test_disconnect_frees_the_slot(make_server):
             assert time.monotonic() - t0 < 1.0, how  # a few steps of the tiny model, plus polling
         assert _metric(c, "fastserve_client_disconnects_total") >= 4
         assert c.get("/health").status_code == 200
-    assert srv.stop()[0] == 0
+        # SIGINT mid-generation, a streaming client connected: exit 0 within 3 s
+        s = socket.create_connection((srv.host, srv.port), timeout=10)
+        s.sendall(_request("/completion", long))
+        assert s.recv(256)
+    rc, dt = srv.stop(signal.SIGINT)
+    s.close()
+    assert rc == 0 and dt < 3.0
 
 
 def test_non_reader_is_dropped_after_timeout_and_sigterm_exits(make_server):
