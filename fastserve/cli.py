@@ -44,6 +44,10 @@ def main(argv=None) -> int:
     sp.add_argument("-n", "--n-predict", type=int, default=-1,
                     help="tokens to generate when a request does not say (-1: until the slot is full)")
     sp.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot; more get 503")
+    sp.add_argument("-cram", "--cache-ram", type=float, default=0,
+                    help="MiB of host RAM keeping reused slots' prompt prefixes (0: off)")
+    sp.add_argument("-sps", "--slot-prompt-similarity", type=float, default=0.1,
+                    help="share of a prompt a free slot's cached prefix must match for that slot to be picked")
     sp.add_argument("--cors-origin", help="allow browser calls from this origin ('*' for any)")
     sp.add_argument("--body-limit", type=int, default=2 << 20, help="largest request body, bytes (413 above)")
     sp.add_argument("-a", "--alias", help="model name shown in responses (default: the file name)")

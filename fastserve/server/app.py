@@ -239,7 +239,8 @@ def serve(args) -> int:
     model = load_model(path)
     threads = args.threads if args.threads and args.threads > 0 else max(1, (os.cpu_count() or 2) - 1)
     engine = Engine(model, n_parallel=args.parallel, n_ctx=args.ctx_size, n_batch=args.batch_size,
-                    max_queue=args.max_queue, trace=True,
+                    max_queue=args.max_queue, trace=True, cache_ram_mib=args.cache_ram,
+                    slot_prompt_similarity=args.slot_prompt_similarity,
                     backend=make_backend_factory(args.test_stall_file) or getattr(args, "device", None),
                     blas_threads=threads)
     app = App(engine, cfg)
