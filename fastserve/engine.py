@@ -115,11 +115,18 @@ class Engine:
         self._thread.start()
 
     def _make_backend(self, backend):
+        if backend == "auto":           # CUDA when CuPy sees a GPU, else the CPU
+            from .backends.cupy_backend import cuda_status
+            backend = "cuda" if cuda_status()[0] else "cpu"
         if backend is None or backend in ("cpu", "numpy"):
             from .backends.numpy_backend import NumpyBackend
             return NumpyBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot)
+        if backend == "cuda":
+            from .backends.cupy_backend import CupyBackend
+            return CupyBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot,
+                               max_tokens=self.n_batch)
         if isinstance(backend, str):
-            raise ValueError(f"unknown backend {backend!r}; known: cpu")
+            raise ValueError(f"unknown backend {backend!r}; known: cpu, cuda, auto")
         if isinstance(backend, type) or not hasattr(backend, "forward"):   # a class or a factory
             return backend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot)
         return backend

@@ -1,0 +1,549 @@
+"""The device check of issue 6 (GPU backend), in one call: build, compile, test, time, and a table last.
+
+On a machine with an NVIDIA GPU, from the repository root:
+
+    python3 bench/gpu_check.py                      # everything, ~5-7 minutes; the table is printed last
+    python3 bench/gpu_check.py --phases build,stash # the first of two calls (see bench/gpu_carry.sh)
+
+Phases, in order (--phases picks some; each is timed; a failing phase is reported and the next runs):
+  setup     carried wheels (.devcarry/wheels, e.g. gguf, which the device image lacks) on sys.path;
+            GPU, driver, CuPy and NumPy versions
+  build     python3 setup.py build_ext --inplace (incremental: seconds when already built)
+  nvcc      every cuda/*.cu with nvcc -arch=sm_90 -cubin -Xptxas -v (registers, spills) -> ptxas.txt
+  stash     copy .devcarry/model.part* to a staging folder outside the repository, where the next call
+            finds them (the default model is 94 MiB; one call carries at most 64 MiB)
+  model     the default model from $FASTSERVE_MODEL, the cache, or its staged parts (sha256 checked);
+            without it, a synthetic model of its shape stands in for the timings
+  tests     pytest tests/gpu tests/unit/test_cuda_sources.py (kernels, parity, pool flatness, GIL)
+  bandwidth device-to-device copy of 2 GiB: the memory ceiling (bytes read + written / time)
+  timing    decode step at batch 1, 8, 32 on the default model and on a synthetic ~1.1B llama (TinyLlama
+            shape, F16, random weights, written here): CUDA graphs vs eager, ids vs logits to the host,
+            device time of one graph replay, the weight-read floor (weight bytes / copy bandwidth)
+  engine    the Engine at 32 slots on each model, closed loop: host share of the step from the tracer
+  pool      CuPy's device and pinned pools over 1,000 decode steps on the 1.1B model
+
+Writes $OUT (or --out) / gpu_check.json, gpu_check.log, ptxas.txt, pytest.log. With --dry-run it
+runs what needs no GPU (arguments, carried files, a small synthetic model, the table) and prints a
+table of placeholder numbers: a check of the script itself on a machine without a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CARRY = REPO / ".devcarry"
+STAGE = Path(os.environ.get("FASTSERVE_STAGE", "/tmp/fastserve_stage"))
+PHASES = ("setup", "build", "nvcc", "stash", "model", "tests", "bandwidth", "timing", "engine", "pool")
+DEFAULT_PHASES = ("setup", "build", "nvcc", "stash", "model", "tests", "bandwidth", "timing", "engine", "pool")
+BATCHES = (1, 8, 32)
+# TinyLlama-1.1B's shape: ~1.1e9 parameters, 2.2 GB in F16.
+SYNTH_1B = dict(n_layer=22, n_embd=2048, n_head=32, n_head_kv=4, n_ff=5632, n_vocab=32000, n_ctx=2048)
+# SmolLM2-135M's shape (the default model), for when the real file is not here.
+SYNTH_DEFAULT = dict(n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, n_vocab=49152, n_ctx=2048)
+
+
+class Check:
+    """Results, log and time budget of one run."""
+
+    def __init__(self, out: Path, budget_s: float, dry: bool):
+        self.out, self.budget_s, self.dry = out, budget_s, dry
+        self.t0 = time.monotonic()
+        self.results: dict = {"phases": {}, "dry_run": dry}
+        self.log_file = open(out / "gpu_check.log", "a", encoding="utf-8")
+
+    def log(self, msg: str) -> None:
+        line = f"[{time.monotonic() - self.t0:7.1f}s] {msg}"
+        print(line, flush=True)
+        self.log_file.write(line + "\n")
+        self.log_file.flush()
+
+    def left(self) -> float:
+        return self.budget_s - (time.monotonic() - self.t0)
+
+    def run(self, name: str, fn, need_s: float = 0.0) -> None:
+        if self.left() < need_s:
+            self.results["phases"][name] = {"status": "skipped", "why": f"{self.left():.0f} s left, needs ~{need_s:.0f}"}
+            self.log(f"{name}: skipped ({self.left():.0f} s left)")
+            return
+        self.log(f"{name}: start")
+        t = time.monotonic()
+        try:
+            info = fn(self) or {}
+            status = info.pop("status", "ok")
+        except Exception as exc:      # a failing phase is reported; the next one runs
+            info, status = {"error": f"{type(exc).__name__}: {exc}"}, "failed"
+            self.log(traceback.format_exc())
+        info.update(status=status, seconds=round(time.monotonic() - t, 1))
+        self.results["phases"][name] = info
+        self.log(f"{name}: {status} in {info['seconds']} s")
+        self.save()
+
+    def save(self) -> None:
+        (self.out / "gpu_check.json").write_text(json.dumps(self.results, indent=1, default=str))
+
+
+def sh(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+# -- phases -----------------------------------------------------------------------------------
+
+def phase_setup(c: Check) -> dict:
+    info: dict = {}
+    wheels = sorted(glob.glob(str(CARRY / "wheels" / "*.whl")))
+    if wheels:
+        target = Path(tempfile.gettempdir()) / "fastserve_site"
+        if not c.dry:
+            p = sh([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                    "--upgrade", "--target", str(target), *wheels], 180)
+            if p.returncode:
+                raise RuntimeError(f"pip install of carried wheels failed: {p.stderr[-2000:]}")
+        sys.path.insert(0, str(target))
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(target), str(REPO), os.environ.get("PYTHONPATH", "")])
+        info["wheels"] = [os.path.basename(w) for w in wheels]
+    else:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    import numpy
+    info["python"] = sys.version.split()[0]
+    info["numpy"] = numpy.__version__
+    try:
+        import gguf  # noqa: F401
+        info["gguf"] = "importable"
+    except ImportError:
+        info["gguf"] = "MISSING: carry its wheel in .devcarry/wheels (bench/gpu_carry.sh)"
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        p = sh([smi, "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,clocks.max.sm",
+                "--format=csv,noheader"], 30)
+        info["gpu"] = p.stdout.strip()
+    try:
+        import cupy
+        info["cupy"] = cupy.__version__
+        info["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+    except Exception as exc:
+        info["cupy"] = f"not usable: {type(exc).__name__}: {exc}"
+    return info
+
+
+def phase_build(c: Check) -> dict:
+    if c.dry:
+        return {"status": "dry"}
+    jobs = str(max(1, min(16, os.cpu_count() or 1)))
+    p = sh([sys.executable, "setup.py", "-q", "build_ext", "--inplace", "-j", jobs], 300, cwd=REPO)
+    (c.out / "build.log").write_text(p.stdout + p.stderr)
+    if p.returncode:
+        raise RuntimeError(f"build failed (build.log): {p.stderr[-1500:]}")
+    return {}
+
+
+def phase_nvcc(c: Check) -> dict:
+    from fastserve.backends.kernels import nvcc_available
+    nvcc = nvcc_available()
+    if nvcc is None:
+        return {"status": "failed", "error": "nvcc not found"}
+    report, spills, fails = [], 0, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for src in sorted((REPO / "cuda").glob("*.cu")):
+            p = sh([nvcc, "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v", "-o",
+                    os.path.join(tmp, src.stem + ".cubin"), str(src)], 120)
+            report.append(f"== {src.name}\n{p.stderr}")
+            if p.returncode:
+                fails.append(src.name)
+            spills += sum(int(x.split()[0]) for x in p.stderr.split(",") if "bytes spill stores" in x)
+    (c.out / "ptxas.txt").write_text("\n".join(report))
+    return {"status": "failed" if fails else "ok", "failed": fails, "spill_store_bytes": spills}
+
+
+def _model_parts() -> list[str]:
+    parts = sorted(glob.glob(str(CARRY / "model.part*"))) + sorted(glob.glob(str(STAGE / "model.part*")))
+    by_name: dict[str, str] = {}
+    for p in parts:
+        by_name.setdefault(os.path.basename(p), p)
+    return [by_name[k] for k in sorted(by_name)]
+
+
+def phase_stash(c: Check) -> dict:
+    STAGE.mkdir(parents=True, exist_ok=True)
+    moved = []
+    for p in sorted(glob.glob(str(CARRY / "model.part*"))):
+        dst = STAGE / os.path.basename(p)
+        if not dst.exists() or dst.stat().st_size != os.path.getsize(p):
+            shutil.copyfile(p, dst)
+        moved.append(dst.name)
+    return {"staged": sorted(os.listdir(STAGE)), "copied_now": moved}
+
+
+def phase_model(c: Check) -> dict:
+    from fastserve.default_model import FILENAME, SHA256, SIZE, home
+    path = os.environ.get("FASTSERVE_MODEL") or os.path.join(home(), FILENAME)
+    if not os.path.isfile(path):
+        parts = _model_parts()
+        if parts and sum(os.path.getsize(p) for p in parts) == SIZE:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            h = hashlib.sha256()
+            with open(path + ".part", "wb") as out:
+                for p in parts:
+                    with open(p, "rb") as f:
+                        while chunk := f.read(1 << 22):
+                            h.update(chunk)
+                            out.write(chunk)
+            if h.hexdigest() != SHA256:
+                os.remove(path + ".part")
+                raise RuntimeError(f"assembled model has sha256 {h.hexdigest()}, expected {SHA256}")
+            os.replace(path + ".part", path)
+        elif parts:
+            return {"status": "partial", "real_model": False,
+                    "why": f"model parts {[os.path.basename(p) for p in parts]} do not add up to {SIZE} bytes"}
+    if os.path.isfile(path) and os.path.getsize(path) == SIZE:
+        os.environ["FASTSERVE_MODEL"] = path
+        c.results["default_model_path"] = path
+        return {"real_model": True, "path": path}
+    return {"real_model": False, "why": f"no default model at {path} and no staged parts: a synthetic model of "
+                                        "its shape stands in for the timings; its parity tests skip"}
+
+
+def phase_tests(c: Check) -> dict:
+    env = dict(os.environ)
+    ref = CARRY / "smollm2_q41_llamacpp_greedy.json"
+    if ref.is_file():
+        env["FASTSERVE_REFERENCE"] = str(ref)
+    if c.dry:
+        env["FASTSERVE_FAKE_CUPY"] = "1"
+        targets = ["tests/gpu/test_backend_emulated.py", "tests/unit/test_cuda_sources.py"]
+    else:
+        targets = ["tests/gpu", "tests/unit/test_cuda_sources.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-s", "-p", "no:cacheprovider",
+           f"--junitxml={c.out / 'pytest.xml'}", *targets]
+    p = sh(cmd, max(60.0, min(300.0, c.left() - 150)), cwd=REPO, env=env)
+    (c.out / "pytest.log").write_text(p.stdout + p.stderr)
+    tail = [ln for ln in p.stdout.splitlines() if ln.strip()][-1:] or ["(no output)"]
+    prints = [ln for ln in p.stdout.splitlines() if "relative" in ln or "llama.cpp" in ln or "pool used" in ln]
+    return {"status": "ok" if p.returncode == 0 else "failed", "summary": tail[0], "notes": prints[:12],
+            "returncode": p.returncode}
+
+
+def phase_bandwidth(c: Check) -> dict:
+    import cupy as cp
+    nbytes = 2 << 30
+    src = cp.empty(nbytes // 4, cp.float32)
+    src[...] = 1.0
+    dst = cp.empty_like(src)
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for i in range(23):
+        start.record()
+        cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, cp.cuda.runtime.memcpyDeviceToDevice, 0)
+        stop.record()
+        stop.synchronize()
+        if i >= 3:
+            times.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
+    t = sorted(times)[len(times) // 2]
+    del src, dst
+    cp.get_default_memory_pool().free_all_blocks()
+    bw = 2 * nbytes / t
+    c.results["bandwidth_Bps"] = bw
+    return {"copy_bytes": nbytes, "median_s": t, "GBps_read_plus_write": bw / 1e9,
+            "spread": [min(times), max(times)]}
+
+
+def _load_models(c: Check) -> list[tuple[str, object]]:
+    """(label, Model) for the default model (or its synthetic stand-in) and the synthetic 1.1B (loaded once)."""
+    if getattr(c, "models", None) is None:
+        c.models = _read_models(c)
+    return c.models
+
+
+def _read_models(c: Check) -> list[tuple[str, object]]:
+    import fastserve
+    from fastserve.models.synthetic import write_llama_gguf
+    models = []
+    real = c.results.get("default_model_path")
+    if real:
+        models.append(("SmolLM2-135M Q4_1", fastserve.load_model(real)))
+    else:
+        shape = SYNTH_DEFAULT if not c.dry else dict(SYNTH_DEFAULT, n_layer=2, n_vocab=2048)
+        path = STAGE / ("synth_default.gguf" if not c.dry else "synth_default_dry.gguf")
+        STAGE.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            write_llama_gguf(path, weight_type="F16", seed=1, **shape)
+        models.append(("synthetic 135M shape", fastserve.load_model(path)))
+    shape = SYNTH_1B if not c.dry else dict(SYNTH_1B, n_layer=1, n_embd=256, n_head=4, n_head_kv=2, n_ff=512,
+                                            n_vocab=1024)
+    path = STAGE / ("synth_1b.gguf" if not c.dry else "synth_1b_dry.gguf")
+    if not path.exists():
+        t = time.monotonic()
+        STAGE.mkdir(parents=True, exist_ok=True)
+        write_llama_gguf(path, weight_type="F16", seed=2, **shape)
+        c.log(f"wrote {path.name} ({path.stat().st_size / 1e9:.2f} GB) in {time.monotonic() - t:.0f} s")
+    t = time.monotonic()
+    models.append(("synthetic 1.1B F16", fastserve.load_model(path)))
+    c.log(f"loaded the models ({time.monotonic() - t:.0f} s for the 1.1B)")
+    return models
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def _time_decode(be, b: int, start_pos: int, n_steps: int, greedy: bool) -> list[float]:
+    import numpy as np
+    ids = np.arange(b, dtype=np.int32)
+    toks = (ids * 7 + 11).astype(np.int32)
+    out = []
+    fn = be.forward_greedy if greedy else be.forward
+    for i in range(n_steps):
+        pos = np.full(b, start_pos + i, np.int32)
+        t = time.perf_counter()
+        fn(toks, pos, ids, ids)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def _graph_device_ms(be, b: int, reps: int = 30) -> float:
+    """Device time of one replay of bucket b's graph (events around the launch), median."""
+    cp = be.cp
+    graph = be._graphs.get(b)
+    if graph is None:
+        return float("nan")
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(reps):
+        start.record(be.stream)
+        graph.launch(be.stream)
+        stop.record(be.stream)
+        stop.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, stop))
+    return _median(times)
+
+
+def phase_timing(c: Check) -> dict:
+    import numpy as np
+    import cupy as cp
+    from fastserve.backends.cupy_backend import CupyBackend
+    bw = c.results.get("bandwidth_Bps")
+    rows = []
+    c.results["models"] = {}
+    for label, model in _load_models(c):
+        cfg = model.config
+        t = time.monotonic()
+        be = CupyBackend(cfg, model.weights, n_slots=32, n_ctx_slot=1024, max_tokens=512)
+        c.log(f"{label}: backend up in {time.monotonic() - t:.1f} s, weights {be.weight_bytes_per_step() / 1e9:.3f} GB")
+        rng = np.random.default_rng(0)
+        prompt_len = 128
+        toks = rng.integers(3, cfg.n_vocab, 32 * prompt_len).astype(np.int32)
+        pos = np.tile(np.arange(prompt_len, dtype=np.int32), 32)
+        slots = np.repeat(np.arange(32, dtype=np.int32), prompt_len)
+        t = time.perf_counter()
+        be.forward(toks, pos, slots, (np.arange(32) * prompt_len + prompt_len - 1).astype(np.int32))
+        prefill_s = time.perf_counter() - t
+        wbytes = be.weight_bytes_per_step()
+        floor_ms = wbytes / bw * 1e3 if bw else float("nan")
+        c.results["models"][label] = {"weight_bytes": wbytes, "prefill_4096_tokens_s": prefill_s,
+                                      "params": sum(m.size for lw in model.weights.layers
+                                                    for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down))
+                                      + model.weights.output.size}
+        p0 = prompt_len
+        for b in BATCHES:
+            _time_decode(be, b, p0, 5, greedy=True)                 # captures bucket b's graph
+            sub0, wait0 = be.submit_ns, be.wait_ns
+            ids_s = _time_decode(be, b, p0 + 5, 60, greedy=True)
+            sub1, wait1 = be.submit_ns, be.wait_ns
+            logit_s = _time_decode(be, b, p0 + 65, 30, greedy=False)
+            dev_ms = _graph_device_ms(be, b)
+            be.use_graphs = False
+            eager_s = _time_decode(be, b, p0 + 95, 15, greedy=True)
+            be.use_graphs = True
+            cublas_ms = float("nan")
+            if b <= be.matvec_max_n:                                 # the same step with cuBLAS products
+                mv, be.matvec_max_n = be.matvec_max_n, 0
+                be.reset_graphs()
+                cublas_ms = _median(_time_decode(be, b, p0 + 110, 25, greedy=True)[3:]) * 1e3
+                be.matvec_max_n = mv
+                be.reset_graphs()
+            step_ms = _median(ids_s) * 1e3
+            rows.append({"model": label, "batch": b, "step_ms": step_ms, "p90_ms": sorted(ids_s)[int(0.9 * len(ids_s))] * 1e3,
+                         "logits_ms": _median(logit_s) * 1e3, "graph_device_ms": dev_ms,
+                         "eager_ms": _median(eager_s) * 1e3, "cublas_ms": cublas_ms, "floor_ms": floor_ms,
+                         "ratio": step_ms / floor_ms if floor_ms == floor_ms else float("nan"),
+                         "submit_share": (sub1 - sub0) / max(1, (sub1 - sub0) + (wait1 - wait0))})
+            c.log(f"{label} b={b}: step {step_ms:.3f} ms (graph device {dev_ms:.3f} ms, eager "
+                  f"{_median(eager_s) * 1e3:.3f} ms, logits {_median(logit_s) * 1e3:.3f} ms), floor {floor_ms:.3f} ms")
+            p0 += 140
+        del be
+        cp.get_default_memory_pool().free_all_blocks()
+    c.results["timing"] = rows
+    return {"rows": len(rows)}
+
+
+def phase_engine(c: Check) -> dict:
+    import cupy as cp
+    import fastserve
+    from fastserve.bench import closed_loop, make_prompts
+    out = {}
+    for label, model in _load_models(c):
+        with fastserve.Engine(model, n_parallel=32, n_ctx=32 * 512, n_batch=512, backend="cuda", trace=True) as e:
+            prompts = make_prompts(model.tokenizer, 64, lo=32, hi=64)
+            closed_loop(e, prompts, 32, 3.0, n_predict=64)          # warm-up: every graph bucket
+            e.tracer.reset()
+            be = e.backend
+            sub0, wait0 = be.submit_ns, be.wait_ns
+            res = closed_loop(e, prompts, 32, 8.0, n_predict=64)
+            s = e.trace_summary()
+            sub, wait = be.submit_ns - sub0, be.wait_ns - wait0
+        cp.get_default_memory_pool().free_all_blocks()
+        out[label] = {"tok_s": res.row()["tok_s"], "step_ms": s["step_ms"], "host_share": s["host_share"],
+                      "ms_per_step": s["ms_per_step"], "steps": s["steps"],
+                      "backend_submit_share_of_forward": sub / max(1, sub + wait)}
+        c.log(f"{label}: engine 32 slots {out[label]['tok_s']:.0f} tok/s, step {s['step_ms']:.3f} ms, host share "
+              f"{s['host_share']:.1%} (tracer), phases {json.dumps({k: round(v, 3) for k, v in s['ms_per_step'].items()})}")
+    c.results["engine"] = out
+    return {}
+
+
+def phase_pool(c: Check) -> dict:
+    import numpy as np
+    import cupy as cp
+    from fastserve.backends.cupy_backend import CupyBackend
+    label, model = _load_models(c)[-1]
+    be = CupyBackend(model.config, model.weights, n_slots=32, n_ctx_slot=1024, max_tokens=512)
+    pool, pinned = cp.get_default_memory_pool(), cp.get_default_pinned_memory_pool()
+    ids = np.arange(32, dtype=np.int32)
+    sizes = (1, 8, 32, 5)
+
+    def step(i):
+        n = sizes[i % len(sizes)]
+        be.forward_greedy(ids[:n] + 5, np.full(n, i % 1000, np.int32), ids[:n], ids[:n])
+
+    for i in range(20):
+        step(i)
+    before = (pool.used_bytes(), pool.total_bytes(), pinned.n_free_blocks())
+    t = time.perf_counter()
+    for i in range(1000):
+        step(i)
+    after = (pool.used_bytes(), pool.total_bytes(), pinned.n_free_blocks())
+    c.results["pool"] = {"model": label, "before": before, "after": after, "flat": before == after,
+                         "seconds": time.perf_counter() - t}
+    return {"flat": before == after}
+
+
+# -- the table ----------------------------------------------------------------------------------
+
+def _f(x, fmt="{:.3f}"):
+    return "-" if x is None or x != x else fmt.format(x)
+
+
+def format_table(r: dict) -> str:
+    lines = ["decode step, ms (median): step = graph replay + greedy ids to the host; graph dev = device time of "
+             "one replay; eager = no graph; cuBLAS = products in cuBLAS, not cuda/matvec.cu; logits = all logits "
+             "to the host; floor = weight bytes / copy bandwidth; submit% = host enqueue share of the step"]
+    lines.append(f"{'model':<22}{'batch':>6}{'step ms':>9}{'p90':>8}{'graph dev':>10}{'eager':>8}{'cuBLAS':>8}"
+                 f"{'logits':>8}{'floor ms':>9}{'x floor':>8}{'submit%':>8}")
+    for row in r.get("timing", []):
+        lines.append(f"{row['model']:<22}{row['batch']:>6}{_f(row['step_ms']):>9}{_f(row['p90_ms']):>8}"
+                     f"{_f(row['graph_device_ms']):>10}{_f(row['eager_ms']):>8}{_f(row.get('cublas_ms')):>8}"
+                     f"{_f(row['logits_ms']):>8}"
+                     f"{_f(row['floor_ms']):>9}{_f(row['ratio'], '{:.2f}'):>8}{_f(row['submit_share'] * 100, '{:.0f}'):>8}")
+    for label, e in r.get("engine", {}).items():
+        lines.append(f"engine @32 slots, {label}: {e['tok_s']:.0f} tok/s, step {e['step_ms']:.3f} ms, host share "
+                     f"{e['host_share']:.1%} (tracer: admit+build+sample+publish), enqueue share of forward "
+                     f"{e['backend_submit_share_of_forward']:.0%}")
+    bw = r.get("bandwidth_Bps")
+    lines.append(f"copy bandwidth (read+write): {_f(bw / 1e9 if bw else None, '{:.0f}')} GB/s")
+    pool = r.get("pool")
+    if pool:
+        lines.append(f"memory pools over 1,000 steps ({pool['model']}): {'flat' if pool['flat'] else 'GREW'} "
+                     f"(used, total, pinned free blocks: {pool['before']} -> {pool['after']})")
+    ph = r.get("phases", {})
+    lines.append("phases: " + ", ".join(f"{k} {v['status']}" for k, v in ph.items()))
+    tests = ph.get("tests", {})
+    if tests:
+        lines.append(f"tests: {tests.get('summary', tests.get('error', '-'))}")
+    lines += [("[dry run, placeholder] " + t) if r.get("dry_run") else t for t in targets(r)]
+    if r.get("dry_run"):
+        lines.append("DRY RUN: placeholder numbers, nothing ran on a GPU")
+    return "\n".join(lines)
+
+
+def targets(r: dict) -> list[str]:
+    """Issue 6's targets, each PASS / FAIL / not measured."""
+    out = []
+    one_b = [x for x in r.get("timing", []) if x["model"].startswith("synthetic 1.1B") and x["batch"] == 1]
+    if one_b and one_b[0]["ratio"] == one_b[0]["ratio"]:
+        ok = one_b[0]["ratio"] <= 2.0
+        out.append(f"target 1.1B batch 1 within 2x of the weight-read floor: {'PASS' if ok else 'FAIL'} "
+                   f"({one_b[0]['ratio']:.2f}x)")
+    else:
+        out.append("target 1.1B batch 1 within 2x of the weight-read floor: not measured")
+    shares = [e["host_share"] for e in r.get("engine", {}).values()]
+    if shares:
+        out.append(f"target host share <= 5% at 32 slots: {'PASS' if max(shares) <= 0.05 else 'FAIL'} "
+                   f"({', '.join(f'{s:.1%}' for s in shares)})")
+    else:
+        out.append("target host share <= 5% at 32 slots: not measured")
+    pool = r.get("pool")
+    out.append(f"target pool flat over 1,000 steps: {('PASS' if pool['flat'] else 'FAIL') if pool else 'not measured'}")
+    return out
+
+
+def dry_results(r: dict) -> None:
+    """Placeholder numbers for --dry-run's table."""
+    r["bandwidth_Bps"] = 4.3e12
+    r["timing"] = [{"model": m, "batch": b, "step_ms": 1.0 * b ** 0.3, "p90_ms": 1.1, "graph_device_ms": 0.9,
+                    "eager_ms": 3.0, "cublas_ms": 1.4, "logits_ms": 1.2, "floor_ms": 0.5, "ratio": 2.0 * b ** 0.3, "submit_share": 0.1}
+                   for m in ("SmolLM2-135M Q4_1", "synthetic 1.1B F16") for b in BATCHES]
+    r["engine"] = {"synthetic 1.1B F16": {"tok_s": 0.0, "step_ms": 1.0, "host_share": 0.04,
+                                          "backend_submit_share_of_forward": 0.1}}
+    r["pool"] = {"model": "synthetic 1.1B F16", "before": (1, 2, 0), "after": (1, 2, 0), "flat": True}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--phases", default=",".join(DEFAULT_PHASES),
+                    help=f"comma-separated, from: {', '.join(PHASES)}")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "build" / "gpu_check"),
+                    help="folder for gpu_check.json and logs (default: $OUT, else build/gpu_check)")
+    ap.add_argument("--budget-s", type=float, default=450.0, help="skip phases that would end after this")
+    ap.add_argument("--dry-run", action="store_true", help="no GPU: check the script itself")
+    args = ap.parse_args(argv)
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    unknown = set(phases) - set(PHASES)
+    if unknown:
+        ap.error(f"unknown phase(s) {', '.join(sorted(unknown))}; known: {', '.join(PHASES)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    c = Check(out, args.budget_s, args.dry_run)
+    gpu_phases = {"bandwidth", "timing", "engine", "pool"}
+    need = {"setup": 0, "build": 60, "nvcc": 15, "stash": 0, "model": 5, "tests": 90, "bandwidth": 5,
+            "timing": 60, "engine": 40, "pool": 20}
+    fns = {p: globals()[f"phase_{p}"] for p in PHASES}
+    for p in PHASES:
+        if p not in phases:
+            continue
+        if args.dry_run and p in gpu_phases:
+            if p == "timing":       # the CPU part: the models are written and loaded
+                c.run("models", lambda c: {"loaded": [label for label, _ in _load_models(c)]})
+            continue
+        c.run(p, fns[p], need[p])
+    if args.dry_run:
+        dry_results(c.results)
+    c.save()
+    print("\n" + format_table(c.results), flush=True)
+    return 0 if all(v["status"] in ("ok", "dry", "partial") for v in c.results["phases"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+// Shared by every kernel family in cuda/: storage types, conversions, reductions.
+//
+// No CUDA header is included: the same text compiles under nvcc (CI) and under NVRTC (CuPy's
+// RawModule, at run time), and the kernel loader (fastserve/backends/kernels.py) pastes this file
+// in place of its #include, so that CuPy's on-disk kernel cache keys on the header's text too.
+//
+// Storage types are two-byte structs rather than CUDA's __half / __nv_bfloat16 so that nothing
+// depends on which fp16 headers NVRTC finds. Arithmetic is always float32.
+#pragma once
+
+#define FS_INF __int_as_float(0x7f800000)   // +infinity (no <math.h> under NVRTC)
+
+struct f16 { unsigned short bits; };    // IEEE binary16
+struct bf16 { unsigned short bits; };   // bfloat16: the top half of a float32
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+
+__device__ __forceinline__ float to_float(f16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.bits));
+    return f;
+}
+
+__device__ __forceinline__ float to_float(bf16 h) {
+    return __uint_as_float(((unsigned int)h.bits) << 16);
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+
+template <> __device__ __forceinline__ f16 from_float<f16>(float x) {
+    f16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));   // round to nearest even
+    return h;
+}
+
+template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) {
+    // Round to nearest even by hand (cvt.rn.bf16.f32 needs sm_80); NaN stays a quiet NaN.
+    unsigned int u = __float_as_uint(x);
+    bf16 h;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        h.bits = (unsigned short)((u >> 16) | 0x0040u);
+    } else {
+        u += 0x7fffu + ((u >> 16) & 1u);
+        h.bits = (unsigned short)(u >> 16);
+    }
+    return h;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024), in a fixed order: the result does
+// not depend on timing, only on blockDim.x. `scratch` holds 32 floats of shared memory; every thread
+// gets the sum; the block may reuse `scratch` after the call.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < n_warps ? scratch[lane] : 0.0f;
+        v = warp_sum(v);
+        if (lane == 0) scratch[0] = v;
+    }
+    __syncthreads();
+    v = scratch[0];
+    __syncthreads();
+    return v;
+}

@@ -1,0 +1,42 @@
+// RMSNorm: out[r, :] = x[src, :] / sqrt(mean(x[src, :]^2) + eps) * w, with src = rows[r] when a row
+// index is given (the final norm runs on the output rows only) and src = r otherwise (rows == NULL).
+//
+// x: float32 [*, d] (the residual stream); w: float32 [d]; out: [n, d] in the type the next matrix
+// product reads (f16 / bf16), or float32. Arithmetic in float32, as numpy_backend.rms_norm:
+// x * (1 / sqrt(ms + eps)) * w.
+// Grid: n blocks, one per output row; block: a multiple of 32 threads, at most 1024.
+#include "common.cuh"
+
+template <typename TOut>
+__device__ __forceinline__ void rms_norm(const float* __restrict__ x, const int* __restrict__ rows,
+                                         const float* __restrict__ w, TOut* __restrict__ out,
+                                         int d, float eps) {
+    __shared__ float scratch[32];
+    const int r = blockIdx.x;
+    const int src = rows != nullptr ? rows[r] : r;
+    const float* xr = x + (size_t)src * d;
+    float s = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float v = xr[i];
+        s += v * v;
+    }
+    s = block_sum(s, scratch);
+    const float inv = 1.0f / sqrtf(s / (float)d + eps);
+    TOut* o = out + (size_t)r * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = from_float<TOut>(xr[i] * inv * w[i]);
+}
+
+extern "C" __global__ void rms_norm_f16(const float* x, const int* rows, const float* w, f16* out, int d,
+                                        float eps) {
+    rms_norm(x, rows, w, out, d, eps);
+}
+
+extern "C" __global__ void rms_norm_bf16(const float* x, const int* rows, const float* w, bf16* out, int d,
+                                         float eps) {
+    rms_norm(x, rows, w, out, d, eps);
+}
+
+extern "C" __global__ void rms_norm_f32(const float* x, const int* rows, const float* w, float* out, int d,
+                                        float eps) {
+    rms_norm(x, rows, w, out, d, eps);
+}

@@ -1,0 +1,394 @@
+"""The llama forward pass on an NVIDIA GPU: fastserve's kernels (cuda/*.cu) plus cuBLAS, through CuPy.
+
+Same contract as NumpyBackend (fastserve/backends/base.py); same math, in this order per layer:
+    h = rmsnorm(x) -> qkv = h Wqkv^T -> RoPE(q, k) -> K, V into the cache -> attention -> x += a Wo^T
+    h = rmsnorm(x) -> gu = h Wgu^T -> s = silu(g) * u -> x += s Wdown^T
+then the final norm on the output rows only, logits = h Wout^T.
+
+Precision: weights are dequantized on the host (float32, models/llama.py) and rounded once at load
+to `dtype` (f16 by default, or bf16); the residual stream x, the products' accumulation and outputs
+(qkv, gate/up, logits), norms, RoPE and softmax are float32; what a product reads (normed h,
+attention output, SwiGLU output) is rounded to `dtype`; the KV cache is `dtype`.
+
+Device memory, all allocated here, once (sizes for N = max_tokens, M = max_out rows):
+    weights                          per layer wqkv [(H+2Hkv)D, d], wo [d, HD], w_gate_up [2F, d],
+                                     w_down [d, F] in dtype; norms f32; tok_embd [V, d] dtype (the same
+                                     array as the output matrix when the model ties them)
+    kv     [L, 2, n_slots + 1, n_ctx_slot, Hkv, D] dtype   (slot n_slots: scratch for padding rows)
+    cos, sin [n_ctx_slot, rope_dim / 2] f32
+    x [N, d] f32, h [N, d] dtype, qkv [N, (H+2Hkv)D] f32, attn [N, HD] dtype, gu [N, 2F] f32,
+    act [N, F] dtype, part_o [N, H, S, D] f32, part_ml [N, H, S, 2] f32, hout [M, d] dtype,
+    logits [M, V] f32, ids [M] int32, inputs [4, N] int32 (tokens, positions, slots, rows)
+Host: pinned inputs [4, N] int32, logits [M, V] f32, ids [M] int32, and a KV staging buffer.
+
+A decode step (every token an output row) can run as a CUDA graph captured once per batch-size
+bucket (1, 2, 4, ... up to the slot count): the batch is padded to its bucket with rows that write
+and read only the scratch slot, and one graph launch replaces ~12 launches per layer.
+
+One host synchronisation per forward (the logits, or only the ids with forward_greedy); CuPy's
+stream synchronisation releases the GIL while it waits.
+
+Importing this module needs no CuPy; building a CupyBackend does.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from . import kernels as K
+from ..errors import FastserveError
+from ..models.llama import LlamaConfig, LlamaWeights
+
+DTYPES = ("f16", "bf16")
+DEFAULT_ATTN_CHUNK = 256
+
+
+class DeviceUnavailable(FastserveError, RuntimeError):
+    """The CUDA backend was asked for where CuPy or a GPU is missing."""
+
+
+def cuda_status() -> tuple[bool, str]:
+    """(True, device name) when CuPy imports and sees a GPU; else (False, why not). Never raises."""
+    try:
+        import cupy
+    except Exception as exc:    # ImportError, or a CuPy that cannot load its libraries
+        return False, f"CuPy is not importable ({type(exc).__name__}: {exc})"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:
+        return False, f"CuPy sees no CUDA device ({type(exc).__name__}: {exc})"
+    if n < 1:
+        return False, "CuPy sees no CUDA device"
+    try:
+        props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+    except Exception:           # a name is only for messages
+        name = "CUDA device"
+    return True, name
+
+
+def _bucket(n: int) -> int:
+    b = 1
+    while b < n:
+        b *= 2
+    return b
+
+
+class CupyBackend:
+    """GPU backend. KV cache: [n_layer, 2, n_slots + 1, n_ctx_slot, Hkv, D] in `dtype` on the device.
+
+    dtype: "f16" (default) or "bf16" for weights, product inputs and KV. max_tokens: the most tokens
+    one forward() computes in one pass (larger batches run in chunks, in order). max_out: the most
+    output rows kept in the preallocated logits (more rows: chunks into a fresh host array).
+    graphs: capture decode steps as CUDA graphs per batch-size bucket. attn_chunk: keys per attention
+    split (None: chosen from n_ctx_slot). matvec_max_n: products of up to this many rows run in
+    cuda/matvec.cu (weights streamed once), larger ones in cuBLAS; 0: cuBLAS always. Changing it
+    after a graph was captured needs reset_graphs().
+    """
+
+    def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, n_slots: int, n_ctx_slot: int, *,
+                 dtype: str = "f16", max_tokens: int = 512, max_out: int | None = None, graphs: bool = True,
+                 attn_chunk: int | None = None, matvec_max_n: int = K.MATVEC_MAX_N, device: int | None = None):
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+        ok, why = cuda_status()
+        if not ok:
+            raise DeviceUnavailable(f"the CUDA backend cannot start: {why}; run on the CPU (--device cpu, or "
+                                    "--device auto to use a GPU only when there is one)")
+        import cupy as cp
+
+        self.cp = cp
+        self.cfg, self.dtype = cfg, dtype
+        self.n_slots, self.n_ctx_slot, self.n_vocab = n_slots, n_ctx_slot, cfg.n_vocab
+        self.max_tokens = max(1, int(max_tokens))
+        self.max_out = max(1, int(max_out if max_out is not None else max(n_slots, 64)))
+        self.max_out = min(self.max_out, self.max_tokens)
+        self.use_graphs = bool(graphs)
+        self.matvec_max_n = int(matvec_max_n)
+        self.device = cp.cuda.Device(cp.cuda.runtime.getDevice() if device is None else device)
+        c = cfg
+        self.q_dim, self.kv_dim = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+        self.qkv_dim = self.q_dim + 2 * self.kv_dim
+        self.scale = float(1.0 / np.sqrt(c.head_dim))
+        if attn_chunk is None:      # about 16 splits over the slot, a multiple of 64 keys each
+            per_split = -(-n_ctx_slot // 16)
+            attn_chunk = max(64, -(-per_split // 64) * 64)
+        self.attn_chunk = int(attn_chunk)
+        self.n_split = K.attention_splits(n_ctx_slot, self.attn_chunk)
+        self.submit_ns = 0          # host time spent enqueueing work (launches, copies), cumulative
+        self.wait_ns = 0            # host time spent waiting for the device, cumulative
+        self.steps = 0
+
+        with self.device:
+            self.stream = cp.cuda.Stream(non_blocking=True)
+            with self.stream:
+                K.compile_all()
+                self._upload_weights(weights)
+                self._allocate()
+            self.stream.synchronize()
+            cp.get_default_memory_pool().free_all_blocks()     # the float32 upload temporaries
+        self._graphs: dict[int, object] = {}
+        self._scratch_slot = n_slots
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    def _to_device(self, a: np.ndarray, storage: str):
+        """A host float32 array as a device array of `storage` ('f32', or rounded on the device)."""
+        cp = self.cp
+        src = cp.asarray(np.ascontiguousarray(a, dtype=np.float32))
+        if storage == "f32":
+            return src
+        dst = cp.empty(src.shape, K._dtype_of(storage))
+        K.cast_from_f32(src, dst)
+        del src
+        return dst
+
+    def _upload_weights(self, w: LlamaWeights) -> None:
+        dt = self.dtype
+        self.layers = []
+        for lw in w.layers:
+            self.layers.append(dict(
+                attn_norm=self._to_device(lw.attn_norm, "f32"), wqkv=self._to_device(lw.wqkv, dt),
+                wo=self._to_device(lw.wo, dt), ffn_norm=self._to_device(lw.ffn_norm, "f32"),
+                w_gate_up=self._to_device(lw.w_gate_up, dt), w_down=self._to_device(lw.w_down, dt)))
+        self.tok_embd = self._to_device(w.tok_embd, dt)
+        self.output = self.tok_embd if w.output is w.tok_embd else self._to_device(w.output, dt)
+        self.out_norm = self._to_device(w.out_norm, "f32")
+        from .numpy_backend import rope_tables
+        cos, sin = rope_tables(self.cfg, self.n_ctx_slot, w.rope_freqs)
+        self.cos, self.sin = self.cp.asarray(cos), self.cp.asarray(sin)
+
+    def weight_bytes_per_step(self) -> int:
+        """Bytes of weights one decode step reads (every matrix once; the embedding rows are negligible)."""
+        mats = [lw[k] for lw in self.layers for k in ("wqkv", "wo", "w_gate_up", "w_down", "attn_norm", "ffn_norm")]
+        return int(sum(m.nbytes for m in mats) + self.output.nbytes + self.out_norm.nbytes)
+
+    def _allocate(self) -> None:
+        cp, c = self.cp, self.cfg
+        N, M = self.max_tokens, self.max_out
+        st = K._dtype_of(self.dtype)
+        self.kv = cp.zeros((c.n_layer, 2, self.n_slots + 1, self.n_ctx_slot, c.n_head_kv, c.head_dim), st)
+        self.k_cache = [self.kv[li, 0] for li in range(c.n_layer)]      # contiguous views, made once
+        self.v_cache = [self.kv[li, 1] for li in range(c.n_layer)]
+        self.inputs = cp.zeros((4, N), np.int32)                        # tokens, positions, slots, rows
+        self.tokens_d, self.positions_d, self.slots_d, self.rows_d = (self.inputs[i] for i in range(4))
+        self.x = cp.zeros((N, c.n_embd), np.float32)
+        self.h = cp.zeros((N, c.n_embd), st)
+        self.qkv = cp.zeros((N, self.qkv_dim), np.float32)
+        self.attn = cp.zeros((N, self.q_dim), st)
+        self.gu = cp.zeros((N, 2 * c.n_ff), np.float32)
+        self.act = cp.zeros((N, c.n_ff), st)
+        self.part_o = cp.zeros((N, c.n_head, self.n_split, c.head_dim), np.float32)
+        self.part_ml = cp.zeros((N, c.n_head, self.n_split, 2), np.float32)
+        self.hout = cp.zeros((M, c.n_embd), st)
+        self.logits = cp.zeros((M, c.n_vocab), np.float32)
+        self.ids = cp.zeros(M, np.int32)
+        self.params_d = cp.zeros((M, 4), np.uint32)                     # sample_rows inputs
+        self.kv_stage = cp.zeros(c.n_layer * 2 * self.n_ctx_slot * self.kv_dim, st)
+        import cupyx
+        self.inputs_h = cupyx.empty_pinned((4, N), np.int32)
+        self.logits_h = cupyx.empty_pinned((M, c.n_vocab), np.float32)
+        self.ids_h = cupyx.empty_pinned(M, np.int32)
+        self.params_h = cupyx.empty_pinned((M, 4), np.uint32)
+        self._arange = np.arange(N, dtype=np.int32)
+
+    # -- the protocol --------------------------------------------------------------------------
+
+    def kv_bytes_per_token(self) -> int:
+        c = self.cfg
+        return 2 * c.n_layer * c.n_head_kv * c.head_dim * self.kv.itemsize
+
+    def forward(self, tokens, positions, slots, out_rows) -> np.ndarray:
+        """tokens, positions, slots int32 [n]; out_rows int32 [m] -> float32 logits [m, n_vocab] on the
+        host (a pinned buffer reused at the next call when m <= max_out)."""
+        return self._run(tokens, positions, slots, out_rows, want="logits")
+
+    def forward_greedy(self, tokens, positions, slots, out_rows) -> np.ndarray:
+        """As forward, but returns the greedy ids int32 [m] (argmax on the device; ties to the lowest
+        id): only 4 bytes per row cross to the host."""
+        return self._run(tokens, positions, slots, out_rows, want="ids")
+
+    def sync(self) -> None:
+        """forward() returns after its results are on the host: nothing is left to wait for."""
+
+    def copy_slot(self, src: int, dst: int, n_tokens: int) -> None:
+        with self.device, self.stream:
+            self.kv[:, :, dst, :n_tokens] = self.kv[:, :, src, :n_tokens]
+        self.stream.synchronize()
+
+    def save_slot(self, slot: int, start: int, n_tokens: int, into: np.ndarray) -> None:
+        """KV rows start..start+n_tokens of slot into `into` (uint8, >= n_tokens * kv_bytes_per_token()),
+        laid out [n_layer, 2 (K, V), n_tokens, Hkv, D] in the cache's storage type."""
+        host = self._kv_rows_host(into, n_tokens)
+        with self.device, self.stream:
+            stage = self._kv_stage_view(n_tokens)
+            stage[...] = self.kv[:, :, slot, start:start + n_tokens]
+            self.cp.cuda.runtime.memcpyAsync(host.ctypes.data, stage.data.ptr, host.nbytes,
+                                             self.cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
+        self.stream.synchronize()
+
+    def restore_slot(self, slot: int, start: int, n_tokens: int, src: np.ndarray) -> None:
+        """The inverse of save_slot."""
+        host = self._kv_rows_host(src, n_tokens)
+        with self.device, self.stream:
+            stage = self._kv_stage_view(n_tokens)
+            self.cp.cuda.runtime.memcpyAsync(stage.data.ptr, host.ctypes.data, host.nbytes,
+                                             self.cp.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+            self.kv[:, :, slot, start:start + n_tokens] = stage
+        self.stream.synchronize()
+
+    def _kv_rows_host(self, buf: np.ndarray, n_tokens: int) -> np.ndarray:
+        nbytes = n_tokens * self.kv_bytes_per_token()
+        if buf.dtype != np.uint8 or buf.ndim != 1 or len(buf) < nbytes or not buf.flags.c_contiguous:
+            raise ValueError(f"a KV copy of {n_tokens} tokens needs a contiguous uint8 buffer of {nbytes} bytes")
+        if not 0 <= n_tokens <= self.n_ctx_slot:
+            raise ValueError(f"n_tokens {n_tokens} outside [0, {self.n_ctx_slot}]")
+        return buf[:nbytes]
+
+    def _kv_stage_view(self, n_tokens: int):
+        c = self.cfg
+        return self.kv_stage[:c.n_layer * 2 * n_tokens * self.kv_dim].reshape(
+            c.n_layer, 2, n_tokens, c.n_head_kv, c.head_dim)
+
+    # -- one forward pass ------------------------------------------------------------------------
+
+    def _run(self, tokens, positions, slots, out_rows, want: str) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.int32)
+        positions = np.asarray(positions, dtype=np.int32)
+        slots = np.asarray(slots, dtype=np.int32)
+        out_rows = np.asarray(out_rows, dtype=np.int32)
+        n, m = len(tokens), len(out_rows)
+        if not (len(positions) == len(slots) == n):
+            raise ValueError("tokens, positions and slots must have the same length")
+        if n == 0:
+            return np.zeros((m, self.n_vocab) if want == "logits" else m, np.float32 if want == "logits" else np.int32)
+        self._check_inputs(tokens, positions, slots, out_rows)
+        if n <= self.max_tokens and m <= self.max_out:
+            t0 = time.perf_counter_ns()
+            with self.device, self.stream:
+                self._submit(tokens, positions, slots, out_rows, want)
+            t1 = time.perf_counter_ns()
+            self.stream.synchronize()           # releases the GIL while it waits
+            self.wait_ns += time.perf_counter_ns() - t1
+            self.submit_ns += t1 - t0
+            self.steps += 1
+            return self.logits_h[:m] if want == "logits" else self.ids_h[:m]
+        return self._run_chunked(tokens, positions, slots, out_rows, want)
+
+    def _check_inputs(self, tokens, positions, slots, out_rows) -> None:
+        """Indices are not checked on the device: a bad one would read or write out of bounds."""
+        if tokens.min() < 0 or tokens.max() >= self.n_vocab:
+            raise ValueError(f"token ids must be in [0, {self.n_vocab})")
+        if positions.min() < 0 or positions.max() >= self.n_ctx_slot:
+            raise ValueError(f"positions must be in [0, {self.n_ctx_slot})")
+        if slots.min() < 0 or slots.max() >= self.n_slots:
+            raise ValueError(f"slots must be in [0, {self.n_slots})")
+        if len(out_rows) and (out_rows.min() < 0 or out_rows.max() >= len(tokens)):
+            raise ValueError("out_rows must index the batch")
+
+    def _is_decode(self, n: int, out_rows: np.ndarray) -> bool:
+        """Every token is an output row, in order: a decode step (graph-eligible)."""
+        return (self.use_graphs and len(out_rows) == n and _bucket(n) <= min(self.max_out, self.max_tokens)
+                and n <= self.n_slots and bool((out_rows == self._arange[:n]).all()))
+
+    def _submit(self, tokens, positions, slots, out_rows, want: str) -> None:
+        """Enqueue inputs, the pass and the results' copy to the host on self.stream (no wait)."""
+        cp = self.cp
+        n, m = len(tokens), len(out_rows)
+        rt = cp.cuda.runtime
+        graph = None
+        if self._is_decode(n, out_rows):
+            b = _bucket(n)
+            ih = self.inputs_h
+            ih[0, :n], ih[1, :n], ih[2, :n], ih[3, :b] = tokens, positions, slots, self._arange[:b]
+            ih[0, n:b], ih[1, n:b], ih[2, n:b] = 0, 0, self._scratch_slot      # padding: the scratch slot
+            rt.memcpyAsync(self.inputs.data.ptr, ih.ctypes.data, ih.nbytes, rt.memcpyHostToDevice, self.stream.ptr)
+            graph = self._graphs.get(b)
+            if graph is None:
+                self._enqueue(b, b)             # the first step of a bucket runs eagerly (warm-up) ...
+                self._graphs[b] = self._capture(b)
+            else:
+                graph.launch(self.stream)
+        else:
+            ih = self.inputs_h
+            ih[0, :n], ih[1, :n], ih[2, :n], ih[3, :m] = tokens, positions, slots, out_rows
+            rt.memcpyAsync(self.inputs.data.ptr, ih.ctypes.data, ih.nbytes, rt.memcpyHostToDevice, self.stream.ptr)
+            self._enqueue(n, m)
+        if want == "logits":
+            rt.memcpyAsync(self.logits_h.ctypes.data, self.logits.data.ptr, m * self.n_vocab * 4,
+                           rt.memcpyDeviceToHost, self.stream.ptr)
+        else:
+            rt.memcpyAsync(self.ids_h.ctypes.data, self.ids.data.ptr, m * 4, rt.memcpyDeviceToHost, self.stream.ptr)
+
+    def reset_graphs(self) -> None:
+        """Drop the captured graphs (after changing matvec_max_n); the next decode steps capture again."""
+        self._graphs.clear()
+
+    def _capture(self, b: int):
+        """... and is captured for the next ones (capture records, it does not run)."""
+        s = self.stream
+        s.begin_capture(mode=self.cp.cuda.runtime.streamCaptureModeThreadLocal)
+        try:
+            self._enqueue(b, b)
+        finally:
+            graph = s.end_capture()
+        graph.upload(s)
+        return graph
+
+    def _enqueue(self, n: int, m: int) -> None:
+        """The pass over the first n rows of the device inputs; logits and greedy ids of rows rows_d[:m]."""
+        c, mv = self.cfg, self.matvec_max_n
+        K.embed_rows(self.tok_embd, self.tokens_d, self.x, n)
+        for li, lw in enumerate(self.layers):
+            kc, vc = self.k_cache[li], self.v_cache[li]
+            K.rms_norm(self.x, lw["attn_norm"], self.h, n, c.norm_eps)
+            K.gemm(self.h, lw["wqkv"], self.qkv, n, matvec_max_n=mv)
+            K.rope_store(self.qkv, self.cos, self.sin, kc, vc, self.slots_d, self.positions_d, n, c.n_head, c.rope_dim)
+            K.attention(self.qkv, kc, vc, self.slots_d, self.positions_d, self.part_o, self.part_ml, self.attn,
+                        n, c.n_head, self.attn_chunk, self.scale)
+            K.gemm(self.attn, lw["wo"], self.x, n, accumulate=True, matvec_max_n=mv)
+            K.rms_norm(self.x, lw["ffn_norm"], self.h, n, c.norm_eps)
+            K.gemm(self.h, lw["w_gate_up"], self.gu, n, matvec_max_n=mv)
+            K.swiglu(self.gu, self.act, n)
+            K.gemm(self.act, lw["w_down"], self.x, n, accumulate=True, matvec_max_n=mv)
+        K.rms_norm(self.x, self.out_norm, self.hout, m, c.norm_eps, rows=self.rows_d)
+        K.gemm(self.hout, self.output, self.logits, m, matvec_max_n=mv)
+        K.argmax_rows(self.logits, self.ids, m)
+
+    def _run_chunked(self, tokens, positions, slots, out_rows, want: str) -> np.ndarray:
+        """A batch larger than the buffers: tokens in order, max_tokens at a time (a later chunk's
+        tokens see the KV the earlier chunks wrote); output rows max_out at a time. Allocates the result."""
+        m = len(out_rows)
+        result = np.empty((m, self.n_vocab) if want == "logits" else m, np.float32 if want == "logits" else np.int32)
+        for c0 in range(0, len(tokens), self.max_tokens):
+            c1 = min(c0 + self.max_tokens, len(tokens))
+            mine = np.flatnonzero((out_rows >= c0) & (out_rows < c1))
+            sl = slice(c0, c1)
+            if len(mine) == 0:
+                # No output rows in this chunk: still run it for its KV (one throwaway output row).
+                self._run(tokens[sl], positions[sl], slots[sl], np.zeros(1, np.int32), want)
+                continue
+            for g0 in range(0, len(mine), self.max_out):
+                group = mine[g0:g0 + self.max_out]
+                # Later groups of one chunk recompute it: the same tokens write the same KV rows.
+                got = self._run(tokens[sl], positions[sl], slots[sl], out_rows[group] - c0, want)
+                result[group] = got
+        return result
+
+    # -- device sampling (temperature via Gumbel-max; see cuda/sampling.cu) -------------------------
+
+    def sample_logits(self, m: int, temps, seeds, steps) -> np.ndarray:
+        """Sample one id per row from the device logits of the last forward() (its rows 0..m-1):
+        temps float32 [m] (<= 0: greedy), seeds uint64 [m], steps uint32 [m]. Returns int32 [m] (a
+        reused host buffer)."""
+        if not 0 <= m <= self.max_out:
+            raise ValueError(f"m must be in [0, {self.max_out}]")
+        p = K.sample_params(temps, seeds, steps, self.params_h)
+        rt = self.cp.cuda.runtime
+        with self.device, self.stream:
+            rt.memcpyAsync(self.params_d.data.ptr, p.ctypes.data, p.nbytes, rt.memcpyHostToDevice, self.stream.ptr)
+            K.sample_rows(self.logits, self.params_d, self.ids, m)
+            rt.memcpyAsync(self.ids_h.ctypes.data, self.ids.data.ptr, m * 4, rt.memcpyDeviceToHost, self.stream.ptr)
+        self.stream.synchronize()
+        return self.ids_h[:m]

@@ -1,0 +1,520 @@
+"""A stand-in for CuPy on machines without a GPU: runs CupyBackend's orchestration on the CPU.
+
+What it checks for real: every launch's arguments against the kernel's parameter list as nvcc
+compiles it (count, and pointer / 32-bit int / float / 64-bit int for each, read from the PTX; a
+Python int or float, which CuPy would pass as a 64-bit integer or a double, is refused), launch
+shapes (block <= 1024 threads, grid y/z <= 65535), cuBLAS gemmEx's column-major arguments (the
+product is computed from the raw pointers and leading dimensions, as cuBLAS would read them),
+host<->device copies by pointer, and graph capture (launches recorded, replayed by Graph.launch).
+
+What it does NOT check: the CUDA C kernels themselves. Each kernel is emulated in NumPy from its
+header comment's contract, so the emulation says what the launcher and the backend expect of the
+kernel; tests/gpu/ checks the kernels on a GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import re
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import numpy as np
+
+# -- arrays: device memory is host memory here --------------------------------------------------
+
+
+class _Ptr:
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+
+class ndarray(np.ndarray):
+    """A host array posing as a device array: .data.ptr is its address."""
+
+    @property
+    def data(self):     # noqa: D401 - CuPy's MemoryPointer has .ptr
+        return _Ptr(self.__array_interface__["data"][0])
+
+    def get(self):
+        return np.asarray(self).copy()
+
+    def set(self, arr, stream=None):
+        np.copyto(np.asarray(self), arr)
+
+
+def _dev(a: np.ndarray) -> ndarray:
+    return np.ascontiguousarray(a).view(ndarray)
+
+
+def zeros(shape, dtype=np.float32):
+    return _dev(np.zeros(shape, dtype))
+
+
+def empty(shape, dtype=np.float32):
+    # Poisoned, so that a kernel emulation reading unwritten memory shows up.
+    a = np.empty(shape, dtype)
+    if a.dtype.kind == "f":
+        a.fill(np.nan)
+    else:
+        a.fill(np.iinfo(a.dtype).max if a.dtype.kind in "iu" else 0)
+    return _dev(a)
+
+
+def asarray(a, dtype=None):
+    return _dev(np.array(a, dtype=dtype, copy=True))
+
+
+class _Pool:
+    def free_all_blocks(self):
+        pass
+
+    def used_bytes(self):
+        return 0
+
+    def total_bytes(self):
+        return 0
+
+
+def get_default_memory_pool():
+    return _Pool()
+
+
+def empty_pinned(shape, dtype=np.float32):
+    return np.zeros(shape, dtype)
+
+
+# -- kernels: PTX signatures and NumPy emulations -----------------------------------------------
+
+_PTX_CACHE: dict[str, dict[str, list[str]]] = {}
+
+
+def ptx_signatures(source: str) -> dict[str, list[str]] | None:
+    """{kernel: [param types]} from nvcc's PTX of `source` (None without nvcc)."""
+    if source in _PTX_CACHE:
+        return _PTX_CACHE[source]
+    from fastserve.backends.kernels import nvcc_available
+    nvcc = nvcc_available()
+    if nvcc is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp) / "k.cu", Path(tmp) / "k.ptx"
+        src.write_text(source)
+        subprocess.run([nvcc, "-arch=sm_90", "-std=c++17", "--ptx", "-o", str(out), str(src)], check=True,
+                       capture_output=True)
+        ptx = out.read_text()
+    sigs = {}
+    for m in re.finditer(r"\.entry\s+(\w+)\s*\((.*?)\)", ptx, re.S):
+        sigs[m.group(1)] = re.findall(r"\.param\s+\.(\w+)", m.group(2))
+    _PTX_CACHE[source] = sigs
+    return sigs
+
+
+def c_param_kinds(source: str, name: str) -> list[str]:
+    """Kinds of a kernel's parameters from its C signature: ptr, b64 (long long), b32 (int), f32.
+    Kernels instantiated by a macro (cuda/attention.cu) are read from the macro's NAME(...)."""
+    m = re.search(r"\b" + re.escape(name) + r"\s*\(([^)]*)\)\s*\{", source)
+    if m is None:       # made by a macro: MACRO(name, ...) and #define MACRO(NAME, ...) ... NAME(params)
+        call = re.search(r"^(\w+)\(\s*" + re.escape(name) + r"\s*,", source, re.M)
+        if call is not None:
+            m = re.search(r"#define\s+" + call.group(1) + r"\(NAME[^)]*\)(?:.|\n)*?\bNAME\s*\(([^)]*)\)", source)
+    if m is None:
+        raise AttributeError(f"cannot find the C signature of {name}")
+    kinds = []
+    for p in m.group(1).replace("\\", " ").split(","):
+        p = " ".join(p.split())
+        if "*" in p:
+            kinds.append("ptr")
+        elif "long long" in p:
+            kinds.append("b64")
+        elif p.startswith(("int ", "unsigned int ", "const int ")):
+            kinds.append("b32")
+        elif p.startswith(("float ", "const float ")):
+            kinds.append("f32")
+        else:
+            raise TypeError(f"{name}: parameter {p!r} of a kind this fake does not know")
+    return kinds
+
+
+def _arg_kind(a) -> str:
+    if isinstance(a, ndarray):
+        return "ptr"
+    if isinstance(a, np.uint64) and int(a) == 0:
+        return "null"
+    if isinstance(a, (np.uint64, np.int64)):
+        return "b64"
+    if isinstance(a, (np.int32, np.uint32)):
+        return "b32"
+    if isinstance(a, np.float32):
+        return "f32"
+    raise TypeError(f"kernel argument of type {type(a).__name__}: CuPy would pass a Python int as a 64-bit "
+                    "integer and a float as a double; pass numpy.int32 / numpy.float32 / a cupy array")
+
+
+_PTX_KIND = {"u64": ("ptr", "b64"), "s64": ("b64",), "b64": ("ptr", "b64"), "u32": ("b32",), "s32": ("b32",),
+             "b32": ("b32",), "f32": ("f32",)}
+_ACCEPTS = {"ptr": ("ptr", "null"), "b64": ("b64",), "b32": ("b32",), "f32": ("f32",)}
+
+
+def to_f32(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a)
+    if a.dtype == np.uint16:            # bf16 words
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32)
+
+
+def from_f32(v: np.ndarray, like: np.ndarray) -> np.ndarray:
+    v = np.asarray(v, dtype=np.float32)
+    if like.dtype == np.uint16:         # round to nearest even, as cuda/common.cuh
+        u = v.view(np.uint32).astype(np.uint64)
+        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+        nan = np.isnan(v)
+        r[nan] = ((v.view(np.uint32)[nan] >> 16) | 0x40).astype(np.uint16)
+        return r
+    return v.astype(like.dtype)
+
+
+def _rows_of(grid) -> int:
+    return int(grid[0])
+
+
+def _k_embed_rows(grid, args):
+    table, tokens, x, d = args
+    n = _rows_of(grid)
+    x[:n] = to_f32(table[tokens[:n]])
+
+
+def _k_rms_norm(grid, args):
+    x, rows, w, out, d, eps = args
+    n = _rows_of(grid)
+    src = np.asarray(rows[:n]) if isinstance(rows, ndarray) else np.arange(n)
+    v = np.asarray(x[src], dtype=np.float32)
+    ms = np.einsum("ij,ij->i", v, v) / np.float32(d)
+    out[:n] = from_f32(v * (np.float32(1.0) / np.sqrt(ms + np.float32(eps)))[:, None] * w, out)
+
+
+def _k_rope_qk(grid, args):
+    qkv, cos, sin, positions, stride, n_rot, head_dim, rope_dim = args
+    n = _rows_of(grid)
+    x = np.asarray(qkv)[:n, :n_rot * head_dim].reshape(n, int(n_rot), int(head_dim))
+    c, s = cos[positions[:n]][:, None, :], sin[positions[:n]][:, None, :]
+    x0 = x[:, :, 0:rope_dim:2].copy()
+    x1 = x[:, :, 1:rope_dim:2].copy()
+    x[:, :, 0:rope_dim:2] = x0 * c - x1 * s
+    x[:, :, 1:rope_dim:2] = x0 * s + x1 * c
+
+
+def _k_kv_store(grid, args):
+    qkv, kc, vc, slots, positions, stride, n_head, n_head_kv, head_dim, n_ctx = args
+    n = _rows_of(grid)
+    hd, kvd = int(n_head) * int(head_dim), int(n_head_kv) * int(head_dim)
+    sl, pos = np.asarray(slots[:n]), np.asarray(positions[:n])
+    k = qkv[:n, hd:hd + kvd].reshape(n, int(n_head_kv), int(head_dim))
+    v = qkv[:n, hd + kvd:hd + 2 * kvd].reshape(n, int(n_head_kv), int(head_dim))
+    kc[sl, pos] = from_f32(k, kc)
+    vc[sl, pos] = from_f32(v, vc)
+
+
+def _k_rope_store(grid, args):
+    qkv, cos, sin, kc, vc, slots, positions, stride, n_head, n_head_kv, head_dim, rope_dim, n_ctx = args
+    _k_rope_qk(grid, (qkv, cos, sin, positions, stride, np.int32(n_head + n_head_kv), head_dim, rope_dim))
+    _k_kv_store(grid, (qkv, kc, vc, slots, positions, stride, n_head, n_head_kv, head_dim, n_ctx))
+
+
+def _k_matvec(grid, args):
+    w, x, out, n, m, k, accumulate = args
+    n, m, k = int(n), int(m), int(k)
+    if k % 8 or int(grid[0]) * 4 < m:
+        raise ValueError("matvec: k must be a multiple of 8 and the grid must cover the rows")
+    res = to_f32(x[:n]) @ to_f32(w).T
+    out[:n] = (out[:n] + res) if int(accumulate) else res
+
+
+def _k_attention_split(grid, args):
+    qkv, kc, vc, slots, positions, part_o, part_ml, stride, H, Hkv, D, n_ctx, chunk, scale = args
+    S, n = int(grid[0]), int(grid[2])
+    H, Hkv, D, chunk = int(H), int(Hkv), int(D), int(chunk)
+    head_kv = np.arange(H) // (H // Hkv)
+    for t in range(n):
+        slot, n_keys = int(slots[t]), int(positions[t]) + 1
+        q = np.asarray(qkv[t, :H * D]).reshape(H, D) * np.float32(scale)
+        for s in range(S):
+            k0, k1 = s * chunk, min(s * chunk + chunk, n_keys)
+            if k0 >= k1:
+                part_o[t, :, s] = 0.0
+                part_ml[t, :, s, 0], part_ml[t, :, s, 1] = -np.inf, 0.0
+                continue
+            keys = to_f32(kc[slot, k0:k1])[:, head_kv]          # [L, H, D]
+            vals = to_f32(vc[slot, k0:k1])[:, head_kv]
+            sc = np.einsum("lhd,hd->hl", keys, q)
+            mx = sc.max(axis=1, keepdims=True)
+            p = np.exp(sc - mx)
+            part_o[t, :, s] = np.einsum("hl,lhd->hd", p, vals)
+            part_ml[t, :, s, 0], part_ml[t, :, s, 1] = mx[:, 0], p.sum(axis=1)
+
+
+def _k_attention_combine(grid, args):
+    part_o, part_ml, out, H, D, S = args
+    n = int(grid[1])
+    H, D = int(H), int(D)
+    for t in range(n):
+        m = part_ml[t, :, :, 0]                     # [H, S]
+        mx = m.max(axis=1, keepdims=True)
+        f = np.where(np.isneginf(m), 0.0, np.exp(m - mx)).astype(np.float32)
+        lsum = (part_ml[t, :, :, 1] * f).sum(axis=1)
+        o = (part_o[t] * f[:, :, None]).sum(axis=1) / lsum[:, None]
+        out[t] = from_f32(o.reshape(H * D), out)
+
+
+def _k_swiglu(grid, args):
+    gu, out, n, n_ff = args
+    n, n_ff = int(n), int(n_ff)
+    g, u = gu[:n, :n_ff], gu[:n, n_ff:2 * n_ff]
+    out[:n] = from_f32(g / (np.float32(1.0) + np.exp(-g)) * u, out)
+
+
+def _k_cast(grid, args):
+    src, dst, size = args
+    dst.reshape(-1)[:] = from_f32(np.asarray(src).reshape(-1), dst)
+
+
+def _k_argmax_rows(grid, args):
+    logits, out, V = args
+    m = _rows_of(grid)
+    out[:m] = np.argmax(np.nan_to_num(np.asarray(logits[:m]), nan=-np.inf, posinf=np.inf), axis=1)
+
+
+def philox4x32_10(c: np.ndarray, k0: np.ndarray, k1: np.ndarray) -> np.ndarray:
+    """NumPy Philox4x32-10 over counters c uint32 [..., 4] with keys k0, k1 (broadcast): the first word."""
+    c = [c[..., i].astype(np.uint64) for i in range(4)]
+    k0, k1 = k0.astype(np.uint64), k1.astype(np.uint64)
+    M = 0xFFFFFFFF
+    for _ in range(10):
+        p0, p1 = np.uint64(0xD2511F53) * c[0], np.uint64(0xCD9E8D57) * c[2]
+        hi0, lo0, hi1, lo1 = p0 >> np.uint64(32), p0 & np.uint64(M), p1 >> np.uint64(32), p1 & np.uint64(M)
+        c = [hi1 ^ c[1] ^ k0, lo1, hi0 ^ c[3] ^ k1, lo0]
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & np.uint64(M), (k1 + np.uint64(0xBB67AE85)) & np.uint64(M)
+    return c[0].astype(np.uint32)
+
+
+def _k_sample_rows(grid, args):
+    logits, params, out, V = args
+    m, V = _rows_of(grid), int(V)
+    for r in range(m):
+        temp = params[r, 0:1].view(np.float32)[0]
+        row = np.asarray(logits[r], dtype=np.float32)
+        if temp > 0:
+            i = np.arange(V, dtype=np.uint32)
+            cnt = np.stack([i, np.full(V, params[r, 3], np.uint32), np.zeros(V, np.uint32), np.zeros(V, np.uint32)], -1)
+            x = philox4x32_10(cnt, np.uint32(params[r, 1]), np.uint32(params[r, 2]))
+            u = ((x >> 8).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
+            row = row / temp - np.log(-np.log(u))
+        out[r] = int(np.argmax(row))
+
+
+_EMULATIONS = [("embed_rows_", _k_embed_rows), ("rms_norm_", _k_rms_norm), ("rope_qk_", _k_rope_qk),
+               ("kv_store_", _k_kv_store), ("rope_store_", _k_rope_store), ("matvec_", _k_matvec),
+               ("attention_split_", _k_attention_split),
+               ("attention_combine_", _k_attention_combine), ("swiglu_", _k_swiglu), ("cast_f32_", _k_cast),
+               ("argmax_rows_", _k_argmax_rows), ("sample_rows_", _k_sample_rows)]
+
+
+class Recorder:
+    """Where launches go: run now, or recorded while a stream captures."""
+    capturing: list | None = None
+    launches = 0
+
+
+class RawKernel:
+    def __init__(self, name: str, params: list[str] | None, c_kinds: list[str]):
+        self.name, self.params, self.c_kinds = name, params, c_kinds
+        self.emulate = next((f for p, f in _EMULATIONS if name.startswith(p)), None)
+        if self.emulate is None:
+            raise AttributeError(f"no emulation for kernel {name}")
+
+    def __call__(self, grid, block, args, shared_mem=0, stream=None):
+        grid, block = tuple(grid), tuple(block)
+        if any(int(g) < 1 for g in grid) or any(int(b) < 1 for b in block):
+            raise ValueError(f"{self.name}: empty launch grid={grid} block={block}")
+        if int(np.prod(block)) > 1024:
+            raise ValueError(f"{self.name}: {np.prod(block)} threads per block")
+        if len(grid) > 1 and any(int(g) > 65535 for g in grid[1:]):
+            raise ValueError(f"{self.name}: grid {grid} exceeds 65535 in y or z")
+        kinds = [_arg_kind(a) for a in args]
+        if len(kinds) != len(self.c_kinds):
+            raise TypeError(f"{self.name}: {len(args)} arguments, its C signature has {len(self.c_kinds)}")
+        for i, (k, c) in enumerate(zip(kinds, self.c_kinds)):
+            if k not in _ACCEPTS[c]:
+                raise TypeError(f"{self.name}: argument {i} is {k}, the C parameter is {c}")
+        if self.params is not None:
+            if len(args) != len(self.params):
+                raise TypeError(f"{self.name}: {len(args)} arguments, the kernel takes {len(self.params)}")
+            for i, (k, p) in enumerate(zip(kinds, self.params)):
+                if (k if k != "null" else "ptr") not in _PTX_KIND.get(p, ()):
+                    raise TypeError(f"{self.name}: argument {i} is {k}, the kernel's parameter is .{p}")
+        if Recorder.capturing is not None:
+            Recorder.capturing.append(lambda: self.emulate(grid, args))
+        else:
+            Recorder.launches += 1
+            self.emulate(grid, args)
+
+
+class RawModule:
+    def __init__(self, code: str, options=(), **kw):
+        self.code = code
+        self.sigs = ptx_signatures(code)
+
+    def compile(self, log_stream=None):
+        pass
+
+    def get_function(self, name: str) -> RawKernel:
+        if not re.search(r"\b" + re.escape(name) + r"\b", self.code):
+            raise AttributeError(f"kernel {name} is not in the module's source")
+        params = None
+        if self.sigs is not None:
+            if name not in self.sigs:
+                raise AttributeError(f"nvcc produced no entry {name}")
+            params = self.sigs[name]
+        return RawKernel(name, params, c_param_kinds(self.code, name))
+
+
+# -- runtime, streams, graphs, cuBLAS -----------------------------------------------------------
+
+class Graph:
+    def __init__(self, launches):
+        self._launches = launches
+        self.replays = 0
+
+    def upload(self, stream=None):
+        pass
+
+    def launch(self, stream=None):
+        if Recorder.capturing is not None:
+            raise RuntimeError("graph launch while capturing")
+        self.replays += 1
+        for f in self._launches:
+            Recorder.launches += 1
+            f()
+
+
+class Stream:
+    def __init__(self, non_blocking=False):
+        self.ptr = id(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def synchronize(self):
+        if Recorder.capturing is not None:
+            raise RuntimeError("synchronize while capturing")
+
+    def begin_capture(self, mode=None):
+        if Recorder.capturing is not None:
+            raise RuntimeError("nested capture")
+        Recorder.capturing = []
+
+    def end_capture(self):
+        launches, Recorder.capturing = Recorder.capturing, None
+        return Graph(launches)
+
+
+class Device:
+    def __init__(self, i=0):
+        self.id = i
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _memcpy_async(dst, src, nbytes, kind, stream):
+    if Recorder.capturing is not None:
+        raise RuntimeError("this fake does not capture copies")
+    ctypes.memmove(dst, src, nbytes)
+
+
+runtime = types.SimpleNamespace(
+    getDeviceCount=lambda: 1, getDevice=lambda: 0, getDeviceProperties=lambda i: {"name": b"fake (NumPy) device"},
+    memcpyAsync=_memcpy_async, memcpyHostToDevice=1, memcpyDeviceToHost=2,
+    streamCaptureModeThreadLocal=1, streamCaptureModeRelaxed=2)
+
+
+_CUDA_DTYPES = {0: np.float32, 2: np.float16, 14: np.uint16}
+
+
+def _col_major(ptr: int, ctype: int, rows: int, cols: int, ld: int) -> np.ndarray:
+    dt = np.dtype(_CUDA_DTYPES[ctype])
+    count = ld * (cols - 1) + rows
+    buf = np.frombuffer((ctypes.c_char * (count * dt.itemsize)).from_address(ptr), dtype=dt)
+    padded = np.lib.stride_tricks.as_strided(buf, shape=(rows, cols), strides=(dt.itemsize, ld * dt.itemsize))
+    return padded
+
+
+def _gemm_ex(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
+             computeType, algo):
+    if Recorder.capturing is not None:
+        Recorder.capturing.append(lambda: _gemm_ex_now(transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype,
+                                                       ldb, beta, C, Ctype, ldc))
+    else:
+        Recorder.launches += 1
+        _gemm_ex_now(transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc)
+
+
+def _gemm_ex_now(transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc):
+    if Atype != Btype or Ctype != 0:
+        raise TypeError("this fake supports A, B of one type and float32 C")
+    a_rows, a_cols = (m, k) if transa == 0 else (k, m)
+    b_rows, b_cols = (k, n) if transb == 0 else (n, k)
+    if lda < a_rows or ldb < b_rows or ldc < m:
+        raise ValueError(f"gemmEx: leading dimensions too small (lda {lda}, ldb {ldb}, ldc {ldc})")
+    a = to_f32(_col_major(A, Atype, a_rows, a_cols, lda))
+    b = to_f32(_col_major(B, Btype, b_rows, b_cols, ldb))
+    opa = a if transa == 0 else a.T
+    opb = b if transb == 0 else b.T
+    c = _col_major(C, Ctype, m, n, ldc)
+    al = np.frombuffer((ctypes.c_float * 1).from_address(alpha), np.float32)[0]
+    be = np.frombuffer((ctypes.c_float * 1).from_address(beta), np.float32)[0]
+    res = al * (opa @ opb)
+    if be != 0:
+        res = res + be * c
+    c[...] = res
+
+
+cublas = types.ModuleType("cupy_backends.cuda.libs.cublas")
+cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T = 0, 1
+cublas.CUBLAS_POINTER_MODE_HOST = 0
+cublas.CUBLAS_COMPUTE_32F = 68
+cublas.CUBLAS_GEMM_DEFAULT = -1
+cublas.setPointerMode = lambda handle, mode: None
+cublas.gemmEx = _gemm_ex
+
+
+def install(monkeypatch) -> types.ModuleType:
+    """Put this fake in place of cupy, cupyx and cupy_backends' cuBLAS for one test (monkeypatch)."""
+    cupy = types.ModuleType("cupy")
+    cupy.ndarray, cupy.zeros, cupy.empty, cupy.asarray = ndarray, zeros, empty, asarray
+    cupy.RawModule, cupy.get_default_memory_pool = RawModule, get_default_memory_pool
+    cupy.cuda = types.SimpleNamespace(runtime=runtime, Stream=Stream, Device=Device, Graph=Graph,
+                                      device=types.SimpleNamespace(get_cublas_handle=lambda: 1))
+    cupyx = types.ModuleType("cupyx")
+    cupyx.empty_pinned = empty_pinned
+    pkg = types.ModuleType("cupy_backends")
+    pkg_cuda = types.ModuleType("cupy_backends.cuda")
+    pkg_libs = types.ModuleType("cupy_backends.cuda.libs")
+    pkg.cuda, pkg_cuda.libs, pkg_libs.cublas = pkg_cuda, pkg_libs, cublas
+    for name, mod in (("cupy", cupy), ("cupyx", cupyx), ("cupy_backends", pkg), ("cupy_backends.cuda", pkg_cuda),
+                      ("cupy_backends.cuda.libs", pkg_libs), ("cupy_backends.cuda.libs.cublas", cublas)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    from fastserve.backends import kernels
+    monkeypatch.setattr(kernels, "_cp", None)
+    monkeypatch.setattr(kernels, "_modules", {})
+    monkeypatch.setattr(kernels, "_functions", {})
+    Recorder.capturing, Recorder.launches = None, 0
+    return cupy

@@ -1,0 +1,41 @@
+"""Shared by the GPU tests: error measures and weights rounded as the GPU stores them."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from fastserve.models.llama import LlamaWeights
+
+
+def rel_err(got, want) -> float:
+    """Worst row's ||got - want|| / ||want|| (rows: the last axis), computed in float64."""
+    g = np.asarray(got, np.float64).reshape(-1, np.shape(want)[-1])
+    w = np.asarray(want, np.float64).reshape(g.shape)
+    num = np.linalg.norm(g - w, axis=1)
+    den = np.maximum(np.linalg.norm(w, axis=1), 1e-30)
+    return float((num / den).max()) if len(g) else 0.0
+
+
+def round_to(a: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 a rounded to f16 or bf16 (nearest even) and back to float32."""
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if dtype == "f16":
+        return a.astype(np.float16).astype(np.float32)
+    if dtype == "bf16":
+        u = a.view(np.uint32).astype(np.uint64)
+        r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32) << 16
+        return r.view(np.float32)
+    if dtype == "f32":
+        return a
+    raise ValueError(dtype)
+
+
+def rounded_weights(w: LlamaWeights, dtype: str) -> LlamaWeights:
+    """The weights as CupyBackend holds them: matrices and the embedding rounded to dtype, norms float32."""
+    layers = [dataclasses.replace(lw, wqkv=round_to(lw.wqkv, dtype), wo=round_to(lw.wo, dtype),
+                                  w_gate_up=round_to(lw.w_gate_up, dtype), w_down=round_to(lw.w_down, dtype))
+              for lw in w.layers]
+    tok = round_to(w.tok_embd, dtype)
+    out = tok if w.output is w.tok_embd else round_to(w.output, dtype)
+    return LlamaWeights(tok_embd=tok, layers=layers, out_norm=w.out_norm, output=out, rope_freqs=w.rope_freqs)

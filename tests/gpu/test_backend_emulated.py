@@ -1,0 +1,185 @@
+"""CupyBackend's orchestration on the CPU, with tests/gpu/fake_cupy.py standing in for CuPy.
+
+Runs everywhere (no GPU, no CuPy). It checks what does not depend on the kernels' CUDA C: launch
+arguments against the kernels' compiled signatures (with nvcc present), buffer shapes, the cuBLAS
+products' column-major arguments, bucketed CUDA-graph capture and replay with padding rows, chunked
+batches, KV save/restore, and the math as a whole against the NumPy backend (the kernels emulated
+in NumPy). The kernels themselves are checked on a GPU by the other tests in this folder.
+"""
+import inspect
+
+import numpy as np
+import pytest
+
+from fastserve.backends.numpy_backend import NumpyBackend
+
+from . import fake_cupy
+from .helpers import rel_err, rounded_weights
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    return fake_cupy.install(monkeypatch)
+
+
+def _numpy_backend(cfg, weights, n_slots, n_ctx):
+    kw = {"weight_type": "f32"} if "weight_type" in inspect.signature(NumpyBackend).parameters else {}
+    return NumpyBackend(cfg, weights, n_slots, n_ctx, **kw)
+
+
+def _prefill_then_decode(backend, prompts, n_decode, rng):
+    """Prompts into slots 0..; then n_decode greedy steps of every slot at once. Returns each step's logits."""
+    out = []
+    toks = np.concatenate(prompts).astype(np.int32)
+    pos = np.concatenate([np.arange(len(p)) for p in prompts]).astype(np.int32)
+    slots = np.concatenate([np.full(len(p), i) for i, p in enumerate(prompts)]).astype(np.int32)
+    last = np.cumsum([len(p) for p in prompts]).astype(np.int32) - 1
+    logits = np.array(backend.forward(toks, pos, slots, last))
+    out.append(logits)
+    cur = np.array([len(p) for p in prompts], np.int32)
+    for _ in range(n_decode):
+        nxt = np.argmax(logits, axis=1).astype(np.int32)
+        n = len(prompts)
+        logits = np.array(backend.forward(nxt, cur, np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int32)))
+        out.append(logits)
+        cur += 1
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_logits_match_numpy_backend(fake, tiny_model, dtype):
+    from fastserve.backends.cupy_backend import CupyBackend
+    cfg, w = tiny_model.config, tiny_model.weights
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, cfg.n_vocab, n).astype(np.int32) for n in (7, 3, 12)]
+    gpu = CupyBackend(cfg, w, n_slots=4, n_ctx_slot=64, dtype=dtype, attn_chunk=4)
+    ref = _numpy_backend(cfg, rounded_weights(w, dtype), 4, 64)
+    got = _prefill_then_decode(gpu, prompts, 6, rng)
+    want = _prefill_then_decode(ref, prompts, 6, rng)
+    worst = max(rel_err(g, r) for g, r in zip(got, want))
+    assert worst <= 1e-2, f"{dtype}: worst per-step relative error {worst:.2e}"
+    assert gpu._graphs, "decode steps did not go through a CUDA graph"
+
+
+def test_graph_replay_equals_eager(fake, tiny_model):
+    from fastserve.backends.cupy_backend import CupyBackend
+    cfg, w = tiny_model.config, tiny_model.weights
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, cfg.n_vocab, n).astype(np.int32) for n in (5, 9, 4)]
+    a = _prefill_then_decode(CupyBackend(cfg, w, 4, 64, graphs=True, attn_chunk=8), prompts, 5, rng)
+    b = _prefill_then_decode(CupyBackend(cfg, w, 4, 64, graphs=False, attn_chunk=8), prompts, 5, rng)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_graphs_are_per_bucket_and_replayed(fake, tiny_model):
+    from fastserve.backends.cupy_backend import CupyBackend
+    cfg, w = tiny_model.config, tiny_model.weights
+    be = CupyBackend(cfg, w, n_slots=8, n_ctx_slot=32)
+    for n in (1, 3, 3, 4, 5, 8, 1):
+        ids = np.arange(n, dtype=np.int32)
+        be.forward(ids + 10, np.full(n, 2, np.int32), ids, ids)
+    assert sorted(be._graphs) == [1, 4, 8]
+    assert be._graphs[4].replays == 2 and be._graphs[1].replays == 1 and be._graphs[8].replays == 1
+
+
+def test_padding_rows_touch_only_the_scratch_slot(fake, tiny_model):
+    from fastserve.backends.cupy_backend import CupyBackend
+    cfg, w = tiny_model.config, tiny_model.weights
+    be = CupyBackend(cfg, w, n_slots=4, n_ctx_slot=16)
+    before = np.array(be.kv[:, :, :4])
+    ids = np.arange(3, dtype=np.int32)
+    be.forward(ids, np.zeros(3, np.int32), ids, ids)           # bucket 4: one padding row
+    after = np.array(be.kv[:, :, :4])
+    changed = np.flatnonzero((before != after).any(axis=(0, 1, 3, 4, 5)))
+    assert changed.tolist() == [0, 1, 2]
+
+
+def test_chunked_batch_equals_one_pass(fake, tiny_model):
+    from fastserve.backends.cupy_backend import CupyBackend
+    cfg, w = tiny_model.config, tiny_model.weights
+    rng = np.random.default_rng(3)
+    n = 40
+    toks = rng.integers(0, cfg.n_vocab, n).astype(np.int32)
+    pos = np.arange(n, dtype=np.int32)
+    slots = np.zeros(n, np.int32)
+    rows = np.array([3, 39, 17, 20, 0], np.int32)
+    whole = np.array(CupyBackend(cfg, w, 2, 64, max_tokens=64).forward(toks, pos, slots, rows))
+    parts = CupyBackend(cfg, w, 2, 64, max_tokens=16, max_out=2).forward(toks, pos, slots, rows)
+    # Products over other row counts may sum in another order (BLAS, cuBLAS): equal up to rounding.
+    assert rel_err(parts, whole) <= 1e-3
+
+
+def test_forward_greedy_and_device_sampling(fake, tiny_model):
+    from fastserve.backends.cupy_backend import CupyBackend
+    cfg, w = tiny_model.config, tiny_model.weights
+    be = CupyBackend(cfg, w, 4, 32)
+    ids = np.arange(4, dtype=np.int32)
+    logits = np.array(be.forward(ids + 5, np.zeros(4, np.int32), ids, ids))
+    # The next call recomputes the same positions: same logits, ids on the device.
+    greedy = np.array(be.forward_greedy(ids + 5, np.zeros(4, np.int32), ids, ids))
+    np.testing.assert_array_equal(greedy, np.argmax(logits, axis=1))
+    seeds = np.array([1, 2, 3, 2**40 + 7], np.uint64)
+    s0 = np.array(be.sample_logits(4, np.zeros(4, np.float32), seeds, np.zeros(4, np.uint32)))
+    np.testing.assert_array_equal(s0, greedy)
+    s1 = np.array(be.sample_logits(4, np.ones(4, np.float32), seeds, np.full(4, 9, np.uint32)))
+    s2 = np.array(be.sample_logits(4, np.ones(4, np.float32), seeds, np.full(4, 9, np.uint32)))
+    np.testing.assert_array_equal(s1, s2)
+
+
+def test_save_restore_and_copy_slot(fake, tiny_model):
+    from fastserve.backends.cupy_backend import CupyBackend
+    cfg, w = tiny_model.config, tiny_model.weights
+    be = CupyBackend(cfg, w, 3, 32)
+    rng = np.random.default_rng(4)
+    toks = rng.integers(0, cfg.n_vocab, 10).astype(np.int32)
+    be.forward(toks, np.arange(10, dtype=np.int32), np.zeros(10, np.int32), np.array([9], np.int32))
+    buf = np.zeros(10 * be.kv_bytes_per_token() + 5, np.uint8)
+    be.save_slot(0, 2, 6, buf)
+    be.restore_slot(2, 2, 6, buf)
+    np.testing.assert_array_equal(np.asarray(be.kv[:, :, 2, 2:8]), np.asarray(be.kv[:, :, 0, 2:8]))
+    be.copy_slot(0, 1, 10)
+    np.testing.assert_array_equal(np.asarray(be.kv[:, :, 1, :10]), np.asarray(be.kv[:, :, 0, :10]))
+    with pytest.raises(ValueError):
+        be.save_slot(0, 0, 10, np.zeros(10, np.uint8))
+
+
+def test_bad_indices_are_refused_before_any_launch(fake, tiny_model):
+    from fastserve.backends.cupy_backend import CupyBackend
+    cfg, w = tiny_model.config, tiny_model.weights
+    be = CupyBackend(cfg, w, 2, 16)
+    one = np.zeros(1, np.int32)
+    for toks, pos, slots in ((np.array([cfg.n_vocab], np.int32), one, one),
+                             (one, np.array([16], np.int32), one), (one, one, np.array([2], np.int32))):
+        with pytest.raises(ValueError):
+            be.forward(toks, pos, slots, one)
+
+
+def test_launchers_refuse_wrong_arrays(fake):
+    from fastserve.backends import kernels as K
+    cp = fake
+    x = cp.zeros((4, 8), np.float32)
+    w = cp.zeros(8, np.float32)
+    with pytest.raises(TypeError):
+        K.rms_norm(x, w, cp.zeros((4, 8), np.float64), 4, 1e-5)
+    with pytest.raises(ValueError):
+        K.rms_norm(x, w, cp.zeros((2, 8), np.float16), 4, 1e-5)            # too few rows
+    with pytest.raises(ValueError):
+        K.rms_norm(x, w, cp.zeros((8, 4), np.float16).T, 4, 1e-5)          # not C-contiguous
+    with pytest.raises(TypeError):
+        K.gemm(cp.zeros((4, 8), np.float16), cp.zeros((3, 8), np.uint16), cp.zeros((4, 3), np.float32), 4)
+
+
+def test_engine_runs_on_the_backend(fake, tiny_model):
+    """The engine drives the GPU backend like any other: greedy text equals the NumPy backend's on the
+    same (rounded) weights."""
+    import fastserve
+    from fastserve.backends.cupy_backend import CupyBackend
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    with fastserve.Engine(tiny_model, n_parallel=2, n_ctx=128,
+                          backend=lambda cfg, w, ns, nc: CupyBackend(cfg, w, ns, nc)) as e:
+        got = [r.result().token_ids for r in [e.submit(p, max_tokens=8, temperature=0) for p in prompts]]
+    with fastserve.Engine(tiny_model, n_parallel=2, n_ctx=128,
+                          backend=lambda cfg, w, ns, nc: _numpy_backend(cfg, rounded_weights(w, "f16"), ns, nc)) as e:
+        want = [r.result().token_ids for r in [e.submit(p, max_tokens=8, temperature=0) for p in prompts]]
+    assert got == want

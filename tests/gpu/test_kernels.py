@@ -1,0 +1,322 @@
+"""Each kernel family of cuda/ against NumPy, on a GPU (skips without one).
+
+Fresh random inputs for every check, outputs poisoned (NaN / max int) before each launch so that an
+unwritten element fails, errors as ||got - want|| / ||want|| against float64 references.
+"""
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from fastserve.backends import kernels as K
+
+from .helpers import rel_err, round_to
+
+STORAGES = ["f16", "bf16", "f32"]
+
+
+def _np_storage(storage):
+    return {"f16": np.float16, "bf16": np.uint16, "f32": np.float32}[storage]
+
+
+def _to_storage(cp, a, storage):
+    """float32 host array -> device array of storage (bf16 as uint16 words, rounded as the GPU rounds)."""
+    a = np.ascontiguousarray(a, np.float32)
+    if storage == "bf16":
+        return cp.asarray((round_to(a, "bf16").view(np.uint32) >> 16).astype(np.uint16))
+    return cp.asarray(a.astype(_np_storage(storage)))
+
+
+def _from_storage(a, storage):
+    a = np.asarray(a.get())
+    if storage == "bf16":
+        return (a.astype(np.uint32) << 16).view(np.float32)
+    return a.astype(np.float32)
+
+
+def _poisoned(cp, shape, dtype):
+    dt = np.dtype(dtype)
+    fill = np.nan if dt.kind == "f" else (0xFFFF if dt == np.uint16 else np.iinfo(dt).max)
+    return cp.asarray(np.full(shape, fill, dt))
+
+
+@pytest.mark.parametrize("storage", ["f16", "bf16"])
+def test_cast_rounds_to_nearest_even(cupy, storage):
+    rng = np.random.default_rng()
+    a = (rng.standard_normal(10007) * 10.0 ** rng.integers(-6, 4, 10007)).astype(np.float32)
+    a[:4] = [0.0, -0.0, 65504.0, 1e-8]
+    dst = _poisoned(cupy, a.shape, _np_storage(storage))
+    K.cast_from_f32(cupy.asarray(a), dst)
+    got = _from_storage(dst, storage)
+    np.testing.assert_array_equal(got, round_to(a, storage))
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_embed_rows(cupy, storage):
+    rng = np.random.default_rng()
+    table = rng.standard_normal((300, 72)).astype(np.float32)
+    tokens = rng.integers(0, 300, 9).astype(np.int32)
+    x = _poisoned(cupy, (12, 72), np.float32)
+    K.embed_rows(_to_storage(cupy, table, storage), cupy.asarray(np.r_[tokens, 0, 0, 0].astype(np.int32)), x, 9)
+    np.testing.assert_array_equal(x.get()[:9], round_to(table, storage)[tokens])
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("d", [64, 576, 2048, 2050])
+def test_rms_norm(cupy, storage, d):
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((7, d)) * 3).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    want = x / np.sqrt((x.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-5) * w
+    out = _poisoned(cupy, (7, d), _np_storage(storage))
+    K.rms_norm(cupy.asarray(x), cupy.asarray(w), out, 7, 1e-5)
+    tol = {"f16": 1e-3, "bf16": 8e-3, "f32": 1e-6}[storage]
+    assert rel_err(_from_storage(out, storage), want) <= tol
+    rows = np.array([6, 0, 3], np.int32)
+    out = _poisoned(cupy, (4, d), _np_storage(storage))
+    K.rms_norm(cupy.asarray(x), cupy.asarray(w), out, 3, 1e-5, rows=cupy.asarray(rows))
+    assert rel_err(_from_storage(out, storage)[:3], want[rows]) <= tol
+
+
+def test_rope_matches_numpy_backend(cupy):
+    from fastserve.backends.numpy_backend import apply_rope
+    rng = np.random.default_rng()
+    H, Hkv, D, rope_dim, n_ctx = 6, 2, 32, 24, 100
+    n = 11
+    qkv = rng.standard_normal((n, (H + 2 * Hkv) * D)).astype(np.float32)
+    pos = rng.integers(0, n_ctx, n).astype(np.int32)
+    theta = np.outer(np.arange(n_ctx), 1e4 ** (-np.arange(rope_dim // 2) * 2.0 / rope_dim))
+    cos, sin = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+    want = qkv.copy()
+    q = want[:, :H * D].reshape(n, H, D)
+    k = want[:, H * D:(H + Hkv) * D].reshape(n, Hkv, D)
+    apply_rope(q, cos[pos], sin[pos], rope_dim)
+    apply_rope(k, cos[pos], sin[pos], rope_dim)
+    want[:, :H * D] = q.reshape(n, -1)
+    want[:, H * D:(H + Hkv) * D] = k.reshape(n, -1)
+    dev = cupy.asarray(qkv)
+    K.rope_qk(dev, cupy.asarray(cos), cupy.asarray(sin), cupy.asarray(pos), n, H, Hkv, D, rope_dim)
+    got = dev.get()
+    assert rel_err(got, want) <= 1e-6
+    np.testing.assert_array_equal(got[:, (H + Hkv) * D:], qkv[:, (H + Hkv) * D:])     # V untouched
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_kv_store(cupy, storage):
+    rng = np.random.default_rng()
+    H, Hkv, D, n_slots, n_ctx = 4, 2, 16, 3, 20
+    n = 5
+    qkv = rng.standard_normal((n, (H + 2 * Hkv) * D)).astype(np.float32)
+    slots = np.array([0, 2, 2, 1, 0], np.int32)
+    pos = np.array([0, 5, 6, 19, 1], np.int32)
+    kc = cupy.asarray(np.zeros((n_slots, n_ctx, Hkv, D), _np_storage(storage)))
+    vc = cupy.asarray(np.zeros((n_slots, n_ctx, Hkv, D), _np_storage(storage)))
+    K.kv_store(cupy.asarray(qkv), kc, vc, cupy.asarray(slots), cupy.asarray(pos), n, H)
+    k, v = _from_storage(kc, storage), _from_storage(vc, storage)
+    for t in range(n):
+        np.testing.assert_array_equal(k[slots[t], pos[t]].reshape(-1), round_to(qkv[t, H * D:(H + Hkv) * D], storage))
+        np.testing.assert_array_equal(v[slots[t], pos[t]].reshape(-1), round_to(qkv[t, (H + Hkv) * D:], storage))
+    assert np.count_nonzero(np.abs(k).sum(axis=(2, 3))) == n
+
+
+def _attention_ref(q, k, v, slots, pos, H, Hkv):
+    """float64 causal GQA attention: q [n, H, D]; k, v [n_slots, n_ctx, Hkv, D] float32."""
+    n, _, D = q.shape
+    G = H // Hkv
+    out = np.zeros((n, H, D))
+    for t in range(n):
+        for h in range(H):
+            kk = k[slots[t], :pos[t] + 1, h // G].astype(np.float64)
+            vv = v[slots[t], :pos[t] + 1, h // G].astype(np.float64)
+            s = kk @ q[t, h].astype(np.float64) / np.sqrt(D)
+            p = np.exp(s - s.max())
+            out[t, h] = p @ vv / p.sum()
+    return out.reshape(n, H * D)
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("H,Hkv,D,n_ctx,chunk", [(4, 2, 16, 64, 8), (9, 3, 64, 512, 64), (32, 4, 64, 1024, 256),
+                                                 (8, 8, 128, 300, 128), (8, 1, 40, 96, 1000)])
+def test_attention(cupy, storage, H, Hkv, D, n_ctx, chunk):
+    rng = np.random.default_rng()
+    n_slots, n = 3, 13
+    k = rng.standard_normal((n_slots, n_ctx, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((n_slots, n_ctx, Hkv, D)).astype(np.float32)
+    k, v = round_to(k, storage), round_to(v, storage)
+    qkv = (rng.standard_normal((n, (H + 2 * Hkv) * D)) * 2).astype(np.float32)
+    slots = rng.integers(0, n_slots, n).astype(np.int32)
+    pos = rng.integers(0, n_ctx, n).astype(np.int32)
+    pos[:3] = [0, n_ctx - 1, min(chunk, n_ctx - 1)]          # first key only, the whole slot, a split edge
+    S = K.attention_splits(n_ctx, chunk)
+    out_storage = "f32" if storage == "f32" else storage
+    out = _poisoned(cupy, (n, H * D), _np_storage(out_storage))
+    K.attention(cupy.asarray(qkv), _to_storage(cupy, k, storage), _to_storage(cupy, v, storage),
+                cupy.asarray(slots), cupy.asarray(pos), _poisoned(cupy, (n, H, S, D), np.float32),
+                _poisoned(cupy, (n, H, S, 2), np.float32), out, n, H, chunk, float(1 / np.sqrt(D)))
+    want = _attention_ref(qkv[:, :H * D].reshape(n, H, D), k, v, slots, pos, H, Hkv)
+    tol = {"f16": 2e-3, "bf16": 1e-2, "f32": 1e-5}[storage]
+    assert rel_err(_from_storage(out, out_storage), want) <= tol
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_swiglu(cupy, storage):
+    rng = np.random.default_rng()
+    n, n_ff = 6, 1536
+    gu = (rng.standard_normal((n, 2 * n_ff)) * 4).astype(np.float32)
+    g, u = gu[:, :n_ff].astype(np.float64), gu[:, n_ff:].astype(np.float64)
+    want = g / (1 + np.exp(-g)) * u
+    out = _poisoned(cupy, (n + 2, n_ff), _np_storage(storage))
+    K.swiglu(cupy.asarray(gu), out, n)
+    tol = {"f16": 1e-3, "bf16": 8e-3, "f32": 1e-6}[storage]
+    assert rel_err(_from_storage(out, storage)[:n], want) <= tol
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+def test_rope_store_is_rope_then_kv_store(cupy, storage):
+    rng = np.random.default_rng()
+    H, Hkv, D, rope_dim, n_slots, n_ctx, n = 9, 3, 64, 64, 2, 50, 7
+    qkv = rng.standard_normal((n, (H + 2 * Hkv) * D)).astype(np.float32)
+    slots = rng.integers(0, n_slots, n).astype(np.int32)
+    pos = rng.permutation(n_ctx)[:n].astype(np.int32)
+    theta = np.outer(np.arange(n_ctx), 1e5 ** (-np.arange(rope_dim // 2) * 2.0 / rope_dim))
+    cos, sin = cupy.asarray(np.cos(theta).astype(np.float32)), cupy.asarray(np.sin(theta).astype(np.float32))
+    caches = []
+    for fused in (True, False):
+        q = cupy.asarray(qkv)
+        kc = cupy.asarray(np.zeros((n_slots, n_ctx, Hkv, D), _np_storage(storage)))
+        vc = cupy.asarray(np.zeros((n_slots, n_ctx, Hkv, D), _np_storage(storage)))
+        if fused:
+            K.rope_store(q, cos, sin, kc, vc, cupy.asarray(slots), cupy.asarray(pos), n, H, rope_dim)
+        else:
+            K.rope_qk(q, cos, sin, cupy.asarray(pos), n, H, Hkv, D, rope_dim)
+            K.kv_store(q, kc, vc, cupy.asarray(slots), cupy.asarray(pos), n, H)
+        caches.append((q.get(), _from_storage(kc, storage), _from_storage(vc, storage)))
+    for a, b in zip(*caches):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("storage", ["f16", "bf16", "f32"])
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 32, 100])
+@pytest.mark.parametrize("matvec_max_n", [0, 8])
+def test_gemm(cupy, storage, n, matvec_max_n):
+    """cuBLAS (matvec_max_n 0, or n > 8) and cuda/matvec.cu (n <= 8, f16 / bf16)."""
+    rng = np.random.default_rng()
+    k, m = 576, 1003
+    x = round_to(rng.standard_normal((n, k)).astype(np.float32), storage)
+    w = round_to((rng.standard_normal((m, k)) / np.sqrt(k)).astype(np.float32), storage)
+    base = rng.standard_normal((n, m)).astype(np.float32)
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    out = _poisoned(cupy, (n + 1, m), np.float32)
+    K.gemm(_to_storage(cupy, x, storage), _to_storage(cupy, w, storage), out, n, matvec_max_n=matvec_max_n)
+    assert rel_err(out.get()[:n], want) <= 1e-5
+    assert np.isnan(out.get()[n]).all()                           # rows past n untouched
+    acc = cupy.asarray(base)
+    K.gemm(_to_storage(cupy, x, storage), _to_storage(cupy, w, storage), acc, n, accumulate=True,
+           matvec_max_n=matvec_max_n)
+    assert rel_err(acc.get(), want + base) <= 1e-5
+
+
+def test_matvec_rows_do_not_depend_on_the_batch(cupy):
+    """cuda/matvec.cu sums each output in one order whatever n (<= 8): a row's result is bitwise the same."""
+    if not hasattr(cupy, "get_default_pinned_memory_pool"):
+        pytest.skip("needs the real kernel (the NumPy emulation's BLAS sums in another order per n)")
+    rng = np.random.default_rng()
+    k, m = 2048, 777
+    x = _to_storage(cupy, rng.standard_normal((8, k)).astype(np.float32), "f16")
+    w = _to_storage(cupy, rng.standard_normal((m, k)).astype(np.float32), "f16")
+    outs = []
+    for n in (1, 2, 3, 8):
+        out = _poisoned(cupy, (8, m), np.float32)
+        K.gemm(x, w, out, n)
+        outs.append(out.get()[0])
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+
+
+def test_argmax_ties_go_to_the_lowest_id(cupy):
+    rng = np.random.default_rng()
+    V = 49152
+    logits = rng.standard_normal((5, V)).astype(np.float32)
+    logits[1, [7, 70, 40000]] = 50.0               # a three-way tie
+    logits[2, :] = -np.inf
+    logits[3, 100] = np.nan                        # NaN is never chosen
+    logits[3, 200] = 60.0
+    out = _poisoned(cupy, 6, np.int32)
+    K.argmax_rows(cupy.asarray(logits), out, 5)
+    got = out.get()[:5]
+    want = np.argmax(np.nan_to_num(logits, nan=-np.inf), axis=1)
+    assert got.tolist() == want.tolist() and got[1] == 7 and got[2] == 0 and got[3] == 200
+
+
+def test_sampling_follows_softmax_with_temperature(cupy):
+    """Gumbel-max draws over 8 tokens, 24,000 (seed, step) pairs: chi-square against softmax(l / T)."""
+    rng = np.random.default_rng()
+    V, T, m = 8, 0.7, 24000
+    row = rng.standard_normal(V).astype(np.float32)
+    logits = cupy.asarray(np.tile(row, (m, 1)))
+    params = np.zeros((m, 4), np.uint32)
+    K.sample_params(np.full(m, T, np.float32), rng.integers(0, 2**63, m, dtype=np.uint64),
+                    np.arange(m, dtype=np.uint32), params)
+    out = _poisoned(cupy, m, np.int32)
+    K.sample_rows(logits, cupy.asarray(params), out, m)
+    counts = np.bincount(out.get(), minlength=V)
+    p = np.exp((row - row.max()) / T)
+    p /= p.sum()
+    chi2 = float((((counts - m * p) ** 2) / (m * p)).sum())
+    assert chi2 < 24.3, f"chi-square {chi2:.1f} with 7 degrees of freedom (p < 0.001), counts {counts}, p {p}"
+
+
+def test_sampling_is_per_row_reproducible(cupy):
+    """A row's draw depends on its own (seed, step), not on its place in the batch; T <= 0 is greedy."""
+    rng = np.random.default_rng()
+    V = 1000
+    logits = rng.standard_normal((6, V)).astype(np.float32)
+    temps = np.array([1.0, 0.0, 0.5, 2.0, -1.0, 1.0], np.float32)
+    seeds = rng.integers(0, 2**63, 6, dtype=np.uint64)
+    steps = rng.integers(0, 1000, 6).astype(np.uint32)
+    params = np.zeros((6, 4), np.uint32)
+    K.sample_params(temps, seeds, steps, params)
+    out = _poisoned(cupy, 6, np.int32)
+    K.sample_rows(cupy.asarray(logits), cupy.asarray(params), out, 6)
+    perm = np.array([5, 3, 1, 0, 4, 2])
+    out2 = _poisoned(cupy, 6, np.int32)
+    K.sample_rows(cupy.asarray(logits[perm]), cupy.asarray(params[perm]), out2, 6)
+    a, b = out.get(), out2.get()
+    assert a[perm].tolist() == b.tolist()
+    assert a[1] == np.argmax(logits[1]) and a[4] == np.argmax(logits[4])
+
+
+def test_synchronize_releases_the_gil(cupy):
+    """While the decode thread waits for the device, other Python threads run (DESIGN: the decode
+    thread must not hold the GIL while it waits)."""
+    if getattr(cupy, "__name__", "") != "cupy" or not hasattr(cupy.cuda, "Event"):
+        pytest.skip("needs the real CuPy")
+    n = 4096
+    a = cupy.asarray(np.random.default_rng().standard_normal((n, n)).astype(np.float32))
+    out = cupy.zeros((n, n), np.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        for _ in range(3):                         # warm-up: cuBLAS handle, kernels
+            K.gemm(a, a, out, n)
+    stream.synchronize()
+    ticks = [0]
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks[0] += 1
+
+    th = threading.Thread(target=spin)
+    with stream:
+        for _ in range(60):                        # ~0.1 s or more of device work
+            K.gemm(a, a, out, n)
+    th.start()
+    time.sleep(0.001)
+    t0, before = time.perf_counter(), ticks[0]
+    stream.synchronize()
+    waited, gained = time.perf_counter() - t0, ticks[0] - before
+    stop.set()
+    th.join()
+    assert waited > 0.02, f"the device work took only {waited * 1e3:.1f} ms: the test proves nothing"
+    assert gained > 1000, f"another thread ran {gained} loop turns in {waited * 1e3:.1f} ms of synchronize()"
