@@ -26,6 +26,8 @@ cdef extern from "_matmul_kernels.h" nogil:
         FS_ISA_SCALAR
         FS_ISA_AVX2
         FS_ISA_AVX512VNNI
+        FS_ISA_NEON
+        FS_ISA_NEON_DOTPROD
     ctypedef struct fs_job:
         const uint8_t *w
         int64_t n_out, nb, pbb
@@ -49,16 +51,17 @@ cdef extern from "_matmul_kernels.h" nogil:
     int fs_isa_supported(int isa)
     int fs_best_isa()
     fs_kernel fs_kernel_for(int isa, int has_min)
-    fs_pool *fs_pool_new(int n_threads)
+    fs_pool *fs_pool_new(int n_threads, int64_t spin_ns)
     void fs_pool_free(fs_pool *pl)
     void fs_run(fs_pool *pl, fs_kernel kern, const fs_job *job)
 
-ISA_NAMES = {FS_ISA_SCALAR: "scalar", FS_ISA_AVX2: "avx2", FS_ISA_AVX512VNNI: "avx512vnni"}
+ISA_NAMES = {FS_ISA_SCALAR: "scalar", FS_ISA_AVX2: "avx2", FS_ISA_AVX512VNNI: "avx512vnni",
+             FS_ISA_NEON: "neon", FS_ISA_NEON_DOTPROD: "neon_dotprod"}
 _ISA_IDS = {v: k for k, v in ISA_NAMES.items()}
 
 
 def isas():
-    """The kernels this machine can run, slowest first ("scalar" always)."""
+    """The kernels this machine can run ("scalar" always)."""
     return tuple(name for isa, name in sorted(ISA_NAMES.items()) if fs_isa_supported(isa))
 
 
@@ -168,8 +171,9 @@ cdef class Q8Matrix:
 
 
 cdef class Matmul:
-    """y = x . W^T for Q8Matrix weights. threads: the calling thread plus threads - 1 helpers that
-    sleep between calls; isa: "auto" (the best kernel of this machine) or a name from isas().
+    """y = x . W^T for Q8Matrix weights. threads: the calling thread plus threads - 1 helpers,
+    which spin for spin_us microseconds after a call (waiting for the next one) and then sleep;
+    isa: "auto" (the best kernel of this machine) or a name from isas().
     Holds the activation scratch (grown on demand, never shrunk)."""
     cdef readonly int threads
     cdef readonly str isa
@@ -190,7 +194,7 @@ cdef class Matmul:
         self.sx = NULL
         self.cap_q = self.cap_b = 0
 
-    def __init__(self, int threads=1, str isa="auto"):
+    def __init__(self, int threads=1, str isa="auto", double spin_us=100.0):
         if threads < 1 or threads > FS_MAX_THREADS:
             raise ValueError(f"threads must be in 1..{FS_MAX_THREADS}, got {threads}")
         if isa == "auto":
@@ -204,7 +208,7 @@ cdef class Matmul:
         self.kern_m = fs_kernel_for(_ISA_IDS[isa], 1)
         self.threads = threads
         if threads > 1:
-            self.pool = fs_pool_new(threads)
+            self.pool = fs_pool_new(threads, <int64_t>(max(spin_us, 0.0) * 1000))
             if self.pool == NULL:
                 raise MemoryError(f"Matmul: could not start {threads - 1} helper threads")
 

@@ -34,10 +34,17 @@
 #include <math.h>
 #include <pthread.h>
 #include <unistd.h>
+#include <time.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #define FS_X86 1
 #include <immintrin.h>
+#elif defined(__aarch64__)
+#define FS_ARM64 1
+#include <arm_neon.h>
+#if defined(__linux__)
+#include <sys/auxv.h>
+#endif
 #endif
 
 #define FS_QK 32                 /* inputs per block */
@@ -46,8 +53,11 @@
 #define FS_PB_BYTES 576          /* quants + 16 float32 scales (+ 16 float32 offsets: FS_PB_BYTES_M) */
 #define FS_PB_BYTES_M 640
 #define FS_MAX_THREADS 64
+#ifndef FS_TASKS_PER_THREAD
+#define FS_TASKS_PER_THREAD 4
+#endif
 
-enum { FS_ISA_SCALAR = 0, FS_ISA_AVX2 = 1, FS_ISA_AVX512VNNI = 2 };
+enum { FS_ISA_SCALAR = 0, FS_ISA_AVX2 = 1, FS_ISA_AVX512VNNI = 2, FS_ISA_NEON = 3, FS_ISA_NEON_DOTPROD = 4 };
 
 /* ---- quantization ------------------------------------------------------------------------- */
 
@@ -230,15 +240,22 @@ static void fs_kernel_scalar(const fs_job *j, int64_t p0, int64_t p1)
                 acc[l] = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *pb = panel + b * pbb;
-                int32_t is[FS_LANES];
+                /* products summed per byte position first (a plain loop that compilers vectorize),
+                 * then the 4 positions of each lane */
+                int32_t acc64[64], is[FS_LANES];
+                int16_t xrep[64];
+                for (int i = 0; i < 64; i++)
+                    acc64[i] = 0;
+                for (int k = 0; k < 8; k++) {
+                    const int8_t *xk = xr + b * FS_QK + k * 4;
+                    const uint8_t *wk = pb + k * 64;
+                    for (int i = 0; i < 64; i++)
+                        xrep[i] = xk[i & 3];
+                    for (int i = 0; i < 64; i++)
+                        acc64[i] += (int32_t)((int16_t)wk[i] * xrep[i]);
+                }
                 for (int l = 0; l < FS_LANES; l++)
-                    is[l] = 0;
-                for (int k = 0; k < 8; k++)
-                    for (int jj = 0; jj < 4; jj++) {
-                        int32_t xv = xr[b * FS_QK + k * 4 + jj];
-                        for (int l = 0; l < FS_LANES; l++)
-                            is[l] += (int32_t)pb[k * 64 + l * 4 + jj] * xv;
-                    }
+                    is[l] = (acc64[l * 4] + acc64[l * 4 + 1]) + (acc64[l * 4 + 2] + acc64[l * 4 + 3]);
                 float dw[FS_LANES], mw[FS_LANES];
                 memcpy(dw, pb + FS_PB_QBYTES, sizeof dw);
                 const float dxb = j->dx[r * nb + b];
@@ -363,103 +380,218 @@ FS_AVX2 static void fs_kernel_avx2_m(const fs_job *j, int64_t p0, int64_t p1)
 #if defined(FS_HAVE_AVX512VNNI)
 #define FS_AVX512 __attribute__((target("avx512f,avx512vnni")))
 
-/* AVX-512 VNNI: P panels (16 outputs each) times R rows; M: the matrix has offsets. vpdpbusd
- * multiplies the stored unsigned weights (q + 128) with the signed activations; starting each
- * block's sum at -128 * sum(q_x) removes the offset exactly. */
-FS_AVX512 FS_INLINE void fs_tile_avx512(const fs_job *j, int64_t p, const int P, int64_t r0, const int R,
-                                        const int M)
+/* AVX-512 VNNI: one panel (16 outputs) times R <= 8 rows, so that up to 8 rows read each weight
+ * from memory once; M: the matrix has offsets. vpdpbusd multiplies the stored unsigned weights
+ * (q + 128) with the signed activations; starting each block's sum at -128 * sum(q_x) removes the
+ * offset exactly. */
+FS_AVX512 FS_INLINE void fs_tile_avx512(const fs_job *j, int64_t p, int64_t r0, const int R, const int M)
 {
     const int64_t nb = j->nb, K = nb * FS_QK, pbb = M ? FS_PB_BYTES_M : FS_PB_BYTES;
-    const uint8_t *w0 = j->w + p * nb * pbb;
-    const uint8_t *w1 = w0 + (P > 1 ? nb * pbb : 0);
-    __m512 f[4][2];
-    __m512i a[4][2];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        f[r][0] = _mm512_setzero_ps();
-        f[r][1] = _mm512_setzero_ps();
-    }
+    const uint8_t *w = j->w + p * nb * pbb;
+    /* The first row tile fetches the next panel while it computes: the later row tiles read this
+     * panel from L1, and memory would sit idle during them. */
+    const uint8_t *ahead = r0 == 0 && j->n > R ? w + nb * pbb : NULL;
+    __m512 f[8];
+    __m512i a[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+        f[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *pb0 = w0 + b * pbb, *pb1 = w1 + b * pbb;
+        const uint8_t *pb = w + b * pbb;
         const int8_t *xb = j->xq + r0 * K + b * FS_QK;
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            __m512i c = _mm512_set1_epi32(-128 * j->xs[(r0 + r) * nb + b]);
-            a[r][0] = c;
-            if (P > 1)
-                a[r][1] = c;
-        }
+        if (ahead)
+            for (int64_t off = 0; off < pbb; off += 64)
+                _mm_prefetch((const char *)(ahead + b * pbb + off), _MM_HINT_T0);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+            a[r] = _mm512_set1_epi32(-128 * j->xs[(r0 + r) * nb + b]);
 #pragma GCC unroll 8
         for (int k = 0; k < 8; k++) {
-            __m512i w0v = _mm512_loadu_si512((const void *)(pb0 + k * 64));
-            __m512i w1v = P > 1 ? _mm512_loadu_si512((const void *)(pb1 + k * 64)) : w0v;
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                __m512i xv = _mm512_set1_epi32(fs_load4(xb + r * K + k * 4));
-                a[r][0] = _mm512_dpbusd_epi32(a[r][0], w0v, xv);
-                if (P > 1)
-                    a[r][1] = _mm512_dpbusd_epi32(a[r][1], w1v, xv);
-            }
+            __m512i wv = _mm512_loadu_si512((const void *)(pb + k * 64));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++)
+                a[r] = _mm512_dpbusd_epi32(a[r], wv, _mm512_set1_epi32(fs_load4(xb + r * K + k * 4)));
         }
-        __m512 d0 = _mm512_loadu_ps((const void *)(pb0 + FS_PB_QBYTES));
-        __m512 d1 = P > 1 ? _mm512_loadu_ps((const void *)(pb1 + FS_PB_QBYTES)) : d0;
-        __m512 m0 = M ? _mm512_loadu_ps((const void *)(pb0 + FS_PB_BYTES)) : d0;
-        __m512 m1 = M && P > 1 ? _mm512_loadu_ps((const void *)(pb1 + FS_PB_BYTES)) : d0;
-#pragma GCC unroll 4
+        __m512 dw = _mm512_loadu_ps((const void *)(pb + FS_PB_QBYTES));
+        __m512 mw = M ? _mm512_loadu_ps((const void *)(pb + FS_PB_BYTES)) : dw;
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            __m512 dxv = _mm512_set1_ps(j->dx[(r0 + r) * nb + b]);
-            f[r][0] = _mm512_add_ps(f[r][0], _mm512_mul_ps(_mm512_cvtepi32_ps(a[r][0]), _mm512_mul_ps(d0, dxv)));
-            if (P > 1)
-                f[r][1] = _mm512_add_ps(f[r][1], _mm512_mul_ps(_mm512_cvtepi32_ps(a[r][1]), _mm512_mul_ps(d1, dxv)));
-            if (M) {
-                __m512 sxv = _mm512_set1_ps(j->sx[(r0 + r) * nb + b]);
-                f[r][0] = _mm512_add_ps(f[r][0], _mm512_mul_ps(m0, sxv));
-                if (P > 1)
-                    f[r][1] = _mm512_add_ps(f[r][1], _mm512_mul_ps(m1, sxv));
-            }
+            __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(j->dx[(r0 + r) * nb + b]));
+            f[r] = _mm512_add_ps(f[r], _mm512_mul_ps(_mm512_cvtepi32_ps(a[r]), s));
+            if (M)
+                f[r] = _mm512_add_ps(f[r], _mm512_mul_ps(mw, _mm512_set1_ps(j->sx[(r0 + r) * nb + b])));
         }
     }
-    for (int pp = 0; pp < P; pp++) {
-        int valid = fs_valid(j, p + pp);
-        __mmask16 msk = (__mmask16)(valid >= 16 ? 0xFFFF : (1u << valid) - 1u);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            _mm512_mask_storeu_ps(j->y + (r0 + r) * j->ldy + (p + pp) * FS_LANES, msk, f[r][pp]);
-    }
+    int valid = fs_valid(j, p);
+    __mmask16 msk = (__mmask16)(valid >= 16 ? 0xFFFF : (1u << valid) - 1u);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+        _mm512_mask_storeu_ps(j->y + (r0 + r) * j->ldy + p * FS_LANES, msk, f[r]);
 }
 
-FS_AVX512 FS_INLINE void fs_rows_avx512(const fs_job *j, int64_t p, const int P, const int M)
+FS_AVX512 FS_INLINE void fs_panels_avx512(const fs_job *j, int64_t p0, int64_t p1, const int M)
 {
-    int64_t r = 0;
-    for (; r + 4 <= j->n; r += 4)
-        fs_tile_avx512(j, p, P, r, 4, M);
-    switch (j->n - r) {
-    case 3: fs_tile_avx512(j, p, P, r, 3, M); break;
-    case 2: fs_tile_avx512(j, p, P, r, 2, M); break;
-    case 1: fs_tile_avx512(j, p, P, r, 1, M); break;
-    default: break;
+    for (int64_t p = p0; p < p1; p++) {
+        int64_t r = 0;
+        for (; r + 8 <= j->n; r += 8)
+            fs_tile_avx512(j, p, r, 8, M);
+        switch (j->n - r) {
+        case 7: fs_tile_avx512(j, p, r, 7, M); break;
+        case 6: fs_tile_avx512(j, p, r, 6, M); break;
+        case 5: fs_tile_avx512(j, p, r, 5, M); break;
+        case 4: fs_tile_avx512(j, p, r, 4, M); break;
+        case 3: fs_tile_avx512(j, p, r, 3, M); break;
+        case 2: fs_tile_avx512(j, p, r, 2, M); break;
+        case 1: fs_tile_avx512(j, p, r, 1, M); break;
+        default: break;
+        }
     }
 }
 
 FS_AVX512 static void fs_kernel_avx512(const fs_job *j, int64_t p0, int64_t p1)
 {
-    int64_t p = p0;
-    for (; p + 2 <= p1; p += 2)
-        fs_rows_avx512(j, p, 2, 0);
-    if (p < p1)
-        fs_rows_avx512(j, p, 1, 0);
+    fs_panels_avx512(j, p0, p1, 0);
 }
 
 FS_AVX512 static void fs_kernel_avx512_m(const fs_job *j, int64_t p0, int64_t p1)
 {
-    int64_t p = p0;
-    for (; p + 2 <= p1; p += 2)
-        fs_rows_avx512(j, p, 2, 1);
-    if (p < p1)
-        fs_rows_avx512(j, p, 1, 1);
+    fs_panels_avx512(j, p0, p1, 1);
 }
 #endif /* FS_HAVE_AVX512VNNI */
 #endif /* FS_X86 */
+
+#if defined(FS_ARM64)
+
+#define FS_INLINE_ARM static inline __attribute__((always_inline))
+
+/* sdot (ARMv8.2 dotprod): built in when the compiler targets it (e.g. Apple M-series), else with
+ * GCC a function-level target and a run-time check (Linux); clang before 16 cannot do the latter. */
+#if defined(__ARM_FEATURE_DOTPROD)
+#define FS_HAVE_DOTPROD 1
+#define FS_DOTPROD
+#elif defined(__GNUC__) && !defined(__clang__) && defined(__linux__) && __GNUC__ >= 10
+#define FS_HAVE_DOTPROD 1
+#define FS_DOTPROD_RUNTIME 1
+#define FS_DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
+#endif
+
+static inline int32_t fs_load4_arm(const int8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* ARMv8.0 NEON: 4 outputs x 4 inputs per register; products widened to i16 (|w x| <= 128 * 127),
+ * pairwise-added twice to one i32 per output. */
+FS_INLINE_ARM int32x4_t fs_dot4_neon(int32x4_t acc, int8x16_t w, int8x16_t x)
+{
+    int32x4_t lo = vpaddlq_s16(vmull_s8(vget_low_s8(w), vget_low_s8(x)));
+    int32x4_t hi = vpaddlq_s16(vmull_high_s8(w, x));
+    return vaddq_s32(acc, vpaddq_s32(lo, hi));
+}
+
+/* NEON: one panel (16 outputs, 4 registers) times R <= 2 rows; D: use sdot; M: offsets. The
+ * weights are made signed again (xor 0x80): the integer result is the same exact dot. */
+#define FS_NEON_TILE(NAME, ATTR, DOT)                                                              \
+ATTR FS_INLINE_ARM void NAME(const fs_job *j, int64_t p, int64_t r0, const int R, const int M)     \
+{                                                                                                  \
+    const int64_t nb = j->nb, K = nb * FS_QK, pbb = M ? FS_PB_BYTES_M : FS_PB_BYTES;               \
+    const uint8_t *w = j->w + p * nb * pbb;                                                        \
+    const uint8x16_t flip = vdupq_n_u8(0x80);                                                      \
+    float32x4_t f[2][4];                                                                           \
+    int32x4_t a[2][4];                                                                             \
+    for (int r = 0; r < R; r++)                                                                    \
+        for (int l = 0; l < 4; l++)                                                                \
+            f[r][l] = vdupq_n_f32(0.0f);                                                           \
+    for (int64_t b = 0; b < nb; b++) {                                                             \
+        const uint8_t *pb = w + b * pbb;                                                           \
+        const int8_t *xb = j->xq + r0 * K + b * FS_QK;                                             \
+        for (int r = 0; r < R; r++)                                                                \
+            for (int l = 0; l < 4; l++)                                                            \
+                a[r][l] = vdupq_n_s32(0);                                                          \
+        for (int k = 0; k < 8; k++) {                                                              \
+            int8x16_t wv[4];                                                                       \
+            for (int l = 0; l < 4; l++)                                                            \
+                wv[l] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(pb + k * 64 + l * 16), flip));       \
+            for (int r = 0; r < R; r++) {                                                          \
+                int8x16_t xv = vreinterpretq_s8_s32(vdupq_n_s32(fs_load4_arm(xb + r * K + k * 4))); \
+                for (int l = 0; l < 4; l++)                                                        \
+                    a[r][l] = DOT(a[r][l], wv[l], xv);                                             \
+            }                                                                                      \
+        }                                                                                          \
+        float32x4_t dw[4], mw[4];                                                                  \
+        for (int l = 0; l < 4; l++) {                                                              \
+            dw[l] = vld1q_f32((const float *)(pb + FS_PB_QBYTES) + l * 4);                         \
+            mw[l] = M ? vld1q_f32((const float *)(pb + FS_PB_BYTES) + l * 4) : dw[l];              \
+        }                                                                                          \
+        for (int r = 0; r < R; r++) {                                                              \
+            float32x4_t dxv = vdupq_n_f32(j->dx[(r0 + r) * nb + b]);                               \
+            float32x4_t sxv = vdupq_n_f32(M ? j->sx[(r0 + r) * nb + b] : 0.0f);                    \
+            for (int l = 0; l < 4; l++) {                                                          \
+                float32x4_t s = vmulq_f32(dw[l], dxv);                                             \
+                f[r][l] = vaddq_f32(f[r][l], vmulq_f32(vcvtq_f32_s32(a[r][l]), s));                \
+                if (M)                                                                             \
+                    f[r][l] = vaddq_f32(f[r][l], vmulq_f32(mw[l], sxv));                           \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    int valid = fs_valid(j, p);                                                                    \
+    for (int r = 0; r < R; r++) {                                                                  \
+        float *yr = j->y + (r0 + r) * j->ldy + p * FS_LANES;                                       \
+        if (valid == FS_LANES) {                                                                   \
+            for (int l = 0; l < 4; l++)                                                            \
+                vst1q_f32(yr + l * 4, f[r][l]);                                                    \
+        } else {                                                                                   \
+            float tmp[FS_LANES];                                                                   \
+            for (int l = 0; l < 4; l++)                                                            \
+                vst1q_f32(tmp + l * 4, f[r][l]);                                                   \
+            memcpy(yr, tmp, (size_t)valid * sizeof(float));                                       \
+        }                                                                                          \
+    }                                                                                              \
+}                                                                                                  \
+ATTR static void NAME##_kernel(const fs_job *j, int64_t p0, int64_t p1, const int M)             \
+{                                                                                                  \
+    for (int64_t p = p0; p < p1; p++) {                                                            \
+        int64_t r = 0;                                                                             \
+        for (; r + 2 <= j->n; r += 2)                                                              \
+            NAME(j, p, r, 2, M);                                                                   \
+        if (r < j->n)                                                                              \
+            NAME(j, p, r, 1, M);                                                                   \
+    }                                                                                              \
+}
+
+FS_NEON_TILE(fs_tile_neon, , fs_dot4_neon)
+
+static void fs_kernel_neon(const fs_job *j, int64_t p0, int64_t p1)
+{
+    fs_tile_neon_kernel(j, p0, p1, 0);
+}
+
+static void fs_kernel_neon_m(const fs_job *j, int64_t p0, int64_t p1)
+{
+    fs_tile_neon_kernel(j, p0, p1, 1);
+}
+
+#if defined(FS_HAVE_DOTPROD)
+FS_DOTPROD FS_INLINE_ARM int32x4_t fs_dot4_sdot(int32x4_t acc, int8x16_t w, int8x16_t x)
+{
+    return vdotq_s32(acc, w, x);
+}
+
+FS_NEON_TILE(fs_tile_sdot, FS_DOTPROD, fs_dot4_sdot)
+
+FS_DOTPROD static void fs_kernel_sdot(const fs_job *j, int64_t p0, int64_t p1)
+{
+    fs_tile_sdot_kernel(j, p0, p1, 0);
+}
+
+FS_DOTPROD static void fs_kernel_sdot_m(const fs_job *j, int64_t p0, int64_t p1)
+{
+    fs_tile_sdot_kernel(j, p0, p1, 1);
+}
+#endif /* FS_HAVE_DOTPROD */
+#endif /* FS_ARM64 */
 
 static int fs_isa_supported(int isa)
 {
@@ -474,14 +606,28 @@ static int fs_isa_supported(int isa)
         return (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni")) ? 1 : 0;
 #endif
 #endif
+#if defined(FS_ARM64)
+    if (isa == FS_ISA_NEON)
+        return 1;
+#if defined(FS_HAVE_DOTPROD)
+    if (isa == FS_ISA_NEON_DOTPROD) {
+#if defined(FS_DOTPROD_RUNTIME)
+        return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) ? 1 : 0;
+#else
+        return 1;
+#endif
+    }
+#endif
+#endif
     return 0;
 }
 
 static int fs_best_isa(void)
 {
-    for (int isa = FS_ISA_AVX512VNNI; isa > FS_ISA_SCALAR; isa--)
-        if (fs_isa_supported(isa))
-            return isa;
+    static const int best_first[] = {FS_ISA_AVX512VNNI, FS_ISA_AVX2, FS_ISA_NEON_DOTPROD, FS_ISA_NEON};
+    for (size_t i = 0; i < sizeof best_first / sizeof best_first[0]; i++)
+        if (fs_isa_supported(best_first[i]))
+            return best_first[i];
     return FS_ISA_SCALAR;
 }
 
@@ -495,6 +641,14 @@ static fs_kernel fs_kernel_for(int isa, int has_min)
         return has_min ? fs_kernel_avx512_m : fs_kernel_avx512;
 #endif
 #endif
+#if defined(FS_ARM64)
+    if (isa == FS_ISA_NEON)
+        return has_min ? fs_kernel_neon_m : fs_kernel_neon;
+#if defined(FS_HAVE_DOTPROD)
+    if (isa == FS_ISA_NEON_DOTPROD)
+        return has_min ? fs_kernel_sdot_m : fs_kernel_sdot;
+#endif
+#endif
     (void)isa;
     (void)has_min;
     return fs_kernel_scalar;
@@ -506,19 +660,63 @@ static fs_kernel fs_kernel_for(int isa, int has_min)
  * time under a mutex. Which thread computes which panel does not change any number (every output
  * is summed by one thread in the fixed block order), so the claiming may be dynamic: when a
  * helper's core is busy with another process, the caller simply takes the tasks that helper has
- * not claimed, and waits only for the tasks already running. Helpers sleep on a condition
- * variable between calls (no spinning that would steal a busy core). */
+ * not claimed, and waits only for the tasks already running.
+ * Between calls a helper spins for spin_ns (the next product of a decode step usually comes within
+ * tens of microseconds, and waking a sleeping thread costs about as much), then sleeps on a
+ * condition variable; the caller spins as long for the last running task before it sleeps. */
 typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t work, done;
-    int n_helpers, stop, active;
+    int n_helpers, stop, active;     /* written under mu; stop, active and gen also read unlocked */
     uint64_t gen;
+    int64_t spin_ns;
     pid_t owner;
     fs_kernel kern;
     fs_job job;
     int64_t n_panels, chunk, n_tasks, next;
     pthread_t th[FS_MAX_THREADS];
 } fs_pool;
+
+static inline int64_t fs_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static inline void fs_relax(void)
+{
+#if defined(FS_X86)
+    _mm_pause();
+#elif defined(FS_ARM64)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Spins (unlocked) until *word == 0 or spin_ns pass; returns 1 when it got there. */
+static int fs_spin_until_zero(const int *word, int64_t spin_ns)
+{
+    int64_t t0 = fs_now_ns();
+    for (int i = 1;; i++) {
+        if (__atomic_load_n(word, __ATOMIC_ACQUIRE) == 0)
+            return 1;
+        fs_relax();
+        if ((i & 63) == 0 && fs_now_ns() - t0 > spin_ns)
+            return 0;
+    }
+}
+
+static int fs_spin_while_gen(const fs_pool *pl, uint64_t seen)
+{
+    int64_t t0 = fs_now_ns();
+    for (int i = 1;; i++) {
+        if (__atomic_load_n(&pl->gen, __ATOMIC_ACQUIRE) != seen || __atomic_load_n(&pl->stop, __ATOMIC_ACQUIRE))
+            return 1;
+        fs_relax();
+        if ((i & 63) == 0 && fs_now_ns() - t0 > pl->spin_ns)
+            return 0;
+    }
+}
 
 static void fs_task_range(const fs_pool *pl, int64_t t, int64_t *p0, int64_t *p1)
 {
@@ -532,6 +730,11 @@ static void *fs_helper_main(void *arg)
     uint64_t seen = 0;
     pthread_mutex_lock(&pl->mu);
     for (;;) {
+        if (pl->spin_ns > 0 && !pl->stop && pl->gen == seen) {
+            pthread_mutex_unlock(&pl->mu);
+            fs_spin_while_gen(pl, seen);
+            pthread_mutex_lock(&pl->mu);
+        }
         while (!pl->stop && pl->gen == seen)
             pthread_cond_wait(&pl->work, &pl->mu);
         if (pl->stop)
@@ -542,11 +745,12 @@ static void *fs_helper_main(void *arg)
             fs_task_range(pl, pl->next++, &p0, &p1);
             fs_job job = pl->job;
             fs_kernel kern = pl->kern;
-            pl->active++;
+            __atomic_store_n(&pl->active, pl->active + 1, __ATOMIC_RELEASE);
             pthread_mutex_unlock(&pl->mu);
             kern(&job, p0, p1);
             pthread_mutex_lock(&pl->mu);
-            if (--pl->active == 0)
+            __atomic_store_n(&pl->active, pl->active - 1, __ATOMIC_RELEASE);
+            if (pl->active == 0)
                 pthread_cond_signal(&pl->done);
         }
     }
@@ -560,7 +764,7 @@ static void fs_pool_free(fs_pool *pl)
         return;
     if (pl->owner == getpid()) {     /* a forked child has none of the parent's threads */
         pthread_mutex_lock(&pl->mu);
-        pl->stop = 1;
+        __atomic_store_n(&pl->stop, 1, __ATOMIC_RELEASE);
         pthread_cond_broadcast(&pl->work);
         pthread_mutex_unlock(&pl->mu);
         for (int i = 0; i < pl->n_helpers; i++)
@@ -573,11 +777,12 @@ static void fs_pool_free(fs_pool *pl)
 }
 
 /* A pool of n_threads - 1 helpers (the caller is the n-th thread); NULL when out of resources. */
-static fs_pool *fs_pool_new(int n_threads)
+static fs_pool *fs_pool_new(int n_threads, int64_t spin_ns)
 {
     fs_pool *pl = (fs_pool *)calloc(1, sizeof(fs_pool));
     if (!pl)
         return NULL;
+    pl->spin_ns = spin_ns;
     pthread_mutex_init(&pl->mu, NULL);
     pthread_cond_init(&pl->work, NULL);
     pthread_cond_init(&pl->done, NULL);
@@ -599,10 +804,16 @@ static void fs_run(fs_pool *pl, fs_kernel kern, const fs_job *job)
     int64_t n_panels = (job->n_out + FS_LANES - 1) / FS_LANES;
     if (job->n == 0 || n_panels == 0)
         return;
-    /* Tasks of >= ~64k multiply-adds, so that claiming one costs well under 1 % of it. */
+    /* Tasks of >= ~64k multiply-adds, so that claiming one costs well under 1 % of it, and about
+     * FS_TASKS_PER_THREAD per thread: long runs of adjacent panels keep each core's prefetcher on
+     * one sequential stream, and the last tasks are still small enough to balance the threads. */
     int64_t per_panel = FS_LANES * job->nb * FS_QK * job->n;
     int64_t chunk = (65536 + per_panel - 1) / per_panel;
-    chunk += chunk & 1;                      /* the AVX-512 kernel takes panels in pairs */
+    if (pl && pl->n_helpers > 0) {
+        int64_t even = (n_panels + FS_TASKS_PER_THREAD * (pl->n_helpers + 1) - 1) /
+                       (FS_TASKS_PER_THREAD * (pl->n_helpers + 1));
+        chunk = even > chunk ? even : chunk;
+    }
     if (!pl || pl->n_helpers == 0 || n_panels <= chunk || pl->owner != getpid()) {
         kern(job, 0, n_panels);
         return;
@@ -614,13 +825,18 @@ static void fs_run(fs_pool *pl, fs_kernel kern, const fs_job *job)
     pl->chunk = chunk;
     pl->n_tasks = (n_panels + chunk - 1) / chunk;
     pl->next = 0;
-    pl->gen++;
+    __atomic_store_n(&pl->gen, pl->gen + 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&pl->work);
     while (pl->next < pl->n_tasks) {
         int64_t p0, p1;
         fs_task_range(pl, pl->next++, &p0, &p1);
         pthread_mutex_unlock(&pl->mu);
         kern(job, p0, p1);
+        pthread_mutex_lock(&pl->mu);
+    }
+    if (pl->active > 0 && pl->spin_ns > 0) {
+        pthread_mutex_unlock(&pl->mu);
+        fs_spin_until_zero(&pl->active, pl->spin_ns);
         pthread_mutex_lock(&pl->mu);
     }
     while (pl->active > 0)

@@ -3,9 +3,16 @@
 (fastserve.ref.matmul), batch invariance, and GGUF's exact int8 blocks.
 
 The extension is imported inside each test, so an unbuilt extension makes its tests FAIL with
-ImportError (never skip) while the twin's tests still run.
+ImportError (never skip) while the twin's tests still run. The last tests compile the kernels' C
+header on its own and compare every kernel with the scalar one bit for bit, natively and, when a
+cross compiler and qemu are installed, for aarch64 (NEON, sdot) under emulation.
 """
 import importlib
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
 import threading
 
 import numpy as np
@@ -243,3 +250,88 @@ def test_gguf_blocks_are_exact(tmp_path, qtype):
     packed = c_mod().Q8Matrix.from_blocks(q, d, m).unpack()
     np.testing.assert_array_equal(packed[0], q)
     np.testing.assert_array_equal(packed[1], d)
+
+
+# -- the C header alone: every kernel against the scalar one, here and on aarch64 -------------------
+
+HARNESS = r"""
+#include "_matmul_kernels.h"
+#include <stdio.h>
+static uint32_t rs = 12345;
+static uint32_t rnd(void) { rs = rs * 1664525u + 1013904223u; return rs >> 8; }
+static float frnd(void) { return ((float)(rnd() % 20001) - 10000.0f) / 3000.0f; }
+int main(void) {
+    int shapes[][2] = {{16, 32}, {37, 70}, {1, 1}, {33, 1536}, {960, 576}, {5, 100}};
+    int fails = 0, checks = 0;
+    for (int isa = 0; isa <= 4; isa++) printf("isa %d supported %d\n", isa, fs_isa_supported(isa));
+    printf("best %d\n", fs_best_isa());
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        int64_t o = shapes[si][0], in = shapes[si][1], nb = (in + 31) / 32;
+        for (int has_min = 0; has_min < 2; has_min++) {
+            int8_t *q = malloc(o * in); float *d = malloc(o * nb * 4), *m = malloc(o * nb * 4);
+            for (int64_t i = 0; i < o * in; i++) q[i] = (int8_t)(rnd() % 256 - 128);
+            for (int64_t i = 0; i < o * nb; i++) { d[i] = frnd() * 0.01f; m[i] = frnd() * 0.1f; }
+            uint8_t *wp = aligned_alloc(64, (fs_packed_bytes(o, in, has_min) + 63) / 64 * 64);
+            fs_pack_blocks(q, d, has_min ? m : NULL, o, in, wp);
+            for (int n = 1; n <= 19; n += (n < 10 ? 1 : 9)) {
+                float *x = malloc(n * in * 4);
+                for (int64_t i = 0; i < n * in; i++) x[i] = frnd();
+                int8_t *xq = malloc(n * nb * 32); float *dx = malloc(n * nb * 4), *sx = malloc(n * nb * 4);
+                int32_t *xs = malloc(n * nb * 4);
+                fs_quantize_rows(x, n, in, in, xq, dx, xs, sx);
+                float *y0 = malloc(n * o * 4), *y1 = malloc(n * o * 4);
+                fs_job job = {wp, o, nb, fs_pb_bytes(has_min), xq, dx, xs, sx, n, y0, o};
+                fs_kernel_for(FS_ISA_SCALAR, has_min)(&job, 0, (o + 15) / 16);
+                for (int isa = 1; isa <= 4; isa++) {
+                    if (!fs_isa_supported(isa)) continue;
+                    for (int th = 1; th <= 2; th++) {
+                        fs_pool *pl = th > 1 ? fs_pool_new(th, 100000) : NULL;
+                        memset(y1, 0xff, n * o * 4);
+                        job.y = y1;
+                        fs_run(pl, fs_kernel_for(isa, has_min), &job);
+                        job.y = y0;
+                        fs_pool_free(pl);
+                        checks++;
+                        if (memcmp(y0, y1, n * o * 4)) { fails++; printf("MISMATCH isa %d o %ld in %ld n %d min %d th %d\n", isa, (long)o, (long)in, n, has_min, th); }
+                    }
+                }
+                free(x); free(xq); free(dx); free(sx); free(xs); free(y0); free(y1);
+            }
+            free(q); free(d); free(m); free(wp);
+        }
+    }
+    printf("%d checks, %d mismatches\n", checks, fails);
+    return fails != 0;
+}
+"""
+HEADER_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "fastserve")
+CFLAGS = ["-O3", "-ffp-contract=off", "-pthread", "-Wall", "-Wextra", "-Werror", "-Wno-unused-function"]
+
+
+def _check_harness(tmp_path, cc, run_prefix=()):
+    src = tmp_path / "harness.c"
+    src.write_text(HARNESS)
+    exe = tmp_path / "harness"
+    built = subprocess.run([*cc, *CFLAGS, "-I", HEADER_DIR, str(src), "-o", str(exe)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    ran = subprocess.run([*run_prefix, str(exe)], capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0 and " 0 mismatches" in ran.stdout, ran.stdout + ran.stderr
+    return ran.stdout
+
+
+def test_c_kernels_agree_natively(tmp_path):
+    cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()
+    if not shutil.which(cc[0]):
+        pytest.skip(f"no C compiler {cc[0]!r}")
+    out = _check_harness(tmp_path, cc)
+    assert "checks" in out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="cross-checks run on Linux")
+@pytest.mark.parametrize("march", ["armv8-a", "armv8.2-a+dotprod"])
+def test_c_kernels_agree_on_aarch64(tmp_path, march):
+    if not (shutil.which("aarch64-linux-gnu-gcc") and shutil.which("qemu-aarch64")):
+        pytest.skip("needs aarch64-linux-gnu-gcc and qemu-aarch64 (apt: gcc-aarch64-linux-gnu qemu-user)")
+    out = _check_harness(tmp_path, ["aarch64-linux-gnu-gcc", f"-march={march}"],
+                         ["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu"])
+    assert "isa 3 supported 1" in out and "isa 4 supported 1" in out      # neon, and sdot (built or detected)
