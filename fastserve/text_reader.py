@@ -48,12 +48,14 @@ class TextReader(Reader):
     def __iter__(self):
         """Blocking iteration over text pieces (never half a character, never part of a stop string)."""
         for batch in self.batches():
-            piece = self._feed(batch)
-            if piece:
-                yield piece
+            yield from self._pieces(batch)
             if self._text.stopped:
                 break
-        piece = self._tail()
+        yield from self._pieces(None)
+
+    def _pieces(self, batch):
+        """The text of one batch of token ids (None: the end), as zero or one piece."""
+        piece = self._tail() if batch is None else self._feed(batch)
         if piece:
             yield piece
 
@@ -62,13 +64,11 @@ class TextReader(Reader):
 
     async def _aiter(self):
         async for batch in self.abatches():
-            piece = self._feed(batch)
-            if piece:
+            for piece in self._pieces(batch):
                 yield piece
             if self._text.stopped:
                 break
-        piece = self._tail()
-        if piece:
+        for piece in self._pieces(None):
             yield piece
 
     def result(self, timeout: Optional[float] = None) -> Completion:

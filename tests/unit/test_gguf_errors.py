@@ -1,7 +1,4 @@
 """Every way a model file can be unusable gives a clear ModelLoadError naming the problem."""
-import os
-import shutil
-
 import numpy as np
 import pytest
 
@@ -49,43 +46,37 @@ def test_unsupported_architecture(tmp_path):
         fastserve.load_model(p)
 
 
-def test_unsupported_tensor_type(tmp_path):
-    """An integer tensor where a weight belongs: the error names the tensor, its type and the supported ones."""
-    import gguf
+def _write_with(path, change):
+    """A tiny model whose tensor writer is wrapped by change(real_add, writer, name, arr, weight_type)."""
     from fastserve.models import synthetic
 
     real_add = synthetic._add
+    synthetic._add = lambda *args: change(real_add, *args)
+    try:
+        return write_llama_gguf(path)
+    finally:
+        synthetic._add = real_add
 
-    def add_i32_for_q(writer, name, arr, weight_type):
+
+def test_unsupported_tensor_type(tmp_path):
+    """An integer tensor where a weight belongs: the error names the tensor, its type and the supported ones."""
+    def i32_for_q(real_add, writer, name, arr, weight_type):
         if name == "blk.0.attn_q.weight":
             writer.add_tensor(name, arr.astype(np.int32))
         else:
             real_add(writer, name, arr, weight_type)
 
-    synthetic._add = add_i32_for_q
-    try:
-        p = write_llama_gguf(tmp_path / "m.gguf")
-    finally:
-        synthetic._add = real_add
+    p = _write_with(tmp_path / "m.gguf", i32_for_q)
     with pytest.raises(ModelLoadError, match=r"blk\.0\.attn_q\.weight has type I32.*supported types: F32, F16"):
         fastserve.load_model(p)
 
 
-def test_missing_tensor(tmp_path, tiny_model_path):
+def test_missing_tensor(tmp_path):
     """A file whose tensor table lacks a layer's weights."""
-    import gguf
-    from fastserve.models import synthetic
-
-    real_add = synthetic._add
-
-    def skip_ffn_up(writer, name, arr, weight_type):
+    def skip_ffn_up(real_add, writer, name, arr, weight_type):
         if name != "blk.1.ffn_up.weight":
             real_add(writer, name, arr, weight_type)
 
-    synthetic._add = skip_ffn_up
-    try:
-        p = write_llama_gguf(tmp_path / "m.gguf")
-    finally:
-        synthetic._add = real_add
+    p = _write_with(tmp_path / "m.gguf", skip_ffn_up)
     with pytest.raises(ModelLoadError, match=r"missing tensors \['blk\.1\.ffn_up\.weight'\]"):
         fastserve.load_model(p)
