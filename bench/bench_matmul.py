@@ -26,6 +26,9 @@ import pytest
 BATCHES = (1, 8, 32)
 CONFIGS = (("f32", 1), ("f32", 2), ("q8", 1), ("q8", 2))   # (weight_type, threads)
 N_CTX_FILLED = 64
+# Idle time before each configuration: OpenBLAS's worker threads spin for about 0.1 s after a call,
+# and would steal the next configuration's core.
+SETTLE_S = 0.3
 
 
 def default_model_path() -> str:
@@ -95,6 +98,7 @@ def step_times(model, rounds: int, steps: int = 4) -> dict:
             toks, slots = np.full(n, 100, np.int32), np.arange(n)
             for c in CONFIGS:
                 be = backends[c]
+                time.sleep(SETTLE_S)
                 with threadpool_limits(c[1] if c[0] == "f32" else 1):
                     be.forward(toks, np.full(n, N_CTX_FILLED), slots, slots)       # warm
                     for i in range(steps):

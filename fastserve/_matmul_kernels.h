@@ -3,9 +3,10 @@
  * Numbers (the contract that fastserve/ref/matmul.py restates in NumPy):
  *   - A row is cut into blocks of 32 inputs (the last one zero padded). A block is quantized as
  *     d = amax / 127, q = rint(v * (127 / amax)) in [-127, 127] (q = 0, d = 0 when amax = 0), with
- *     float32 arithmetic and round-half-even. Weights are quantized so once, at packing; each
- *     activation row at each call.
- *   - Per block the integer dot  isum = sum q_w * q_x  is exact (|isum| <= 32 * 127 * 127 < 2^24,
+ *     float32 arithmetic and round-half-even. Activation rows are quantized so at each call;
+ *     weights once, at packing (from float32), or taken as stored (GGUF's int8 blocks, q_w in
+ *     [-128, 127]).
+ *   - Per block the integer dot  isum = sum q_w * q_x  is exact (|isum| <= 32 * 128 * 127 < 2^24,
  *     so its float conversion is exact too).
  *   - Weights may carry a per-block offset m_w too (x_w = d_w * q_w + m_w: the exact form of GGUF's
  *     Q4_1 / Q5_1 blocks); its share of a block is m_w * s_x with s_x = d_x * (float)sum q_x.
@@ -13,8 +14,8 @@
  *         acc = acc + (float)isum * (d_w * d_x);   then, with offsets,  acc = acc + m_w * s_x;
  *     each product and each sum rounded to float32, no fused multiply-add (the extension is built
  *     with -ffp-contract=off). Nothing in that order depends on n, on the other rows, on the
- *     kernel (scalar, AVX2, AVX-512 VNNI) or on which thread computes which outputs: results are
- *     bit-identical whatever the batch, and equal to the NumPy twin.
+ *     kernel (scalar, AVX2, AVX-512 VNNI, NEON, NEON sdot) or on which thread computes which
+ *     outputs: results are bit-identical whatever the batch, and equal to the NumPy twin.
  *
  * Packed weight layout: outputs in panels of 16 (the last one padded with q = 0, d = 0); a panel is
  * nb consecutive panel-blocks of FS_PB_BYTES bytes:
@@ -23,7 +24,8 @@
  *                    per lane, the layout of VNNI's u8 x s8 dot);
  *   bytes [512, 576): d[lane] as float32;
  *   bytes [576, 640): m[lane] as float32, only in a matrix with offsets.
- * One weight stream per panel: a matrix is read once per call, whatever n.
+ * One sequential stream per panel; the kernels take up to 8 rows per pass over a panel, so at
+ * decode batch sizes a matrix comes from memory once per call.
  */
 #ifndef FASTSERVE_MATMUL_KERNELS_H
 #define FASTSERVE_MATMUL_KERNELS_H

@@ -252,6 +252,65 @@ def test_gguf_blocks_are_exact(tmp_path, qtype):
     np.testing.assert_array_equal(packed[1], d)
 
 
+# -- in the backend --------------------------------------------------------------------------------
+
+def test_backend_q8_against_f32_and_threads(tiny_model):
+    """The q8 forward pass: the same bits on 1 or 3 threads, close to the float32 one."""
+    from fastserve.backends.numpy_backend import NumpyBackend
+
+    cfg, w = tiny_model.config, tiny_model.weights
+    ids = np.array([5, 77, 300, 12, 9, 401, 33], np.int32)
+    pos = np.arange(len(ids))
+
+    def logits(**kw):
+        be = NumpyBackend(cfg, w, 1, 16, **kw)
+        return be.forward(ids, pos, np.zeros(len(ids), np.int64), pos)
+
+    q1, q3, f = logits(), logits(threads=3), logits(weight_type="f32")
+    np.testing.assert_array_equal(q1, q3)
+    assert np.corrcoef(q1.ravel(), f.ravel())[0, 1] > 0.99
+    with pytest.raises(ValueError):
+        NumpyBackend(cfg, w, 1, 16, weight_type="q4")
+
+
+def test_loaded_weights_are_packed_once(tiny_model):
+    from fastserve.backends.numpy_backend import NumpyBackend, q8_matrices
+
+    layers, output = q8_matrices(tiny_model.weights)
+    assert layers[0][0].shape == tiny_model.weights.layers[0].wqkv.shape
+    assert output.shape == tiny_model.weights.output.shape
+    be = NumpyBackend(tiny_model.config, tiny_model.weights, 1, 8)
+    assert be._layer_mats is layers and be._output is output
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "F16"])
+def test_load_packs_gguf_blocks_as_stored(tmp_path, qtype):
+    """At load, Q4_1 matrices keep their int8 values and offsets, Q8_0 its values; other types are
+    requantized from float32 (as Q8Matrix.from_float would)."""
+    import fastserve
+    from fastserve.backends.numpy_backend import q8_matrices
+    from fastserve.models.gguf_file import GGUFFile
+    from fastserve.models.llama import exact_blocks
+    from fastserve.models.synthetic import write_llama_gguf
+
+    path = write_llama_gguf(tmp_path / f"{qtype}.gguf", seed=5, weight_type=qtype)
+    model = fastserve.load_model(path)
+    wqkv = q8_matrices(model.weights)[0][1][0]
+    q, d, m = wqkv.unpack()
+    if qtype == "F16":
+        want = c_mod().Q8Matrix.from_float(model.weights.layers[1].wqkv).unpack()
+        for a, b in zip((q, d, m), want):
+            assert (a is None and b is None) or np.array_equal(a, b)
+        return
+    gf = GGUFFile(path)
+    parts = [exact_blocks(gf.tensors[f"blk.1.attn_{x}.weight"]) for x in "qkv"]
+    np.testing.assert_array_equal(q, np.concatenate([p[0] for p in parts]))
+    np.testing.assert_array_equal(d, np.concatenate([p[1] for p in parts]))
+    assert (m is not None) == (qtype == "Q4_1")
+    if m is not None:
+        np.testing.assert_array_equal(m, np.concatenate([p[2] for p in parts]))
+
+
 # -- the C header alone: every kernel against the scalar one, here and on aarch64 -------------------
 
 HARNESS = r"""
