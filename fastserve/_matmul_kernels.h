@@ -2,7 +2,7 @@
  *
  * Numbers (the contract that fastserve/ref/matmul.py restates in NumPy):
  *   - A row is cut into blocks of 32 inputs (the last one zero padded). A block is quantized as
- *     d = amax / 127, q = rint(v * (127 / amax)) in [-127, 127] (q = 0, d = 0 when amax = 0), with
+ *     d = amax / 127, q = rint(v * (127 / amax)) in [-127, 127] (q = 0, d = 0 when amax < 2^-100), with
  *     float32 arithmetic and round-half-even. Activation rows are quantized so at each call;
  *     weights once, at packing (from float32), or taken as stored (GGUF's int8 blocks, q_w in
  *     [-128, 127]).
@@ -54,6 +54,7 @@
 #define FS_PB_QBYTES 512         /* quants of one panel-block */
 #define FS_PB_BYTES 576          /* quants + 16 float32 scales (+ 16 float32 offsets: FS_PB_BYTES_M) */
 #define FS_PB_BYTES_M 640
+#define FS_TINY 0x1p-100f         /* blocks with a smaller amax are zero */
 #define FS_MAX_THREADS 64
 #ifndef FS_TASKS_PER_THREAD
 #define FS_TASKS_PER_THREAD 4
@@ -87,6 +88,8 @@ static void fs_quantize_row(const float *x, int64_t n_in, int8_t *q, float *d, i
             float a = fabsf(v[i]);
             amax = a > amax ? a : amax;
         }
+        if (!(amax >= FS_TINY))       /* a block of zeros, denormals (whose 127 / amax would */
+            amax = 0.0f;              /* overflow) or NaN quantizes to zeros */
         float id = amax > 0.0f ? 127.0f / amax : 0.0f;
         int32_t s = 0;
         for (int i = 0; i < FS_QK; i++) {

@@ -1,7 +1,7 @@
 """Pure-NumPy twin of fastserve._matmul: the same quantization and the same float32 block order,
 so its outputs are bit-identical to the extension's (tests/parity/test_matmul.py).
 
-Blocks of 32 inputs: d = amax / 127, q = rint(v * (127 / amax)) (0 when amax = 0), float32.
+Blocks of 32 inputs: d = amax / 127, q = rint(v * (127 / amax)) (0 when amax < 2^-100), float32.
 Weights w = d_w * q_w (+ m_w: offsets, from GGUF's Q4_1/Q5_1 blocks). For each (r, o), in block order:
     acc = acc + float32(isum) * (d_w * d_x);  with offsets then  acc = acc + m_w * s_x,
 s_x = d_x * float32(sum q_x), every product and sum rounded to float32; isum is the exact integer dot.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 QK = 32
+TINY = np.float32(2.0 ** -100)      # blocks with a smaller amax quantize to zeros (127 / amax would overflow)
 ISA_NAMES = {0: "scalar"}
 
 
@@ -34,6 +35,7 @@ def _quantize(x: np.ndarray):
     xb[:, :n_in] = x
     xb = xb.reshape(n, nb, QK)
     amax = np.abs(xb).max(axis=2) if nb else np.zeros((n, 0), np.float32)
+    amax = np.where(amax >= TINY, amax, np.float32(0.0)).astype(np.float32)   # zeros, denormals, NaN
     with np.errstate(divide="ignore"):
         inv = np.where(amax > 0, np.float32(127.0) / amax, np.float32(0.0)).astype(np.float32)
     q = np.rint(xb * inv[:, :, None]).astype(np.int8)
@@ -83,9 +85,9 @@ class Q8Matrix:
 
 
 class Matmul:
-    """The extension's Matmul: threads and isa are accepted and change nothing (as in C)."""
+    """The extension's Matmul: threads, isa and spin_us are accepted and change no number (as in C)."""
 
-    def __init__(self, threads: int = 1, isa: str = "auto"):
+    def __init__(self, threads: int = 1, isa: str = "auto", spin_us: float = 100.0):
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         if isa not in ("auto", "scalar"):
