@@ -75,6 +75,9 @@ class Engine:
             raise ValueError("n_parallel and n_batch must be >= 1, max_queue >= 0")
         if n_ctx // n_parallel < 2:
             raise ValueError(f"n_ctx={n_ctx} leaves less than 2 tokens per slot for n_parallel={n_parallel}")
+        # Threads of the CPU backend's matrix products (the int8 kernel's and OpenBLAS's). One is the
+        # safe default on small machines: a second helps only while the other core is idle.
+        self.threads = max(1, blas_threads or 1)
         if blas_threads:
             from threadpoolctl import threadpool_limits
             self._blas_limits = threadpool_limits(blas_threads)
@@ -120,7 +123,8 @@ class Engine:
             backend = "cuda" if cuda_status()[0] else "cpu"
         if backend is None or backend in ("cpu", "numpy"):
             from .backends.numpy_backend import NumpyBackend
-            return NumpyBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot)
+            return NumpyBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot,
+                                threads=self.threads)
         if backend == "cuda":
             from .backends.cupy_backend import CupyBackend
             return CupyBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot,
