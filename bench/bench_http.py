@@ -124,7 +124,9 @@ async def _server_counters(port) -> tuple[float, float, float]:
     sums = {m.group(1): float(m.group(2)) for m in re.finditer(r'fastserve_step_phase_seconds_sum\{phase="(\w+)"\} (\S+)', text)}
     counts = {m.group(1): float(m.group(2)) for m in re.finditer(r'fastserve_step_phase_seconds_count\{phase="(\w+)"\} (\S+)', text)}
     gen = float(re.search(r"^fastserve_generated_tokens_total (\S+)$", text, re.M).group(1))
-    return sum(sums.values()), max(counts.values(), default=0.0), gen
+    prompt = float(re.search(r"^fastserve_prompt_tokens_total (\S+)$", text, re.M).group(1))
+    steps = float(re.search(r"^fastserve_decode_steps_total (\S+)$", text, re.M).group(1))
+    return sum(sums.values()), max(counts.values(), default=0.0), gen, prompt, steps
 
 
 async def http_load(port, prompts, clients: int, seconds: float, warmup_s: float, n_predict: int = 128):
@@ -151,7 +153,16 @@ async def http_load(port, prompts, clients: int, seconds: float, warmup_s: float
     res.tokens = int(s1[2] - s0[2])            # the server's count of tokens generated in the window
     await asyncio.gather(*tasks, *probes)
     step_ms = (s1[0] - s0[0]) / (s1[1] - s0[1]) * 1e3 if s1[1] > s0[1] else float("nan")
-    return res, health, slots, step_ms
+    work = _work(res.seconds, s1[2] - s0[2], s1[3] - s0[3], s1[4] - s0[4])
+    return res, health, slots, step_ms, work
+
+
+def _work(seconds, generated, prompt, steps) -> dict:
+    """The decode thread's pace over a window: wall ms per step, batch tokens per step, and ms per
+    batch token (which does not depend on how full the steps were)."""
+    tokens = generated + prompt
+    return {"ms_per_step": seconds * 1e3 / max(steps, 1), "tokens_per_step": tokens / max(steps, 1),
+            "ms_per_token": seconds * 1e3 / max(tokens, 1)}
 
 
 def _pct(xs, q):
@@ -169,11 +180,11 @@ def run(model_path: str, clients_list=(1, 8, 32), seconds: float = 40.0, warmup_
     srv = Server(model_path, threads)
     try:
         for clients in clients_list:
-            res, health, slots, step_ms = uvloop.run(http_load(srv.port, prompts, clients, seconds, warmup_s))
+            res, health, slots, step_ms, work = uvloop.run(http_load(srv.port, prompts, clients, seconds, warmup_s))
             out["rows"].append(res.row())
             out["probes"].append({"clients": clients, "health_p50_ms": _pct(health, 50),
                                   "health_p99_ms": _pct(health, 99), "slots_p50_ms": _pct(slots, 50),
-                                  "slots_p99_ms": _pct(slots, 99), "step_ms": step_ms})
+                                  "slots_p99_ms": _pct(slots, 99), "step_ms": step_ms, "work": work})
     finally:
         out["exit_code"] = srv.stop()
     # the same load, in-process, no HTTP
@@ -184,17 +195,22 @@ def run(model_path: str, clients_list=(1, 8, 32), seconds: float = 40.0, warmup_
 
         def measure_start():
             engine.tracer.reset()
-            mark["t"], mark["gen"] = time.perf_counter(), engine.snapshot.tokens_generated
+            snap = engine.snapshot
+            mark["t"], mark["gen"], mark["prompt"], mark["step"] = (time.perf_counter(), snap.tokens_generated,
+                                                                    snap.tokens_prompt, snap.step)
         timer = threading.Timer(warmup_s, measure_start)
         timer.start()
         res = closed_loop(engine, prompts, clients, seconds, warmup_s=warmup_s)
         summary = engine.trace_summary()
-        res.tokens = engine.snapshot.tokens_generated - mark["gen"]
+        snap = engine.snapshot
+        res.tokens = snap.tokens_generated - mark["gen"]
         res.seconds = time.perf_counter() - mark["t"]
         out["inproc_row"] = res.row()
         out["inproc_step_ms"] = summary["step_ms"]
+        out["inproc_work"] = _work(res.seconds, res.tokens, snap.tokens_prompt - mark["prompt"], snap.step - mark["step"])
     out["http_step_ms"] = out["probes"][-1]["step_ms"]
     out["ratio"] = out["http_step_ms"] / out["inproc_step_ms"]
+    out["ratio_per_token"] = out["probes"][-1]["work"]["ms_per_token"] / out["inproc_work"]["ms_per_token"]
     return out
 
 
@@ -207,6 +223,11 @@ def report(out: dict) -> str:
     lines += ["", "in-process, same load, no HTTP:", format_rows([out["inproc_row"]]), "",
               f"decode step: {out['http_step_ms']:.1f} ms with HTTP clients vs {out['inproc_step_ms']:.1f} ms "
               f"in-process: ratio {out['ratio']:.3f} (target <= 1.05); server exit code {out['exit_code']}"]
+    hw, iw = out["probes"][-1]["work"], out["inproc_work"]
+    lines.append(f"decode thread per batch token: {hw['ms_per_token']:.2f} ms with HTTP "
+                 f"({hw['tokens_per_step']:.1f} tokens/step, {hw['ms_per_step']:.1f} ms/step) vs "
+                 f"{iw['ms_per_token']:.2f} ms in-process ({iw['tokens_per_step']:.1f} tokens/step, "
+                 f"{iw['ms_per_step']:.1f} ms/step): ratio {out['ratio_per_token']:.3f}")
     return "\n".join(lines)
 
 
