@@ -15,6 +15,12 @@ def engine(tiny_model):
         yield e
 
 
+def _no_eog(engine_or_model):
+    """Sampling arguments that ban end-of-generation tokens, so a generation runs until it is ended."""
+    tok = engine_or_model.tokenizer
+    return {"logit_bias": {t: float("-inf") for t in tok.eog_ids}}
+
+
 def _slots_free(engine, timeout=5.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -86,7 +92,7 @@ def test_stop_string_ends_and_frees_the_slot(engine):
 
 
 def test_cancel_frees_the_slot_within_a_step(engine):
-    reader = engine.submit("long one", max_tokens=-1, temperature=0)
+    reader = engine.submit("long one", max_tokens=-1, temperature=0, **_no_eog(engine))
     next(iter(reader))
     reader.cancel()
     res = reader.result(timeout=5)
@@ -104,7 +110,7 @@ def test_dropped_reader_frees_its_slot(engine):
 
 def test_context_full_ends_with_length(tiny_model):
     with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=32) as e:
-        out = e.generate("a b c", max_tokens=-1, temperature=0)
+        out = e.generate("a b c", max_tokens=-1, temperature=0, **_no_eog(e))
     assert out.finish_reason == "length"
     assert out.prompt_tokens + len(out.token_ids) == 32
 
@@ -149,7 +155,7 @@ def test_queue_bound_gives_server_busy(tiny_model):
 
 def test_close_wakes_every_waiting_consumer(tiny_model):
     e = fastserve.Engine(tiny_model, n_parallel=2, n_ctx=2 * 16384, max_queue=16)   # long enough to be running
-    readers = [e.submit("x", max_tokens=-1, temperature=0) for _ in range(6)]
+    readers = [e.submit("x", max_tokens=-1, temperature=0, **_no_eog(e)) for _ in range(6)]
     results = []
     threads = [threading.Thread(target=lambda r=r: results.append(r.result(timeout=10).finish_reason))
                for r in readers]
