@@ -30,6 +30,7 @@ from .prompt_cache import MIB, PromptCache
 from .reader import Waker
 from .ref.sampling import check_config
 from .request import SAMPLING_DEFAULTS, Completion, Job, random_seed
+from .scheduler import pick_slot, slot_prefix
 from .text_reader import TextReader
 from .tracer import Tracer
 
@@ -354,7 +355,8 @@ class Engine:
                     self.slots.forget(msg.payload)
         while self._waiting and not self._closing:
             job = self._waiting[0]
-            slot = self._pick_slot(job)
+            slot = pick_slot(self.slots, job.prompt, id_slot=job.id_slot, cache_prompt=job.cache_prompt,
+                             similarity=self.slot_prompt_similarity)
             if slot < 0:
                 if job.id_slot >= 0:
                     self._waiting.rotate(-1)     # a pinned job waits without blocking the others
@@ -373,33 +375,8 @@ class Engine:
                     self.slots.release(slot)
                     self.delivery.reject(job.buffer, FINISH_ERROR, f"admission failed: {exc}")
 
-    def _pick_slot(self, job: Job) -> int:
-        """A free slot (-1: none): the one whose cached tokens share the longest prefix with the prompt
-        (lowest id on ties) when that prefix is more than slot_prompt_similarity of the prompt, as
-        llama.cpp's LCP similarity; else the least recently used one, whose prefix is the least missed."""
-        state = self.slots.state
-        if job.id_slot >= 0:
-            return job.id_slot if state[job.id_slot] == IDLE else -1
-        free = np.flatnonzero(state == IDLE)
-        if len(free) == 0:
-            return -1
-        if job.cache_prompt:
-            best, best_len = -1, 0
-            for s in free:
-                n = self._common_prefix(int(s), job.prompt)
-                if n > best_len:
-                    best, best_len = int(s), n
-            if best >= 0 and best_len > self.slot_prompt_similarity * len(job.prompt):
-                return best
-        return int(free[np.argmin(self.slots.admit_seq[free])])
-
-    def _common_prefix(self, slot: int, prompt: np.ndarray) -> int:
-        n = min(int(self.slots.n_tokens[slot]), len(prompt))
-        diff = np.flatnonzero(self.slots.tokens[slot, :n] != prompt[:n])
-        return int(diff[0]) if len(diff) else n
-
     def _start(self, job: Job, slot: int) -> None:
-        n_cached = min(self._common_prefix(slot, job.prompt), len(job.prompt) - 1) if job.cache_prompt else 0
+        n_cached = min(slot_prefix(self.slots, slot, job.prompt), len(job.prompt) - 1) if job.cache_prompt else 0
         max_gen = job.max_tokens if job.max_tokens >= 0 else self.n_ctx_slot
         if max_gen == 0:
             job.slot, job.n_cached = slot, n_cached
@@ -426,7 +403,7 @@ class Engine:
         entry, n_hit = pc.lookup(prompt) if job.cache_prompt else (None, 0)
         n_hit = min(n_hit, len(prompt) - 1)
         n_old = int(self.slots.n_tokens[slot])
-        if n_old > self._common_prefix(slot, prompt):
+        if n_old > slot_prefix(self.slots, slot, prompt):
             pc.save(slot, self.slots.tokens[slot, :n_old], keep=entry if n_hit > n_cached else None)
         if n_hit > n_cached and pc.restore(entry, slot, n_cached, n_hit):
             return n_hit

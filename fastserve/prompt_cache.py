@@ -27,6 +27,7 @@ from collections import OrderedDict
 import numpy as np
 
 from . import _faults
+from .scheduler import common_prefix
 
 log = logging.getLogger("fastserve.prompt_cache")
 MIB = 1 << 20
@@ -85,9 +86,9 @@ class PromptCache:
             k = min(bt, n - done)
             if k <= 0:
                 break
-            diff = np.flatnonzero(self.ids[b, :k] != tokens[done:done + k])
-            if len(diff):
-                return done + int(diff[0])
+            same = common_prefix(self.ids[b, :k], tokens[done:done + k])
+            if same < k:
+                return done + same
             done += k
         return done
 
