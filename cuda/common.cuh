@@ -16,9 +16,15 @@ struct bf16 { unsigned short bits; };   // bfloat16: the top half of a float32
 __device__ __forceinline__ float to_float(float x) { return x; }
 
 __device__ __forceinline__ float to_float(f16 h) {
+#ifdef FASTSERVE_CUDA_EMU      // the kernels compiled for the CPU by tests/gpu/cuda_emu
+    _Float16 v;
+    memcpy(&v, &h.bits, 2);
+    return (float)v;
+#else
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.bits));
     return f;
+#endif
 }
 
 __device__ __forceinline__ float to_float(bf16 h) {
@@ -31,7 +37,12 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 
 template <> __device__ __forceinline__ f16 from_float<f16>(float x) {
     f16 h;
+#ifdef FASTSERVE_CUDA_EMU
+    const _Float16 v = (_Float16)x;                           // round to nearest even
+    memcpy(&h.bits, &v, 2);
+#else
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));   // round to nearest even
+#endif
     return h;
 }
 

@@ -83,8 +83,10 @@ class CupyBackend:
     output rows kept in the preallocated logits (more rows: chunks into a fresh host array).
     graphs: capture decode steps as CUDA graphs per batch-size bucket. attn_chunk: keys per attention
     split (None: chosen from n_ctx_slot). matvec_max_n: products of up to this many rows run in
-    cuda/matvec.cu (weights streamed once), larger ones in cuBLAS; 0: cuBLAS always. Changing it
-    after a graph was captured needs reset_graphs().
+    cuda/matvec.cu (weights streamed once per 32 rows; a row's result is the same in any batch), larger
+    ones in cuBLAS (tensor cores, for long prompts); 0: cuBLAS always. Only decode buckets up to
+    matvec_max_n are captured as graphs (CuPy refuses cuBLAS during a capture); raise it past
+    max_tokens to make every product batch-invariant. Changing it needs reset_graphs().
     """
 
     def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, n_slots: int, n_ctx_slot: int, *,
@@ -106,6 +108,8 @@ class CupyBackend:
         self.max_out = min(self.max_out, self.max_tokens)
         self.use_graphs = bool(graphs)
         self.matvec_max_n = int(matvec_max_n)
+        c = cfg
+        self._matvec_only = all(K.matvec_fits(dtype, k) for k in (c.n_embd, c.n_head * c.head_dim, c.n_ff))
         self.device = cp.cuda.Device(cp.cuda.runtime.getDevice() if device is None else device)
         c = cfg
         self.q_dim, self.kv_dim = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
@@ -288,8 +292,10 @@ class CupyBackend:
             raise ValueError("out_rows must index the batch")
 
     def _is_decode(self, n: int, out_rows: np.ndarray) -> bool:
-        """Every token is an output row, in order: a decode step (graph-eligible)."""
-        return (self.use_graphs and len(out_rows) == n and _bucket(n) <= min(self.max_out, self.max_tokens)
+        """Every token is an output row, in order: a decode step (graph-eligible). Its products must all
+        run in cuda/matvec.cu: CuPy refuses cuBLAS calls while a stream captures."""
+        return (self.use_graphs and self._matvec_only and len(out_rows) == n
+                and _bucket(n) <= min(self.max_out, self.max_tokens, self.matvec_max_n)
                 and n <= self.n_slots and bool((out_rows == self._arange[:n]).all()))
 
     def _submit(self, tokens, positions, slots, out_rows, want: str) -> None:

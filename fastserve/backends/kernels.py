@@ -30,7 +30,8 @@ ATTN_WARPS = 4          # cuda/attention.cu: ATTN_WARPS
 ATTN_MAX_G = 8          # cuda/attention.cu: ATTN_MAX_G
 ATTN_MAX_HEAD_DIM = 128
 MATVEC_WARPS = 4        # cuda/matvec.cu: MATVEC_WARPS
-MATVEC_MAX_N = 8        # the largest matvec_*_n<N> instantiated
+MATVEC_MAX_N = 32       # the largest matvec_*_n<N> instantiated: x rows per block (more: more blocks)
+MATVEC_ROWS = (1, 2, 4, 8, 16, 32)
 _S3 = ("f16", "bf16", "f32")
 # Every kernel a launcher may call, by family (one .cu each): tests/unit/test_cuda_sources.py checks
 # that nvcc compiles exactly these entry points.
@@ -39,7 +40,7 @@ KERNELS = {
     "cast": ["cast_f32_f16", "cast_f32_bf16"],
     "embedding": [f"embed_rows_{s}" for s in _S3],
     "kv_cache": [f"kv_store_{s}" for s in _S3] + [f"rope_store_{s}" for s in _S3],
-    "matvec": [f"matvec_{s}_n{n}" for s in ("f16", "bf16") for n in (1, 2, 4, 8)],
+    "matvec": [f"matvec_{s}_n{n}" for s in ("f16", "bf16") for n in MATVEC_ROWS],
     "rms_norm": [f"rms_norm_{s}" for s in _S3],
     "rope": ["rope_qk_f32"],
     "sampling": ["argmax_rows_f32", "sample_rows_f32"],
@@ -386,8 +387,9 @@ _ZERO = np.zeros(1, np.float32)
 def gemm(x, w, out, n: int, accumulate: bool = False, matvec_max_n: int = MATVEC_MAX_N) -> None:
     """out[:n] = x[:n] @ w.T (accumulate: out[:n] += ...), float32 accumulation. x [>=n, k] and w [m, k] in
     one storage type (f16/bf16/f32); out f32 [>=n, m]. Up to matvec_max_n rows (f16/bf16, k % 8 == 0):
-    cuda/matvec.cu, which streams the weights once; otherwise cublasGemmEx (compute 32F). Runs on CuPy's
-    current stream and allocates nothing (capturable in a CUDA graph)."""
+    cuda/matvec.cu, which streams the weights once per 32 rows and sums each row in one order whatever
+    n; otherwise cublasGemmEx (compute 32F), which CuPy refuses inside a CUDA graph capture. Runs on
+    CuPy's current stream and allocates nothing."""
     cp = _cupy()
     m_out, k = w.shape
     storage = _same_storage(("x", x), ("w", w))
@@ -396,11 +398,10 @@ def gemm(x, w, out, n: int, accumulate: bool = False, matvec_max_n: int = MATVEC
     _check("out", out, np.float32, (None, m_out), min_rows=n)
     if not n:
         return
-    if (n <= min(matvec_max_n, MATVEC_MAX_N) and storage != "f32" and k % 8 == 0
-            and x.data.ptr % 16 == 0 and w.data.ptr % 16 == 0):            # 16-byte loads
-        rows = 1 if n == 1 else 2 if n == 2 else 4 if n <= 4 else 8
+    if n <= matvec_max_n and matvec_fits(storage, k) and x.data.ptr % 16 == 0 and w.data.ptr % 16 == 0:
+        rows = next(r for r in MATVEC_ROWS if r >= min(n, MATVEC_MAX_N))
         function("matvec", f"matvec_{storage}_n{rows}")(
-            (-(-m_out // MATVEC_WARPS),), (MATVEC_WARPS * 32,),
+            (-(-m_out // MATVEC_WARPS), -(-n // rows)), (MATVEC_WARPS * 32,),
             (w, x, out, _i32(n), _i32(m_out), _i32(k), _i32(1 if accumulate else 0)))
         return
     from cupy_backends.cuda.libs import cublas
@@ -412,6 +413,11 @@ def gemm(x, w, out, n: int, accumulate: bool = False, matvec_max_n: int = MATVEC
                   x.data.ptr, _CUDA_TYPE[storage], k,
                   (_ONE if accumulate else _ZERO).ctypes.data, out.data.ptr, _CUDA_TYPE["f32"], m_out,
                   cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
+
+
+def matvec_fits(storage: str, k: int) -> bool:
+    """cuda/matvec.cu takes this product (16-byte loads of 8 f16/bf16 elements)."""
+    return storage in ("f16", "bf16") and k % 8 == 0
 
 
 def nvcc_available() -> str | None:

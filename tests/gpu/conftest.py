@@ -16,15 +16,25 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="session")
-def cupy():
-    """The real CuPy on a GPU. FASTSERVE_FAKE_CUPY=1 runs these tests on tests/gpu/fake_cupy.py instead,
-    which checks the tests' own references and the launchers, not the kernels (for developing the tests
-    on a machine without a GPU)."""
+@pytest.fixture(scope="module", params=["gpu", "cpu"])
+def cupy(request):
+    """CuPy, twice over: "gpu", the real CuPy on a GPU (skips without one), and "cpu", a stand-in
+    (tests/gpu/fake_cupy.py) that runs the real kernels' CUDA C on the CPU (tests/gpu/cuda_emu), so
+    that the kernels' logic is tested on every machine. FASTSERVE_FAKE_CUPY=1 replaces "gpu" by the
+    stand-in with NumPy emulations of the kernels (to check the tests' own references).
+    Module scope: the stand-in leaves sys.modules when the module's tests are done."""
+    from . import fake_cupy
+    mp = pytest.MonkeyPatch()
+    if request.param == "cpu":
+        from . import cuda_emu
+        why = cuda_emu.unavailable()
+        if why:
+            pytest.skip(f"CPU run of the kernels skipped: {why}")
+        yield fake_cupy.install(mp, kernels="cuda-c")
+        mp.undo()
+        return
     if os.environ.get("FASTSERVE_FAKE_CUPY") == "1":
-        from . import fake_cupy
-        mp = pytest.MonkeyPatch()
-        yield fake_cupy.install(mp)
+        yield fake_cupy.install(mp, kernels="numpy")
         mp.undo()
         return
     from fastserve.backends.cupy_backend import cuda_status
@@ -35,8 +45,16 @@ def cupy():
     yield cupy
 
 
-@pytest.fixture(scope="session")
+def on_gpu(cupy) -> bool:
+    """The real CuPy (not the CPU stand-in)."""
+    return not hasattr(cupy, "fake_kernels")
+
+
+@pytest.fixture(scope="module")
 def default_model_on_disk(cupy):
+    if not on_gpu(cupy) and os.environ.get("FASTSERVE_EMULATE_DEFAULT_MODEL") != "1":
+        pytest.skip("the default model on the CPU kernel emulator takes minutes a step; "
+                    "FASTSERVE_EMULATE_DEFAULT_MODEL=1 runs it anyway")
     from fastserve.default_model import FILENAME, home
     path = os.environ.get("FASTSERVE_MODEL") or os.path.join(home(), FILENAME)
     if not os.path.isfile(path):

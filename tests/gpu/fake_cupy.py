@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .cuda_emu import c_param_kinds
+
 # -- arrays: device memory is host memory here --------------------------------------------------
 
 
@@ -110,32 +112,6 @@ def ptx_signatures(source: str) -> dict[str, list[str]] | None:
         sigs[m.group(1)] = re.findall(r"\.param\s+\.(\w+)", m.group(2))
     _PTX_CACHE[source] = sigs
     return sigs
-
-
-def c_param_kinds(source: str, name: str) -> list[str]:
-    """Kinds of a kernel's parameters from its C signature: ptr, b64 (long long), b32 (int), f32.
-    Kernels instantiated by a macro (cuda/attention.cu) are read from the macro's NAME(...)."""
-    m = re.search(r"\b" + re.escape(name) + r"\s*\(([^)]*)\)\s*\{", source)
-    if m is None:       # made by a macro: MACRO(name, ...) and #define MACRO(NAME, ...) ... NAME(params)
-        call = re.search(r"^(\w+)\(\s*" + re.escape(name) + r"\s*,", source, re.M)
-        if call is not None:
-            m = re.search(r"#define\s+" + call.group(1) + r"\(NAME[^)]*\)(?:.|\n)*?\bNAME\s*\(([^)]*)\)", source)
-    if m is None:
-        raise AttributeError(f"cannot find the C signature of {name}")
-    kinds = []
-    for p in m.group(1).replace("\\", " ").split(","):
-        p = " ".join(p.split())
-        if "*" in p:
-            kinds.append("ptr")
-        elif "long long" in p:
-            kinds.append("b64")
-        elif p.startswith(("int ", "unsigned int ", "const int ")):
-            kinds.append("b32")
-        elif p.startswith(("float ", "const float ")):
-            kinds.append("f32")
-        else:
-            raise TypeError(f"{name}: parameter {p!r} of a kind this fake does not know")
-    return kinds
 
 
 def _arg_kind(a) -> str:
@@ -322,17 +298,32 @@ _EMULATIONS = [("embed_rows_", _k_embed_rows), ("rms_norm_", _k_rms_norm), ("rop
 
 
 class Recorder:
-    """Where launches go: run now, or recorded while a stream captures."""
+    """Where launches go: run now, or recorded while a stream captures. kernels: "numpy" (the
+    emulations above) or "cuda-c" (the real kernels, compiled for the CPU by tests/gpu/cuda_emu)."""
     capturing: list | None = None
     launches = 0
+    kernels = "numpy"
+
+
+def _cuda_c(source: str, name: str):
+    from . import cuda_emu
+    kernel = cuda_emu.Kernel(source, name)
+
+    def run(grid, args, block):
+        kernel(grid, block, [a.data.ptr if isinstance(a, ndarray) else a for a in args])
+    return run
 
 
 class RawKernel:
-    def __init__(self, name: str, params: list[str] | None, c_kinds: list[str]):
-        self.name, self.params, self.c_kinds = name, params, c_kinds
-        self.emulate = next((f for p, f in _EMULATIONS if name.startswith(p)), None)
-        if self.emulate is None:
-            raise AttributeError(f"no emulation for kernel {name}")
+    def __init__(self, name: str, params: list[str] | None, source: str):
+        self.name, self.params, self.c_kinds = name, params, c_param_kinds(source, name)
+        if Recorder.kernels == "cuda-c":
+            self.emulate = _cuda_c(source, name)
+        else:
+            f = next((f for p, f in _EMULATIONS if name.startswith(p)), None)
+            if f is None:
+                raise AttributeError(f"no emulation for kernel {name}")
+            self.emulate = lambda grid, args, block: f(grid, args)
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None):
         grid, block = tuple(grid), tuple(block)
@@ -355,10 +346,10 @@ class RawKernel:
                 if (k if k != "null" else "ptr") not in _PTX_KIND.get(p, ()):
                     raise TypeError(f"{self.name}: argument {i} is {k}, the kernel's parameter is .{p}")
         if Recorder.capturing is not None:
-            Recorder.capturing.append(lambda: self.emulate(grid, args))
+            Recorder.capturing.append(lambda: self.emulate(grid, args, block))
         else:
             Recorder.launches += 1
-            self.emulate(grid, args)
+            self.emulate(grid, args, block)
 
 
 class RawModule:
@@ -377,7 +368,7 @@ class RawModule:
             if name not in self.sigs:
                 raise AttributeError(f"nvcc produced no entry {name}")
             params = self.sigs[name]
-        return RawKernel(name, params, c_param_kinds(self.code, name))
+        return RawKernel(name, params, self.code)
 
 
 # -- runtime, streams, graphs, cuBLAS -----------------------------------------------------------
@@ -459,9 +450,8 @@ def _col_major(ptr: int, ctype: int, rows: int, cols: int, ld: int) -> np.ndarra
 
 def _gemm_ex(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc,
              computeType, algo):
-    if Recorder.capturing is not None:
-        Recorder.capturing.append(lambda: _gemm_ex_now(transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype,
-                                                       ldb, beta, C, Ctype, ldc))
+    if Recorder.capturing is not None:     # as CuPy's cublas.setStream, which gemmEx calls first
+        raise NotImplementedError("calling cuBLAS API during stream capture is currently unsupported")
     else:
         Recorder.launches += 1
         _gemm_ex_now(transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc)
@@ -496,9 +486,13 @@ cublas.setPointerMode = lambda handle, mode: None
 cublas.gemmEx = _gemm_ex
 
 
-def install(monkeypatch) -> types.ModuleType:
-    """Put this fake in place of cupy, cupyx and cupy_backends' cuBLAS for one test (monkeypatch)."""
+def install(monkeypatch, kernels: str = "numpy") -> types.ModuleType:
+    """Put this fake in place of cupy, cupyx and cupy_backends' cuBLAS for one test (monkeypatch).
+    kernels: "numpy" runs each kernel's NumPy emulation, "cuda-c" the kernel itself on the CPU."""
+    if kernels not in ("numpy", "cuda-c"):
+        raise ValueError(f"kernels must be 'numpy' or 'cuda-c', not {kernels!r}")
     cupy = types.ModuleType("cupy")
+    cupy.fake_kernels = kernels
     cupy.ndarray, cupy.zeros, cupy.empty, cupy.asarray = ndarray, zeros, empty, asarray
     cupy.RawModule, cupy.get_default_memory_pool = RawModule, get_default_memory_pool
     cupy.cuda = types.SimpleNamespace(runtime=runtime, Stream=Stream, Device=Device, Graph=Graph,
@@ -512,9 +506,9 @@ def install(monkeypatch) -> types.ModuleType:
     for name, mod in (("cupy", cupy), ("cupyx", cupyx), ("cupy_backends", pkg), ("cupy_backends.cuda", pkg_cuda),
                       ("cupy_backends.cuda.libs", pkg_libs), ("cupy_backends.cuda.libs.cublas", cublas)):
         monkeypatch.setitem(sys.modules, name, mod)
-    from fastserve.backends import kernels
-    monkeypatch.setattr(kernels, "_cp", None)
-    monkeypatch.setattr(kernels, "_modules", {})
-    monkeypatch.setattr(kernels, "_functions", {})
-    Recorder.capturing, Recorder.launches = None, 0
+    from fastserve.backends import kernels as launchers
+    monkeypatch.setattr(launchers, "_cp", None)
+    monkeypatch.setattr(launchers, "_modules", {})
+    monkeypatch.setattr(launchers, "_functions", {})
+    Recorder.capturing, Recorder.launches, Recorder.kernels = None, 0, kernels
     return cupy

@@ -1,4 +1,5 @@
-"""Each kernel family of cuda/ against NumPy, on a GPU (skips without one).
+"""Each kernel family of cuda/ against NumPy: on a GPU (skips without one), and the same CUDA C run
+on the CPU (tests/gpu/cuda_emu), on every machine.
 
 Fresh random inputs for every check, outputs poisoned (NaN / max int) before each launch so that an
 unwritten element fails, errors as ||got - want|| / ||want|| against float64 references.
@@ -11,6 +12,7 @@ import pytest
 
 from fastserve.backends import kernels as K
 
+from .conftest import on_gpu
 from .helpers import rel_err, round_to
 
 STORAGES = ["f16", "bf16", "f32"]
@@ -197,10 +199,11 @@ def test_rope_store_is_rope_then_kv_store(cupy, storage):
 
 
 @pytest.mark.parametrize("storage", ["f16", "bf16", "f32"])
-@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 32, 100])
-@pytest.mark.parametrize("matvec_max_n", [0, 8])
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8, 17, 32, 100])
+@pytest.mark.parametrize("matvec_max_n", [0, 32, 1 << 20])
 def test_gemm(cupy, storage, n, matvec_max_n):
-    """cuBLAS (matvec_max_n 0, or n > 8) and cuda/matvec.cu (n <= 8, f16 / bf16)."""
+    """cuBLAS (matvec_max_n 0, n > matvec_max_n, or f32) and cuda/matvec.cu (f16 / bf16 otherwise;
+    past 32 rows in several block rows)."""
     rng = np.random.default_rng()
     k, m = 576, 1003
     x = round_to(rng.standard_normal((n, k)).astype(np.float32), storage)
@@ -217,21 +220,24 @@ def test_gemm(cupy, storage, n, matvec_max_n):
     assert rel_err(acc.get(), want + base) <= 1e-5
 
 
-def test_matvec_rows_do_not_depend_on_the_batch(cupy):
-    """cuda/matvec.cu sums each output in one order whatever n (<= 8): a row's result is bitwise the same."""
-    if not hasattr(cupy, "get_default_pinned_memory_pool"):
+@pytest.mark.parametrize("storage", ["f16", "bf16"])
+def test_matvec_rows_do_not_depend_on_the_batch(cupy, storage):
+    """cuda/matvec.cu sums each output in one order whatever n: a row's result is bitwise the same
+    alone, in any batch size and in any 32-row group."""
+    if getattr(cupy, "fake_kernels", "") == "numpy":
         pytest.skip("needs the real kernel (the NumPy emulation's BLAS sums in another order per n)")
     rng = np.random.default_rng()
-    k, m = 2048, 777
-    x = _to_storage(cupy, rng.standard_normal((8, k)).astype(np.float32), "f16")
-    w = _to_storage(cupy, rng.standard_normal((m, k)).astype(np.float32), "f16")
-    outs = []
-    for n in (1, 2, 3, 8):
-        out = _poisoned(cupy, (8, m), np.float32)
-        K.gemm(x, w, out, n)
-        outs.append(out.get()[0])
-    for o in outs[1:]:
-        np.testing.assert_array_equal(o, outs[0])
+    k, m, most = 2048, 333, 70
+    rows = rng.standard_normal((most, k)).astype(np.float32)
+    w = _to_storage(cupy, rng.standard_normal((m, k)).astype(np.float32), storage)
+    alone = _poisoned(cupy, (1, m), np.float32)
+    K.gemm(_to_storage(cupy, rows[5:6], storage), w, alone, 1)
+    for n in (6, 8, 17, 32, 33, 70):
+        batch = rows[:n].copy()
+        batch[:5] = rng.standard_normal((5, k))                 # other tokens around row 5
+        out = _poisoned(cupy, (n, m), np.float32)
+        K.gemm(_to_storage(cupy, batch, storage), w, out, n, matvec_max_n=1 << 20)
+        np.testing.assert_array_equal(out.get()[5], alone.get()[0], err_msg=f"n={n}")
 
 
 def test_argmax_ties_go_to_the_lowest_id(cupy):
@@ -290,8 +296,8 @@ def test_sampling_is_per_row_reproducible(cupy):
 def test_synchronize_releases_the_gil(cupy):
     """While the decode thread waits for the device, other Python threads run (DESIGN: the decode
     thread must not hold the GIL while it waits)."""
-    if getattr(cupy, "__name__", "") != "cupy" or not hasattr(cupy.cuda, "Event"):
-        pytest.skip("needs the real CuPy")
+    if not on_gpu(cupy):
+        pytest.skip("needs the real CuPy and a GPU")
     n = 4096
     a = cupy.asarray(np.random.default_rng().standard_normal((n, n)).astype(np.float32))
     out = cupy.zeros((n, n), np.float32)

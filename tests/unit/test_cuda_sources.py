@@ -78,7 +78,8 @@ def test_entry_points_are_the_launchers_kernels(built):
 def test_parameter_lists_match_the_c_signatures(built):
     """The PTX parameter list (what the GPU reads) agrees with the C signature (what the launchers and
     tests/gpu/fake_cupy.py are written against): count, and 64-bit / 32-bit int / float per parameter."""
-    from tests.gpu.fake_cupy import _PTX_KIND, c_param_kinds
+    from tests.gpu.cuda_emu import c_param_kinds
+    from tests.gpu.fake_cupy import _PTX_KIND
     for family, (ptx, _) in built.items():
         src = K.read_source(family)
         for name, params in _entries(ptx).items():
