@@ -28,6 +28,7 @@ from .errors import EngineClosed, RequestError, ServerBusy
 from .inbox import Inbox
 from .prompt_cache import MIB, PromptCache
 from .reader import Waker
+from .device_sampling import device_sampler_for
 from .ref.sampling import check_config
 from .request import SAMPLING_DEFAULTS, Completion, Job, random_seed
 from .scheduler import pick_slot, slot_prefix
@@ -106,6 +107,9 @@ class Engine:
         self._finish = np.zeros(n_batch, np.int8)
         self._probs_ids = np.zeros((n_batch, 100), np.int32)
         self._probs = np.zeros((n_batch, 100), np.float32)
+        # Sampling on the device when the backend has it (only ids and asked-for lists come back);
+        # self.sampler still validates and holds each request's configuration.
+        self.device_sampler = device_sampler_for(self.backend, self.sampler, n_batch, self._probs.shape[1])
         self._jobs: list[Job | None] = [None] * self.n_slots     # slot -> running job
         self._waiting: deque[Job] = deque()
         self._closing = False
@@ -276,8 +280,12 @@ class Engine:
             tr.lap("build")
         _faults.check_step()
         tokens, positions, slots, out_rows, row_slot = batch.view()
+        ds = self.device_sampler
         try:
-            logits = self.backend.forward(tokens, positions, slots, out_rows)
+            if ds is not None:      # forward and sampling on the device; the ids are on the host after it
+                ds.forward(tokens, positions, slots, out_rows, row_slot)
+            else:
+                logits = self.backend.forward(tokens, positions, slots, out_rows)
             if tr is not None:
                 tr.lap("forward")
             sync = getattr(self.backend, "sync", None)
@@ -292,7 +300,10 @@ class Engine:
             tr.lap("sync")
         n_out = batch.n_out
         sampled = self._sampled[:n_out]
-        self.sampler.sample(logits, row_slot, sampled, self._probs_ids, self._probs)
+        if ds is not None:
+            ds.sample(row_slot, sampled, self._probs_ids, self._probs)
+        else:
+            self.sampler.sample(logits, row_slot, sampled, self._probs_ids, self._probs)
         if tr is not None:
             tr.lap("sample")
         self.slots.commit(batch, self._sampled, self._finish)
@@ -383,6 +394,8 @@ class Engine:
             self.delivery.reject(job.buffer, FINISH_LENGTH)
             return
         self.sampler.configure(slot, history=job.prompt, **job.sampling)
+        if self.device_sampler is not None:
+            self.device_sampler.configure(slot, history=job.prompt, **job.sampling)
         if self.prompt_cache is not None:       # it writes the slot's KV: nothing that can fail comes after it
             n_cached = self._swap_prefix(slot, job, n_cached)
         job.slot, job.n_cached = slot, n_cached

@@ -19,14 +19,18 @@ Device memory, all allocated here, once (sizes for N = max_tokens, M = max_out r
     x [N, d] f32, h [N, d] dtype, qkv [N, (H+2Hkv)D] f32, attn [N, HD] dtype, gu [N, 2F] f32,
     act [N, F] dtype, part_o [N, H, S, D] f32, part_ml [N, H, S, 2] f32, hout [M, d] dtype,
     logits [M, V] f32, ids [M] int32, inputs [4, N] int32 (tokens, positions, slots, rows)
-Host: pinned inputs [4, N] int32, logits [M, V] f32, ids [M] int32, and a KV staging buffer.
+    device sampling: rows [M] SampleRow records (after the inputs, in the same buffer), slot table
+    [n_slots, W + 2B] int32 (penalty rings, bias lists), results [M + M * 2 * P] int32 (ids, lists)
+Host: pinned inputs [4, N] int32 + rows, logits [M, V] f32, ids [M] int32, slot table, results, and a
+KV staging buffer.
 
 A decode step (every token an output row) can run as a CUDA graph captured once per batch-size
 bucket (1, 2, 4, ... up to the slot count): the batch is padded to its bucket with rows that write
 and read only the scratch slot, and one graph launch replaces ~12 launches per layer.
 
-One host synchronisation per forward (the logits, or only the ids with forward_greedy); CuPy's
-stream synchronisation releases the GIL while it waits.
+One host synchronisation per forward (the logits, or only the ids with forward_greedy, or the ids and
+asked-for probabilities with forward_sample: the host sampler's chain on the device, cuda/sampling.cu);
+CuPy's stream synchronisation releases the GIL while it waits.
 
 Importing this module needs no CuPy; building a CupyBackend does.
 """
@@ -86,12 +90,16 @@ class CupyBackend:
     cuda/matvec.cu (weights streamed once per 32 rows; a row's result is the same in any batch), larger
     ones in cuBLAS (tensor cores, for long prompts); 0: cuBLAS always. Only decode buckets up to
     matvec_max_n are captured as graphs (CuPy refuses cuBLAS during a capture); raise it past
-    max_tokens to make every product batch-invariant. Changing it needs reset_graphs().
+    max_tokens to make every product batch-invariant. Changing it needs reset_graphs(). max_penalty_window, max_logit_bias, max_n_probs:
+    capacities of device sampling (forward_sample), as the host Sampler's.
     """
+
+    samples_on_device = True        # forward_sample: fastserve/device_sampling.py drives it
 
     def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, n_slots: int, n_ctx_slot: int, *,
                  dtype: str = "f16", max_tokens: int = 512, max_out: int | None = None, graphs: bool = True,
-                 attn_chunk: int | None = None, matvec_max_n: int = K.MATVEC_MAX_N, device: int | None = None):
+                 attn_chunk: int | None = None, matvec_max_n: int = K.MATVEC_MAX_N, device: int | None = None,
+                 max_penalty_window: int = 256, max_logit_bias: int = 256, max_n_probs: int = 100):
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
         ok, why = cuda_status()
@@ -110,6 +118,10 @@ class CupyBackend:
         self.matvec_max_n = int(matvec_max_n)
         c = cfg
         self._matvec_only = all(K.matvec_fits(dtype, k) for k in (c.n_embd, c.n_head * c.head_dim, c.n_ff))
+        self.sample_window, self.sample_bias = int(max_penalty_window), int(max_logit_bias)
+        self.sample_probs = int(max_n_probs)
+        if not 0 < self.sample_probs <= K.SAMPLE_MAX_PROBS:
+            raise ValueError(f"max_n_probs must be in [1, {K.SAMPLE_MAX_PROBS}]")
         self.device = cp.cuda.Device(cp.cuda.runtime.getDevice() if device is None else device)
         c = cfg
         self.q_dim, self.kv_dim = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
@@ -133,6 +145,7 @@ class CupyBackend:
             self.stream.synchronize()
             cp.get_default_memory_pool().free_all_blocks()     # the float32 upload temporaries
         self._graphs: dict[int, object] = {}
+        self._sample_graphs: dict[int, object] = {}       # decode steps that end with sample_chain
         self._scratch_slot = n_slots
 
     # -- set-up --------------------------------------------------------------------------------
@@ -175,7 +188,13 @@ class CupyBackend:
         self.kv = cp.zeros((c.n_layer, 2, self.n_slots + 1, self.n_ctx_slot, c.n_head_kv, c.head_dim), st)
         self.k_cache = [self.kv[li, 0] for li in range(c.n_layer)]      # contiguous views, made once
         self.v_cache = [self.kv[li, 1] for li in range(c.n_layer)]
-        self.inputs = cp.zeros((4, N), np.int32)                        # tokens, positions, slots, rows
+        R, W, P = K.SAMPLE_ROW_WORDS, self.sample_window + 2 * self.sample_bias, self.sample_probs
+        self._in_d = cp.zeros(4 * N + M * R, np.int32)                  # one copy: inputs, then sampling rows
+        self.inputs = self._in_d[:4 * N].reshape(4, N)                  # tokens, positions, slots, rows
+        self.sample_rows_d = self._in_d[4 * N:].reshape(M, R)
+        self.slot_tab_d = cp.zeros((self.n_slots, W), np.int32)
+        self._out_d = cp.zeros(M + M * 2 * P, np.int32)                 # one copy back: ids, then lists
+        self.sample_ids_d, self.sample_probs_d = self._out_d[:M], self._out_d[M:].reshape(M, 2, P)
         self.tokens_d, self.positions_d, self.slots_d, self.rows_d = (self.inputs[i] for i in range(4))
         self.x = cp.zeros((N, c.n_embd), np.float32)
         self.h = cp.zeros((N, c.n_embd), st)
@@ -188,13 +207,18 @@ class CupyBackend:
         self.hout = cp.zeros((M, c.n_embd), st)
         self.logits = cp.zeros((M, c.n_vocab), np.float32)
         self.ids = cp.zeros(M, np.int32)
-        self.params_d = cp.zeros((M, 4), np.uint32)                     # sample_rows inputs
         self.kv_stage = cp.zeros(c.n_layer * 2 * self.n_ctx_slot * self.kv_dim, st)
         import cupyx
-        self.inputs_h = cupyx.empty_pinned((4, N), np.int32)
+        self._in_h = cupyx.empty_pinned(4 * N + M * R, np.int32)
+        self.inputs_h = self._in_h[:4 * N].reshape(4, N)
+        self.sample_rows_h = self._in_h[4 * N:].view(K.SAMPLE_ROW)     # [M] records
+        self.slot_tab_h = cupyx.empty_pinned((self.n_slots, W), np.int32)
+        self._out_h = cupyx.empty_pinned(M + M * 2 * P, np.int32)
+        self._pad_row = np.zeros(1, K.SAMPLE_ROW)                       # padding rows: greedy, touch nothing
+        for f, v in (("flags", K.SAMPLE_GREEDY), ("probs_row", -1), ("hist_pos", -1), ("top_p", 1.0)):
+            self._pad_row[f] = v
         self.logits_h = cupyx.empty_pinned((M, c.n_vocab), np.float32)
         self.ids_h = cupyx.empty_pinned(M, np.int32)
-        self.params_h = cupyx.empty_pinned((M, 4), np.uint32)
         self._arange = np.arange(N, dtype=np.int32)
 
     # -- the protocol --------------------------------------------------------------------------
@@ -212,6 +236,36 @@ class CupyBackend:
         """As forward, but returns the greedy ids int32 [m] (argmax on the device; ties to the lowest
         id): only 4 bytes per row cross to the host."""
         return self._run(tokens, positions, slots, out_rows, want="ids")
+
+    def forward_sample(self, tokens, positions, slots, out_rows, n_lists: int = 0):
+        """As forward, then the host sampler's chain on the device (cuda/sampling.cu sample_chain_f32) for
+        the m output rows, whose SampleRow records the caller wrote into sample_rows_h[:m] (rows with
+        probs_row = 0 .. n_lists - 1 ask for probabilities). One copy in, one copy back, one wait.
+        Returns (ids int32 [m] (-1: a sampled row without candidates), list ids int32 [n_lists, P], list
+        probabilities float32 [n_lists, P]), views of pinned buffers reused at the next call. The batch
+        must fit the buffers (n <= max_tokens, m <= max_out)."""
+        n, m = len(tokens), len(out_rows)
+        if n > self.max_tokens or m > self.max_out or not 0 <= n_lists <= m:
+            raise ValueError(f"device sampling needs n <= max_tokens={self.max_tokens}, m <= max_out={self.max_out} "
+                             f"and 0 <= n_lists <= m (got n={n}, m={m}, n_lists={n_lists})")
+        self._n_lists = int(n_lists)
+        if n == 0:
+            empty = np.zeros((0, self.sample_probs), np.int32)
+            return np.zeros(0, np.int32), empty, empty.view(np.float32)
+        return self._run(tokens, positions, slots, out_rows, want="sample")
+
+    def sample_slot_table(self) -> np.ndarray:
+        """The host side of the sampling slot table, int32 [n_slots, W + 2B] (pinned): each slot's penalty
+        ring, bias ids, bias values as float32 bits. upload_sample_slot copies a slot's row to the device."""
+        return self.slot_tab_h
+
+    def upload_sample_slot(self, slot: int) -> None:
+        """Queue the copy of slot's row of sample_slot_table() to the device (ordered before the next step)."""
+        rt = self.cp.cuda.runtime
+        row = self.slot_tab_h[slot]
+        with self.device, self.stream:
+            rt.memcpyAsync(self.slot_tab_d.data.ptr + slot * row.nbytes, row.ctypes.data, row.nbytes,
+                           rt.memcpyHostToDevice, self.stream.ptr)
 
     def sync(self) -> None:
         """forward() returns after its results are on the host: nothing is left to wait for."""
@@ -277,6 +331,10 @@ class CupyBackend:
             self.wait_ns += time.perf_counter_ns() - t1
             self.submit_ns += t1 - t0
             self.steps += 1
+            if want == "sample":
+                P, k = self.sample_probs, self._n_lists
+                lists = self._out_h[self.max_out:self.max_out + k * 2 * P].reshape(k, 2, P)
+                return self._out_h[:m], lists[:, 0], lists[:, 1].view(np.float32)
             return self.logits_h[:m] if want == "logits" else self.ids_h[:m]
         return self._run_chunked(tokens, positions, slots, out_rows, want)
 
@@ -304,46 +362,61 @@ class CupyBackend:
         n, m = len(tokens), len(out_rows)
         rt = cp.cuda.runtime
         graph = None
+        sample = want == "sample"
         if self._is_decode(n, out_rows):
             b = _bucket(n)
             ih = self.inputs_h
             ih[0, :n], ih[1, :n], ih[2, :n], ih[3, :b] = tokens, positions, slots, self._arange[:b]
             ih[0, n:b], ih[1, n:b], ih[2, n:b] = 0, 0, self._scratch_slot      # padding: the scratch slot
-            rt.memcpyAsync(self.inputs.data.ptr, ih.ctypes.data, ih.nbytes, rt.memcpyHostToDevice, self.stream.ptr)
-            graph = self._graphs.get(b)
+            if sample:
+                self.sample_rows_h[m:b] = self._pad_row
+            self._copy_inputs(b if sample else 0)
+            graphs = self._sample_graphs if sample else self._graphs
+            graph = graphs.get(b)
             if graph is None:
-                self._enqueue(b, b)             # the first step of a bucket runs eagerly (warm-up) ...
-                self._graphs[b] = self._capture(b)
+                self._enqueue(b, b, sample)     # the first step of a bucket runs eagerly (warm-up) ...
+                graphs[b] = self._capture(b, sample)
             else:
                 graph.launch(self.stream)
         else:
             ih = self.inputs_h
             ih[0, :n], ih[1, :n], ih[2, :n], ih[3, :m] = tokens, positions, slots, out_rows
-            rt.memcpyAsync(self.inputs.data.ptr, ih.ctypes.data, ih.nbytes, rt.memcpyHostToDevice, self.stream.ptr)
-            self._enqueue(n, m)
-        if want == "logits":
+            self._copy_inputs(m if sample else 0)
+            self._enqueue(n, m, sample)
+        if sample:
+            nbytes = (self.max_out + self._n_lists * 2 * self.sample_probs) * 4
+            rt.memcpyAsync(self._out_h.ctypes.data, self._out_d.data.ptr, nbytes, rt.memcpyDeviceToHost, self.stream.ptr)
+        elif want == "logits":
             rt.memcpyAsync(self.logits_h.ctypes.data, self.logits.data.ptr, m * self.n_vocab * 4,
                            rt.memcpyDeviceToHost, self.stream.ptr)
         else:
             rt.memcpyAsync(self.ids_h.ctypes.data, self.ids.data.ptr, m * 4, rt.memcpyDeviceToHost, self.stream.ptr)
 
+    def _copy_inputs(self, n_rows: int) -> None:
+        """The inputs and n_rows sampling records (right after them in memory) to the device, one copy."""
+        rt = self.cp.cuda.runtime
+        nbytes = self.inputs_h.nbytes + n_rows * K.SAMPLE_ROW.itemsize
+        rt.memcpyAsync(self._in_d.data.ptr, self._in_h.ctypes.data, nbytes, rt.memcpyHostToDevice, self.stream.ptr)
+
     def reset_graphs(self) -> None:
         """Drop the captured graphs (after changing matvec_max_n); the next decode steps capture again."""
         self._graphs.clear()
+        self._sample_graphs.clear()
 
-    def _capture(self, b: int):
+    def _capture(self, b: int, sample: bool = False):
         """... and is captured for the next ones (capture records, it does not run)."""
         s = self.stream
         s.begin_capture(mode=self.cp.cuda.runtime.streamCaptureModeThreadLocal)
         try:
-            self._enqueue(b, b)
+            self._enqueue(b, b, sample)
         finally:
             graph = s.end_capture()
         graph.upload(s)
         return graph
 
-    def _enqueue(self, n: int, m: int) -> None:
-        """The pass over the first n rows of the device inputs; logits and greedy ids of rows rows_d[:m]."""
+    def _enqueue(self, n: int, m: int, sample: bool = False) -> None:
+        """The pass over the first n rows of the device inputs; logits of rows rows_d[:m], then their greedy
+        ids, or (sample) the sampling chain over them with the records in sample_rows_d[:m]."""
         c, mv = self.cfg, self.matvec_max_n
         K.embed_rows(self.tok_embd, self.tokens_d, self.x, n)
         for li, lw in enumerate(self.layers):
@@ -360,7 +433,11 @@ class CupyBackend:
             K.gemm(self.act, lw["w_down"], self.x, n, accumulate=True, matvec_max_n=mv)
         K.rms_norm(self.x, self.out_norm, self.hout, m, c.norm_eps, rows=self.rows_d)
         K.gemm(self.hout, self.output, self.logits, m, matvec_max_n=mv)
-        K.argmax_rows(self.logits, self.ids, m)
+        if sample:
+            K.sample_chain(self.logits, self.sample_rows_d, self.slot_tab_d, self.sample_ids_d, self.sample_probs_d, m,
+                           self.sample_window, self.sample_bias)
+        else:
+            K.argmax_rows(self.logits, self.ids, m)
 
     def _run_chunked(self, tokens, positions, slots, out_rows, want: str) -> np.ndarray:
         """A batch larger than the buffers: tokens in order, max_tokens at a time (a later chunk's
@@ -381,20 +458,3 @@ class CupyBackend:
                 got = self._run(tokens[sl], positions[sl], slots[sl], out_rows[group] - c0, want)
                 result[group] = got
         return result
-
-    # -- device sampling (temperature via Gumbel-max; see cuda/sampling.cu) -------------------------
-
-    def sample_logits(self, m: int, temps, seeds, steps) -> np.ndarray:
-        """Sample one id per row from the device logits of the last forward() (its rows 0..m-1):
-        temps float32 [m] (<= 0: greedy), seeds uint64 [m], steps uint32 [m]. Returns int32 [m] (a
-        reused host buffer)."""
-        if not 0 <= m <= self.max_out:
-            raise ValueError(f"m must be in [0, {self.max_out}]")
-        p = K.sample_params(temps, seeds, steps, self.params_h)
-        rt = self.cp.cuda.runtime
-        with self.device, self.stream:
-            rt.memcpyAsync(self.params_d.data.ptr, p.ctypes.data, p.nbytes, rt.memcpyHostToDevice, self.stream.ptr)
-            K.sample_rows(self.logits, self.params_d, self.ids, m)
-            rt.memcpyAsync(self.ids_h.ctypes.data, self.ids.data.ptr, m * 4, rt.memcpyDeviceToHost, self.stream.ptr)
-        self.stream.synchronize()
-        return self.ids_h[:m]

@@ -32,6 +32,18 @@ ATTN_MAX_HEAD_DIM = 128
 MATVEC_WARPS = 4        # cuda/matvec.cu: MATVEC_WARPS
 MATVEC_MAX_N = 32       # the largest matvec_*_n<N> instantiated: x rows per block (more: more blocks)
 MATVEC_ROWS = (1, 2, 4, 8, 16, 32)
+SAMPLE_THREADS = 512    # cuda/sampling.cu: SAMPLE_THREADS
+SAMPLE_MAX_PROBS = 128  # cuda/sampling.cu: SAMPLE_MAX_PROBS
+SAMPLE_GREEDY, SAMPLE_POST_PROBS, SAMPLE_PENALIZE = 1, 2, 4       # SampleRow.flags
+# cuda/sampling.cu's struct SampleRow, field for field (88 bytes): one per row of sample_chain.
+SAMPLE_ROW = np.dtype({
+    "names": ["temperature", "top_p", "min_p", "log_min_p", "rng", "top_k", "n_probs", "probs_row", "flags",
+              "slot", "n_bias", "hist_len", "hist_pos", "repeat_penalty", "presence_penalty", "frequency_penalty"],
+    "formats": ["<f8", "<f8", "<f8", "<f8", "<u8", "<i4", "<i4", "<i4", "<i4", "<i4", "<i4", "<i4", "<i4",
+                "<f4", "<f4", "<f4"],
+    "offsets": [0, 8, 16, 24, 32, 40, 44, 48, 52, 56, 60, 64, 68, 72, 76, 80],
+    "itemsize": 88})
+SAMPLE_ROW_WORDS = SAMPLE_ROW.itemsize // 4
 _S3 = ("f16", "bf16", "f32")
 # Every kernel a launcher may call, by family (one .cu each): tests/unit/test_cuda_sources.py checks
 # that nvcc compiles exactly these entry points.
@@ -43,7 +55,7 @@ KERNELS = {
     "matvec": [f"matvec_{s}_n{n}" for s in ("f16", "bf16") for n in MATVEC_ROWS],
     "rms_norm": [f"rms_norm_{s}" for s in _S3],
     "rope": ["rope_qk_f32"],
-    "sampling": ["argmax_rows_f32", "sample_rows_f32"],
+    "sampling": ["argmax_rows_f32", "sample_chain_f32"],
     "swiglu": [f"swiglu_{s}" for s in _S3],
 }
 FAMILIES = tuple(KERNELS)
@@ -345,7 +357,8 @@ def cast_from_f32(src, dst) -> None:
 
 
 def argmax_rows(logits, out, m: int) -> None:
-    """out[r] = argmax(logits[r]) for r < m, ties to the lowest id. logits f32 [>=m, V]; out int32 [>=m]."""
+    """out[r] = argmax(logits[r]) for r < m, ties to the lowest id, NaN and -inf never (0 when nothing else).
+    logits f32 [>=m, V]; out int32 [>=m]."""
     V = logits.shape[1]
     _check("logits", logits, np.float32, (None, V), min_rows=m)
     _check("out", out, np.int32, (None,), min_rows=m)
@@ -353,28 +366,28 @@ def argmax_rows(logits, out, m: int) -> None:
         function("sampling", "argmax_rows_f32")((m,), (_threads(V),), (logits, out, _i32(V)))
 
 
-def sample_rows(logits, params, out, m: int) -> None:
-    """out[r] ~ softmax(logits[r] / T_r) (greedy where T_r <= 0) for r < m. logits f32 [>=m, V];
-    params uint32 [>=m, 4]: (T_r's float32 bits, seed low word, seed high word, step); out int32 [>=m]."""
+def sample_chain(logits, rows, slot_tab, out_ids, out_probs, m: int, window_cap: int, bias_cap: int) -> None:
+    """The host sampler's chain on rows r < m of logits f32 [>=m, V] (modified in place: bias and
+    penalties). rows int32 [>=m, SAMPLE_ROW_WORDS]: SAMPLE_ROW records, 8-byte aligned; slot_tab int32
+    [n_slots, window_cap + 2 bias_cap] (each slot's penalty ring, bias ids, bias values' float32 bits; the
+    kernel appends row r's token to slot rows[r].slot's ring); out_ids int32 [>=m] (-1: a sampled row
+    with no candidate); out_probs int32 [*, 2, P] with P <= SAMPLE_MAX_PROBS: ids, then float32 bits of
+    the probabilities, of the rows whose probs_row >= 0. cuda/sampling.cu states the rest."""
     V = logits.shape[1]
+    P = out_probs.shape[2]
+    if not 0 < P <= SAMPLE_MAX_PROBS:
+        raise ValueError(f"out_probs holds lists of {P}; 1 to {SAMPLE_MAX_PROBS} fit the kernel")
     _check("logits", logits, np.float32, (None, V), min_rows=m)
-    _check("params", params, np.uint32, (None, 4), min_rows=m)
-    _check("out", out, np.int32, (None,), min_rows=m)
+    _check("rows", rows, np.int32, (None, SAMPLE_ROW_WORDS), min_rows=m)
+    _check("slot_tab", slot_tab, np.int32, (None, window_cap + 2 * bias_cap))
+    _check("out_ids", out_ids, np.int32, (None,), min_rows=m)
+    _check("out_probs", out_probs, np.int32, (None, 2, P))
+    if rows.data.ptr % 8:
+        raise ValueError("rows: SampleRow records need 8-byte alignment")
     if m:
-        function("sampling", "sample_rows_f32")((m,), (_threads(V),), (logits, params, out, _i32(V)))
-
-
-def sample_params(temps, seeds, steps, into: np.ndarray) -> np.ndarray:
-    """Pack per-row sampling inputs for sample_rows into `into` (uint32 [>=m, 4], host): temps float32 [m],
-    seeds uint64 [m], steps uint32 [m]. Returns into[:m]."""
-    m = len(temps)
-    p = into[:m]
-    p[:, 0] = np.asarray(temps, dtype=np.float32).view(np.uint32)
-    seeds = np.asarray(seeds, dtype=np.uint64)
-    p[:, 1] = seeds & np.uint64(0xFFFFFFFF)
-    p[:, 2] = seeds >> np.uint64(32)
-    p[:, 3] = np.asarray(steps, dtype=np.uint32)
-    return p
+        function("sampling", "sample_chain_f32")(
+            (m,), (SAMPLE_THREADS,),
+            (logits, rows, slot_tab, out_ids, out_probs, _i32(V), _i32(window_cap), _i32(bias_cap), _i32(P)))
 
 
 # -- matrix products (cuBLAS through CuPy's bindings) -------------------------------------------

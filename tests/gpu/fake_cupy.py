@@ -262,39 +262,43 @@ def _k_argmax_rows(grid, args):
     out[:m] = np.argmax(np.nan_to_num(np.asarray(logits[:m]), nan=-np.inf, posinf=np.inf), axis=1)
 
 
-def philox4x32_10(c: np.ndarray, k0: np.ndarray, k1: np.ndarray) -> np.ndarray:
-    """NumPy Philox4x32-10 over counters c uint32 [..., 4] with keys k0, k1 (broadcast): the first word."""
-    c = [c[..., i].astype(np.uint64) for i in range(4)]
-    k0, k1 = k0.astype(np.uint64), k1.astype(np.uint64)
-    M = 0xFFFFFFFF
-    for _ in range(10):
-        p0, p1 = np.uint64(0xD2511F53) * c[0], np.uint64(0xCD9E8D57) * c[2]
-        hi0, lo0, hi1, lo1 = p0 >> np.uint64(32), p0 & np.uint64(M), p1 >> np.uint64(32), p1 & np.uint64(M)
-        c = [hi1 ^ c[1] ^ k0, lo1, hi0 ^ c[3] ^ k1, lo0]
-        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & np.uint64(M), (k1 + np.uint64(0xBB67AE85)) & np.uint64(M)
-    return c[0].astype(np.uint32)
-
-
-def _k_sample_rows(grid, args):
-    logits, params, out, V = args
-    m, V = _rows_of(grid), int(V)
-    for r in range(m):
-        temp = params[r, 0:1].view(np.float32)[0]
-        row = np.asarray(logits[r], dtype=np.float32)
-        if temp > 0:
-            i = np.arange(V, dtype=np.uint32)
-            cnt = np.stack([i, np.full(V, params[r, 3], np.uint32), np.zeros(V, np.uint32), np.zeros(V, np.uint32)], -1)
-            x = philox4x32_10(cnt, np.uint32(params[r, 1]), np.uint32(params[r, 2]))
-            u = ((x >> 8).astype(np.float32) + np.float32(0.5)) * np.float32(1.0 / 16777216.0)
-            row = row / temp - np.log(-np.log(u))
-        out[r] = int(np.argmax(row))
+def _k_sample_chain(grid, args):
+    """The host sampler's twin (fastserve/ref/sampling.py) on each row, from its SampleRow record: the
+    kernel's contract is that twin's token ids and probabilities."""
+    from fastserve.backends.kernels import SAMPLE_GREEDY, SAMPLE_PENALIZE, SAMPLE_POST_PROBS, SAMPLE_ROW
+    from fastserve.ref.sampling import Sampler, _Slot
+    logits, rows, tab, out_ids, out_probs, V, W, B, P = args
+    m, V, W, B = _rows_of(grid), int(V), int(W), int(B)
+    ref = Sampler(1, V)
+    for r, rec in enumerate(np.asarray(rows[:m]).view(SAMPLE_ROW).reshape(-1)):
+        t = np.asarray(tab[int(rec["slot"])])
+        nb, flags, greedy = int(rec["n_bias"]), int(rec["flags"]), bool(rec["flags"] & SAMPLE_GREEDY)
+        hist = t[:int(rec["hist_len"])].tolist()
+        bias = list(zip(t[W:W + nb].tolist(), t[W + B:W + B + nb].view(np.float32).tolist()))
+        st = _Slot(dict(temperature=float(rec["temperature"]), top_k=int(rec["top_k"]), top_p=float(rec["top_p"]),
+                        min_p=float(rec["min_p"]), repeat_penalty=float(rec["repeat_penalty"]),
+                        presence_penalty=float(rec["presence_penalty"]),
+                        frequency_penalty=float(rec["frequency_penalty"]), repeat_last_n=len(hist),
+                        seed=int(rec["rng"]), logit_bias=bias, history=hist,
+                        n_probs=int(rec["n_probs"]) if rec["probs_row"] >= 0 else 0,
+                        post_sampling_probs=bool(flags & SAMPLE_POST_PROBS)))
+        st.penalize = bool(flags & SAMPLE_PENALIZE) and bool(hist)
+        pids, pp = np.zeros(st.n_probs, np.int32), np.zeros(st.n_probs, np.float32)
+        tok = ref._sample_row(st, np.asarray(logits[r]), pids, pp)
+        drew = st.rng != int(rec["rng"])
+        out_ids[r] = tok if greedy or drew else -1
+        if rec["hist_pos"] >= 0:
+            tab[int(rec["slot"]), int(rec["hist_pos"])] = tok
+        if st.n_probs:
+            out_probs[int(rec["probs_row"]), 0, :st.n_probs] = pids
+            out_probs[int(rec["probs_row"]), 1, :st.n_probs] = pp.view(np.int32)
 
 
 _EMULATIONS = [("embed_rows_", _k_embed_rows), ("rms_norm_", _k_rms_norm), ("rope_qk_", _k_rope_qk),
                ("kv_store_", _k_kv_store), ("rope_store_", _k_rope_store), ("matvec_", _k_matvec),
                ("attention_split_", _k_attention_split),
                ("attention_combine_", _k_attention_combine), ("swiglu_", _k_swiglu), ("cast_f32_", _k_cast),
-               ("argmax_rows_", _k_argmax_rows), ("sample_rows_", _k_sample_rows)]
+               ("argmax_rows_", _k_argmax_rows), ("sample_chain_", _k_sample_chain)]
 
 
 class Recorder:
