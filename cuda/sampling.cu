@@ -117,6 +117,7 @@ struct SampleShared {
     unsigned long long hist[256];             // radix histogram: counts or integer masses
     unsigned long long part[32];              // sums of 8 buckets / of a warp's worth of chunks
     unsigned long long chunk[SAMPLE_THREADS]; // draw mass of each thread's run of ids
+    float tmax[SAMPLE_THREADS];               // each thread's largest candidate (select_rank's bound)
     unsigned long long red_u[32];
     float red_f[32];
     int red_i[32];
@@ -315,13 +316,32 @@ __device__ int nth_id(const float* row, int n_vocab, float v, unsigned long long
 
 // The k-th candidate in rank order among those with keep(j, x); every candidate ranks at or before
 // the result when there are fewer than k.
+// With k <= blockDim.x, the k-th largest of the threads' own largest candidates is a lower bound of the
+// k-th largest candidate (k threads hold one at least that large): only candidates above it enter the
+// histograms, about k of them rather than the vocabulary (shared atomics on few addresses serialize).
 template <class Keep>
 __device__ Rank select_rank(const float* row, int n_vocab, int k, Keep keep, SampleShared& sh) {
+    const auto one = [](float) { return 1ull; };
     unsigned int key;
     unsigned long long above;
+    float tau = -FS_INF;
+    if (k <= (int)blockDim.x) {
+        float mx = -FS_INF;
+        for (int j = threadIdx.x; j < n_vocab; j += blockDim.x) {
+            const float x = row[j];
+            if (x > mx && keep(j, x)) mx = x;
+        }
+        sh.tmax[threadIdx.x] = mx;
+        __syncthreads();
+        if (radix_select(sh.tmax, (int)blockDim.x, (unsigned long long)k,
+                         [](int, float x, unsigned int* kk) { *kk = rank_key(x); return is_cand(x); }, one, sh, &key,
+                         &above))
+            tau = key_value(key);
+    }
+    const auto bounded = [=](int j, float x) { return x >= tau && keep(j, x); };
     if (!radix_select(row, n_vocab, (unsigned long long)k,
-                      [=](int j, float x, unsigned int* kk) { *kk = rank_key(x); return is_cand(x) && keep(j, x); },
-                      [](float) { return 1ull; }, sh, &key, &above))
+                      [=](int j, float x, unsigned int* kk) { *kk = rank_key(x); return is_cand(x) && bounded(j, x); },
+                      one, sh, &key, &above))
         return Rank{-FS_INF, NO_TOKEN};
     const float v = key_value(key);
     return Rank{v, nth_id(row, n_vocab, v, (unsigned long long)k - above, keep, sh)};

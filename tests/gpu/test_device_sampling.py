@@ -11,10 +11,13 @@ unit, which changes a result only in the rare case where a draw or a cut lands o
 Two kinds of tests:
 - `cupy` ones run the kernel itself (skip without a GPU, or without the CPU run of the CUDA C that
   tests/gpu/conftest.py describes);
-- `fake` ones run everywhere: CupyBackend + Engine + DeviceSampler on tests/gpu/fake_cupy.py, whose
-  emulation of the kernel is the host sampler's twin, so they check the glue (record packing, the one
-  copy each way, the per-slot state, probabilities plumbing, graph capture) rather than the kernel.
+- `fake` ones run everywhere: CupyBackend + Engine + DeviceSampler on tests/gpu/fake_cupy.py, once with
+  the kernel emulated by the host sampler's twin (they check the glue: record packing, the one copy
+  each way, the per-slot state, probabilities plumbing, graph capture) and once with the kernels' CUDA C
+  run on the CPU (the whole path, the real kernel included).
 """
+import threading
+
 import numpy as np
 import pytest
 
@@ -156,9 +159,16 @@ def test_rows_without_candidates(cupy):
 
 # -- the glue, everywhere (fake_cupy: the kernel emulated by the host sampler's twin) ----------------
 
-@pytest.fixture
-def fake(monkeypatch):
-    return fake_cupy.install(monkeypatch)
+@pytest.fixture(params=["numpy", "cuda-c"])
+def fake(request, monkeypatch):
+    """fake_cupy with the kernels emulated in NumPy (the sampler: its twin), or their CUDA C run on the
+    CPU (tests/gpu/cuda_emu): then the engine tests run the real sampling kernel end to end."""
+    if request.param == "cuda-c":
+        from . import cuda_emu
+        why = cuda_emu.unavailable()
+        if why:
+            pytest.skip(f"CPU run of the kernels skipped: {why}")
+    return fake_cupy.install(monkeypatch, kernels=request.param)
 
 
 def test_glue_matches_the_host_sampler(fake):
@@ -167,7 +177,7 @@ def test_glue_matches_the_host_sampler(fake):
 
 def test_backend_packs_rows_into_the_input_copy(fake, tiny_model):
     """forward_sample: the same ids as forward() + the host sampler, for decode steps (graphs, padding
-    rows) and a prefill step; the records ride in the inputs' copy."""
+    rows) and a prefill step; per step one copy in (inputs and records), one copy back, one wait."""
     from fastserve.backends.cupy_backend import CupyBackend
     cfg, w = tiny_model.config, tiny_model.weights
     V = cfg.n_vocab
@@ -190,7 +200,13 @@ def test_backend_packs_rows_into_the_input_copy(fake, tiny_model):
         want, wpi, wp = np.zeros(len(out_rows), np.int32), np.zeros((4, 100), np.int32), np.zeros((4, 100), np.float32)
         host.sample(logits, row_slot, want, wpi, wp)
         got, gpi, gp = np.zeros(len(out_rows), np.int32), np.zeros((4, 100), np.int32), np.zeros((4, 100), np.float32)
-        dev.forward(toks, pos, slots, out_rows, row_slot)
+        calls = []
+        rt = fake.cuda.runtime
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(rt, "memcpyAsync", lambda *a, f=rt.memcpyAsync: (calls.append(a[3]), f(*a))[1])
+            mp.setattr(be.stream, "synchronize", lambda f=be.stream.synchronize: (calls.append("wait"), f())[1])
+            dev.forward(toks, pos, slots, out_rows, row_slot)
+        assert calls == [rt.memcpyHostToDevice, rt.memcpyDeviceToHost, "wait"]
         dev.sample(row_slot, got, gpi, gp)
         assert got.tolist() == want.tolist()
         np.testing.assert_array_equal(gpi[:len(out_rows), :10], wpi[:len(out_rows), :10])
@@ -220,10 +236,29 @@ def test_engine_samples_on_the_device_as_on_the_host(fake, tiny_model):
             dict(prompt=[14, 15, 16, 17, 18], temperature=0.6, min_p=0.2, seed=13, n_probs=4,
                  post_sampling_probs=True)]
 
-    def run(factory):
-        with fastserve.Engine(tiny_model, n_parallel=3, n_ctx=192, backend=factory) as e:
-            assert (e.device_sampler is not None) == (factory is CupyBackend)
+    def run(cls):
+        # Steps must be the same in both runs (products over other batch sizes may round otherwise): a
+        # first request holds the decode thread inside its forward pass until all the others are queued.
+        entered, gate = threading.Event(), threading.Event()
+
+        def factory(cfg, w, n_slots, n_ctx_slot):
+            be = cls(cfg, w, n_slots, n_ctx_slot)
+            submit = be._submit
+
+            def gated(*a, **kw):
+                entered.set()
+                gate.wait(30)
+                return submit(*a, **kw)
+            be._submit = gated
+            return be
+
+        with fastserve.Engine(tiny_model, n_parallel=4, n_ctx=256, backend=factory) as e:
+            assert (e.device_sampler is not None) == (cls is CupyBackend)
+            first = e.submit([1, 2], max_tokens=1, temperature=0)
+            assert entered.wait(30)
             readers = [e.submit(r.pop("prompt"), max_tokens=10, **r) for r in [dict(q) for q in reqs]]
+            gate.set()
+            first.result()
             outs = [rd.result() for rd in readers]
         assert all(o.finish_reason == "length" for o in outs)
         return [(o.token_ids, o.probs) for o in outs]
