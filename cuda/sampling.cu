@@ -272,14 +272,23 @@ __device__ bool radix_select(const float* row, int n_vocab, unsigned long long n
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < 256; i += blockDim.x) sh.hist[i] = 0;
         __syncthreads();
+        unsigned int run_digit = 0;             // a thread adds runs of one digit at once: fewer atomics
+        unsigned long long run = 0;
         for (int j = threadIdx.x; j < n_vocab; j += blockDim.x) {
             const float x = row[j];
             unsigned int key;
             if (key_of(j, x, &key) && (key & mask) == prefix) {
                 const unsigned long long w = weight_of(x);
-                if (w != 0) atomicAdd(&sh.hist[(key >> shift) & 255u], w);
+                const unsigned int d = (key >> shift) & 255u;
+                if (d != run_digit && run != 0) {
+                    atomicAdd(&sh.hist[run_digit], run);
+                    run = 0;
+                }
+                run_digit = d;
+                run += w;
             }
         }
+        if (run != 0) atomicAdd(&sh.hist[run_digit], run);
         __syncthreads();
         pick_bucket(sh, need);
         if (shift == 24 && sh.total < need) return false;

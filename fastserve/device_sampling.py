@@ -40,10 +40,10 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 def device_sampler_for(backend, sampler, n_batch: int, max_n_probs: int):
     """A DeviceSampler when `backend` samples on the device and holds every step the engine can build
-    (n_batch tokens, one output row per slot) with the host sampler's capacities; else None."""
+    (n_batch tokens, at most one output row per slot) with the host sampler's capacities; else None."""
     if not getattr(backend, "samples_on_device", False):
         return None
-    if (backend.max_tokens < n_batch or backend.max_out < sampler.n_slots
+    if (backend.max_tokens < n_batch or backend.max_out < min(sampler.n_slots, n_batch)
             or backend.sample_window < sampler.max_penalty_window or backend.sample_bias < sampler.max_logit_bias
             or backend.sample_probs < max_n_probs):
         return None
