@@ -118,6 +118,13 @@ struct SampleShared {
     unsigned long long part[32];              // sums of 8 buckets / of a warp's worth of chunks
     unsigned long long chunk[SAMPLE_THREADS]; // draw mass of each thread's run of ids
     float tmax[SAMPLE_THREADS];               // each thread's largest candidate (select_rank's bound)
+    float kv[SAMPLE_THREADS];                 // draw_top_k: the top-k set as found,
+    int kid[SAMPLE_THREADS];
+    float sv[SAMPLE_THREADS];                 // ... in rank order,
+    int sid[SAMPLE_THREADS];
+    unsigned long long q[SAMPLE_THREADS];     // ... their temperature-1 weights (top-p),
+    unsigned long long wq[SAMPLE_THREADS];    // ... and the kept ones' draw weights in id order
+    int wid[SAMPLE_THREADS];
     unsigned long long red_u[32];
     float red_f[32];
     int red_i[32];
@@ -371,6 +378,34 @@ __device__ Rank select_mass(const float* row, int n_vocab, unsigned long long ta
     return Rank{v, nth_id(row, n_vocab, v, (target - above + q - 1) / q, keep, sh)};
 }
 
+// The first i < n whose inclusive prefix sum of w[] reaches need (1 <= need <= the sum of all n);
+// sh.above is the sum before it. Every thread gets i.
+__device__ int first_reaching(const unsigned long long* w, int n, unsigned long long need, SampleShared& sh) {
+    const int t = threadIdx.x, per = (n + 31) / 32;
+    if (t < 32) {
+        unsigned long long a = 0;
+        for (int i = t * per; i < min(n, t * per + per); ++i) a += w[i];
+        sh.part[t] = a;
+    }
+    __syncthreads();
+    if (t < 32) {
+        unsigned long long before = 0;
+        for (int i = 0; i < t; ++i) before += sh.part[i];
+        if (before < need && before + sh.part[t] >= need) {
+            for (int i = t * per; i < min(n, t * per + per); ++i) {
+                if (before + w[i] >= need) {
+                    sh.at = i;
+                    sh.above = before;
+                    break;
+                }
+                before += w[i];
+            }
+        }
+    }
+    __syncthreads();
+    return sh.at;
+}
+
 __device__ __forceinline__ void write_empty(int* out, int from, int n, int cap) {
     for (int i = from + (int)threadIdx.x; i < n; i += blockDim.x) {
         out[i] = -1;
@@ -443,8 +478,74 @@ __device__ __forceinline__ void adjust(float* row, const SampleRow& p, const int
     __syncthreads();
 }
 
-// top-k -> top-p -> min-p -> temperature -> draw on the adjusted row whose max is m (> -inf).
-// Writes the post-sampling list when asked. Returns the token.
+// top-k -> top-p -> min-p -> temperature -> draw on the adjusted row whose max is m (> -inf), for
+// 0 < top_k <= blockDim.x: the top-k set is gathered into shared memory, one candidate a thread, and
+// everything after runs there (the host sampler's top-k path). Returns the token; writes the
+// post-sampling list when asked.
+__device__ int draw_top_k(const float* row, int n_vocab, float m, const SampleRow& p, double scale, int n_probs,
+                          int* probs, int cap, SampleShared& sh) {
+    const int t = threadIdx.x;
+    const Rank bk = select_rank(row, n_vocab, p.top_k, [](int, float) { return true; }, sh);
+    if (t == 0) sh.n_top = 0;
+    __syncthreads();
+    for (int j = t; j < n_vocab; j += blockDim.x) {
+        const float x = row[j];
+        if (is_cand(x) && at_or_before(x, j, bk)) {
+            const int at = atomicAdd(&sh.n_top, 1);
+            if (at < SAMPLE_THREADS) {
+                sh.kv[at] = x;
+                sh.kid[at] = j;
+            }
+        }
+    }
+    __syncthreads();
+    const int n = min(sh.n_top, SAMPLE_THREADS);        // min(top_k, candidates) >= 1
+    if (t < n) {                                         // thread i: the candidate of rank i after this
+        const float v = sh.kv[t];
+        const int id = sh.kid[t];
+        int r = 0;
+        for (int k = 0; k < n; ++k) r += better(sh.kv[k], sh.kid[k], v, id) ? 1 : 0;
+        sh.sv[r] = v;
+        sh.sid[r] = id;
+    }
+    __syncthreads();
+    int keep = n;                                        // the kept set: ranks [0, keep)
+    if (p.top_p < 1.0) {
+        const unsigned long long q = t < n ? fx_weight(sh.sv[t], m, 1.0, scale) : 0ull;
+        if (t < n) sh.q[t] = q;
+        const unsigned long long total = block_reduce(q, sh.red_u, 0ull, SumOp());     // syncs: sh.q is set
+        unsigned long long target = (unsigned long long)ceil(p.top_p * (double)total);
+        if (target > total) target = total;
+        keep = target == 0 ? 1 : first_reaching(sh.q, n, target, sh) + 1;
+    }
+    if (p.min_p > 0.0) {
+        const double thr = (double)m + p.log_min_p;
+        const int below = block_reduce(t < n && (double)sh.sv[t] < thr ? t : (int)NO_TOKEN, sh.red_i,
+                                       (int)NO_TOKEN, MinOp());
+        keep = min(keep, below);                         // >= 1: rank 0 is the max
+    }
+    const unsigned long long q2 = t < keep ? fx_weight(sh.sv[t], m, p.temperature, scale) : 0ull;
+    const unsigned long long total = block_reduce(q2, sh.red_u, 0ull, SumOp());
+    if (t < keep) {                                      // the kept set in id order, for the draw
+        int r = 0;
+        for (int k = 0; k < keep; ++k) r += sh.sid[k] < sh.sid[t] ? 1 : 0;
+        sh.wq[r] = q2;
+        sh.wid[r] = sh.sid[t];
+    }
+    if (n_probs > 0 && (p.flags & SAMPLE_POST_PROBS)) {
+        if (t < min(n_probs, keep)) {
+            probs[t] = sh.sid[t];
+            probs[cap + t] = __float_as_int((float)((double)q2 / (double)total));
+        }
+        write_empty(probs, keep, n_probs, cap);
+    }
+    __syncthreads();
+    const unsigned long long r = mulhi64(splitmix64(p.rng), total);      // < total
+    return sh.wid[first_reaching(sh.wq, keep, r + 1, sh)];
+}
+
+// The same chain for any top_k, over the whole row: the top-k, top-p and min-p cuts make one rank
+// boundary; each thread weighs its own run of ids, and the run where the mass passes r is walked again.
 __device__ int draw(const float* row, int n_vocab, float m, const SampleRow& p, double scale, int n_probs,
                     int* probs, int cap, SampleShared& sh) {
     const int t = threadIdx.x;
@@ -464,7 +565,6 @@ __device__ int draw(const float* row, int n_vocab, float m, const SampleRow& p, 
     const double thr = p.min_p > 0.0 ? (double)m + p.log_min_p : -(double)FS_INF;
     const auto kept = [=](int j, float x) { return at_or_before(x, j, bp) && (double)x >= thr; };
 
-    // Each thread weighs its own run of ids; the run where the mass crosses r is walked again.
     const int run = (n_vocab + blockDim.x - 1) / blockDim.x;
     const int lo = min(n_vocab, t * run), hi = min(n_vocab, lo + run);
     unsigned long long s = 0;
@@ -473,41 +573,10 @@ __device__ int draw(const float* row, int n_vocab, float m, const SampleRow& p, 
         if (is_cand(x) && kept(j, x)) s += fx_weight(x, m, p.temperature, scale);
     }
     sh.chunk[t] = s;
-    __syncthreads();
-    const int per = blockDim.x >> 5;
-    if (t < 32) {
-        unsigned long long a = 0;
-        for (int i = 0; i < per; ++i) a += sh.chunk[t * per + i];
-        sh.part[t] = a;
-    }
-    __syncthreads();
-    if (t == 0) {
-        unsigned long long a = 0;
-        for (int i = 0; i < 32; ++i) a += sh.part[i];
-        sh.total = a;
-        sh.at = -1;
-        sh.found = -1;
-    }
-    __syncthreads();
-    const unsigned long long total = sh.total;
-    const unsigned long long r = mulhi64(splitmix64(p.rng), total);      // < total
-    if (t < 32) {
-        unsigned long long before = 0;
-        for (int i = 0; i < t; ++i) before += sh.part[i];
-        if (before <= r && r < before + sh.part[t]) {
-            for (int i = 0; i < per; ++i) {
-                const int c = t * per + i;
-                if (r < before + sh.chunk[c]) {
-                    sh.at = c;
-                    sh.above = before;
-                    break;
-                }
-                before += sh.chunk[c];
-            }
-        }
-    }
-    __syncthreads();
-    if (t == sh.at) {
+    const unsigned long long total = block_reduce(s, sh.red_u, 0ull, SumOp());         // syncs: sh.chunk is set
+    const unsigned long long r = mulhi64(splitmix64(p.rng), total);                     // < total
+    const int at = first_reaching(sh.chunk, blockDim.x, r + 1, sh);
+    if (t == at) {                  // finds it: the run's mass passes r
         unsigned long long cum = sh.above;
         for (int j = lo; j < hi; ++j) {
             const float x = row[j];
@@ -572,7 +641,9 @@ sample_chain_f32(float* logits, const SampleRow* rows, int* slot_tab, int* out_i
             tok = -1;                                 // nothing to draw from: no draw
             if (n_probs > 0 && post) write_empty(probs, 0, n_probs, probs_cap);
         } else {
-            tok = draw(row, n_vocab, m, p, scale, n_probs, probs, probs_cap, sh);
+            tok = p.top_k > 0 && p.top_k <= (int)blockDim.x
+                      ? draw_top_k(row, n_vocab, m, p, scale, n_probs, probs, probs_cap, sh)
+                      : draw(row, n_vocab, m, p, scale, n_probs, probs, probs_cap, sh);
         }
     }
     if (t == 0) {
