@@ -15,8 +15,9 @@
 //   log(min_p); the draw r = (splitmix64(state) * total) >> 64 walks the kept ids in ascending order.
 //   No sort of the vocabulary: each "k-th in rank order" and the top-p cut are radix selections
 //   (four 8-bit digits of an order-preserving key, histograms of counts or of integer masses), and
-//   only ties at the boundary are resolved by id. Bias and penalties are written into the row (the
-//   logits are scratch after this kernel).
+//   only ties at the boundary are resolved by id. With 0 < top_k <= SAMPLE_THREADS (the usual case)
+//   the top-k set is gathered into shared memory once and the rest of the chain runs there. Bias and
+//   penalties are written into the row (the logits are scratch after this kernel).
 //
 //   logits  float32 [m, n_vocab] (modified: bias and penalties)
 //   rows    SampleRow [m] (below; the host packs them: fastserve/device_sampling.py)
