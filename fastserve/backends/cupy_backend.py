@@ -90,8 +90,9 @@ class CupyBackend:
     cuda/matvec.cu (weights streamed once per 32 rows; a row's result is the same in any batch), larger
     ones in cuBLAS (tensor cores, for long prompts); 0: cuBLAS always. Only decode buckets up to
     matvec_max_n are captured as graphs (CuPy refuses cuBLAS during a capture); raise it past
-    max_tokens to make every product batch-invariant. Changing it needs reset_graphs(). max_penalty_window, max_logit_bias, max_n_probs:
-    capacities of device sampling (forward_sample), as the host Sampler's.
+    max_tokens to make every product batch-invariant. Changing it needs reset_graphs().
+    max_penalty_window, max_logit_bias, max_n_probs: capacities of device sampling (forward_sample), as
+    the host Sampler's.
     """
 
     samples_on_device = True        # forward_sample: fastserve/device_sampling.py drives it
@@ -385,7 +386,8 @@ class CupyBackend:
             self._enqueue(n, m, sample)
         if sample:
             nbytes = (self.max_out + self._n_lists * 2 * self.sample_probs) * 4
-            rt.memcpyAsync(self._out_h.ctypes.data, self._out_d.data.ptr, nbytes, rt.memcpyDeviceToHost, self.stream.ptr)
+            rt.memcpyAsync(self._out_h.ctypes.data, self._out_d.data.ptr, nbytes, rt.memcpyDeviceToHost,
+                           self.stream.ptr)
         elif want == "logits":
             rt.memcpyAsync(self.logits_h.ctypes.data, self.logits.data.ptr, m * self.n_vocab * 4,
                            rt.memcpyDeviceToHost, self.stream.ptr)

@@ -113,7 +113,8 @@ def _run_both(cp, V, n_slots, steps, seed, configs=CONFIGS, ties=True):
         for r, s in enumerate(row_slot):
             n = configs[s % len(configs)].get("n_probs", 0)
             assert got_pi[r, :n].tolist() == want_pi[r, :n].tolist(), f"step {step}, slot {s}"
-            assert got_p[r, :n].view(np.int32).tolist() == want_p[r, :n].view(np.int32).tolist(), f"step {step}, slot {s}"
+            assert got_p[r, :n].view(np.int32).tolist() == want_p[r, :n].view(np.int32).tolist(), \
+                f"step {step}, slot {s}"
     for s in range(n_slots):
         assert dev.history(s) == host.history(s)
 
@@ -138,7 +139,8 @@ def test_rows_without_candidates(cupy):
     V = 300
     host, be = Sampler(2, V), LogitsBackend(cupy, 2, 2)
     dev = DeviceSampler(be, 2, V)
-    for s, cfg in enumerate([dict(temperature=0.9, n_probs=4), dict(temperature=0.0, n_probs=4, post_sampling_probs=True)]):
+    configs = [dict(temperature=0.9, n_probs=4), dict(temperature=0.0, n_probs=4, post_sampling_probs=True)]
+    for s, cfg in enumerate(configs):
         host.configure(s, seed=5 + s, **cfg)
         dev.configure(s, seed=5 + s, **cfg)
     rng = np.random.default_rng(5)
