@@ -17,9 +17,12 @@ packs each step's rows:
   into its slot's window ring (the kernel wrote the same token into the device's copy).
 
 Same token ids and probabilities as fastserve._sampling.Sampler for the same logits and seed: the
-kernel follows the same integer rules. The one thing not shared is exp (double): the device's may
-differ from the host libm's in the last bit, which moves a fixed-point weight by one unit in about one
-case in a few hundred of those, and changes a token only when the draw lands on that unit.
+kernel follows the same integer rules (checked bit for bit with the kernel's CUDA C run on the CPU,
+tests/gpu/test_device_sampling.py). The one thing not shared on a GPU is exp (double): CUDA's may
+differ from the host libm's in the last bit. That moves a fixed-point weight by one unit at most (for
+the largest weights in about 1 of 32 such cases, far less often for small ones), which changes a token
+only when the draw lands on that unit (odds about 2**-47) and a probability only when it crosses a
+float32 rounding (about 2**-23).
 
 Preconditions, as the engine's steps satisfy them: each slot has at most one output row per step, and
 every step fits the backend's buffers (n <= max_tokens, m <= max_out; device_sampler_for checks).

@@ -226,9 +226,11 @@ class _HostSampling:
         return be
 
 
-def test_engine_samples_on_the_device_as_on_the_host(fake, tiny_model):
+@pytest.mark.parametrize("n_batch", [512, 3])
+def test_engine_samples_on_the_device_as_on_the_host(fake, tiny_model, n_batch):
     """Same backend, same logits: the engine's output (ids and probabilities) with device sampling equals
-    its output with the host sampler, for concurrent sampled requests with seeds."""
+    its output with the host sampler, for concurrent sampled requests with seeds (also with fewer batch
+    tokens than slots: prompts in chunks, steps with fewer output rows than running slots)."""
     import fastserve
     from fastserve.backends.cupy_backend import CupyBackend
     reqs = [dict(prompt=[5, 6, 7, 8], temperature=0.9, seed=11, n_probs=3),
@@ -254,7 +256,7 @@ def test_engine_samples_on_the_device_as_on_the_host(fake, tiny_model):
             be._submit = gated
             return be
 
-        with fastserve.Engine(tiny_model, n_parallel=4, n_ctx=256, backend=factory) as e:
+        with fastserve.Engine(tiny_model, n_parallel=4, n_ctx=256, n_batch=n_batch, backend=factory) as e:
             assert (e.device_sampler is not None) == (cls is CupyBackend)
             first = e.submit([1, 2], max_tokens=1, temperature=0)
             assert entered.wait(30)
