@@ -27,6 +27,8 @@ def cupy(request):
     mp = pytest.MonkeyPatch()
     if request.param == "cpu":
         from . import cuda_emu
+        if os.environ.get("FASTSERVE_SKIP_CPU_KERNELS") == "1":
+            pytest.skip("FASTSERVE_SKIP_CPU_KERNELS=1 (bench/gpu_check.py on a GPU: CI runs the CPU variants)")
         why = cuda_emu.unavailable()
         if why:
             pytest.skip(f"CPU run of the kernels skipped: {why}")

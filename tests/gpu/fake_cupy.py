@@ -418,6 +418,29 @@ class Stream:
         return Graph(launches)
 
 
+class Event:
+    """Host time stands in for device time (launches run when they are made)."""
+
+    def __init__(self, *a, **kw):
+        self.t = None
+
+    def record(self, stream=None):
+        import time
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+
+def get_elapsed_time(start: Event, stop: Event) -> float:
+    return (stop.t - start.t) * 1e3
+
+
+class _PinnedPool:
+    def n_free_blocks(self):
+        return 0
+
+
 class Device:
     def __init__(self, i=0):
         self.id = i
@@ -438,7 +461,8 @@ def _memcpy_async(dst, src, nbytes, kind, stream):
 runtime = types.SimpleNamespace(
     getDeviceCount=lambda: 1, getDevice=lambda: 0, getDeviceProperties=lambda i: {"name": b"fake (NumPy) device"},
     memcpyAsync=_memcpy_async, memcpyHostToDevice=1, memcpyDeviceToHost=2,
-    streamCaptureModeThreadLocal=1, streamCaptureModeRelaxed=2)
+    streamCaptureModeThreadLocal=1, streamCaptureModeRelaxed=2, memcpyDeviceToDevice=3,
+    runtimeGetVersion=lambda: 0)
 
 
 _CUDA_DTYPES = {0: np.float32, 2: np.float16, 14: np.uint16}
@@ -499,7 +523,12 @@ def install(monkeypatch, kernels: str = "numpy") -> types.ModuleType:
     cupy.fake_kernels = kernels
     cupy.ndarray, cupy.zeros, cupy.empty, cupy.asarray = ndarray, zeros, empty, asarray
     cupy.RawModule, cupy.get_default_memory_pool = RawModule, get_default_memory_pool
-    cupy.cuda = types.SimpleNamespace(runtime=runtime, Stream=Stream, Device=Device, Graph=Graph,
+    cupy.get_default_pinned_memory_pool = _PinnedPool
+    cupy.empty_like = lambda a: empty(a.shape, a.dtype)
+    cupy.float32, cupy.float16, cupy.int32, cupy.uint16 = np.float32, np.float16, np.int32, np.uint16
+    cupy.__version__ = f"fake ({kernels} kernels)"
+    cupy.cuda = types.SimpleNamespace(runtime=runtime, Stream=Stream, Device=Device, Graph=Graph, Event=Event,
+                                      get_elapsed_time=get_elapsed_time,
                                       device=types.SimpleNamespace(get_cublas_handle=lambda: 1))
     cupyx = types.ModuleType("cupyx")
     cupyx.empty_pinned = empty_pinned

@@ -15,6 +15,7 @@ import pytest
 
 from fastserve.backends.numpy_backend import NumpyBackend
 
+from .conftest import on_gpu
 from .helpers import rel_err, rounded_weights
 
 GREEDY_TOKENS = 32
@@ -156,7 +157,7 @@ def test_kv_save_restore_on_the_device(cupy, tiny_model):
 @pytest.mark.parametrize("graphs", [True, False])
 def test_memory_pools_flat_over_1000_steps(cupy, tiny_model, graphs):
     """No device (or pinned) allocation per step: pool sizes after warm-up equal those after 1,000 steps."""
-    if not hasattr(cupy, "get_default_pinned_memory_pool"):
+    if not on_gpu(cupy):
         pytest.skip("needs the real CuPy's memory pools")
     cfg, w = tiny_model.config, tiny_model.weights
     be = _cupy_backend(cfg, w, 8, 1024, graphs=graphs)
