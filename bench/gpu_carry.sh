@@ -4,14 +4,16 @@
 #
 # It holds: the gguf wheel (the device image lacks gguf), llama.cpp's reference outputs (they live in
 # ../shared, which does not travel), and the default model cut in two (94 MiB: one call carries at most
-# 64 MiB). Two calls then bring it over (the machine must still be warm for the second, i.e. call it
-# within ~30 s of the first returning):
+# 64 MiB). Call 1 does all the work without the real model; call 2 only adds its parity tests, so a
+# machine gone cold in between (it waits ~30 s) costs those tests and nothing else:
 #   1. carry .devcarry/wheels .devcarry/smollm2_q41_llamacpp_greedy.json .devcarry/model.part0
-#      run   python3 bench/gpu_check.py --phases setup,build,nvcc,stash
+#      run   PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --budget-s 420      (timeout_s 480)
+#      (everything: build, nvcc, GPU tests, bandwidth, timings on a synthetic model of the default
+#      model's shape and on a 1.1B, engine, pools; it also stashes model.part0 on the device)
 #   2. carry .devcarry/wheels .devcarry/smollm2_q41_llamacpp_greedy.json .devcarry/model.part1
-#      run   python3 bench/gpu_check.py
-# If the machine went cold in between, call 2 still runs everything, with a synthetic model of the
-# default model's shape for the timings, and the default model's parity tests skip.
+#      run   PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --phases setup,build,stash,model,tests --tests-k default
+#      (assembles the default model from both parts, sha256 checked, and runs its GPU parity tests)
+# Check it first without a GPU: python3 bench/gpu_check.py --dry-run (the kernels run on the CPU).
 set -eu
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
