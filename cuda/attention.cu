@@ -3,125 +3,267 @@
 // (G = n_head / n_head_kv query heads share one KV head). Prefill tokens of one prompt chunk are
 // separate queries like any other: their K/V rows were written by kv_store before this runs.
 //
-// Split along the sequence (flash-decoding): keys are cut into chunks of `chunk`; one block per
-// (chunk, KV head, token) keeps an online softmax over its chunk for the G heads of its group and
-// writes an unnormalised partial result; attention_combine merges the chunks. The grid is fixed by
-// the slot length (n_split = ceil(n_ctx_slot / chunk)), not by the positions, so a decode step can
-// be captured once in a CUDA graph and replayed at any position: chunks past a token's position exit
-// at once, writing an empty partial (m = -inf, l = 0).
+// Split along the sequence (flash-decoding): one block per (split, KV head, token) keeps an online
+// softmax over its share of the keys for the G heads of its group and writes an unnormalised partial
+// result; attention_combine merges the splits. The grid is fixed by the slot length (S = n_split =
+// ceil(n_ctx_slot / chunk)), not by the positions, so a decode step can be captured once in a CUDA
+// graph and replayed at any position. A token's n = p + 1 keys are cut into S runs of `span` keys,
+// span = ceil(n / S) rounded up to whole block steps (ATTN_WARPS * 32 / LPK * ATTN_KEYS_PER_GROUP
+// keys): at any position the keys spread over as many blocks as they fill, so a short decode still
+// runs on many SMs. Splits past the last key exit at once, writing an empty partial (m = -inf,
+// l = 0, part_o untouched: the combine never reads it).
+//
+// Inside a block, a group of LPK lanes reads one key: lane c of the group holds dimensions
+// 8c..8c+7 (one 16-byte load per K or V row for f16/bf16, two for f32), so a warp reads 32 / LPK keys
+// at once, ATTN_KEYS_PER_GROUP per group per step, and a dot product is a log2(LPK)-step shuffle sum
+// in the group, the G heads' sums interleaved. G is a template parameter: no per-head branch.
+// Scores are kept in log2 units (q is pre-scaled by scale * log2(e); exp2f), so part_ml's m is too.
 //
 // Every (token, head) is computed on its own, in an order that depends only on its position and on
 // the launch shape: a token's result does not depend on the other tokens in the batch.
 //
-// Shapes (n tokens, H = n_head, Hkv = n_head_kv, D = head_dim <= 32 * E, S = n_split):
+// Shapes (n tokens, H = n_head, Hkv = n_head_kv, D = head_dim, a multiple of 8, <= 128, S = n_split):
 //   qkv      float32 [n, qkv_stride]: Q heads first (after RoPE); only Q is read here
-//   k_cache  [n_slots, n_ctx_slot, Hkv, D] storage type T; v_cache the same
+//   k_cache  [n_slots, n_ctx_slot, Hkv, D] storage type T, 16-byte aligned; v_cache the same
 //   slots, positions  int32 [n]
-//   part_o   float32 [n, H, S, D]   unnormalised sum of p * v over the chunk
-//   part_ml  float32 [n, H, S, 2]   (max score, sum of exp(score - max)) over the chunk
+//   part_o   float32 [n, H, S, D]   unnormalised sum of p * v over the split
+//   part_ml  float32 [n, H, S, 2]   (max score in log2 units, sum of 2^(score - max)) over the split
 //   out      [n, H * D] type TOut (what the output projection reads)
-// attention_split_*: grid (S, Hkv, n), block ATTN_WARPS * 32 threads.
+// attention_split_<T>_d<8 LPK>_g<G>: grid (S, Hkv, n), block ATTN_WARPS * 32 threads; LPK lanes per
+// key: 4 for D <= 32, 8 for D <= 64, 16 for D <= 128.
 // attention_combine_*: grid (H, n), block: a multiple of 32 threads >= D (at most 1024).
 #include "common.cuh"
 
 #define ATTN_WARPS 4
-#define ATTN_MAX_G 8     // query heads per KV head (the launcher refuses more)
+#define ATTN_KEYS_PER_GROUP 2   // keys each lane group loads per step: two loads of K and of V in flight
+#define ATTN_LOG2E 1.4426950408889634f
 
-template <typename T, int E>
+// 8 consecutive values of T, as loaded: one uint4 for 2-byte types, two for float.
+template <typename T> struct Row8 { uint4 w[sizeof(T) / 2]; };
+
+template <typename T>
+__device__ __forceinline__ Row8<T> load_row8(const T* p) {
+    Row8<T> r;
+#pragma unroll
+    for (int i = 0; i < (int)(sizeof(T) / 2); ++i) r.w[i] = __ldg(reinterpret_cast<const uint4*>(p) + i);
+    return r;
+}
+
+template <typename T>
+__device__ __forceinline__ Row8<T> zero_row8() {
+    Row8<T> r;
+#pragma unroll
+    for (int i = 0; i < (int)(sizeof(T) / 2); ++i) r.w[i] = make_uint4(0u, 0u, 0u, 0u);
+    return r;
+}
+
+__device__ __forceinline__ unsigned int word_of(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+__device__ __forceinline__ void to_floats(const Row8<f16>& r, float* x) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned int u = word_of(r.w[0], i);
+        f16 lo, hi;
+        lo.bits = (unsigned short)(u & 0xffffu);
+        hi.bits = (unsigned short)(u >> 16);
+        x[2 * i] = to_float(lo);
+        x[2 * i + 1] = to_float(hi);
+    }
+}
+
+__device__ __forceinline__ void to_floats(const Row8<bf16>& r, float* x) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const unsigned int u = word_of(r.w[0], i);
+        x[2 * i] = __uint_as_float(u << 16);
+        x[2 * i + 1] = __uint_as_float(u & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ void to_floats(const Row8<float>& r, float* x) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = __uint_as_float(word_of(r.w[i / 4], i % 4));
+}
+
+// The max to subtract: m itself, or 0 while m = -inf, so that 2^(-inf - safe) = 0, never NaN.
+__device__ __forceinline__ float safe_max(float m) { return m == -FS_INF ? 0.0f : m; }
+
+template <typename T, int LPK, int G>
 __device__ __forceinline__ void attention_split(const float* __restrict__ qkv, const T* __restrict__ k_cache,
                                                 const T* __restrict__ v_cache, const int* __restrict__ slots,
                                                 const int* __restrict__ positions, float* __restrict__ part_o,
                                                 float* __restrict__ part_ml, int qkv_stride, int n_head,
-                                                int n_head_kv, int head_dim, int n_ctx_slot, int chunk,
-                                                float scale) {
-    __shared__ float s_acc[ATTN_WARPS][ATTN_MAX_G][32 * E];
-    __shared__ float s_m[ATTN_WARPS][ATTN_MAX_G];
-    __shared__ float s_l[ATTN_WARPS][ATTN_MAX_G];
+                                                int n_head_kv, int head_dim, int n_ctx_slot, float scale) {
+    constexpr int GROUPS = 32 / LPK;                  // keys a warp reads at once
+    constexpr int U = ATTN_KEYS_PER_GROUP;
+    constexpr int STEP = ATTN_WARPS * GROUPS * U;     // keys a block reads per step
+    __shared__ float s_acc[ATTN_WARPS][G][8 * LPK];
+    __shared__ float s_ml[ATTN_WARPS][G][2];
 
     const int split = blockIdx.x, kvh = blockIdx.y, t = blockIdx.z;
     const int n_split = gridDim.x;
-    const int G = n_head / n_head_kv;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int grp = lane / LPK, c = lane % LPK;       // this lane: key group grp, dimensions 8c..8c+7
     const int n_keys = positions[t] + 1;
-    const int k0 = split * chunk;
-    const int k1 = min(k0 + chunk, n_keys);
-    const size_t kv_row = (size_t)n_head_kv * head_dim;
-    const T* kbase = k_cache + (size_t)slots[t] * n_ctx_slot * kv_row + (size_t)kvh * head_dim;
-    const T* vbase = v_cache + (size_t)slots[t] * n_ctx_slot * kv_row + (size_t)kvh * head_dim;
+    const int span = ((n_keys + n_split - 1) / n_split + STEP - 1) / STEP * STEP;
+    const int k0 = split * span;
+    const int k1 = min(k0 + span, n_keys);
+    const size_t part = ((size_t)t * n_head + (size_t)kvh * G) * n_split + split;   // head g: part + g * S
+    if (k0 >= n_keys) {
+        if (threadIdx.x < G) {
+            part_ml[(part + (size_t)threadIdx.x * n_split) * 2] = -FS_INF;
+            part_ml[(part + (size_t)threadIdx.x * n_split) * 2 + 1] = 0.0f;
+        }
+        return;
+    }
 
-    // Lane `lane` holds dimensions lane, lane + 32, ... of each query head of the group.
-    float q[ATTN_MAX_G][E], acc[ATTN_MAX_G][E], m[ATTN_MAX_G], l[ATTN_MAX_G];
-    const float* qrow = qkv + (size_t)t * qkv_stride + (size_t)kvh * G * head_dim;
+    const bool live = 8 * c < head_dim;               // lanes past the head's dimensions hold zeros
+    const size_t kv_row = (size_t)n_head_kv * head_dim;
+    const size_t base = (size_t)slots[t] * n_ctx_slot * kv_row + (size_t)kvh * head_dim + 8 * c;
+    const T* kb = k_cache + base;
+    const T* vb = v_cache + base;
+
+    float q[G][8], acc[G][8], m[G], l[G];
+    const float* qrow = qkv + (size_t)t * qkv_stride + (size_t)kvh * G * head_dim + 8 * c;
+    const float qscale = scale * ATTN_LOG2E;
 #pragma unroll
-    for (int g = 0; g < ATTN_MAX_G; ++g) {
+    for (int g = 0; g < G; ++g) {
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
+        if (live) {
+            a = *reinterpret_cast<const float4*>(qrow + g * head_dim);
+            b = *reinterpret_cast<const float4*>(qrow + g * head_dim + 4);
+        }
+        q[g][0] = a.x * qscale; q[g][1] = a.y * qscale; q[g][2] = a.z * qscale; q[g][3] = a.w * qscale;
+        q[g][4] = b.x * qscale; q[g][5] = b.y * qscale; q[g][6] = b.z * qscale; q[g][7] = b.w * qscale;
         m[g] = -FS_INF;
         l[g] = 0.0f;
 #pragma unroll
-        for (int e = 0; e < E; ++e) {
-            const int d = lane + 32 * e;
-            q[g][e] = (g < G && d < head_dim) ? qrow[g * head_dim + d] * scale : 0.0f;
-            acc[g][e] = 0.0f;
-        }
+        for (int i = 0; i < 8; ++i) acc[g][i] = 0.0f;
     }
 
-    for (int k = k0 + warp; k < k1; k += ATTN_WARPS) {
-        float kv[E], vv[E];
+    // The loop's trip count is the same for the whole warp (the shuffles need every lane); keys past
+    // k1 are masked to score -inf.
+    for (int kw = k0 + warp * GROUPS * U; kw < k1; kw += STEP) {
+        const int kg = kw + grp * U;                  // this group's first key
+        Row8<T> kr[U], vr[U];
 #pragma unroll
-        for (int e = 0; e < E; ++e) {
-            const int d = lane + 32 * e;
-            kv[e] = d < head_dim ? to_float(kbase[(size_t)k * kv_row + d]) : 0.0f;
-            vv[e] = d < head_dim ? to_float(vbase[(size_t)k * kv_row + d]) : 0.0f;
+        for (int u = 0; u < U; ++u) {
+            const bool ok = live && kg + u < k1;
+            kr[u] = ok ? load_row8(kb + (size_t)(kg + u) * kv_row) : zero_row8<T>();
+            vr[u] = ok ? load_row8(vb + (size_t)(kg + u) * kv_row) : zero_row8<T>();
         }
+        float s[U][G];
 #pragma unroll
-        for (int g = 0; g < ATTN_MAX_G; ++g) {
-            if (g < G) {
-                float s = 0.0f;
+        for (int u = 0; u < U; ++u) {
+            float kf[8];
+            to_floats(kr[u], kf);
 #pragma unroll
-                for (int e = 0; e < E; ++e) s += q[g][e] * kv[e];
-                s = warp_sum(s);
-                const float m_new = fmaxf(m[g], s);
-                const float corr = expf(m[g] - m_new);     // 0 on the first key (m = -inf)
-                const float p = expf(s - m_new);
-                l[g] = l[g] * corr + p;
+            for (int g = 0; g < G; ++g) {
+                float d = 0.0f;
 #pragma unroll
-                for (int e = 0; e < E; ++e) acc[g][e] = acc[g][e] * corr + p * vv[e];
-                m[g] = m_new;
+                for (int i = 0; i < 8; ++i) d += q[g][i] * kf[i];
+                s[u][g] = d;
             }
         }
+#pragma unroll
+        for (int o = LPK / 2; o > 0; o >>= 1) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+#pragma unroll
+                for (int g = 0; g < G; ++g) s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], o);
+            }
+        }
+        float vf[U][8];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            to_floats(vr[u], vf[u]);
+            if (kg + u >= k1) {
+#pragma unroll
+                for (int g = 0; g < G; ++g) s[u][g] = -FS_INF;
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            float mx = s[0][g];
+#pragma unroll
+            for (int u = 1; u < U; ++u) mx = fmaxf(mx, s[u][g]);
+            const float m_new = fmaxf(m[g], mx);
+            const float ms = safe_max(m_new);
+            const float corr = exp2f(m[g] - ms);
+            float p[U];
+            float psum = 0.0f;
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                p[u] = exp2f(s[u][g] - ms);
+                psum += p[u];
+            }
+            l[g] = l[g] * corr + psum;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                float a = acc[g][i] * corr;
+#pragma unroll
+                for (int u = 0; u < U; ++u) a += p[u] * vf[u][i];
+                acc[g][i] = a;
+            }
+            m[g] = m_new;
+        }
     }
 
+    // Merge the warp's key groups (lanes c, c + LPK, ... hold the same dimensions), in a fixed order.
 #pragma unroll
-    for (int g = 0; g < ATTN_MAX_G; ++g) {
+    for (int o = LPK; o < 32; o <<= 1) {
 #pragma unroll
-        for (int e = 0; e < E; ++e) s_acc[warp][g][lane + 32 * e] = acc[g][e];
-        if (lane == 0) {
-            s_m[warp][g] = m[g];
-            s_l[warp][g] = l[g];
+        for (int g = 0; g < G; ++g) {
+            const float m_o = __shfl_xor_sync(0xffffffffu, m[g], o);
+            const float l_o = __shfl_xor_sync(0xffffffffu, l[g], o);
+            const float mm = fmaxf(m[g], m_o), ms = safe_max(mm);
+            const float f = exp2f(m[g] - ms), f_o = exp2f(m_o - ms);
+            l[g] = l[g] * f + l_o * f_o;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const float a_o = __shfl_xor_sync(0xffffffffu, acc[g][i], o);
+                acc[g][i] = acc[g][i] * f + a_o * f_o;
+            }
+            m[g] = mm;
+        }
+    }
+    if (grp == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) s_acc[warp][g][8 * c + i] = acc[g][i];
+        }
+        if (c == 0) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                s_ml[warp][g][0] = m[g];
+                s_ml[warp][g][1] = l[g];
+            }
         }
     }
     __syncthreads();
 
-    // Merge the warps' partial softmaxes: thread j handles (head g, dimension d) pairs.
+    // Merge the warps: thread j handles (head g, dimension d) pairs.
     for (int j = threadIdx.x; j < G * head_dim; j += blockDim.x) {
         const int g = j / head_dim, d = j - g * head_dim;
         float mx = -FS_INF;
 #pragma unroll
-        for (int w = 0; w < ATTN_WARPS; ++w) mx = fmaxf(mx, s_m[w][g]);
+        for (int w = 0; w < ATTN_WARPS; ++w) mx = fmaxf(mx, s_ml[w][g][0]);
+        const float ms = safe_max(mx);
         float lsum = 0.0f, o = 0.0f;
-        if (mx != -FS_INF) {
 #pragma unroll
-            for (int w = 0; w < ATTN_WARPS; ++w) {
-                const float f = expf(s_m[w][g] - mx);   // 0 for a warp that saw no key
-                lsum += s_l[w][g] * f;
-                o += s_acc[w][g][d] * f;
-            }
+        for (int w = 0; w < ATTN_WARPS; ++w) {
+            const float f = exp2f(s_ml[w][g][0] - ms);   // 0 for a warp that saw no key
+            lsum += s_ml[w][g][1] * f;
+            o += s_acc[w][g][d] * f;
         }
-        const int h = kvh * G + g;
-        const size_t part = ((size_t)t * n_head + h) * n_split + split;
-        part_o[part * head_dim + d] = o;
+        const size_t pg = part + (size_t)g * n_split;
+        part_o[pg * head_dim + d] = o;
         if (d == 0) {
-            part_ml[part * 2] = mx;
-            part_ml[part * 2 + 1] = lsum;
+            part_ml[pg * 2] = mx;
+            part_ml[pg * 2 + 1] = lsum;
         }
     }
 }
@@ -137,33 +279,98 @@ __device__ __forceinline__ void attention_combine(const float* __restrict__ part
     float lsum = 0.0f, o = 0.0f;
     for (int s = 0; s < n_split; ++s) {
         const float ms = part_ml[(part0 + s) * 2];
-        if (ms == -FS_INF) continue;          // a chunk past the token's position
-        const float f = expf(ms - mx);
+        if (ms == -FS_INF) continue;          // a split past the token's last key: part_o unwritten
+        const float f = exp2f(ms - mx);
         lsum += part_ml[(part0 + s) * 2 + 1] * f;
         o += part_o[(part0 + s) * head_dim + d] * f;
     }
     out[((size_t)t * n_head + h) * head_dim + d] = from_float<TOut>(o / lsum);
 }
 
-#define ATTENTION_SPLIT(NAME, T, E)                                                                          \
+#define ATTENTION_SPLIT(NAME, T, LPK, G)                                                                     \
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                                             \
     NAME(const float* qkv, const T* k_cache, const T* v_cache, const int* slots, const int* positions,        \
          float* part_o, float* part_ml, int qkv_stride, int n_head, int n_head_kv, int head_dim,              \
          int n_ctx_slot, int chunk, float scale) {                                                            \
-        attention_split<T, E>(qkv, k_cache, v_cache, slots, positions, part_o, part_ml, qkv_stride, n_head,   \
-                              n_head_kv, head_dim, n_ctx_slot, chunk, scale);                                 \
+        (void)chunk;        /* S = gridDim.x = ceil(n_ctx_slot / chunk) is all the kernel needs */            \
+        attention_split<T, LPK, G>(qkv, k_cache, v_cache, slots, positions, part_o, part_ml, qkv_stride,      \
+                                   n_head, n_head_kv, head_dim, n_ctx_slot, scale);                           \
     }
 
-// E = dimensions per lane: head_dim <= 32 (E1), <= 64 (E2), <= 128 (E4).
-ATTENTION_SPLIT(attention_split_f16_e1, f16, 1)
-ATTENTION_SPLIT(attention_split_f16_e2, f16, 2)
-ATTENTION_SPLIT(attention_split_f16_e4, f16, 4)
-ATTENTION_SPLIT(attention_split_bf16_e1, bf16, 1)
-ATTENTION_SPLIT(attention_split_bf16_e2, bf16, 2)
-ATTENTION_SPLIT(attention_split_bf16_e4, bf16, 4)
-ATTENTION_SPLIT(attention_split_f32_e1, float, 1)
-ATTENTION_SPLIT(attention_split_f32_e2, float, 2)
-ATTENTION_SPLIT(attention_split_f32_e4, float, 4)
+// attention_split_<T>_d<D>_g<G>: every G = 1..8 (the query heads per KV head of llama-family models)
+// for head_dim <= D = 32, 64, 128 (LPK = D / 8 lanes per key).
+ATTENTION_SPLIT(attention_split_f16_d32_g1, f16, 4, 1)
+ATTENTION_SPLIT(attention_split_f16_d32_g2, f16, 4, 2)
+ATTENTION_SPLIT(attention_split_f16_d32_g3, f16, 4, 3)
+ATTENTION_SPLIT(attention_split_f16_d32_g4, f16, 4, 4)
+ATTENTION_SPLIT(attention_split_f16_d32_g5, f16, 4, 5)
+ATTENTION_SPLIT(attention_split_f16_d32_g6, f16, 4, 6)
+ATTENTION_SPLIT(attention_split_f16_d32_g7, f16, 4, 7)
+ATTENTION_SPLIT(attention_split_f16_d32_g8, f16, 4, 8)
+ATTENTION_SPLIT(attention_split_f16_d64_g1, f16, 8, 1)
+ATTENTION_SPLIT(attention_split_f16_d64_g2, f16, 8, 2)
+ATTENTION_SPLIT(attention_split_f16_d64_g3, f16, 8, 3)
+ATTENTION_SPLIT(attention_split_f16_d64_g4, f16, 8, 4)
+ATTENTION_SPLIT(attention_split_f16_d64_g5, f16, 8, 5)
+ATTENTION_SPLIT(attention_split_f16_d64_g6, f16, 8, 6)
+ATTENTION_SPLIT(attention_split_f16_d64_g7, f16, 8, 7)
+ATTENTION_SPLIT(attention_split_f16_d64_g8, f16, 8, 8)
+ATTENTION_SPLIT(attention_split_f16_d128_g1, f16, 16, 1)
+ATTENTION_SPLIT(attention_split_f16_d128_g2, f16, 16, 2)
+ATTENTION_SPLIT(attention_split_f16_d128_g3, f16, 16, 3)
+ATTENTION_SPLIT(attention_split_f16_d128_g4, f16, 16, 4)
+ATTENTION_SPLIT(attention_split_f16_d128_g5, f16, 16, 5)
+ATTENTION_SPLIT(attention_split_f16_d128_g6, f16, 16, 6)
+ATTENTION_SPLIT(attention_split_f16_d128_g7, f16, 16, 7)
+ATTENTION_SPLIT(attention_split_f16_d128_g8, f16, 16, 8)
+ATTENTION_SPLIT(attention_split_bf16_d32_g1, bf16, 4, 1)
+ATTENTION_SPLIT(attention_split_bf16_d32_g2, bf16, 4, 2)
+ATTENTION_SPLIT(attention_split_bf16_d32_g3, bf16, 4, 3)
+ATTENTION_SPLIT(attention_split_bf16_d32_g4, bf16, 4, 4)
+ATTENTION_SPLIT(attention_split_bf16_d32_g5, bf16, 4, 5)
+ATTENTION_SPLIT(attention_split_bf16_d32_g6, bf16, 4, 6)
+ATTENTION_SPLIT(attention_split_bf16_d32_g7, bf16, 4, 7)
+ATTENTION_SPLIT(attention_split_bf16_d32_g8, bf16, 4, 8)
+ATTENTION_SPLIT(attention_split_bf16_d64_g1, bf16, 8, 1)
+ATTENTION_SPLIT(attention_split_bf16_d64_g2, bf16, 8, 2)
+ATTENTION_SPLIT(attention_split_bf16_d64_g3, bf16, 8, 3)
+ATTENTION_SPLIT(attention_split_bf16_d64_g4, bf16, 8, 4)
+ATTENTION_SPLIT(attention_split_bf16_d64_g5, bf16, 8, 5)
+ATTENTION_SPLIT(attention_split_bf16_d64_g6, bf16, 8, 6)
+ATTENTION_SPLIT(attention_split_bf16_d64_g7, bf16, 8, 7)
+ATTENTION_SPLIT(attention_split_bf16_d64_g8, bf16, 8, 8)
+ATTENTION_SPLIT(attention_split_bf16_d128_g1, bf16, 16, 1)
+ATTENTION_SPLIT(attention_split_bf16_d128_g2, bf16, 16, 2)
+ATTENTION_SPLIT(attention_split_bf16_d128_g3, bf16, 16, 3)
+ATTENTION_SPLIT(attention_split_bf16_d128_g4, bf16, 16, 4)
+ATTENTION_SPLIT(attention_split_bf16_d128_g5, bf16, 16, 5)
+ATTENTION_SPLIT(attention_split_bf16_d128_g6, bf16, 16, 6)
+ATTENTION_SPLIT(attention_split_bf16_d128_g7, bf16, 16, 7)
+ATTENTION_SPLIT(attention_split_bf16_d128_g8, bf16, 16, 8)
+ATTENTION_SPLIT(attention_split_f32_d32_g1, float, 4, 1)
+ATTENTION_SPLIT(attention_split_f32_d32_g2, float, 4, 2)
+ATTENTION_SPLIT(attention_split_f32_d32_g3, float, 4, 3)
+ATTENTION_SPLIT(attention_split_f32_d32_g4, float, 4, 4)
+ATTENTION_SPLIT(attention_split_f32_d32_g5, float, 4, 5)
+ATTENTION_SPLIT(attention_split_f32_d32_g6, float, 4, 6)
+ATTENTION_SPLIT(attention_split_f32_d32_g7, float, 4, 7)
+ATTENTION_SPLIT(attention_split_f32_d32_g8, float, 4, 8)
+ATTENTION_SPLIT(attention_split_f32_d64_g1, float, 8, 1)
+ATTENTION_SPLIT(attention_split_f32_d64_g2, float, 8, 2)
+ATTENTION_SPLIT(attention_split_f32_d64_g3, float, 8, 3)
+ATTENTION_SPLIT(attention_split_f32_d64_g4, float, 8, 4)
+ATTENTION_SPLIT(attention_split_f32_d64_g5, float, 8, 5)
+ATTENTION_SPLIT(attention_split_f32_d64_g6, float, 8, 6)
+ATTENTION_SPLIT(attention_split_f32_d64_g7, float, 8, 7)
+ATTENTION_SPLIT(attention_split_f32_d64_g8, float, 8, 8)
+ATTENTION_SPLIT(attention_split_f32_d128_g1, float, 16, 1)
+ATTENTION_SPLIT(attention_split_f32_d128_g2, float, 16, 2)
+ATTENTION_SPLIT(attention_split_f32_d128_g3, float, 16, 3)
+ATTENTION_SPLIT(attention_split_f32_d128_g4, float, 16, 4)
+ATTENTION_SPLIT(attention_split_f32_d128_g5, float, 16, 5)
+ATTENTION_SPLIT(attention_split_f32_d128_g6, float, 16, 6)
+ATTENTION_SPLIT(attention_split_f32_d128_g7, float, 16, 7)
+ATTENTION_SPLIT(attention_split_f32_d128_g8, float, 16, 8)
 
 extern "C" __global__ void attention_combine_f16(const float* part_o, const float* part_ml, f16* out, int n_head,
                                                  int head_dim, int n_split) {

@@ -128,8 +128,8 @@ class CupyBackend:
         self.q_dim, self.kv_dim = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
         self.qkv_dim = self.q_dim + 2 * self.kv_dim
         self.scale = float(1.0 / np.sqrt(c.head_dim))
-        if attn_chunk is None:      # about 16 splits over the slot, a multiple of 64 keys each
-            per_split = -(-n_ctx_slot // 16)
+        if attn_chunk is None:      # ~128 blocks a decode token (splits x KV heads, <= 32 splits), >= 64 keys each
+            per_split = -(-n_ctx_slot // min(32, -(-128 // c.n_head_kv)))
             attn_chunk = max(64, -(-per_split // 64) * 64)
         self.attn_chunk = int(attn_chunk)
         self.n_split = K.attention_splits(n_ctx_slot, self.attn_chunk)

@@ -27,8 +27,8 @@ import numpy as np
 # Storage types of weights, activations fed to matrix products, and the KV cache.
 STORAGE = {"f16": np.float16, "bf16": None, "f32": np.float32}   # bf16: raw uint16 words on the device
 ATTN_WARPS = 4          # cuda/attention.cu: ATTN_WARPS
-ATTN_MAX_G = 8          # cuda/attention.cu: ATTN_MAX_G
-ATTN_MAX_HEAD_DIM = 128
+ATTN_GROUPS = tuple(range(1, 9))   # query heads per KV head: an attention_split_*_g<G> for each
+ATTN_HEAD_DIMS = (32, 64, 128)     # attention_split_*_d<D>: head_dim <= D, a multiple of 8
 MATVEC_WARPS = 4        # cuda/matvec.cu: MATVEC_WARPS
 MATVEC_MAX_N = 32       # the largest matvec_*_n<N> instantiated: x rows per block (more: more blocks)
 MATVEC_ROWS = (1, 2, 4, 8, 16, 32)
@@ -48,7 +48,8 @@ _S3 = ("f16", "bf16", "f32")
 # Every kernel a launcher may call, by family (one .cu each): tests/unit/test_cuda_sources.py checks
 # that nvcc compiles exactly these entry points.
 KERNELS = {
-    "attention": [f"attention_split_{s}_e{e}" for s in _S3 for e in (1, 2, 4)] + [f"attention_combine_{s}" for s in _S3],
+    "attention": [f"attention_split_{s}_d{d}_g{g}" for s in _S3 for d in ATTN_HEAD_DIMS for g in ATTN_GROUPS]
+                 + [f"attention_combine_{s}" for s in _S3],
     "cast": ["cast_f32_f16", "cast_f32_bf16"],
     "embedding": [f"embed_rows_{s}" for s in _S3],
     "kv_cache": [f"kv_store_{s}" for s in _S3] + [f"rope_store_{s}" for s in _S3],
@@ -292,21 +293,24 @@ def rope_store(qkv, cos, sin, k_cache, v_cache, slots, positions, n: int, n_head
 
 
 def attention_splits(n_ctx_slot: int, chunk: int) -> int:
+    """Blocks per (token, KV head) along the keys: fixed by the slot length, never by the positions."""
     return -(-n_ctx_slot // chunk)
 
 
 def attention(qkv, k_cache, v_cache, slots, positions, part_o, part_ml, out, n: int, n_head: int,
               chunk: int, scale: float) -> None:
     """out[t] = causal GQA attention of token t's Q heads (in qkv f32 [>=n, (H + 2 Hkv) D]) over keys
-    0..positions[t] of slot slots[t]. k_cache, v_cache [n_slots, n_ctx_slot, Hkv, D]; part_o f32
-    [>=n, H, S, D] and part_ml f32 [>=n, H, S, 2] scratch with S = ceil(n_ctx_slot / chunk);
-    out [>=n, H * D] f16/bf16/f32."""
+    0..positions[t] of slot slots[t]. k_cache, v_cache [n_slots, n_ctx_slot, Hkv, D], 16-byte aligned,
+    D a multiple of 8, at most 128, H / Hkv at most 8; part_o f32 [>=n, H, S, D] and part_ml f32
+    [>=n, H, S, 2] scratch with S = ceil(n_ctx_slot / chunk) blocks per (token, KV head), each taking
+    an even share of the token's keys in whole steps of 2048 / D' keys (D' = 32, 64 or 128 >= D);
+    out [>=n, H * D] f16/bf16/f32. A token's result depends on its position, its slot's KV and S, not on the batch."""
     n_slots, n_ctx, Hkv, D = k_cache.shape
     storage = _same_storage(("k_cache", k_cache), ("v_cache", v_cache))
-    if n_head % Hkv or n_head // Hkv > ATTN_MAX_G:
-        raise ValueError(f"n_head {n_head} must be a multiple of n_head_kv {Hkv}, at most {ATTN_MAX_G} times")
-    if D > ATTN_MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {D} > {ATTN_MAX_HEAD_DIM} is not supported by cuda/attention.cu")
+    if n_head % Hkv or n_head // Hkv not in ATTN_GROUPS:
+        raise ValueError(f"n_head {n_head} must be a multiple of n_head_kv {Hkv}, at most {ATTN_GROUPS[-1]} times")
+    if D % 8 or D > ATTN_HEAD_DIMS[-1]:
+        raise ValueError(f"head_dim {D}: cuda/attention.cu takes multiples of 8 up to {ATTN_HEAD_DIMS[-1]}")
     if chunk < 1:
         raise ValueError("chunk must be >= 1")
     S = attention_splits(n_ctx, chunk)
@@ -320,10 +324,13 @@ def attention(qkv, k_cache, v_cache, slots, positions, part_o, part_ml, out, n: 
     _check("part_ml", part_ml, np.float32, (None, n_head, S, 2), min_rows=n)
     out_storage = storage_of(out)
     _check("out", out, _dtype_of(out_storage), (None, n_head * D), min_rows=n)
+    for name, a in (("k_cache", k_cache), ("v_cache", v_cache), ("qkv", qkv)):
+        if a.data.ptr % 16:
+            raise ValueError(f"{name}: not 16-byte aligned (the kernel reads K/V rows and Q in 16-byte words)")
     if not n:
         return
-    e = 1 if D <= 32 else 2 if D <= 64 else 4
-    function("attention", f"attention_split_{storage}_e{e}")(
+    d = next(d for d in ATTN_HEAD_DIMS if D <= d)
+    function("attention", f"attention_split_{storage}_d{d}_g{n_head // Hkv}")(
         (S, Hkv, n), (ATTN_WARPS * 32,),
         (qkv, k_cache, v_cache, slots, positions, part_o, part_ml, _i32(stride), _i32(n_head), _i32(Hkv),
          _i32(D), _i32(n_ctx), _i32(chunk), _f32(scale)))

@@ -137,28 +137,72 @@ def _attention_ref(q, k, v, slots, pos, H, Hkv):
     return out.reshape(n, H * D)
 
 
-@pytest.mark.parametrize("storage", STORAGES)
-@pytest.mark.parametrize("H,Hkv,D,n_ctx,chunk", [(4, 2, 16, 64, 8), (9, 3, 64, 512, 64), (32, 4, 64, 1024, 256),
-                                                 (8, 8, 128, 300, 128), (8, 1, 40, 96, 1000)])
-def test_attention(cupy, storage, H, Hkv, D, n_ctx, chunk):
-    rng = np.random.default_rng()
-    n_slots, n = 3, 13
-    k = rng.standard_normal((n_slots, n_ctx, Hkv, D)).astype(np.float32)
-    v = rng.standard_normal((n_slots, n_ctx, Hkv, D)).astype(np.float32)
-    k, v = round_to(k, storage), round_to(v, storage)
+def _attention_inputs(rng, storage, H, Hkv, D, n_ctx, n, n_slots=3):
+    k = round_to(rng.standard_normal((n_slots, n_ctx, Hkv, D)).astype(np.float32), storage)
+    v = round_to(rng.standard_normal((n_slots, n_ctx, Hkv, D)).astype(np.float32), storage)
     qkv = (rng.standard_normal((n, (H + 2 * Hkv) * D)) * 2).astype(np.float32)
     slots = rng.integers(0, n_slots, n).astype(np.int32)
     pos = rng.integers(0, n_ctx, n).astype(np.int32)
-    pos[:3] = [0, n_ctx - 1, min(chunk, n_ctx - 1)]          # first key only, the whole slot, a split edge
+    return qkv, k, v, slots, pos
+
+
+def _run_attention(cupy, storage, qkv, k, v, slots, pos, H, chunk):
+    """K.attention on fresh poisoned scratch and output; returns out as stored (f32 for f32 KV)."""
+    n, (_, n_ctx, _, D) = len(slots), k.shape
     S = K.attention_splits(n_ctx, chunk)
     out_storage = "f32" if storage == "f32" else storage
     out = _poisoned(cupy, (n, H * D), _np_storage(out_storage))
     K.attention(cupy.asarray(qkv), _to_storage(cupy, k, storage), _to_storage(cupy, v, storage),
                 cupy.asarray(slots), cupy.asarray(pos), _poisoned(cupy, (n, H, S, D), np.float32),
                 _poisoned(cupy, (n, H, S, 2), np.float32), out, n, H, chunk, float(1 / np.sqrt(D)))
+    return out, out_storage
+
+
+_ATTN_TOL = {"f16": 2e-3, "bf16": 1e-2, "f32": 1e-5}
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("H,Hkv,D,n_ctx,chunk", [(4, 2, 16, 64, 8), (9, 3, 64, 512, 64), (32, 4, 64, 1024, 256),
+                                                 (8, 8, 128, 300, 128), (8, 1, 40, 96, 1000),
+                                                 (32, 4, 64, 2048, 64)])     # TinyLlama's heads, 32 splits
+def test_attention(cupy, storage, H, Hkv, D, n_ctx, chunk):
+    rng = np.random.default_rng()
+    n = 13
+    qkv, k, v, slots, pos = _attention_inputs(rng, storage, H, Hkv, D, n_ctx, n)
+    pos[:3] = [0, n_ctx - 1, min(chunk, n_ctx - 1)]          # first key only, the whole slot, a split edge
+    out, out_storage = _run_attention(cupy, storage, qkv, k, v, slots, pos, H, chunk)
     want = _attention_ref(qkv[:, :H * D].reshape(n, H, D), k, v, slots, pos, H, Hkv)
-    tol = {"f16": 2e-3, "bf16": 1e-2, "f32": 1e-5}[storage]
-    assert rel_err(_from_storage(out, out_storage), want) <= tol
+    assert rel_err(_from_storage(out, out_storage), want) <= _ATTN_TOL[storage]
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(3, 3, 32), (4, 2, 24), (9, 3, 64), (8, 2, 128), (10, 2, 80), (12, 2, 96),
+                                     (14, 2, 64), (64, 8, 56)])
+def test_attention_every_group_size(cupy, H, Hkv, D):
+    """Each G = H / Hkv (1..8, one kernel each) and head_dim class (<= 32, 64, 128, with idle lanes),
+    at positions that end mid-step and past most of the 16 splits."""
+    rng = np.random.default_rng()
+    n, n_ctx, chunk = 7, 400, 25
+    qkv, k, v, slots, pos = _attention_inputs(rng, "f16", H, Hkv, D, n_ctx, n)
+    pos[:4] = [0, 31, 32, n_ctx - 1]
+    out, out_storage = _run_attention(cupy, "f16", qkv, k, v, slots, pos, H, chunk)
+    want = _attention_ref(qkv[:, :H * D].reshape(n, H, D), k, v, slots, pos, H, Hkv)
+    assert rel_err(_from_storage(out, out_storage), want) <= _ATTN_TOL["f16"]
+
+
+@pytest.mark.parametrize("storage", ["f16", "f32"])
+def test_attention_token_does_not_depend_on_the_batch(cupy, storage):
+    """A token's output is bitwise the same alone and among other tokens (other slots, positions)."""
+    if getattr(cupy, "fake_kernels", "") == "numpy":
+        pytest.skip("needs the real kernel")
+    rng = np.random.default_rng()
+    H, Hkv, D, n_ctx, chunk, n = 32, 4, 64, 512, 16, 9
+    qkv, k, v, slots, pos = _attention_inputs(rng, storage, H, Hkv, D, n_ctx, n)
+    pos[4] = 300
+    alone, _ = _run_attention(cupy, storage, qkv[4:5], k, v, slots[4:5], pos[4:5], H, chunk)
+    for others in range(2):
+        batch, _ = _run_attention(cupy, storage, qkv, k, v, slots, pos, H, chunk)
+        np.testing.assert_array_equal(batch.get()[4], alone.get()[0])
+        qkv[:4], pos[5:] = rng.standard_normal((4, qkv.shape[1])), rng.integers(0, n_ctx, n - 5)
 
 
 @pytest.mark.parametrize("storage", STORAGES)
