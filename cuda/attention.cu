@@ -31,12 +31,14 @@
 //   out      [n, H * D] type TOut (what the output projection reads)
 // attention_split_<T>_d<8 LPK>_g<G>: grid (S, Hkv, n), block ATTN_WARPS * 32 threads; LPK lanes per
 // key: 4 for D <= 32, 8 for D <= 64, 16 for D <= 128.
-// attention_combine_*: grid (H, n), block: a multiple of 32 threads >= D (at most 1024).
+// attention_combine_*: grid (H, n), block ATTN_COMBINE_THREADS.
 #include "common.cuh"
 
 #define ATTN_WARPS 4
-#define ATTN_KEYS_PER_GROUP 2   // keys each lane group loads per step: two loads of K and of V in flight
+#define ATTN_KEYS_PER_GROUP 2   // keys each lane group reads per step; the next step's are loaded before
+                                // this step's math: 4 K and 4 V rows in flight per lane
 #define ATTN_LOG2E 1.4426950408889634f
+#define ATTN_COMBINE_THREADS 256   // attention_combine's block
 
 // 8 consecutive values of T, as loaded: one uint4 for 2-byte types, two for float.
 template <typename T> struct Row8 { uint4 w[sizeof(T) / 2]; };
@@ -85,6 +87,18 @@ __device__ __forceinline__ void to_floats(const Row8<bf16>& r, float* x) {
 __device__ __forceinline__ void to_floats(const Row8<float>& r, float* x) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) x[i] = __uint_as_float(word_of(r.w[i / 4], i % 4));
+}
+
+// Rows k..k+U-1 of K and V (this lane's 8 dimensions); zeros past k1 or on an idle lane.
+template <typename T, int U>
+__device__ __forceinline__ void load_keys(Row8<T> (&kr)[U], Row8<T> (&vr)[U], const T* kb, const T* vb,
+                                          size_t kv_row, int k, int k1, bool live) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const bool ok = live && k + u < k1;
+        kr[u] = ok ? load_row8(kb + (size_t)(k + u) * kv_row) : zero_row8<T>();
+        vr[u] = ok ? load_row8(vb + (size_t)(k + u) * kv_row) : zero_row8<T>();
+    }
 }
 
 // The max to subtract: m itself, or 0 while m = -inf, so that 2^(-inf - safe) = 0, never NaN.
@@ -144,16 +158,18 @@ __device__ __forceinline__ void attention_split(const float* __restrict__ qkv, c
     }
 
     // The loop's trip count is the same for the whole warp (the shuffles need every lane); keys past
-    // k1 are masked to score -inf.
+    // k1 are masked to score -inf. The next step's rows are loaded before this step's math.
+    Row8<T> kn[U], vn[U];
+    load_keys(kn, vn, kb, vb, kv_row, k0 + warp * GROUPS * U + grp * U, k1, live);
     for (int kw = k0 + warp * GROUPS * U; kw < k1; kw += STEP) {
         const int kg = kw + grp * U;                  // this group's first key
         Row8<T> kr[U], vr[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const bool ok = live && kg + u < k1;
-            kr[u] = ok ? load_row8(kb + (size_t)(kg + u) * kv_row) : zero_row8<T>();
-            vr[u] = ok ? load_row8(vb + (size_t)(kg + u) * kv_row) : zero_row8<T>();
+            kr[u] = kn[u];
+            vr[u] = vn[u];
         }
+        load_keys(kn, vn, kb, vb, kv_row, kg + STEP, k1, live);
         float s[U][G];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -268,23 +284,59 @@ __device__ __forceinline__ void attention_split(const float* __restrict__ qkv, c
     }
 }
 
+// One block per (head, token). Splits' weights 2^(m_s - max) go to shared memory a tile of blockDim.x
+// splits at a time; then thread (r, d) (r = threadIdx.x / D', D' = D rounded up to 32) sums
+// dimension d over splits r, r + R, ... of the tile (R = blockDim.x / D' of them at once, so that
+// their part_o loads are in flight together), and row 0 adds the R sums, all in fixed orders.
 template <typename TOut>
 __device__ __forceinline__ void attention_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                                   TOut* __restrict__ out, int n_head, int head_dim, int n_split) {
-    const int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
-    if (d >= head_dim) return;
+    __shared__ float s_w[ATTN_COMBINE_THREADS];      // weight of each split of the tile (0: empty split)
+    __shared__ float s_l[ATTN_COMBINE_THREADS];      // its l
+    __shared__ float s_o[ATTN_COMBINE_THREADS];      // the rows' sums, [R][D']
+    __shared__ float s_red[32];
+    const int h = blockIdx.x, t = blockIdx.y, tid = threadIdx.x;
+    const int dp = (head_dim + 31) / 32 * 32, rows = blockDim.x / dp;
+    const int r = tid / dp, d = tid - r * dp;
+    const bool mine = r < rows && d < head_dim;
     const size_t part0 = ((size_t)t * n_head + h) * n_split;
+
     float mx = -FS_INF;
-    for (int s = 0; s < n_split; ++s) mx = fmaxf(mx, part_ml[(part0 + s) * 2]);
-    float lsum = 0.0f, o = 0.0f;
-    for (int s = 0; s < n_split; ++s) {
-        const float ms = part_ml[(part0 + s) * 2];
-        if (ms == -FS_INF) continue;          // a split past the token's last key: part_o unwritten
-        const float f = exp2f(ms - mx);
-        lsum += part_ml[(part0 + s) * 2 + 1] * f;
-        o += part_o[(part0 + s) * head_dim + d] * f;
+    for (int s = tid; s < n_split; s += blockDim.x) mx = fmaxf(mx, part_ml[(part0 + s) * 2]);
+    mx = warp_max(mx);
+    if ((tid & 31) == 0) s_red[tid >> 5] = mx;
+    __syncthreads();
+    mx = -FS_INF;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) mx = fmaxf(mx, s_red[w]);
+
+    float o = 0.0f, lsum = 0.0f;
+    for (int s0 = 0; s0 < n_split; s0 += blockDim.x) {
+        const int n_tile = min((int)blockDim.x, n_split - s0);
+        if (tid < n_tile) {
+            const float m = part_ml[(part0 + s0 + tid) * 2];
+            s_w[tid] = m == -FS_INF ? 0.0f : exp2f(m - mx);   // an empty split: part_o unwritten
+            s_l[tid] = part_ml[(part0 + s0 + tid) * 2 + 1];
+        }
+        __syncthreads();
+        if (mine) {
+#pragma unroll 8
+            for (int s = r; s < n_tile; s += rows) {
+                const float w = s_w[s];
+                if (w != 0.0f) o += w * part_o[(part0 + s0 + s) * head_dim + d];
+            }
+        }
+        if (r == 0) {
+            for (int s = 0; s < n_tile; ++s) lsum += s_w[s] * s_l[s];
+        }
+        __syncthreads();
     }
-    out[((size_t)t * n_head + h) * head_dim + d] = from_float<TOut>(o / lsum);
+    if (r < rows) s_o[tid] = o;
+    __syncthreads();
+    if (r == 0 && d < head_dim) {
+        float sum = 0.0f;
+        for (int i = 0; i < rows; ++i) sum += s_o[i * dp + d];
+        out[((size_t)t * n_head + h) * head_dim + d] = from_float<TOut>(sum / lsum);
+    }
 }
 
 #define ATTENTION_SPLIT(NAME, T, LPK, G)                                                                     \

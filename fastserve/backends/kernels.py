@@ -27,6 +27,7 @@ import numpy as np
 # Storage types of weights, activations fed to matrix products, and the KV cache.
 STORAGE = {"f16": np.float16, "bf16": None, "f32": np.float32}   # bf16: raw uint16 words on the device
 ATTN_WARPS = 4          # cuda/attention.cu: ATTN_WARPS
+ATTN_COMBINE_THREADS = 256         # cuda/attention.cu: ATTN_COMBINE_THREADS
 ATTN_GROUPS = tuple(range(1, 9))   # query heads per KV head: an attention_split_*_g<G> for each
 ATTN_HEAD_DIMS = (32, 64, 128)     # attention_split_*_d<D>: head_dim <= D, a multiple of 8
 MATVEC_WARPS = 4        # cuda/matvec.cu: MATVEC_WARPS
@@ -335,7 +336,7 @@ def attention(qkv, k_cache, v_cache, slots, positions, part_o, part_ml, out, n: 
         (qkv, k_cache, v_cache, slots, positions, part_o, part_ml, _i32(stride), _i32(n_head), _i32(Hkv),
          _i32(D), _i32(n_ctx), _i32(chunk), _f32(scale)))
     function("attention", f"attention_combine_{out_storage}")(
-        (n_head, n), (_threads(D),), (part_o, part_ml, out, _i32(n_head), _i32(D), _i32(S)))
+        (n_head, n), (ATTN_COMBINE_THREADS,), (part_o, part_ml, out, _i32(n_head), _i32(D), _i32(S)))
 
 
 def swiglu(gu, out, n: int) -> None:

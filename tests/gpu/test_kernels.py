@@ -164,7 +164,8 @@ _ATTN_TOL = {"f16": 2e-3, "bf16": 1e-2, "f32": 1e-5}
 @pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize("H,Hkv,D,n_ctx,chunk", [(4, 2, 16, 64, 8), (9, 3, 64, 512, 64), (32, 4, 64, 1024, 256),
                                                  (8, 8, 128, 300, 128), (8, 1, 40, 96, 1000),
-                                                 (32, 4, 64, 2048, 64)])     # TinyLlama's heads, 32 splits
+                                                 (32, 4, 64, 2048, 64),      # TinyLlama's heads, 32 splits
+                                                 (2, 1, 128, 4200, 16)])     # splits past one combine tile
 def test_attention(cupy, storage, H, Hkv, D, n_ctx, chunk):
     rng = np.random.default_rng()
     n = 13
