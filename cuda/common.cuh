@@ -59,6 +59,19 @@ template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) {
     return h;
 }
 
+// RMSNorm and SwiGLU, each written once: cuda/rms_norm.cu and cuda/swiglu.cu apply them to whole rows,
+// cuda/matvec.cu's fused products to the elements they read, with the same float32 operations.
+// rms_inv: 1 / sqrt(mean square + eps) from a row's sum of squares over d elements; rms_apply: one
+// normed element x * inv * w, rounded to the type the next product reads; silu_mul: silu(g) * u.
+__device__ __forceinline__ float rms_inv(float sum_sq, int d, float eps) {
+    return 1.0f / sqrtf(sum_sq / (float)d + eps);
+}
+
+template <typename T>
+__device__ __forceinline__ T rms_apply(float x, float inv, float w) { return from_float<T>(x * inv * w); }
+
+__device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

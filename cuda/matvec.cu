@@ -1,4 +1,6 @@
-// Matrix products for decode-sized batches: out[j, r] (+)= sum_i x[j, i] * w[r, i] for j < n.
+// Matrix products for decode-sized batches: out[j, r] (+)= sum_i x[j, i] * w[r, i] for j < n, and the
+// same product with the RMSNorm before it (and the SwiGLU after it) fused in, so that a decode layer
+// is 7 launches, not 10.
 //
 // At a few rows a decode step is a weight read: every weight element is used n times, so the kernel
 // streams each weight row once, 16 bytes per lane (8 elements), coalesced across the warp, and keeps
@@ -8,13 +10,28 @@
 // token's result does not depend on the batch it is in (and decode steps, captured in CUDA graphs,
 // need no cuBLAS call, which CuPy refuses during a capture).
 //
-// w: [m, k] storage type T (f16 / bf16), rows of k elements, k % 8 == 0, 16-byte aligned; x: [n, k] T;
-// out: float32 [n, m]; accumulate: 0 writes, 1 adds to out (the residual stream).
-// Grid: (ceil(m / MATVEC_WARPS), ceil(n / MAXN)) blocks of MATVEC_WARPS * 32 threads.
+// matvec: w: [m, k] storage type T (f16 / bf16), rows of k elements, k % 8 == 0, 16-byte aligned;
+// x: [n, k] T; out: float32 [n, m]; accumulate: 0 writes, 1 adds to out (the residual stream).
+//
+// norm_matvec: the same product of h = rmsnorm(x[src]) * norm_w, with x the float32 residual stream
+// [*, k] (16-byte aligned), src = rows[j] (rows != NULL: the final norm of the output rows) or j,
+// norm_w float32 [k]; out float32 [n, m] (written). h is never stored: each element is formed where it
+// is used, rms_apply<T>(x, inv, w) as cuda/rms_norm.cu forms it (the same float ops, rounded to T),
+// so h differs from rms_norm.cu's only by the summation order of inv: each row's sum of squares is
+// taken by one warp, lanes strided over float4s then warp_sum, an order fixed by k (one warp per row
+// of the block's group, once per block, into shared memory). Every warp re-reads its block's x rows
+// (float32, from L1 / L2) for each weight row: at decode sizes these are a few KiB against the
+// weights' MiBs, read from HBM once.
+// norm_matvec_swiglu: w = w_gate_up [2 F, k] (gate rows, then up rows); the warp of output j sums
+// gate row j and up row F + j together (one h element serves both) and writes
+// act[t, j] = silu_mul(g, u) rounded to T, as cuda/swiglu.cu on the float32 sums: act T [n, F].
+//
+// Grid: (ceil(m / MATVEC_WARPS), ceil(n / MAXN)) blocks of MATVEC_WARPS * 32 threads (m = F for
+// norm_matvec_swiglu).
 #include "common.cuh"
 
 #define MATVEC_WARPS 4
-#define MATVEC_LOADS 4      // 16-byte weight loads a lane issues before it uses the first
+#define MATVEC_LOADS 4      // 16-byte weight loads a lane issues per weight row before it uses the first
 
 __device__ __forceinline__ void unpack2(unsigned int w, f16, float* f) {
     f16 lo, hi;
@@ -38,56 +55,186 @@ __device__ __forceinline__ void unpack8(uint4 v, float* f) {
     unpack2(v.w, T(), f + 6);
 }
 
-template <typename T, int MAXN>
-__device__ __forceinline__ void matvec(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ out,
-                                       int n, int m, int k, int accumulate) {
+// What a product reads as its x: row(j, i, f) gives elements 8i .. 8i + 7 of the group's row j as
+// float32, after chunk(i) (once per i, for all rows); prologue(nj) runs once per block, every warp.
+
+template <typename T>
+struct StoredRows {         // x [n, k] in T
+    const T* __restrict__ x;
+    int k;
+    __device__ __forceinline__ void prologue(int) {}
+    __device__ __forceinline__ void chunk(int) {}
+    __device__ __forceinline__ void row(int j, int i, float* f) const {
+        unpack8<T>(__ldg(reinterpret_cast<const uint4*>(x + (size_t)j * k) + i), f);
+    }
+};
+
+template <typename T>
+struct NormedRows {         // rmsnorm(x[src]) * w rounded to T, from the float32 residual stream
+    const float* __restrict__ x;
+    const int* __restrict__ rows;   // NULL: src = j0 + j
+    const float* __restrict__ w;
+    float eps;
+    int k, j0;
+    float* inv;                 // shared [MAXN]
+    int* src;                   // shared [MAXN]
+    float wn[8];
+
+    __device__ __forceinline__ void prologue(int nj) {
+        const int lane = threadIdx.x & 31;
+        for (int j = threadIdx.x >> 5; j < nj; j += MATVEC_WARPS) {
+            const int r = rows != nullptr ? rows[j0 + j] : j0 + j;
+            const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * k);
+            float s = 0.0f;
+            for (int q = lane; q < (k >> 2); q += 32) {
+                const float4 v = __ldg(xr + q);
+                s += v.x * v.x;
+                s += v.y * v.y;
+                s += v.z * v.z;
+                s += v.w * v.w;
+            }
+            s = warp_sum(s);
+            if (lane == 0) {
+                inv[j] = rms_inv(s, k, eps);
+                src[j] = r;
+            }
+        }
+        __syncthreads();
+    }
+    __device__ __forceinline__ void chunk(int i) {
+        const float4 a = __ldg(reinterpret_cast<const float4*>(w) + 2 * i);
+        const float4 b = __ldg(reinterpret_cast<const float4*>(w) + 2 * i + 1);
+        wn[0] = a.x; wn[1] = a.y; wn[2] = a.z; wn[3] = a.w;
+        wn[4] = b.x; wn[5] = b.y; wn[6] = b.z; wn[7] = b.w;
+    }
+    __device__ __forceinline__ void row(int j, int i, float* f) const {
+        const float4* xr = reinterpret_cast<const float4*>(x + (size_t)src[j] * k) + 2 * i;
+        const float4 a = __ldg(xr), b = __ldg(xr + 1);
+        const float s = inv[j];
+        f[0] = to_float(rms_apply<T>(a.x, s, wn[0]));
+        f[1] = to_float(rms_apply<T>(a.y, s, wn[1]));
+        f[2] = to_float(rms_apply<T>(a.z, s, wn[2]));
+        f[3] = to_float(rms_apply<T>(a.w, s, wn[3]));
+        f[4] = to_float(rms_apply<T>(b.x, s, wn[4]));
+        f[5] = to_float(rms_apply<T>(b.y, s, wn[5]));
+        f[6] = to_float(rms_apply<T>(b.z, s, wn[6]));
+        f[7] = to_float(rms_apply<T>(b.w, s, wn[7]));
+    }
+};
+
+// The warp's R weight rows w + (row + r * r_stride) * k against the nj x rows of `in`: acc[r][j] holds
+// lane's part of the sum (warp_sum it). False for the warps past the last row (after the prologue,
+// which every warp of the block runs).
+template <typename T, int MAXN, int R, typename In>
+__device__ __forceinline__ bool matvec_rows(const T* __restrict__ w, int r_stride, int m, int k, In& in, int nj,
+                                            float (&acc)[R][MAXN]) {
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * MATVEC_WARPS + (threadIdx.x >> 5);
-    if (row >= m) return;
-    const int j0 = blockIdx.y * MAXN;               // this block's group of x rows
-    const int nj = min(MAXN, n - j0);
-    x += (size_t)j0 * k;
-    out += (size_t)j0 * m;
-    const uint4* wrow = reinterpret_cast<const uint4*>(w + (size_t)row * k);
+    const bool live = row < m;
     const int k8 = k >> 3;
-    float acc[MAXN];
+    const uint4* wrow[R];
 #pragma unroll
-    for (int j = 0; j < MAXN; ++j) acc[j] = 0.0f;
+    for (int r = 0; r < R; ++r) wrow[r] = reinterpret_cast<const uint4*>(w + (size_t)(row + r * r_stride) * k);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int j = 0; j < MAXN; ++j) acc[r][j] = 0.0f;
+    // A pass's weight loads go out before any is used, so that R * MATVEC_LOADS of them are in flight;
+    // the first pass's before the prologue, whose x reads they overlap.
+    uint4 wv[R][MATVEC_LOADS];
+    auto load = [&](int i0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+            for (int u = 0; u < MATVEC_LOADS; ++u) {
+                wv[r][u] = make_uint4(0u, 0u, 0u, 0u);
+                if (live && i0 + 32 * u < k8) wv[r][u] = __ldg(wrow[r] + i0 + 32 * u);
+            }
+    };
+    load(lane);
+    in.prologue(nj);
+    if (!live) return false;
     for (int i0 = lane; i0 < k8; i0 += 32 * MATVEC_LOADS) {
-        // All of this pass's weight loads first, so that MATVEC_LOADS of them are in flight at once.
-        uint4 wv[MATVEC_LOADS];
-#pragma unroll
-        for (int u = 0; u < MATVEC_LOADS; ++u) {
-            wv[u] = make_uint4(0u, 0u, 0u, 0u);
-            if (i0 + 32 * u < k8) wv[u] = __ldg(wrow + i0 + 32 * u);
-        }
+        if (i0 != lane) load(i0);
 #pragma unroll
         for (int u = 0; u < MATVEC_LOADS; ++u) {
             const int i = i0 + 32 * u;
             if (i < k8) {
-                float wf[8];
-                unpack8<T>(wv[u], wf);
+                float wf[R][8];
+#pragma unroll
+                for (int r = 0; r < R; ++r) unpack8<T>(wv[r][u], wf[r]);
+                in.chunk(i);
 #pragma unroll
                 for (int j = 0; j < MAXN; ++j) {
                     if (j < nj) {
                         float xf[8];
-                        unpack8<T>(__ldg(reinterpret_cast<const uint4*>(x + (size_t)j * k) + i), xf);
-                        float s = 0.0f;
+                        in.row(j, i, xf);
 #pragma unroll
-                        for (int e = 0; e < 8; ++e) s += wf[e] * xf[e];
-                        acc[j] += s;
+                        for (int r = 0; r < R; ++r) {
+                            float s = 0.0f;
+#pragma unroll
+                            for (int e = 0; e < 8; ++e) s += wf[r][e] * xf[e];
+                            acc[r][j] += s;
+                        }
                     }
                 }
             }
         }
     }
+    return true;
+}
+
+// out[j, row] (+)= the warp's sums, j < nj (out: the group's first row).
+template <int MAXN>
+__device__ __forceinline__ void store_rows(float (&acc)[1][MAXN], float* __restrict__ out, int nj, int m,
+                                           int accumulate) {
+    const int row = blockIdx.x * MATVEC_WARPS + (threadIdx.x >> 5);
 #pragma unroll
     for (int j = 0; j < MAXN; ++j) {
         if (j < nj) {
-            const float s = warp_sum(acc[j]);
-            if (lane == 0) {
+            const float s = warp_sum(acc[0][j]);
+            if ((threadIdx.x & 31) == 0) {
                 float* o = out + (size_t)j * m + row;
                 *o = accumulate ? *o + s : s;
+            }
+        }
+    }
+}
+
+template <typename T, int MAXN>
+__device__ __forceinline__ void matvec(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ out,
+                                       int n, int m, int k, int accumulate) {
+    const int j0 = blockIdx.y * MAXN;               // this block's group of x rows
+    const int nj = min(MAXN, n - j0);
+    StoredRows<T> in{x + (size_t)j0 * k, k};
+    float acc[1][MAXN];
+    if (matvec_rows<T, MAXN, 1>(w, 0, m, k, in, nj, acc))
+        store_rows<MAXN>(acc, out + (size_t)j0 * m, nj, m, accumulate);
+}
+
+// R = 1: out[j, row] = the product (float32 [n, m]); R = 2: w holds 2 m rows (gate, then up) and
+// act[j, row] = silu_mul(gate row, up row m + row) rounded to T ([n, m]).
+template <typename T, int MAXN, int R>
+__device__ __forceinline__ void norm_matvec(const T* __restrict__ w, const float* __restrict__ x,
+                                            const int* __restrict__ rows, const float* __restrict__ norm_w,
+                                            float* __restrict__ out, T* __restrict__ act, int n, int m, int k,
+                                            float eps) {
+    __shared__ float inv[MAXN];
+    __shared__ int src[MAXN];
+    const int j0 = blockIdx.y * MAXN;
+    const int nj = min(MAXN, n - j0);
+    NormedRows<T> in{x, rows, norm_w, eps, k, j0, inv, src};
+    float acc[R][MAXN];
+    if (!matvec_rows<T, MAXN, R>(w, m, m, k, in, nj, acc)) return;
+    if constexpr (R == 1) {
+        store_rows<MAXN>(acc, out + (size_t)j0 * m, nj, m, 0);
+    } else {
+        const int row = blockIdx.x * MATVEC_WARPS + (threadIdx.x >> 5);
+#pragma unroll
+        for (int j = 0; j < MAXN; ++j) {
+            if (j < nj) {
+                const float g = warp_sum(acc[0][j]), u = warp_sum(acc[1][j]);
+                if ((threadIdx.x & 31) == 0) act[(size_t)(j0 + j) * m + row] = from_float<T>(silu_mul(g, u));
             }
         }
     }
@@ -97,6 +244,19 @@ __device__ __forceinline__ void matvec(const T* __restrict__ w, const T* __restr
     extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32, 1)                                  \
     NAME(const T* w, const T* x, float* out, int n, int m, int k, int accumulate) {                    \
         matvec<T, MAXN>(w, x, out, n, m, k, accumulate);                                               \
+    }
+
+#define NORM_MATVEC(NAME, T, MAXN)                                                                    \
+    extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32, 1)                                  \
+    NAME(const T* w, const float* x, const int* rows, const float* norm_w, float* out, int n, int m, int k, \
+         float eps) {                                                                                  \
+        norm_matvec<T, MAXN, 1>(w, x, rows, norm_w, out, nullptr, n, m, k, eps);                       \
+    }
+
+#define NORM_MATVEC_SWIGLU(NAME, T, MAXN)                                                             \
+    extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32, 1)                                  \
+    NAME(const T* w, const float* x, const float* norm_w, T* act, int n, int n_ff, int k, float eps) { \
+        norm_matvec<T, MAXN, 2>(w, x, nullptr, norm_w, nullptr, act, n, n_ff, k, eps);                 \
     }
 
 // MAXN: the x rows one block takes (the launcher picks the smallest that fits n, or 32 per block row).
@@ -112,3 +272,27 @@ MATVEC(matvec_bf16_n4, bf16, 4)
 MATVEC(matvec_bf16_n8, bf16, 8)
 MATVEC(matvec_bf16_n16, bf16, 16)
 MATVEC(matvec_bf16_n32, bf16, 32)
+NORM_MATVEC(norm_matvec_f16_n1, f16, 1)
+NORM_MATVEC(norm_matvec_f16_n2, f16, 2)
+NORM_MATVEC(norm_matvec_f16_n4, f16, 4)
+NORM_MATVEC(norm_matvec_f16_n8, f16, 8)
+NORM_MATVEC(norm_matvec_f16_n16, f16, 16)
+NORM_MATVEC(norm_matvec_f16_n32, f16, 32)
+NORM_MATVEC(norm_matvec_bf16_n1, bf16, 1)
+NORM_MATVEC(norm_matvec_bf16_n2, bf16, 2)
+NORM_MATVEC(norm_matvec_bf16_n4, bf16, 4)
+NORM_MATVEC(norm_matvec_bf16_n8, bf16, 8)
+NORM_MATVEC(norm_matvec_bf16_n16, bf16, 16)
+NORM_MATVEC(norm_matvec_bf16_n32, bf16, 32)
+NORM_MATVEC_SWIGLU(norm_matvec_swiglu_f16_n1, f16, 1)
+NORM_MATVEC_SWIGLU(norm_matvec_swiglu_f16_n2, f16, 2)
+NORM_MATVEC_SWIGLU(norm_matvec_swiglu_f16_n4, f16, 4)
+NORM_MATVEC_SWIGLU(norm_matvec_swiglu_f16_n8, f16, 8)
+NORM_MATVEC_SWIGLU(norm_matvec_swiglu_f16_n16, f16, 16)
+NORM_MATVEC_SWIGLU(norm_matvec_swiglu_f16_n32, f16, 32)
+NORM_MATVEC_SWIGLU(norm_matvec_swiglu_bf16_n1, bf16, 1)
+NORM_MATVEC_SWIGLU(norm_matvec_swiglu_bf16_n2, bf16, 2)
+NORM_MATVEC_SWIGLU(norm_matvec_swiglu_bf16_n4, bf16, 4)
+NORM_MATVEC_SWIGLU(norm_matvec_swiglu_bf16_n8, bf16, 8)
+NORM_MATVEC_SWIGLU(norm_matvec_swiglu_bf16_n16, bf16, 16)
+NORM_MATVEC_SWIGLU(norm_matvec_swiglu_bf16_n32, bf16, 32)

@@ -21,9 +21,9 @@ __device__ __forceinline__ void rms_norm(const float* __restrict__ x, const int*
         s += v * v;
     }
     s = block_sum(s, scratch);
-    const float inv = 1.0f / sqrtf(s / (float)d + eps);
+    const float inv = rms_inv(s, d, eps);
     TOut* o = out + (size_t)r * d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = from_float<TOut>(xr[i] * inv * w[i]);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) o[i] = rms_apply<TOut>(xr[i], inv, w[i]);
 }
 
 extern "C" __global__ void rms_norm_f16(const float* x, const int* rows, const float* w, f16* out, int d,

@@ -12,7 +12,7 @@ __device__ __forceinline__ void swiglu(const float* __restrict__ gu, TOut* __res
         const size_t t = e / n_ff, j = e - t * n_ff;
         const float g = gu[t * 2 * n_ff + j];
         const float u = gu[t * 2 * n_ff + n_ff + j];
-        out[e] = from_float<TOut>(g / (1.0f + expf(-g)) * u);
+        out[e] = from_float<TOut>(silu_mul(g, u));
     }
 }
 

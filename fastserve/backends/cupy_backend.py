@@ -3,7 +3,8 @@
 Same contract as NumpyBackend (fastserve/backends/base.py); same math, in this order per layer:
     h = rmsnorm(x) -> qkv = h Wqkv^T -> RoPE(q, k) -> K, V into the cache -> attention -> x += a Wo^T
     h = rmsnorm(x) -> gu = h Wgu^T -> s = silu(g) * u -> x += s Wdown^T
-then the final norm on the output rows only, logits = h Wout^T.
+then the final norm on the output rows only, logits = h Wout^T. Products of up to matvec_max_n rows
+(decode) form h as they read it and gate/up's warp writes s: h and gu are then never stored.
 
 Precision: weights are dequantized on the host (float32, models/llama.py) and rounded once at load
 to `dtype` (f16 by default, or bf16); the residual stream x, the products' accumulation and outputs
@@ -26,7 +27,8 @@ KV staging buffer.
 
 A decode step (every token an output row) can run as a CUDA graph captured once per batch-size
 bucket (1, 2, 4, ... up to the slot count): the batch is padded to its bucket with rows that write
-and read only the scratch slot, and one graph launch replaces ~12 launches per layer.
+and read only the scratch slot, and one graph launch replaces 7 launches per layer (the RMSNorms and
+the SwiGLU fused into the products).
 
 One host synchronisation per forward (the logits, or only the ids with forward_greedy, or the ids and
 asked-for probabilities with forward_sample: the host sampler's chain on the device, cuda/sampling.cu);
@@ -418,23 +420,24 @@ class CupyBackend:
 
     def _enqueue(self, n: int, m: int, sample: bool = False) -> None:
         """The pass over the first n rows of the device inputs; logits of rows rows_d[:m], then their greedy
-        ids, or (sample) the sampling chain over them with the records in sample_rows_d[:m]."""
+        ids, or (sample) the sampling chain over them with the records in sample_rows_d[:m].
+        Products of at most matvec_max_n rows (every decode step) take each RMSNorm, and the SwiGLU after
+        the gate/up product, into the product's launch: 7 launches a layer (1 + 1 + 2 + 1 + 1 + 1); larger
+        ones run the norms, cuBLAS and the SwiGLU apart: 10 (h and gu are their scratch)."""
         c, mv = self.cfg, self.matvec_max_n
         K.embed_rows(self.tok_embd, self.tokens_d, self.x, n)
         for li, lw in enumerate(self.layers):
             kc, vc = self.k_cache[li], self.v_cache[li]
-            K.rms_norm(self.x, lw["attn_norm"], self.h, n, c.norm_eps)
-            K.gemm(self.h, lw["wqkv"], self.qkv, n, matvec_max_n=mv)
+            K.norm_gemm(self.x, lw["attn_norm"], lw["wqkv"], self.qkv, self.h, n, c.norm_eps, matvec_max_n=mv)
             K.rope_store(self.qkv, self.cos, self.sin, kc, vc, self.slots_d, self.positions_d, n, c.n_head, c.rope_dim)
             K.attention(self.qkv, kc, vc, self.slots_d, self.positions_d, self.part_o, self.part_ml, self.attn,
                         n, c.n_head, self.attn_chunk, self.scale)
             K.gemm(self.attn, lw["wo"], self.x, n, accumulate=True, matvec_max_n=mv)
-            K.rms_norm(self.x, lw["ffn_norm"], self.h, n, c.norm_eps)
-            K.gemm(self.h, lw["w_gate_up"], self.gu, n, matvec_max_n=mv)
-            K.swiglu(self.gu, self.act, n)
+            K.norm_gemm_swiglu(self.x, lw["ffn_norm"], lw["w_gate_up"], self.act, self.h, self.gu, n, c.norm_eps,
+                               matvec_max_n=mv)
             K.gemm(self.act, lw["w_down"], self.x, n, accumulate=True, matvec_max_n=mv)
-        K.rms_norm(self.x, self.out_norm, self.hout, m, c.norm_eps, rows=self.rows_d)
-        K.gemm(self.hout, self.output, self.logits, m, matvec_max_n=mv)
+        K.norm_gemm(self.x, self.out_norm, self.output, self.logits, self.hout, m, c.norm_eps, rows=self.rows_d,
+                    matvec_max_n=mv)
         if sample:
             K.sample_chain(self.logits, self.sample_rows_d, self.slot_tab_d, self.sample_ids_d, self.sample_probs_d, m,
                            self.sample_window, self.sample_bias)

@@ -54,7 +54,8 @@ KERNELS = {
     "cast": ["cast_f32_f16", "cast_f32_bf16"],
     "embedding": [f"embed_rows_{s}" for s in _S3],
     "kv_cache": [f"kv_store_{s}" for s in _S3] + [f"rope_store_{s}" for s in _S3],
-    "matvec": [f"matvec_{s}_n{n}" for s in ("f16", "bf16") for n in MATVEC_ROWS],
+    "matvec": [f"{kind}_{s}_n{n}" for kind in ("matvec", "norm_matvec", "norm_matvec_swiglu")
+               for s in ("f16", "bf16") for n in MATVEC_ROWS],
     "rms_norm": [f"rms_norm_{s}" for s in _S3],
     "rope": ["rope_qk_f32"],
     "sampling": ["argmax_rows_f32", "sample_chain_f32"],
@@ -419,11 +420,8 @@ def gemm(x, w, out, n: int, accumulate: bool = False, matvec_max_n: int = MATVEC
     _check("out", out, np.float32, (None, m_out), min_rows=n)
     if not n:
         return
-    if n <= matvec_max_n and matvec_fits(storage, k) and x.data.ptr % 16 == 0 and w.data.ptr % 16 == 0:
-        rows = next(r for r in MATVEC_ROWS if r >= min(n, MATVEC_MAX_N))
-        function("matvec", f"matvec_{storage}_n{rows}")(
-            (-(-m_out // MATVEC_WARPS), -(-n // rows)), (MATVEC_WARPS * 32,),
-            (w, x, out, _i32(n), _i32(m_out), _i32(k), _i32(1 if accumulate else 0)))
+    if _matvec_path(n, matvec_max_n, storage, k, x, w):
+        _matvec("matvec", storage, n, m_out, (w, x, out, _i32(n), _i32(m_out), _i32(k), _i32(1 if accumulate else 0)))
         return
     from cupy_backends.cuda.libs import cublas
     handle = cp.cuda.device.get_cublas_handle()
@@ -439,6 +437,65 @@ def gemm(x, w, out, n: int, accumulate: bool = False, matvec_max_n: int = MATVEC
 def matvec_fits(storage: str, k: int) -> bool:
     """cuda/matvec.cu takes this product (16-byte loads of 8 f16/bf16 elements)."""
     return storage in ("f16", "bf16") and k % 8 == 0
+
+
+def _matvec_path(n: int, matvec_max_n: int, storage: str, k: int, *arrays) -> bool:
+    """A product of n rows runs in cuda/matvec.cu (else cuBLAS): the one rule for gemm and the fused
+    products, so that a row takes the same path, and gets the same result, whichever launcher runs it."""
+    return n <= matvec_max_n and matvec_fits(storage, k) and all(a.data.ptr % 16 == 0 for a in arrays)
+
+
+def _matvec(kind: str, storage: str, n: int, m_out: int, args: tuple) -> None:
+    """Launch cuda/matvec.cu's <kind>_<storage>_n<MAXN> over m_out output rows and n x rows."""
+    rows = next(r for r in MATVEC_ROWS if r >= min(n, MATVEC_MAX_N))
+    function("matvec", f"{kind}_{storage}_n{rows}")(
+        (-(-m_out // MATVEC_WARPS), -(-n // rows)), (MATVEC_WARPS * 32,), args)
+
+
+def norm_gemm(x, norm_w, w, out, h, n: int, eps: float, rows=None, matvec_max_n: int = MATVEC_MAX_N) -> None:
+    """out[:n] = rms_norm(x[rows[:n] if rows else :n]) * norm_w @ w.T (as rms_norm into h, then gemm).
+    x f32 [*, k]; norm_w f32 [k]; w [m, k] f16/bf16/f32; out f32 [>=n, m]; h [>=n, k] in w's storage:
+    the normed rows, written only when the product runs in cuBLAS; rows int32 [>=n] or None.
+    On gemm's matvec path one launch (cuda/matvec.cu norm_matvec) forms h's elements as it reads them,
+    with inv summed in another order than rms_norm's (so within rounding of the two-launch result)."""
+    m_out, k = w.shape
+    storage = storage_of(w)
+    if not _matvec_path(n, matvec_max_n, storage, k, w, x):
+        rms_norm(x, norm_w, h, n, eps, rows=rows)
+        gemm(h, w, out, n, matvec_max_n=matvec_max_n)
+        return
+    _check("w", w, _dtype_of(storage), (m_out, k))
+    _check("x", x, np.float32, (None, k), min_rows=0 if rows is not None else n)
+    _check("norm_w", norm_w, np.float32, (k,))
+    _check("out", out, np.float32, (None, m_out), min_rows=n)
+    if rows is not None:
+        _check("rows", rows, np.int32, (None,), min_rows=n)
+    if n:
+        _matvec("norm_matvec", storage, n, m_out, (w, x, _NULL if rows is None else rows, norm_w, out, _i32(n),
+                                                    _i32(m_out), _i32(k), _f32(eps)))
+
+
+def norm_gemm_swiglu(x, norm_w, w_gate_up, act, h, gu, n: int, eps: float, matvec_max_n: int = MATVEC_MAX_N) -> None:
+    """act[:n] = swiglu(rms_norm(x[:n]) * norm_w @ w_gate_up.T) (as rms_norm into h, gemm into gu, then
+    swiglu). x f32 [>=n, k]; norm_w f32 [k]; w_gate_up [2 n_ff, k] f16/bf16 (gate rows first); act [>=n,
+    n_ff] in its storage; h [>=n, k] and gu f32 [>=n, 2 n_ff]: written only when the product runs in
+    cuBLAS. On gemm's matvec path one launch (cuda/matvec.cu norm_matvec_swiglu): one warp sums a gate
+    row and its up row and writes silu(g) * u, bitwise what gemm then swiglu make of the same h."""
+    m2, k = w_gate_up.shape
+    storage = storage_of(w_gate_up)
+    if m2 % 2 or not _matvec_path(n, matvec_max_n, storage, k, w_gate_up, x):
+        rms_norm(x, norm_w, h, n, eps)
+        gemm(h, w_gate_up, gu, n, matvec_max_n=matvec_max_n)
+        swiglu(gu, act, n)
+        return
+    n_ff = m2 // 2
+    _check("w_gate_up", w_gate_up, _dtype_of(storage), (m2, k))
+    _check("x", x, np.float32, (None, k), min_rows=n)
+    _check("norm_w", norm_w, np.float32, (k,))
+    _check("act", act, _dtype_of(storage), (None, n_ff), min_rows=n)
+    if n:
+        _matvec("norm_matvec_swiglu", storage, n, n_ff, (w_gate_up, x, norm_w, act, _i32(n), _i32(n_ff), _i32(k),
+                                                          _f32(eps)))
 
 
 def nvcc_available() -> str | None:

@@ -208,6 +208,26 @@ def _k_matvec(grid, args):
     out[:n] = (out[:n] + res) if int(accumulate) else res
 
 
+def _normed(x, rows, nw, n, eps, like):
+    """rms_norm's emulation into a fresh array of like's type (h, which the fused products never store)."""
+    h = np.empty((n, nw.shape[0]), like.dtype)
+    _k_rms_norm((n,), (x, rows, nw, h, np.int32(nw.shape[0]), eps))
+    return to_f32(h)
+
+
+def _k_norm_matvec(grid, args):
+    w, x, rows, nw, out, n, m, k, eps = args
+    n = int(n)
+    out[:n] = _normed(x, rows, nw, n, eps, w) @ to_f32(w).T
+
+
+def _k_norm_matvec_swiglu(grid, args):
+    w, x, nw, act, n, n_ff, k, eps = args
+    n = int(n)
+    gu = _normed(x, None, nw, n, eps, w) @ to_f32(w).T
+    _k_swiglu(grid, (gu, act, n, n_ff))
+
+
 def _k_attention_split(grid, args):
     qkv, kc, vc, slots, positions, part_o, part_ml, stride, H, Hkv, D, n_ctx, chunk, scale = args
     S, n = int(grid[0]), int(grid[2])
@@ -296,6 +316,7 @@ def _k_sample_chain(grid, args):
 
 _EMULATIONS = [("embed_rows_", _k_embed_rows), ("rms_norm_", _k_rms_norm), ("rope_qk_", _k_rope_qk),
                ("kv_store_", _k_kv_store), ("rope_store_", _k_rope_store), ("matvec_", _k_matvec),
+               ("norm_matvec_swiglu_", _k_norm_matvec_swiglu), ("norm_matvec_", _k_norm_matvec),
                ("attention_split_", _k_attention_split),
                ("attention_combine_", _k_attention_combine), ("swiglu_", _k_swiglu), ("cast_f32_", _k_cast),
                ("argmax_rows_", _k_argmax_rows), ("sample_chain_", _k_sample_chain)]

@@ -285,6 +285,110 @@ def test_matvec_rows_do_not_depend_on_the_batch(cupy, storage):
         np.testing.assert_array_equal(out.get()[5], alone.get()[0], err_msg=f"n={n}")
 
 
+def _norm_inputs(rng, n_x, k):
+    """float32 residual rows and a norm weight near 1."""
+    return (rng.standard_normal((n_x, k)) * 3).astype(np.float32), (1 + rng.standard_normal(k) * 0.1).astype(np.float32)
+
+
+def _fused_h(cupy, x, nw, eps, storage, rows=None):
+    """The h a fused product reads, seen through norm_gemm with an identity matrix (exact: one h
+    element times 1.0 plus zeros), checked against rmsnorm in float64 rounded to storage: the kernel
+    sums inv in its own order, so an element may round the other way at a tie's edge (one ulp, rarely)."""
+    k = x.shape[1]
+    src = np.arange(len(x)) if rows is None else rows
+    n = len(src)
+    eye = _to_storage(cupy, np.eye(k, dtype=np.float32), storage)
+    out = _poisoned(cupy, (n, k), np.float32)
+    K.norm_gemm(cupy.asarray(x), cupy.asarray(nw), eye, out, _poisoned(cupy, (n, k), _np_storage(storage)), n, eps,
+                rows=None if rows is None else cupy.asarray(rows))
+    h = out.get()
+    x64 = x[src].astype(np.float64)
+    want = round_to((x64 / np.sqrt((x64 * x64).mean(axis=1, keepdims=True) + eps) * nw).astype(np.float32), storage)
+    assert np.array_equal(round_to(h, storage), h)               # rounded to storage, as rms_norm.cu
+    ulp = np.abs(round_to(want * np.float32(1 + 2 ** -7), storage) - want)   # >= one ulp of storage
+    assert (np.abs(h - want) <= ulp).all()
+    assert np.count_nonzero(h != want) <= max(2, h.size // 1000)
+    return h.astype(np.float64)
+
+
+@pytest.mark.parametrize("storage", ["f16", "bf16"])
+@pytest.mark.parametrize("n", [1, 3, 8, 17, 32])
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_norm_gemm_is_rms_norm_then_gemm(cupy, storage, n, with_rows):
+    """cuda/matvec.cu norm_matvec (the matvec path): h as rmsnorm rounded to storage (_fused_h), then
+    the product against float64 within gemm's tolerance; with rows, x rows picked by index (the final
+    norm of the output rows)."""
+    rng = np.random.default_rng()
+    k, m, eps, n_x = 576, 1003, 1e-5, 40
+    x, nw = _norm_inputs(rng, n_x, k)
+    w = round_to((rng.standard_normal((m, k)) / np.sqrt(k)).astype(np.float32), storage)
+    rows = rng.permutation(n_x)[:n].astype(np.int32) if with_rows else None
+    h_seen = _poisoned(cupy, (n, k), _np_storage(storage))
+    want = _fused_h(cupy, x if with_rows else x[:n], nw, eps, storage, rows) @ w.T.astype(np.float64)
+    out = _poisoned(cupy, (n + 1, m), np.float32)
+    K.norm_gemm(cupy.asarray(x if with_rows else x[:n]), cupy.asarray(nw), _to_storage(cupy, w, storage), out,
+                h_seen, n, eps, rows=None if rows is None else cupy.asarray(rows))
+    assert rel_err(out.get()[:n], want) <= 1e-5
+    assert np.isnan(out.get()[n]).all()                           # rows past n untouched
+    assert np.isnan(_from_storage(h_seen, storage)).all()         # h is never stored on the matvec path
+
+
+@pytest.mark.parametrize("storage", ["f16", "bf16"])
+@pytest.mark.parametrize("n", [1, 3, 8, 17, 32])
+def test_norm_gemm_swiglu_is_rms_norm_gemm_swiglu(cupy, storage, n):
+    """cuda/matvec.cu norm_matvec_swiglu: silu(g) * u of the gate/up product of h (_fused_h) against
+    float64 within swiglu's tolerance, and against the three launches it replaces (rms_norm, gemm, swiglu)."""
+    rng = np.random.default_rng()
+    k, n_ff, eps = 576, 501, 1e-5
+    tol = {"f16": 1e-3, "bf16": 8e-3}[storage]
+    x, nw = _norm_inputs(rng, n, k)
+    w = round_to((rng.standard_normal((2 * n_ff, k)) * 2 / np.sqrt(k)).astype(np.float32), storage)
+    gu = _fused_h(cupy, x, nw, eps, storage) @ w.T.astype(np.float64)
+    g, u = gu[:, :n_ff], gu[:, n_ff:]
+    want = g / (1 + np.exp(-g)) * u
+    act = _poisoned(cupy, (n + 1, n_ff), _np_storage(storage))
+    h = _poisoned(cupy, (n, k), _np_storage(storage))
+    gu_d = _poisoned(cupy, (n, 2 * n_ff), np.float32)
+    w_d = _to_storage(cupy, w, storage)
+    K.norm_gemm_swiglu(cupy.asarray(x), cupy.asarray(nw), w_d, act, h, gu_d, n, eps)
+    got = _from_storage(act, storage)
+    assert rel_err(got[:n], want) <= tol
+    assert np.isnan(got[n]).all()
+    assert np.isnan(gu_d.get()).all()                             # gu is never stored on the matvec path
+    three = _poisoned(cupy, (n, n_ff), _np_storage(storage))
+    K.rms_norm(cupy.asarray(x), cupy.asarray(nw), h, n, eps)
+    K.gemm(h, w_d, gu_d, n)
+    K.swiglu(gu_d, three, n)
+    assert rel_err(got[:n], _from_storage(three, storage)) <= tol
+
+
+@pytest.mark.parametrize("storage", ["f16", "bf16"])
+def test_fused_products_rows_do_not_depend_on_the_batch(cupy, storage):
+    """norm_matvec and norm_matvec_swiglu: a row alone and the same row in a batch of 33 (the second
+    block row, matvec_max_n raised past it), its neighbours different, are bitwise equal."""
+    if getattr(cupy, "fake_kernels", "") == "numpy":
+        pytest.skip("needs the real kernel (the NumPy emulation's BLAS sums in another order per n)")
+    rng = np.random.default_rng()
+    k, m, n_ff, eps, n, r = 2048, 133, 71, 1e-5, 33, 32
+    nw = cupy.asarray((1 + rng.standard_normal(k) * 0.1).astype(np.float32))
+    w = _to_storage(cupy, rng.standard_normal((m, k)).astype(np.float32) / np.sqrt(k), storage)
+    wgu = _to_storage(cupy, rng.standard_normal((2 * n_ff, k)).astype(np.float32) / np.sqrt(k), storage)
+    batch = rng.standard_normal((n, k)).astype(np.float32)
+    results = []
+    for rows in (batch[r:r + 1], batch):
+        nr = len(rows)
+        x = cupy.asarray(rows)
+        out = _poisoned(cupy, (nr, m), np.float32)
+        act = _poisoned(cupy, (nr, n_ff), _np_storage(storage))
+        h = _poisoned(cupy, (nr, k), _np_storage(storage))
+        K.norm_gemm(x, nw, w, out, h, nr, eps, matvec_max_n=1 << 20)
+        K.norm_gemm_swiglu(x, nw, wgu, act, h, _poisoned(cupy, (nr, 2 * n_ff), np.float32), nr, eps,
+                           matvec_max_n=1 << 20)
+        results.append((out.get()[-1], np.asarray(act.get())[-1]))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
 def test_argmax_ties_go_to_the_lowest_id(cupy):
     rng = np.random.default_rng()
     V = 49152
