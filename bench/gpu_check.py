@@ -427,7 +427,10 @@ def _kernel_breakdown(be) -> dict:
     import numpy as np
     from fastserve.backends import kernels as K
     cp = be.cp
-    names = ("embed_rows", "rms_norm", "gemm", "rope_store", "attention", "swiglu", "argmax_rows")
+    # norm_gemm / norm_gemm_swiglu: the fused launches at batch 1 (their cuBLAS fallback, which calls
+    # rms_norm / gemm / swiglu and would be counted twice, is not taken here).
+    names = ("embed_rows", "rms_norm", "gemm", "norm_gemm", "norm_gemm_swiglu", "rope_store", "attention", "swiglu",
+             "argmax_rows")
     spans: list = []
     saved = {n: getattr(K, n) for n in names if hasattr(K, n)}
 
