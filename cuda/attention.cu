@@ -113,8 +113,9 @@ __device__ __forceinline__ void attention_split(const float* __restrict__ qkv, c
     constexpr int GROUPS = 32 / LPK;                  // keys a warp reads at once
     constexpr int U = ATTN_KEYS_PER_GROUP;
     constexpr int STEP = ATTN_WARPS * GROUPS * U;     // keys a block reads per step
-    __shared__ float s_acc[ATTN_WARPS][G][8 * LPK];
-    __shared__ float s_ml[ATTN_WARPS][G][2];
+    constexpr int P = ATTN_WARPS * GROUPS;            // key groups in the block
+    __shared__ float s_acc[P][G][8 * LPK] __attribute__((aligned(16)));   // 4 KiB * G: rows of float4
+    __shared__ float s_m[P][G], s_l[P][G], s_f[P][G];
 
     const int split = blockIdx.x, kvh = blockIdx.y, t = blockIdx.z;
     const int n_split = gridDim.x;
@@ -227,57 +228,44 @@ __device__ __forceinline__ void attention_split(const float* __restrict__ qkv, c
         }
     }
 
-    // Merge the warp's key groups (lanes c, c + LPK, ... hold the same dimensions), in a fixed order.
+    // Merge the block's P = ATTN_WARPS * GROUPS key groups through shared memory: each group's state
+    // goes there, one thread per (group, head) finds its weight 2^(m - max over groups), then thread j
+    // sums (head, dimension) pairs over the groups, all in a fixed order.
+    const int p = warp * GROUPS + grp;
 #pragma unroll
-    for (int o = LPK; o < 32; o <<= 1) {
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            const float m_o = __shfl_xor_sync(0xffffffffu, m[g], o);
-            const float l_o = __shfl_xor_sync(0xffffffffu, l[g], o);
-            const float mm = fmaxf(m[g], m_o), ms = safe_max(mm);
-            const float f = exp2f(m[g] - ms), f_o = exp2f(m_o - ms);
-            l[g] = l[g] * f + l_o * f_o;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                const float a_o = __shfl_xor_sync(0xffffffffu, acc[g][i], o);
-                acc[g][i] = acc[g][i] * f + a_o * f_o;
-            }
-            m[g] = mm;
-        }
+    for (int g = 0; g < G; ++g) {
+        float4* dst = reinterpret_cast<float4*>(&s_acc[p][g][8 * c]);
+        dst[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+        dst[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
     }
-    if (grp == 0) {
+    if (c == 0) {
 #pragma unroll
         for (int g = 0; g < G; ++g) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) s_acc[warp][g][8 * c + i] = acc[g][i];
-        }
-        if (c == 0) {
-#pragma unroll
-            for (int g = 0; g < G; ++g) {
-                s_ml[warp][g][0] = m[g];
-                s_ml[warp][g][1] = l[g];
-            }
+            s_m[p][g] = m[g];
+            s_l[p][g] = l[g];
         }
     }
     __syncthreads();
-
-    // Merge the warps: thread j handles (head g, dimension d) pairs.
+    for (int i = threadIdx.x; i < P * G; i += blockDim.x) {
+        const int pi = i / G, g = i - pi * G;
+        float mx = -FS_INF;
+        for (int r = 0; r < P; ++r) mx = fmaxf(mx, s_m[r][g]);
+        s_f[pi][g] = exp2f(s_m[pi][g] - safe_max(mx));      // 0 for a group that saw no key
+    }
+    __syncthreads();
     for (int j = threadIdx.x; j < G * head_dim; j += blockDim.x) {
         const int g = j / head_dim, d = j - g * head_dim;
-        float mx = -FS_INF;
-#pragma unroll
-        for (int w = 0; w < ATTN_WARPS; ++w) mx = fmaxf(mx, s_ml[w][g][0]);
-        const float ms = safe_max(mx);
-        float lsum = 0.0f, o = 0.0f;
-#pragma unroll
-        for (int w = 0; w < ATTN_WARPS; ++w) {
-            const float f = exp2f(s_ml[w][g][0] - ms);   // 0 for a warp that saw no key
-            lsum += s_ml[w][g][1] * f;
-            o += s_acc[w][g][d] * f;
-        }
+        float o = 0.0f;
+#pragma unroll 8
+        for (int r = 0; r < P; ++r) o += s_f[r][g] * s_acc[r][g][d];
         const size_t pg = part + (size_t)g * n_split;
         part_o[pg * head_dim + d] = o;
         if (d == 0) {
+            float mx = -FS_INF, lsum = 0.0f;
+            for (int r = 0; r < P; ++r) {
+                mx = fmaxf(mx, s_m[r][g]);
+                lsum += s_f[r][g] * s_l[r][g];
+            }
             part_ml[pg * 2] = mx;
             part_ml[pg * 2 + 1] = lsum;
         }
