@@ -19,12 +19,13 @@
 // is used, rms_apply<T>(x, inv, w) as cuda/rms_norm.cu forms it (the same float ops, rounded to T),
 // so h differs from rms_norm.cu's only by the summation order of inv: each row's sum of squares is
 // taken by one warp, lanes strided over float4s then warp_sum, an order fixed by k (one warp per row
-// of the block's group, once per block, into shared memory). Every warp re-reads its block's x rows
-// (float32, from L1 / L2) for each weight row: at decode sizes these are a few KiB against the
-// weights' MiBs, read from HBM once.
-// norm_matvec_swiglu: w = w_gate_up [2 F, k] (gate rows, then up rows); the warp of output j sums
-// gate row j and up row F + j together (one h element serves both) and writes
-// act[t, j] = silu_mul(g, u) rounded to T, as cuda/swiglu.cu on the float32 sums: act T [n, F].
+// of the block's group, once per block, into shared memory). Every warp re-reads its group's x rows
+// (float32) and norm_w from L1 / L2 and forms h again for its weight row: at decode sizes these are
+// a few KiB per row against the weights' MiBs, read from HBM once (h staged once per block in shared
+// memory would cut the re-reads and the rounding work by MATVEC_WARPS; not done).
+// norm_matvec_swiglu: w = w_gate_up [2 F, k] (gate rows, then up rows); the warp of output column r
+// sums gate row r and up row F + r together (one h element serves both) and writes
+// act[j, r] = silu_mul(g, u) rounded to T, as cuda/swiglu.cu on the float32 sums: act T [n, F].
 //
 // Grid: (ceil(m / MATVEC_WARPS), ceil(n / MAXN)) blocks of MATVEC_WARPS * 32 threads (m = F for
 // norm_matvec_swiglu).
