@@ -19,10 +19,12 @@
 // is used, rms_apply<T>(x, inv, w) as cuda/rms_norm.cu forms it (the same float ops, rounded to T),
 // so h differs from rms_norm.cu's only by the summation order of inv: each row's sum of squares is
 // taken by one warp, lanes strided over float4s then warp_sum, an order fixed by k (one warp per row
-// of the block's group, once per block, into shared memory). Every warp re-reads its group's x rows
-// (float32) and norm_w from L1 / L2 and forms h again for its weight row: at decode sizes these are
-// a few KiB per row against the weights' MiBs, read from HBM once (h staged once per block in shared
-// memory would cut the re-reads and the rounding work by MATVEC_WARPS; not done).
+// of the block's group, once per block, into shared memory). When the group's h fits NORM_STAGE
+// (16 KiB: nj * k <= 8192, e.g. batch 1 to 4 at k = 2048) the block forms it once into shared memory
+// and its warps read it from there; otherwise every warp re-reads its group's x rows (float32) and
+// norm_w from L1 / L2 and forms h again for its weight row. Both give h bit for bit, so a row's
+// result does not depend on which its group took. At decode sizes these re-reads are a few KiB per
+// row against the weights' MiBs, read from HBM once.
 // norm_matvec_swiglu: w = w_gate_up [2 F, k] (gate rows, then up rows); the warp of output column r
 // sums gate row r and up row F + r together (one h element serves both) and writes
 // act[j, r] = silu_mul(g, u) rounded to T, as cuda/swiglu.cu on the float32 sums: act T [n, F].
@@ -70,6 +72,8 @@ struct StoredRows {         // x [n, k] in T
     }
 };
 
+#define NORM_STAGE 1024     // uint4s (16 KiB) of shared memory a block stages its group's h in, when it fits
+
 template <typename T>
 struct NormedRows {         // rmsnorm(x[src]) * w rounded to T, from the float32 residual stream
     const float* __restrict__ x;
@@ -79,10 +83,12 @@ struct NormedRows {         // rmsnorm(x[src]) * w rounded to T, from the float3
     int k, j0;
     float* inv;                 // shared [MAXN]
     int* src;                   // shared [MAXN]
+    uint4* staged;              // shared [NORM_STAGE]: h[j, 8i .. 8i + 7] at j * k / 8 + i, when `stage`
+    bool stage;
     float wn[8];
 
     __device__ __forceinline__ void prologue(int nj) {
-        const int lane = threadIdx.x & 31;
+        const int lane = threadIdx.x & 31, k8 = k >> 3;
         for (int j = threadIdx.x >> 5; j < nj; j += MATVEC_WARPS) {
             const int r = rows != nullptr ? rows[j0 + j] : j0 + j;
             const float4* xr = reinterpret_cast<const float4*>(x + (size_t)r * k);
@@ -101,25 +107,54 @@ struct NormedRows {         // rmsnorm(x[src]) * w rounded to T, from the float3
             }
         }
         __syncthreads();
+        // Small groups: h once per block, not once per warp (the same elements, bit for bit).
+        stage = nj * k8 <= NORM_STAGE;
+        if (!stage) return;
+        for (int e = threadIdx.x; e < nj * k8; e += MATVEC_WARPS * 32) {
+            const int j = e / k8, i = e - j * k8;
+            float wv[8];
+            norm_weights(i, wv);
+            T h[8];
+            form(j, i, wv, h);
+            staged[e] = make_uint4(h[0].bits | ((unsigned int)h[1].bits << 16),
+                                   h[2].bits | ((unsigned int)h[3].bits << 16),
+                                   h[4].bits | ((unsigned int)h[5].bits << 16),
+                                   h[6].bits | ((unsigned int)h[7].bits << 16));
+        }
+        __syncthreads();
     }
-    __device__ __forceinline__ void chunk(int i) {
+    __device__ __forceinline__ void norm_weights(int i, float* wv) const {
         const float4 a = __ldg(reinterpret_cast<const float4*>(w) + 2 * i);
         const float4 b = __ldg(reinterpret_cast<const float4*>(w) + 2 * i + 1);
-        wn[0] = a.x; wn[1] = a.y; wn[2] = a.z; wn[3] = a.w;
-        wn[4] = b.x; wn[5] = b.y; wn[6] = b.z; wn[7] = b.w;
+        wv[0] = a.x; wv[1] = a.y; wv[2] = a.z; wv[3] = a.w;
+        wv[4] = b.x; wv[5] = b.y; wv[6] = b.z; wv[7] = b.w;
     }
-    __device__ __forceinline__ void row(int j, int i, float* f) const {
+    // h[j, 8i .. 8i + 7], as rms_norm.cu rounds it.
+    __device__ __forceinline__ void form(int j, int i, const float* wv, T* h) const {
         const float4* xr = reinterpret_cast<const float4*>(x + (size_t)src[j] * k) + 2 * i;
         const float4 a = __ldg(xr), b = __ldg(xr + 1);
         const float s = inv[j];
-        f[0] = to_float(rms_apply<T>(a.x, s, wn[0]));
-        f[1] = to_float(rms_apply<T>(a.y, s, wn[1]));
-        f[2] = to_float(rms_apply<T>(a.z, s, wn[2]));
-        f[3] = to_float(rms_apply<T>(a.w, s, wn[3]));
-        f[4] = to_float(rms_apply<T>(b.x, s, wn[4]));
-        f[5] = to_float(rms_apply<T>(b.y, s, wn[5]));
-        f[6] = to_float(rms_apply<T>(b.z, s, wn[6]));
-        f[7] = to_float(rms_apply<T>(b.w, s, wn[7]));
+        h[0] = rms_apply<T>(a.x, s, wv[0]);
+        h[1] = rms_apply<T>(a.y, s, wv[1]);
+        h[2] = rms_apply<T>(a.z, s, wv[2]);
+        h[3] = rms_apply<T>(a.w, s, wv[3]);
+        h[4] = rms_apply<T>(b.x, s, wv[4]);
+        h[5] = rms_apply<T>(b.y, s, wv[5]);
+        h[6] = rms_apply<T>(b.z, s, wv[6]);
+        h[7] = rms_apply<T>(b.w, s, wv[7]);
+    }
+    __device__ __forceinline__ void chunk(int i) {
+        if (!stage) norm_weights(i, wn);
+    }
+    __device__ __forceinline__ void row(int j, int i, float* f) const {
+        if (stage) {
+            unpack8<T>(staged[j * (k >> 3) + i], f);
+            return;
+        }
+        T h[8];
+        form(j, i, wn, h);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] = to_float(h[e]);
     }
 };
 
@@ -222,9 +257,10 @@ __device__ __forceinline__ void norm_matvec(const T* __restrict__ w, const float
                                             float eps) {
     __shared__ float inv[MAXN];
     __shared__ int src[MAXN];
+    __shared__ uint4 staged[NORM_STAGE];
     const int j0 = blockIdx.y * MAXN;
     const int nj = min(MAXN, n - j0);
-    NormedRows<T> in{x, rows, norm_w, eps, k, j0, inv, src};
+    NormedRows<T> in{x, rows, norm_w, eps, k, j0, inv, src, staged, false, {}};
     float acc[R][MAXN];
     if (!matvec_rows<T, MAXN, R>(w, m, m, k, in, nj, acc)) return;
     if constexpr (R == 1) {

@@ -364,18 +364,19 @@ def test_norm_gemm_swiglu_is_rms_norm_gemm_swiglu(cupy, storage, n):
 
 @pytest.mark.parametrize("storage", ["f16", "bf16"])
 def test_fused_products_rows_do_not_depend_on_the_batch(cupy, storage):
-    """norm_matvec and norm_matvec_swiglu: a row alone and the same row in a batch of 33 (the second
-    block row, matvec_max_n raised past it), its neighbours different, are bitwise equal."""
+    """norm_matvec and norm_matvec_swiglu: a row alone and the same row in a batch of 33 (matvec_max_n
+    raised past it), its neighbours different, are bitwise equal: row 32 (the second block row) and
+    row 5 (in a group of 32, too large to stage h in shared memory, which a row alone does)."""
     if getattr(cupy, "fake_kernels", "") == "numpy":
         pytest.skip("needs the real kernel (the NumPy emulation's BLAS sums in another order per n)")
     rng = np.random.default_rng()
-    k, m, n_ff, eps, n, r = 2048, 133, 71, 1e-5, 33, 32
+    k, m, n_ff, eps, n = 2048, 133, 71, 1e-5, 33
     nw = cupy.asarray((1 + rng.standard_normal(k) * 0.1).astype(np.float32))
     w = _to_storage(cupy, rng.standard_normal((m, k)).astype(np.float32) / np.sqrt(k), storage)
     wgu = _to_storage(cupy, rng.standard_normal((2 * n_ff, k)).astype(np.float32) / np.sqrt(k), storage)
     batch = rng.standard_normal((n, k)).astype(np.float32)
-    results = []
-    for rows in (batch[r:r + 1], batch):
+
+    def run(rows):
         nr = len(rows)
         x = cupy.asarray(rows)
         out = _poisoned(cupy, (nr, m), np.float32)
@@ -384,9 +385,13 @@ def test_fused_products_rows_do_not_depend_on_the_batch(cupy, storage):
         K.norm_gemm(x, nw, w, out, h, nr, eps, matvec_max_n=1 << 20)
         K.norm_gemm_swiglu(x, nw, wgu, act, h, _poisoned(cupy, (nr, 2 * n_ff), np.float32), nr, eps,
                            matvec_max_n=1 << 20)
-        results.append((out.get()[-1], np.asarray(act.get())[-1]))
-    np.testing.assert_array_equal(results[0][0], results[1][0])
-    np.testing.assert_array_equal(results[0][1], results[1][1])
+        return out.get(), np.asarray(act.get())
+
+    out, act = run(batch)
+    for r in (32, 5):
+        out1, act1 = run(batch[r:r + 1])
+        np.testing.assert_array_equal(out1[0], out[r], err_msg=f"row {r}")
+        np.testing.assert_array_equal(act1[0], act[r], err_msg=f"row {r}")
 
 
 def test_argmax_ties_go_to_the_lowest_id(cupy):
