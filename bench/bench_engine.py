@@ -79,3 +79,40 @@ def test_step_host_work_32_slots(benchmark, big_vocab_model, sampling):
                                 ms_per_phase=summary["ms_per_step"], send_us_per_token=summary["send_us_per_token"])
     print(f"\n{sampling}: host work {host_ms:.3f} ms/step over {summary['steps']} steps; "
           + ", ".join(f"{k} {v:.3f}" for k, v in summary["ms_per_step"].items()))
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "top_k40_top_p95"])
+def test_step_host_work_32_slots_gpu_backend(benchmark, big_vocab_model, sampling, monkeypatch):
+    """The same with the GPU backend (CupyBackend, device sampling, CUDA graphs) on a device whose work
+    takes no time (tests/gpu/fake_cupy.py, kernels "null"): the host's share of a GPU step is this
+    over the device's step time (issue 6: <= 5 % at 32 slots)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.gpu import fake_cupy
+    fake_cupy.install(monkeypatch, kernels="null")
+    params = dict(temperature=0) if sampling == "greedy" else dict(temperature=0.8, top_k=40, top_p=0.95)
+    engine = fastserve.Engine(big_vocab_model, n_parallel=N_SLOTS, n_ctx=N_SLOTS * 4096, backend="cuda",
+                              trace=True, max_queue=64)
+    assert engine.device_sampler is not None, "the GPU backend should sample on the device"
+    readers = [engine.submit([5, 6, 7], max_tokens=-1, seed=i, **params) for i in range(N_SLOTS)]
+    try:
+        while engine.snapshot.n_running < N_SLOTS:
+            time.sleep(0.01)
+
+        def run():
+            engine.tracer.reset()
+            time.sleep(0.5)
+            for r in readers:
+                r.read_available()
+            return engine.trace_summary()
+
+        summary = benchmark.pedantic(run, rounds=3, iterations=1)
+    finally:
+        for r in readers:
+            r.cancel()
+        engine.close()
+    benchmark.extra_info.update(step_ms=summary["step_ms"], host_ms_per_step=summary["host_ms_per_step"],
+                                ms_per_phase=summary["ms_per_step"])
+    print(f"\nGPU backend, null device, {sampling}: step {summary['step_ms']:.3f} ms (all host), of which "
+          + ", ".join(f"{k} {v:.3f}" for k, v in summary["ms_per_step"].items()))

@@ -324,10 +324,21 @@ _EMULATIONS = [("embed_rows_", _k_embed_rows), ("rms_norm_", _k_rms_norm), ("rop
 
 class Recorder:
     """Where launches go: run now, or recorded while a stream captures. kernels: "numpy" (the
-    emulations above) or "cuda-c" (the real kernels, compiled for the CPU by tests/gpu/cuda_emu)."""
+    emulations above), "cuda-c" (the real kernels, compiled for the CPU by tests/gpu/cuda_emu) or
+    "null" (no work)."""
     capturing: list | None = None
     launches = 0
     kernels = "numpy"
+
+
+def _null(name: str):
+    """No work, except that the kernels choosing tokens answer token 5 (not an end-of-generation id)."""
+    out = next((i for p, i in (("argmax_rows_", 1), ("sample_chain_", 3)) if name.startswith(p)), None)
+
+    def run(grid, args, block):
+        if out is not None:
+            args[out][:int(grid[0])] = 5
+    return run
 
 
 def _cuda_c(source: str, name: str):
@@ -344,6 +355,8 @@ class RawKernel:
         self.name, self.params, self.c_kinds = name, params, c_param_kinds(source, name)
         if Recorder.kernels == "cuda-c":
             self.emulate = _cuda_c(source, name)
+        elif Recorder.kernels == "null":
+            self.emulate = _null(name)
         else:
             f = next((f for p, f in _EMULATIONS if name.startswith(p)), None)
             if f is None:
@@ -501,8 +514,8 @@ def _gemm_ex(handle, transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ld
              computeType, algo):
     if Recorder.capturing is not None:     # as CuPy's cublas.setStream, which gemmEx calls first
         raise NotImplementedError("calling cuBLAS API during stream capture is currently unsupported")
-    else:
-        Recorder.launches += 1
+    Recorder.launches += 1
+    if Recorder.kernels != "null":
         _gemm_ex_now(transa, transb, m, n, k, alpha, A, Atype, lda, B, Btype, ldb, beta, C, Ctype, ldc)
 
 
@@ -537,9 +550,10 @@ cublas.gemmEx = _gemm_ex
 
 def install(monkeypatch, kernels: str = "numpy") -> types.ModuleType:
     """Put this fake in place of cupy, cupyx and cupy_backends' cuBLAS for one test (monkeypatch).
-    kernels: "numpy" runs each kernel's NumPy emulation, "cuda-c" the kernel itself on the CPU."""
-    if kernels not in ("numpy", "cuda-c"):
-        raise ValueError(f"kernels must be 'numpy' or 'cuda-c', not {kernels!r}")
+    kernels: "numpy" runs each kernel's NumPy emulation, "cuda-c" the kernel itself on the CPU, "null"
+    nothing (the device's work takes no time: what a step costs is the host's, for benchmarks)."""
+    if kernels not in ("numpy", "cuda-c", "null"):
+        raise ValueError(f"kernels must be 'numpy', 'cuda-c' or 'null', not {kernels!r}")
     cupy = types.ModuleType("cupy")
     cupy.fake_kernels = kernels
     cupy.ndarray, cupy.zeros, cupy.empty, cupy.asarray = ndarray, zeros, empty, asarray
