@@ -24,11 +24,11 @@ from ._batch import Batch
 from ._delivery import Delivery
 from ._sampling import Sampler
 from ._slots import DECODE, IDLE, SlotTable
+from .device_sampling import device_sampler_for
 from .errors import EngineClosed, RequestError, ServerBusy
 from .inbox import Inbox
 from .prompt_cache import MIB, PromptCache
 from .reader import Waker
-from .device_sampling import device_sampler_for
 from .ref.sampling import check_config
 from .request import SAMPLING_DEFAULTS, Completion, Job, random_seed
 from .scheduler import pick_slot, slot_prefix
