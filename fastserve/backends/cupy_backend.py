@@ -342,14 +342,15 @@ class CupyBackend:
         return self._run_chunked(tokens, positions, slots, out_rows, want)
 
     def _check_inputs(self, tokens, positions, slots, out_rows) -> None:
-        """Indices are not checked on the device: a bad one would read or write out of bounds."""
-        if tokens.min() < 0 or tokens.max() >= self.n_vocab:
+        """Indices are not checked on the device: a bad one would read or write out of bounds. One max
+        per array: as uint32, a negative index is above every bound."""
+        if tokens.view(np.uint32).max() >= self.n_vocab:
             raise ValueError(f"token ids must be in [0, {self.n_vocab})")
-        if positions.min() < 0 or positions.max() >= self.n_ctx_slot:
+        if positions.view(np.uint32).max() >= self.n_ctx_slot:
             raise ValueError(f"positions must be in [0, {self.n_ctx_slot})")
-        if slots.min() < 0 or slots.max() >= self.n_slots:
+        if slots.view(np.uint32).max() >= self.n_slots:
             raise ValueError(f"slots must be in [0, {self.n_slots})")
-        if len(out_rows) and (out_rows.min() < 0 or out_rows.max() >= len(tokens)):
+        if len(out_rows) and out_rows.view(np.uint32).max() >= len(tokens):
             raise ValueError("out_rows must index the batch")
 
     def _is_decode(self, n: int, out_rows: np.ndarray) -> bool:

@@ -144,10 +144,15 @@ def test_bad_indices_are_refused_before_any_launch(fake, tiny_model):
     cfg, w = tiny_model.config, tiny_model.weights
     be = CupyBackend(cfg, w, 2, 16)
     one = np.zeros(1, np.int32)
-    for toks, pos, slots in ((np.array([cfg.n_vocab], np.int32), one, one),
-                             (one, np.array([16], np.int32), one), (one, one, np.array([2], np.int32))):
+    bad = lambda v: np.array([v], np.int32)      # noqa: E731
+    launched = fake_cupy.Recorder.launches       # the weights' upload
+    for toks, pos, slots, rows in ((bad(cfg.n_vocab), one, one, one), (bad(-1), one, one, one),
+                                   (one, bad(16), one, one), (one, bad(-1), one, one),
+                                   (one, one, bad(2), one), (one, one, bad(-1), one),
+                                   (one, one, one, bad(1)), (one, one, one, bad(-1))):
         with pytest.raises(ValueError):
-            be.forward(toks, pos, slots, one)
+            be.forward(toks, pos, slots, rows)
+    assert fake_cupy.Recorder.launches == launched
 
 
 def test_launchers_refuse_wrong_arrays(fake):
