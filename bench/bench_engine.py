@@ -52,11 +52,11 @@ def test_batch_build_32_slots(benchmark):
     benchmark.extra_info["us_per_build"] = benchmark.stats.stats.median * 1e6
 
 
-@pytest.mark.parametrize("sampling", ["greedy", "top_k40_top_p95"])
-def test_step_host_work_32_slots(benchmark, big_vocab_model, sampling):
-    params = dict(temperature=0) if sampling == "greedy" else dict(temperature=0.8, top_k=40, top_p=0.95)
-    engine = fastserve.Engine(big_vocab_model, n_parallel=N_SLOTS, n_ctx=N_SLOTS * 65536, backend=NullBackend,
-                              trace=True, max_queue=64)
+SAMPLING = {"greedy": dict(temperature=0), "top_k40_top_p95": dict(temperature=0.8, top_k=40, top_p=0.95)}
+
+
+def _steps_of_32_slots(benchmark, engine, params: dict, seconds: float) -> dict:
+    """32 endless requests; the tracer's summary over `seconds` of steps, three rounds (the last kept)."""
     readers = [engine.submit([5, 6, 7], max_tokens=-1, seed=i, **params) for i in range(N_SLOTS)]
     try:
         while engine.snapshot.n_running < N_SLOTS:
@@ -64,16 +64,23 @@ def test_step_host_work_32_slots(benchmark, big_vocab_model, sampling):
 
         def run():
             engine.tracer.reset()
-            time.sleep(0.5)
+            time.sleep(seconds)
             for r in readers:
                 r.read_available()
             return engine.trace_summary()
 
-        summary = benchmark.pedantic(run, rounds=3, iterations=1)
+        return benchmark.pedantic(run, rounds=3, iterations=1)
     finally:
         for r in readers:
             r.cancel()
         engine.close()
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLING))
+def test_step_host_work_32_slots(benchmark, big_vocab_model, sampling):
+    engine = fastserve.Engine(big_vocab_model, n_parallel=N_SLOTS, n_ctx=N_SLOTS * 65536, backend=NullBackend,
+                              trace=True, max_queue=64)
+    summary = _steps_of_32_slots(benchmark, engine, SAMPLING[sampling], 0.5)
     host_ms = summary["host_ms_per_step"]
     benchmark.extra_info.update(host_ms_per_step=host_ms, steps=summary["steps"],
                                 ms_per_phase=summary["ms_per_step"], send_us_per_token=summary["send_us_per_token"])
@@ -81,7 +88,7 @@ def test_step_host_work_32_slots(benchmark, big_vocab_model, sampling):
           + ", ".join(f"{k} {v:.3f}" for k, v in summary["ms_per_step"].items()))
 
 
-@pytest.mark.parametrize("sampling", ["greedy", "top_k40_top_p95"])
+@pytest.mark.parametrize("sampling", list(SAMPLING))
 def test_step_host_work_32_slots_gpu_backend(benchmark, big_vocab_model, sampling, monkeypatch):
     """The same with the GPU backend (CupyBackend, device sampling, CUDA graphs) on a device whose work
     takes no time (tests/gpu/fake_cupy.py, kernels "null"): the host's share of a GPU step is this
@@ -91,27 +98,10 @@ def test_step_host_work_32_slots_gpu_backend(benchmark, big_vocab_model, samplin
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.gpu import fake_cupy
     fake_cupy.install(monkeypatch, kernels="null")
-    params = dict(temperature=0) if sampling == "greedy" else dict(temperature=0.8, top_k=40, top_p=0.95)
     engine = fastserve.Engine(big_vocab_model, n_parallel=N_SLOTS, n_ctx=N_SLOTS * 16384, backend="cuda",
                               trace=True, max_queue=64)
     assert engine.device_sampler is not None, "the GPU backend should sample on the device"
-    readers = [engine.submit([5, 6, 7], max_tokens=-1, seed=i, **params) for i in range(N_SLOTS)]
-    try:
-        while engine.snapshot.n_running < N_SLOTS:
-            time.sleep(0.01)
-
-        def run():
-            engine.tracer.reset()
-            time.sleep(0.3)           # 3 rounds stay within a slot's context (~0.1 ms a step)
-            for r in readers:
-                r.read_available()
-            return engine.trace_summary()
-
-        summary = benchmark.pedantic(run, rounds=3, iterations=1)
-    finally:
-        for r in readers:
-            r.cancel()
-        engine.close()
+    summary = _steps_of_32_slots(benchmark, engine, SAMPLING[sampling], 0.3)   # ~0.1 ms a step: within n_ctx
     benchmark.extra_info.update(step_ms=summary["step_ms"], host_ms_per_step=summary["host_ms_per_step"],
                                 ms_per_phase=summary["ms_per_step"])
     print(f"\nGPU backend, null device, {sampling}: step {summary['step_ms']:.3f} ms (all host), of which "
