@@ -45,9 +45,9 @@ def built(nvcc, tmp_path_factory) -> dict:
         base = ["-arch=" + ARCH, "-std=c++17", "-Werror", "all-warnings", "-I", str(src.parent)]
         ptx = out / (src.stem + ".ptx")
         p1 = subprocess.run([nvcc, *base, "--ptx", "-o", str(ptx), str(src)], capture_output=True, text=True,
-                            timeout=120)
+                            timeout=400)
         p2 = subprocess.run([nvcc, *base, "-cubin", "-Xptxas", "-v", "-o", str(out / (src.stem + ".cubin")), str(src)],
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=400)
         return src.stem, p1, p2, ptx
 
     with ThreadPoolExecutor(2) as pool:
