@@ -1,5 +1,6 @@
-"""Fixtures of the GPU tests. Without CuPy or a GPU every test that asks for `cupy` SKIPS, saying why;
-test_backend_emulated.py needs neither and always runs.
+"""Fixtures of the GPU tests. Every test that asks for `cupy` runs twice: [gpu] on a GPU (without CuPy
+or a GPU it SKIPS, saying why) and [cpu] with the same kernels' CUDA C run on the CPU (tests/gpu/cuda_emu),
+which needs only g++. test_backend_emulated.py and test_cuda_emu.py need neither and always run.
 
 The default model and llama.cpp's reference outputs are found without pulling (a device machine has
 no network): $FASTSERVE_MODEL or the cache for the model, $FASTSERVE_REFERENCE or ../shared/reference
