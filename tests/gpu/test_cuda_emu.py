@@ -1,7 +1,8 @@
 """The CPU kernel emulator (tests/gpu/cuda_emu) itself: what the kernel tests rely on when they run
 the CUDA C on the CPU. Barriers order shared memory, shuffles exchange lanes, coordinates cover the
 grid, and the CUDA errors that would hang or corrupt a GPU (a barrier some threads never reach, a
-shuffle from an exited lane, reading shared memory nobody wrote) stop the launch with a message."""
+__syncthreads after some threads exited, a shuffle from an exited lane, reading shared memory nobody
+wrote) stop the launch with a message."""
 import numpy as np
 import pytest
 
@@ -34,6 +35,12 @@ extern "C" __global__ void coordinates(int* out) {
 extern "C" __global__ void divergent_barrier(int* out) {
     if (threadIdx.x < 16) __syncthreads();      // waits for lanes 16..31, which wait for lanes 0..15
     else __syncwarp();
+    out[threadIdx.x] = 1;
+}
+
+extern "C" __global__ void barrier_after_exit(int* out) {
+    if (threadIdx.x >= 16) return;
+    __syncthreads();                            // undefined on a GPU: some threads have exited
     out[threadIdx.x] = 1;
 }
 
@@ -81,9 +88,16 @@ def test_every_thread_of_the_grid_runs_once_with_its_coordinates():
 
 
 def test_threads_waiting_at_different_barriers_are_a_dead_lock():
-    out = np.zeros(64, np.int32)
+    out = np.zeros(32, np.int32)
     with pytest.raises(RuntimeError, match="dead-lock"):
-        cuda_emu.Kernel(SOURCE, "divergent_barrier")((1,), (64,), [out.ctypes.data])
+        cuda_emu.Kernel(SOURCE, "divergent_barrier")((1,), (32,), [out.ctypes.data])
+
+
+@pytest.mark.parametrize("block", [32, 64])
+def test_a_barrier_after_some_threads_exited_is_refused(block):
+    out = np.zeros(block, np.int32)
+    with pytest.raises(RuntimeError, match="exited"):
+        cuda_emu.Kernel(SOURCE, "barrier_after_exit")((1,), (block,), [out.ctypes.data])
 
 
 def test_a_shuffle_over_exited_lanes_is_refused():

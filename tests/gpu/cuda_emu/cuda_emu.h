@@ -6,7 +6,8 @@
 // barrier releases them when every live thread of the block (or warp) has arrived. Blocks run one
 // after another. So kernels run with CUDA's semantics of barriers, shuffles and shared memory,
 // including the dead-locks: a barrier some threads never reach stops the launch with an error, as
-// does a shuffle that names a lane that has exited.
+// do a __syncthreads once some threads of the block have exited (undefined in CUDA) and a shuffle
+// that names a lane that has exited.
 //
 // What it cannot show: races that need real concurrency (the order here is always the same), memory
 // outside an array (no bounds checks), speed, and the last bits of float math (no FMA contraction,

@@ -181,7 +181,7 @@ static void thread_exit() {
     --block_live;
     --warps[w].live;
     warps[w].live_mask &= ~(1u << (current & 31));
-    if (block_arrived > 0 && block_arrived == block_live) release_block_barrier();
+    if (block_arrived > 0) fail("a thread exited while %d threads of the block wait at __syncthreads", block_arrived, 0);
     if (warps[w].arrived > 0 && warps[w].arrived == warps[w].live) release_warp_barrier(w);
 }
 
@@ -252,6 +252,9 @@ static int run_block() {
 using namespace fsemu;
 
 extern "C" void fsemu_syncthreads(void) {
+    // CUDA leaves a __syncthreads undefined once some threads of the block have exited (it may hang).
+    if (block_live < n_threads) fail("__syncthreads after %d of %d threads of the block exited", n_threads - block_live,
+                                     n_threads);
     if (++block_arrived == block_live) {
         release_block_barrier();
         return;
