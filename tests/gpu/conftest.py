@@ -17,24 +17,44 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module", params=["gpu", "cpu"])
+# The kernel-level tests also run with the block's threads taking turns in a shuffled order, which
+# brings out a read of another thread's write that lacks a barrier (tests/gpu/cuda_emu.set_order).
+SHUFFLED_ORDER_MODULES = ("test_kernels", "test_device_sampling")
+
+
+def pytest_generate_tests(metafunc):
+    if "cupy" in metafunc.fixturenames:
+        params = ["gpu", "cpu"]
+        if metafunc.module.__name__.rsplit(".", 1)[-1] in SHUFFLED_ORDER_MODULES:
+            params.append("cpu-shuffled")
+        metafunc.parametrize("cupy", params, indirect=True, scope="module")
+
+
+@pytest.fixture(scope="module")
 def cupy(request):
     """CuPy, twice over: "gpu", the real CuPy on a GPU (skips without one), and "cpu", a stand-in
     (tests/gpu/fake_cupy.py) that runs the real kernels' CUDA C on the CPU (tests/gpu/cuda_emu), so
-    that the kernels' logic is tested on every machine. FASTSERVE_FAKE_CUPY=1 replaces "gpu" by the
-    stand-in with NumPy emulations of the kernels (to check the tests' own references).
+    that the kernels' logic is tested on every machine ("cpu-shuffled": the same, threads in a
+    shuffled order). FASTSERVE_FAKE_CUPY=1 replaces "gpu" by the stand-in with NumPy emulations of
+    the kernels (to check the tests' own references).
     Module scope: the stand-in leaves sys.modules when the module's tests are done."""
     from . import fake_cupy
     mp = pytest.MonkeyPatch()
-    if request.param == "cpu":
+    if request.param.startswith("cpu"):
         from . import cuda_emu
         if os.environ.get("FASTSERVE_SKIP_CPU_KERNELS") == "1":
             pytest.skip("FASTSERVE_SKIP_CPU_KERNELS=1 (bench/gpu_check.py on a GPU: CI runs the CPU variants)")
         why = cuda_emu.unavailable()
         if why:
             pytest.skip(f"CPU run of the kernels skipped: {why}")
-        yield fake_cupy.install(mp, kernels="cuda-c")
-        mp.undo()
+        before = cuda_emu.order()
+        if request.param == "cpu-shuffled":
+            cuda_emu.set_order("shuffled", seed=before[1])
+        try:
+            yield fake_cupy.install(mp, kernels="cuda-c")
+        finally:
+            mp.undo()
+            cuda_emu.set_order(*before)
         return
     if os.environ.get("FASTSERVE_FAKE_CUPY") == "1":
         yield fake_cupy.install(mp, kernels="numpy")

@@ -38,6 +38,12 @@ extern "C" __global__ void divergent_barrier(int* out) {
     out[threadIdx.x] = 1;
 }
 
+extern "C" __global__ void neighbour_without_barrier(const float* in, float* out) {
+    __shared__ float s[256];
+    s[threadIdx.x] = in[threadIdx.x];
+    out[threadIdx.x] = s[(threadIdx.x + 1) % blockDim.x];    // a race: no __syncthreads in between
+}
+
 extern "C" __global__ void barrier_after_exit(int* out) {
     if (threadIdx.x >= 16) return;
     __syncthreads();                            // undefined on a GPU: some threads have exited
@@ -102,7 +108,7 @@ def test_a_barrier_after_some_threads_exited_is_refused(block):
 
 def test_a_shuffle_over_exited_lanes_is_refused():
     out = np.zeros(32, np.float32)
-    with pytest.raises(RuntimeError, match="exited"):
+    with pytest.raises(RuntimeError, match="exited|live lanes"):
         cuda_emu.Kernel(SOURCE, "shuffle_after_exit")((1,), (32,), [out.ctypes.data])
 
 
@@ -116,3 +122,23 @@ def test_a_bad_launch_shape_is_refused():
     out = np.zeros(4, np.int32)
     with pytest.raises(RuntimeError, match="launch shape"):
         cuda_emu.Kernel(SOURCE, "coordinates")((1,), (2048,), [out.ctypes.data])
+
+
+@pytest.mark.parametrize("other", ["descending", "shuffled"])
+def test_other_thread_orders_bring_out_a_missing_barrier(other):
+    """Run in two thread orders: a kernel with its barriers gives the same bits, a race does not."""
+    a = np.arange(256, dtype=np.float32)
+
+    def run(name, order):
+        before = cuda_emu.order()
+        cuda_emu.set_order(order, seed=7)
+        try:
+            out = np.zeros(256, np.float32)
+            cuda_emu.Kernel(SOURCE, name)((1,), (256,), [a.ctypes.data, out.ctypes.data])
+            return out
+        finally:
+            cuda_emu.set_order(*before)
+
+    np.testing.assert_array_equal(run("reverse_in_shared", "ascending"), run("reverse_in_shared", other))
+    assert not np.array_equal(run("neighbour_without_barrier", "ascending"),
+                              run("neighbour_without_barrier", other), equal_nan=True)

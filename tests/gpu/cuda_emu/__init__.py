@@ -24,6 +24,29 @@ _lock = threading.Lock()
 _libraries: dict[str, ctypes.CDLL] = {}
 
 
+_ORDERS = {"ascending": 0, "descending": 1, "shuffled": 2}
+
+
+_order = [os.environ.get("FASTSERVE_CUDA_EMU_ORDER", "ascending"), int(os.environ.get("FASTSERVE_CUDA_EMU_SEED", "1"))]
+
+
+def order() -> tuple[str, int]:
+    """The thread order in force and its seed (see set_order)."""
+    return _order[0], _order[1]
+
+
+def set_order(name: str, seed: int = 1) -> None:
+    """The order in which a block's threads take turns between barriers: ascending (the default, or
+    $FASTSERVE_CUDA_EMU_ORDER), descending or shuffled (per block, from seed, or $FASTSERVE_CUDA_EMU_SEED).
+    A kernel whose results change with it reads what another thread writes without a barrier between."""
+    if name not in _ORDERS:
+        raise ValueError(f"the thread order must be one of {', '.join(_ORDERS)}, not {name!r}")
+    _order[:] = [name, int(seed)]
+    with _lock:
+        for lib in _libraries.values():
+            lib.fsemu_set_order(ctypes.c_int(_ORDERS[name]), ctypes.c_uint64(int(seed)))
+
+
 def unavailable() -> str | None:
     """Why kernels cannot run here (None when they can)."""
     if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
@@ -111,8 +134,12 @@ def library(source: str) -> ctypes.CDLL:
             shutil.copyfile(out, tmp_target)
             os.replace(tmp_target, path)
     lib = ctypes.CDLL(str(path))
+    if _order[0] not in _ORDERS:
+        raise ValueError(f"FASTSERVE_CUDA_EMU_ORDER must be one of {', '.join(_ORDERS)}, not {_order[0]!r}")
+    lib.fsemu_set_order(ctypes.c_int(_ORDERS[_order[0]]), ctypes.c_uint64(_order[1]))
     lib.fsemu_launch.restype = ctypes.c_int
-    lib.fsemu_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_uint] * 6 + [ctypes.c_char_p, ctypes.c_int]
+    lib.fsemu_launch.argtypes = ([ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_uint] * 6
+                                 + [ctypes.c_char_p, ctypes.c_int])
     with _lock:
         _libraries[key] = lib
     return lib

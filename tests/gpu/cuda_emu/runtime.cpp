@@ -38,6 +38,9 @@ static volatile unsigned long long exchange[kMaxThreads];   // shuffle values, b
 static int n_threads, current, block_live, block_arrived;
 static void* scheduler_sp;
 static char* stacks;
+static int order[kMaxThreads];             // the order in which a pass resumes the block's threads
+static int order_mode;                     // 0 ascending, 1 descending, 2 shuffled per block
+static unsigned long long order_seed;
 static void (*entry)(void**);
 static void** entry_args;
 static char error[512];
@@ -139,7 +142,8 @@ static void yield_to_scheduler() {
     if (!error[0]) {
         char what[400];
         snprintf(what, sizeof what, fmt, a, b);
-        snprintf(error, sizeof error, "%s (block %u,%u,%u thread %d)", what, blockIdx.x, blockIdx.y, blockIdx.z, current);
+        snprintf(error, sizeof error, "%s (block %u,%u,%u thread %d)", what, blockIdx.x, blockIdx.y, blockIdx.z,
+                 current);
     }
     fibers[current].state = DONE;
     for (;;) yield_to_scheduler();      // never resumed: the launch stops
@@ -170,7 +174,8 @@ static void warp_barrier() {
 static void check_mask(unsigned int mask, const char* what) {
     const int w = current >> 5;
     (void)what;
-    if (!(mask >> (current & 31) & 1u)) fail("lane %d calls a warp operation whose mask %#x leaves it out", current & 31, (int)mask);
+    if (!(mask >> (current & 31) & 1u))
+        fail("lane %d calls a warp operation whose mask %#x leaves it out", current & 31, (int)mask);
     if (mask != warps[w].live_mask) fail("warp operation with mask %#x but the warp's live lanes are %#x", (int)mask,
                                          (int)warps[w].live_mask);
 }
@@ -181,7 +186,8 @@ static void thread_exit() {
     --block_live;
     --warps[w].live;
     warps[w].live_mask &= ~(1u << (current & 31));
-    if (block_arrived > 0) fail("a thread exited while %d threads of the block wait at __syncthreads", block_arrived, 0);
+    if (block_arrived > 0)
+        fail("a thread exited while %d threads of the block wait at __syncthreads", block_arrived, 0);
     if (warps[w].arrived > 0 && warps[w].arrived == warps[w].live) release_warp_barrier(w);
 }
 
@@ -209,6 +215,24 @@ static void new_fiber(int tid) {
     fibers[tid].state = RUNNABLE;
 }
 
+// Threads run one at a time between barriers, so a missing barrier goes unseen when the writer
+// happens to run before the reader. Other orders (FASTSERVE_CUDA_EMU_ORDER) bring such races out.
+static void set_order() {
+    for (int t = 0; t < n_threads; ++t) order[t] = order_mode == 1 ? n_threads - 1 - t : t;
+    if (order_mode != 2) return;
+    const unsigned long long block = blockIdx.x + 65536ull * (blockIdx.y + 65536ull * blockIdx.z);
+    unsigned long long x = order_seed ^ (0x9E3779B97F4A7C15ull * (block + 1));
+    for (int t = n_threads - 1; t > 0; --t) {       // Fisher-Yates with xorshift64
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        const int u = (int)(x % (unsigned long long)(t + 1));
+        const int tmp = order[t];
+        order[t] = order[u];
+        order[u] = tmp;
+    }
+}
+
 static int run_block() {
     block_live = n_threads;
     block_arrived = 0;
@@ -220,10 +244,12 @@ static int run_block() {
         warps[w].ballot = 0;
     }
     for (int t = 0; t < n_threads; ++t) new_fiber(t);
+    set_order();
     int done = 0;
     while (done < n_threads) {
         bool ran = false;
-        for (int t = 0; t < n_threads; ++t) {
+        for (int o = 0; o < n_threads; ++o) {
+            const int t = order[o];
             if (fibers[t].state != RUNNABLE) continue;
             current = t;
             set_coordinates(t);
@@ -291,6 +317,11 @@ extern "C" unsigned int fsemu_ballot(unsigned int mask, int pred) {
         if ((warps[w].live_mask >> l & 1u) && exchange[w * 32 + l]) b |= 1u << l;
     warp_barrier();
     return b;
+}
+
+FSEMU_EXPORT void fsemu_set_order(int mode, unsigned long long seed) {
+    order_mode = mode;
+    order_seed = seed;
 }
 
 // Runs stub(args) as the kernel over the grid. Returns 0, or -1 with the reason in err.
