@@ -254,9 +254,10 @@ def rope_qk(qkv, cos, sin, positions, n: int, n_head: int, n_head_kv: int, head_
             (qkv, cos, sin, positions, _i32(stride), _i32(n_rot), _i32(head_dim), _i32(rope_dim)))
 
 
-def kv_store(qkv, k_cache, v_cache, slots, positions, n: int, n_head: int) -> None:
-    """K and V heads of qkv f32 [>=n, (n_head + 2 Hkv) D] into k_cache, v_cache [n_slots, n_ctx_slot, Hkv, D]
-    at (slots[t], positions[t]); slots, positions int32 [>=n]."""
+def _check_kv(qkv, k_cache, v_cache, slots, positions, n: int, n_head: int) -> tuple:
+    """The checks every KV-cache launcher makes: caches [n_slots, n_ctx_slot, Hkv, D] of one storage
+    type, qkv f32 [>=n, (n_head + 2 Hkv) D], slots and positions int32 [>=n]. Returns (storage,
+    n_ctx_slot, Hkv, D, qkv's row stride)."""
     n_slots, n_ctx, Hkv, D = k_cache.shape
     storage = _same_storage(("k_cache", k_cache), ("v_cache", v_cache))
     stride = (n_head + 2 * Hkv) * D
@@ -265,6 +266,13 @@ def kv_store(qkv, k_cache, v_cache, slots, positions, n: int, n_head: int) -> No
     _check("qkv", qkv, np.float32, (None, stride), min_rows=n)
     _check("slots", slots, np.int32, (None,), min_rows=n)
     _check("positions", positions, np.int32, (None,), min_rows=n)
+    return storage, n_ctx, Hkv, D, stride
+
+
+def kv_store(qkv, k_cache, v_cache, slots, positions, n: int, n_head: int) -> None:
+    """K and V heads of qkv f32 [>=n, (n_head + 2 Hkv) D] into k_cache, v_cache [n_slots, n_ctx_slot, Hkv, D]
+    at (slots[t], positions[t]); slots, positions int32 [>=n]."""
+    storage, n_ctx, Hkv, D, stride = _check_kv(qkv, k_cache, v_cache, slots, positions, n, n_head)
     if n:
         function("kv_cache", f"kv_store_{storage}")(
             (n,), (_threads(Hkv * D, 256),),
@@ -275,18 +283,12 @@ def rope_store(qkv, cos, sin, k_cache, v_cache, slots, positions, n: int, n_head
     """rope_qk then kv_store in one launch: RoPE in place on the Q and K heads of qkv f32
     [>=n, (n_head + 2 Hkv) D], then K and V into k_cache, v_cache [n_slots, n_ctx_slot, Hkv, D] at
     (slots[t], positions[t]); cos, sin f32 [n_ctx_slot, rope_dim / 2]; slots, positions int32 [>=n]."""
-    n_slots, n_ctx, Hkv, D = k_cache.shape
-    storage = _same_storage(("k_cache", k_cache), ("v_cache", v_cache))
-    stride = (n_head + 2 * Hkv) * D
+    D = k_cache.shape[-1]
     if rope_dim % 2 or rope_dim > D:
         raise ValueError(f"rope_dim {rope_dim} must be even and <= head_dim {D}")
-    _check("k_cache", k_cache, _dtype_of(storage), (n_slots, n_ctx, Hkv, D))
-    _check("v_cache", v_cache, _dtype_of(storage), (n_slots, n_ctx, Hkv, D))
-    _check("qkv", qkv, np.float32, (None, stride), min_rows=n)
+    storage, n_ctx, Hkv, D, stride = _check_kv(qkv, k_cache, v_cache, slots, positions, n, n_head)
     _check("cos", cos, np.float32, (n_ctx, rope_dim // 2))
     _check("sin", sin, np.float32, (n_ctx, rope_dim // 2))
-    _check("slots", slots, np.int32, (None,), min_rows=n)
-    _check("positions", positions, np.int32, (None,), min_rows=n)
     if n:
         function("kv_cache", f"rope_store_{storage}")(
             (n,), (_threads(max(Hkv * D, (n_head + Hkv) * rope_dim // 2), 256),),
@@ -307,21 +309,15 @@ def attention(qkv, k_cache, v_cache, slots, positions, part_o, part_ml, out, n: 
     [>=n, H, S, 2] scratch with S = ceil(n_ctx_slot / chunk) blocks per (token, KV head), each taking
     an even share of the token's keys in whole steps of 2048 / D' keys (D' = 32, 64 or 128 >= D);
     out [>=n, H * D] f16/bf16/f32. A token's result depends on its position, its slot's KV and S, not on the batch."""
-    n_slots, n_ctx, Hkv, D = k_cache.shape
-    storage = _same_storage(("k_cache", k_cache), ("v_cache", v_cache))
+    Hkv, D = k_cache.shape[-2:]
     if n_head % Hkv or n_head // Hkv not in ATTN_GROUPS:
         raise ValueError(f"n_head {n_head} must be a multiple of n_head_kv {Hkv}, at most {ATTN_GROUPS[-1]} times")
     if D % 8 or D > ATTN_HEAD_DIMS[-1]:
         raise ValueError(f"head_dim {D}: cuda/attention.cu takes multiples of 8 up to {ATTN_HEAD_DIMS[-1]}")
     if chunk < 1:
         raise ValueError("chunk must be >= 1")
+    storage, n_ctx, Hkv, D, stride = _check_kv(qkv, k_cache, v_cache, slots, positions, n, n_head)
     S = attention_splits(n_ctx, chunk)
-    stride = (n_head + 2 * Hkv) * D
-    _check("k_cache", k_cache, _dtype_of(storage), (n_slots, n_ctx, Hkv, D))
-    _check("v_cache", v_cache, _dtype_of(storage), (n_slots, n_ctx, Hkv, D))
-    _check("qkv", qkv, np.float32, (None, stride), min_rows=n)
-    _check("slots", slots, np.int32, (None,), min_rows=n)
-    _check("positions", positions, np.int32, (None,), min_rows=n)
     _check("part_o", part_o, np.float32, (None, n_head, S, D), min_rows=n)
     _check("part_ml", part_ml, np.float32, (None, n_head, S, 2), min_rows=n)
     out_storage = storage_of(out)
