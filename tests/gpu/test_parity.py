@@ -94,15 +94,22 @@ def _explain(got, want, logit_rows, names):
 BAR = {"f16": 1e-2, "bf16": 2e-2}
 
 
+def _worst_logit_error(model, dtype: str, n_prompts: int, longest: int, n_ctx: int, n_steps: int) -> float:
+    """Random prompts prefilled, then n_steps decode steps of random tokens, on both backends: the
+    worst relative error of the GPU backend's logits against the NumPy backend's (float32 weights)."""
+    cfg, w = model.config, model.weights
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, cfg.n_vocab, n).astype(np.int32) for n in rng.integers(1, longest, n_prompts)]
+    seed = int(rng.integers(1 << 30))
+    got = _logit_steps(_cupy_backend(cfg, w, n_prompts, n_ctx, dtype=dtype), prompts, n_steps,
+                       np.random.default_rng(seed))
+    want = _logit_steps(_numpy_backend(cfg, w, n_prompts, n_ctx), prompts, n_steps, np.random.default_rng(seed))
+    return max(rel_err(g, r) for g, r in zip(got, want))
+
+
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 def test_tiny_logits_within_1e2_of_numpy(cupy, tiny_model, dtype):
-    cfg, w = tiny_model.config, tiny_model.weights
-    rng = np.random.default_rng()
-    prompts = [rng.integers(0, cfg.n_vocab, n).astype(np.int32) for n in rng.integers(1, 40, 6)]
-    seed = int(rng.integers(1 << 30))
-    got = _logit_steps(_cupy_backend(cfg, w, 6, 128, dtype=dtype), prompts, 8, np.random.default_rng(seed))
-    want = _logit_steps(_numpy_backend(cfg, w, 6, 128), prompts, 8, np.random.default_rng(seed))
-    err = max(rel_err(g, r) for g, r in zip(got, want))
+    err = _worst_logit_error(tiny_model, dtype, n_prompts=6, longest=40, n_ctx=128, n_steps=8)
     print(f"tiny model, {dtype} weights: worst relative error of the logits {err:.2e}")
     assert err <= BAR[dtype]
 
@@ -183,14 +190,7 @@ def test_memory_pools_flat_over_1000_steps(cupy, tiny_model, graphs):
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 def test_default_logits_within_1e2_of_numpy(cupy, default_model_on_disk, dtype):
-    m = default_model_on_disk
-    cfg, w = m.config, m.weights
-    rng = np.random.default_rng()
-    prompts = [rng.integers(0, cfg.n_vocab, n).astype(np.int32) for n in rng.integers(1, 200, 4)]
-    seed = int(rng.integers(1 << 30))
-    got = _logit_steps(_cupy_backend(cfg, w, 4, 256, dtype=dtype), prompts, 4, np.random.default_rng(seed))
-    want = _logit_steps(_numpy_backend(cfg, w, 4, 256), prompts, 4, np.random.default_rng(seed))
-    err = max(rel_err(g, r) for g, r in zip(got, want))
+    err = _worst_logit_error(default_model_on_disk, dtype, n_prompts=4, longest=200, n_ctx=256, n_steps=4)
     print(f"default model, {dtype} weights: worst relative error of the logits {err:.2e}")
     assert err <= BAR[dtype]
 
