@@ -40,13 +40,14 @@ def extensions():
     exts = []
     for pyx in sorted(glob.glob(os.path.join("fastserve", "*.pyx"))):
         name = "fastserve." + os.path.splitext(os.path.basename(pyx))[0]
-        ext_args, link_args, depends = list(args), [], []
+        # Helper threads (the decode thread's Pool, _pool.h): pthreads.
+        ext_args, link_args = list(args) + ["-pthread"], ["-pthread"]
+        depends = [os.path.join("fastserve", "_pool.h"), os.path.join("fastserve", "_pool.pxd")]
         if name == "fastserve._matmul":
             depends.append(os.path.join("fastserve", "_matmul_kernels.h"))
             # Its float sums are specified operation by operation (batch invariance, parity with the
-            # NumPy twin): no fused multiply-add. Helper threads: pthreads.
-            ext_args += ["-ffp-contract=off", "-pthread"]
-            link_args += ["-pthread"]
+            # NumPy twin): no fused multiply-add.
+            ext_args += ["-ffp-contract=off"]
         exts.append(Extension(name, [pyx], define_macros=macros, extra_compile_args=ext_args,
                               extra_link_args=link_args, depends=depends))
     return cythonize(

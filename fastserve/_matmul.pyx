@@ -19,6 +19,8 @@ import numpy as np
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t
 from libc.stdlib cimport free, malloc
 
+from fastserve._pool cimport Pool, fs_pool
+
 cdef extern from "_matmul_kernels.h" nogil:
     enum:
         FS_QK
@@ -39,8 +41,6 @@ cdef extern from "_matmul_kernels.h" nogil:
         float *y
         int64_t ldy
     ctypedef void (*fs_kernel)(const fs_job *, int64_t, int64_t)
-    ctypedef struct fs_pool:
-        int n_helpers
     void fs_quantize_rows(const float *x, int64_t n, int64_t n_in, int64_t ldx, int8_t *q, float *d,
                           int32_t *qsum, float *sx)
     int64_t fs_pb_bytes(int has_min)
@@ -51,8 +51,6 @@ cdef extern from "_matmul_kernels.h" nogil:
     int fs_isa_supported(int isa)
     int fs_best_isa()
     fs_kernel fs_kernel_for(int isa, int has_min)
-    fs_pool *fs_pool_new(int n_threads, int64_t spin_ns)
-    void fs_pool_free(fs_pool *pl)
     void fs_run(fs_pool *pl, fs_kernel kern, const fs_job *job)
 
 ISA_NAMES = {FS_ISA_SCALAR: "scalar", FS_ISA_AVX2: "avx2", FS_ISA_AVX512VNNI: "avx512vnni",
@@ -171,14 +169,15 @@ cdef class Q8Matrix:
 
 
 cdef class Matmul:
-    """y = x . W^T for Q8Matrix weights. threads: the calling thread plus threads - 1 helpers,
-    which spin for spin_us microseconds after a call (waiting for the next one) and then sleep;
+    """y = x . W^T for Q8Matrix weights. pool: the threads to run on (a fastserve._pool.Pool shared
+    with the step's other loops), or None for a Pool of its own of `threads` threads (the caller
+    plus threads - 1 helpers, which spin for spin_us microseconds after a call, then sleep);
     isa: "auto" (the best kernel of this machine) or a name from isas().
     Holds the activation scratch (grown on demand, never shrunk)."""
     cdef readonly int threads
     cdef readonly str isa
     cdef fs_kernel kern, kern_m
-    cdef fs_pool *pool
+    cdef readonly Pool pool
     cdef int8_t *xq
     cdef float *dx
     cdef int32_t *xs
@@ -187,15 +186,14 @@ cdef class Matmul:
     cdef bint busy
 
     def __cinit__(self):
-        self.pool = NULL
         self.xq = NULL
         self.dx = NULL
         self.xs = NULL
         self.sx = NULL
         self.cap_q = self.cap_b = 0
 
-    def __init__(self, int threads=1, str isa="auto", double spin_us=100.0):
-        if threads < 1 or threads > FS_MAX_THREADS:
+    def __init__(self, int threads=1, str isa="auto", double spin_us=100.0, Pool pool=None):
+        if pool is None and (threads < 1 or threads > FS_MAX_THREADS):
             raise ValueError(f"threads must be in 1..{FS_MAX_THREADS}, got {threads}")
         if isa == "auto":
             isa = best_isa()
@@ -206,14 +204,10 @@ cdef class Matmul:
         self.isa = isa
         self.kern = fs_kernel_for(_ISA_IDS[isa], 0)
         self.kern_m = fs_kernel_for(_ISA_IDS[isa], 1)
-        self.threads = threads
-        if threads > 1:
-            self.pool = fs_pool_new(threads, <int64_t>(max(spin_us, 0.0) * 1000))
-            if self.pool == NULL:
-                raise MemoryError(f"Matmul: could not start {threads - 1} helper threads")
+        self.pool = pool if pool is not None else Pool(threads, spin_us)
+        self.threads = self.pool.threads
 
     def __dealloc__(self):
-        fs_pool_free(self.pool)
         free(self.xq)
         free(self.dx)
         free(self.xs)
@@ -260,7 +254,7 @@ cdef class Matmul:
         try:
             with nogil:
                 fs_quantize_rows(&xv[0, 0], n, w.n_in, w.n_in, self.xq, self.dx, self.xs, self.sx)
-                fs_run(self.pool, self.kern_m if w.has_min else self.kern, &job)
+                fs_run(self.pool.pl, self.kern_m if w.has_min else self.kern, &job)
         finally:
             self.busy = False
         return out

@@ -34,9 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
-#include <pthread.h>
-#include <unistd.h>
-#include <time.h>
+#include "_pool.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #define FS_X86 1
@@ -55,7 +53,7 @@
 #define FS_PB_BYTES 576          /* quants + 16 float32 scales (+ 16 float32 offsets: FS_PB_BYTES_M) */
 #define FS_PB_BYTES_M 640
 #define FS_TINY 0x1p-100f         /* blocks with a smaller amax are zero */
-#define FS_MAX_THREADS 64
+#define FS_MAX_THREADS FS_POOL_MAX_THREADS
 #ifndef FS_TASKS_PER_THREAD
 #define FS_TASKS_PER_THREAD 4
 #endif
@@ -661,146 +659,18 @@ static fs_kernel fs_kernel_for(int isa, int has_min)
 
 /* ---- threads ------------------------------------------------------------------------------ */
 
-/* A caller and n_helpers helper threads share the panels of one call in tasks claimed one at a
- * time under a mutex. Which thread computes which panel does not change any number (every output
- * is summed by one thread in the fixed block order), so the claiming may be dynamic: when a
- * helper's core is busy with another process, the caller simply takes the tasks that helper has
- * not claimed, and waits only for the tasks already running.
- * Between calls a helper spins for spin_ns (the next product of a decode step usually comes within
- * tens of microseconds, and waking a sleeping thread costs about as much), then sleeps on a
- * condition variable; the caller spins as long for the last running task before it sleeps. */
+/* The panels of one call are shared out in tasks over the decode thread's Pool (_pool.h). Which
+ * thread computes which panel does not change any number: every output is summed by one thread in
+ * the fixed block order. */
 typedef struct {
-    pthread_mutex_t mu;
-    pthread_cond_t work, done;
-    int n_helpers, stop, active;     /* written under mu; stop, active and gen also read unlocked */
-    uint64_t gen;
-    int64_t spin_ns;
-    pid_t owner;
     fs_kernel kern;
-    fs_job job;
-    int64_t n_panels, chunk, n_tasks, next;
-    pthread_t th[FS_MAX_THREADS];
-} fs_pool;
+    const fs_job *job;
+} fs_call;
 
-static inline int64_t fs_now_ns(void)
+static void fs_call_panels(void *ctx, int64_t p0, int64_t p1)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-static inline void fs_relax(void)
-{
-#if defined(FS_X86)
-    _mm_pause();
-#elif defined(FS_ARM64)
-    __asm__ __volatile__("yield");
-#endif
-}
-
-/* Spins (unlocked) until *word == 0 or spin_ns pass; returns 1 when it got there. */
-static int fs_spin_until_zero(const int *word, int64_t spin_ns)
-{
-    int64_t t0 = fs_now_ns();
-    for (int i = 1;; i++) {
-        if (__atomic_load_n(word, __ATOMIC_ACQUIRE) == 0)
-            return 1;
-        fs_relax();
-        if ((i & 63) == 0 && fs_now_ns() - t0 > spin_ns)
-            return 0;
-    }
-}
-
-static int fs_spin_while_gen(const fs_pool *pl, uint64_t seen)
-{
-    int64_t t0 = fs_now_ns();
-    for (int i = 1;; i++) {
-        if (__atomic_load_n(&pl->gen, __ATOMIC_ACQUIRE) != seen || __atomic_load_n(&pl->stop, __ATOMIC_ACQUIRE))
-            return 1;
-        fs_relax();
-        if ((i & 63) == 0 && fs_now_ns() - t0 > pl->spin_ns)
-            return 0;
-    }
-}
-
-static void fs_task_range(const fs_pool *pl, int64_t t, int64_t *p0, int64_t *p1)
-{
-    *p0 = t * pl->chunk;
-    *p1 = *p0 + pl->chunk < pl->n_panels ? *p0 + pl->chunk : pl->n_panels;
-}
-
-static void *fs_helper_main(void *arg)
-{
-    fs_pool *pl = (fs_pool *)arg;
-    uint64_t seen = 0;
-    pthread_mutex_lock(&pl->mu);
-    for (;;) {
-        if (pl->spin_ns > 0 && !pl->stop && pl->gen == seen) {
-            pthread_mutex_unlock(&pl->mu);
-            fs_spin_while_gen(pl, seen);
-            pthread_mutex_lock(&pl->mu);
-        }
-        while (!pl->stop && pl->gen == seen)
-            pthread_cond_wait(&pl->work, &pl->mu);
-        if (pl->stop)
-            break;
-        seen = pl->gen;
-        while (pl->next < pl->n_tasks) {
-            int64_t p0, p1;
-            fs_task_range(pl, pl->next++, &p0, &p1);
-            fs_job job = pl->job;
-            fs_kernel kern = pl->kern;
-            __atomic_store_n(&pl->active, pl->active + 1, __ATOMIC_RELEASE);
-            pthread_mutex_unlock(&pl->mu);
-            kern(&job, p0, p1);
-            pthread_mutex_lock(&pl->mu);
-            __atomic_store_n(&pl->active, pl->active - 1, __ATOMIC_RELEASE);
-            if (pl->active == 0)
-                pthread_cond_signal(&pl->done);
-        }
-    }
-    pthread_mutex_unlock(&pl->mu);
-    return NULL;
-}
-
-static void fs_pool_free(fs_pool *pl)
-{
-    if (!pl)
-        return;
-    if (pl->owner == getpid()) {     /* a forked child has none of the parent's threads */
-        pthread_mutex_lock(&pl->mu);
-        __atomic_store_n(&pl->stop, 1, __ATOMIC_RELEASE);
-        pthread_cond_broadcast(&pl->work);
-        pthread_mutex_unlock(&pl->mu);
-        for (int i = 0; i < pl->n_helpers; i++)
-            pthread_join(pl->th[i], NULL);
-        pthread_mutex_destroy(&pl->mu);
-        pthread_cond_destroy(&pl->work);
-        pthread_cond_destroy(&pl->done);
-    }
-    free(pl);
-}
-
-/* A pool of n_threads - 1 helpers (the caller is the n-th thread); NULL when out of resources. */
-static fs_pool *fs_pool_new(int n_threads, int64_t spin_ns)
-{
-    fs_pool *pl = (fs_pool *)calloc(1, sizeof(fs_pool));
-    if (!pl)
-        return NULL;
-    pl->spin_ns = spin_ns;
-    pthread_mutex_init(&pl->mu, NULL);
-    pthread_cond_init(&pl->work, NULL);
-    pthread_cond_init(&pl->done, NULL);
-    pl->owner = getpid();
-    int want = n_threads - 1 < FS_MAX_THREADS ? n_threads - 1 : FS_MAX_THREADS;
-    for (int i = 0; i < want; i++) {
-        if (pthread_create(&pl->th[i], NULL, fs_helper_main, pl) != 0) {
-            fs_pool_free(pl);
-            return NULL;
-        }
-        pl->n_helpers++;
-    }
-    return pl;
+    const fs_call *c = (const fs_call *)ctx;
+    c->kern(c->job, p0, p1);
 }
 
 /* Computes job with kern over all its panels, on the caller and the pool's helpers (pool may be NULL). */
@@ -819,34 +689,8 @@ static void fs_run(fs_pool *pl, fs_kernel kern, const fs_job *job)
                        (FS_TASKS_PER_THREAD * (pl->n_helpers + 1));
         chunk = even > chunk ? even : chunk;
     }
-    if (!pl || pl->n_helpers == 0 || n_panels <= chunk || pl->owner != getpid()) {
-        kern(job, 0, n_panels);
-        return;
-    }
-    pthread_mutex_lock(&pl->mu);
-    pl->kern = kern;
-    pl->job = *job;
-    pl->n_panels = n_panels;
-    pl->chunk = chunk;
-    pl->n_tasks = (n_panels + chunk - 1) / chunk;
-    pl->next = 0;
-    __atomic_store_n(&pl->gen, pl->gen + 1, __ATOMIC_RELEASE);
-    pthread_cond_broadcast(&pl->work);
-    while (pl->next < pl->n_tasks) {
-        int64_t p0, p1;
-        fs_task_range(pl, pl->next++, &p0, &p1);
-        pthread_mutex_unlock(&pl->mu);
-        kern(job, p0, p1);
-        pthread_mutex_lock(&pl->mu);
-    }
-    if (pl->active > 0 && pl->spin_ns > 0) {
-        pthread_mutex_unlock(&pl->mu);
-        fs_spin_until_zero(&pl->active, pl->spin_ns);
-        pthread_mutex_lock(&pl->mu);
-    }
-    while (pl->active > 0)
-        pthread_cond_wait(&pl->done, &pl->mu);
-    pthread_mutex_unlock(&pl->mu);
+    fs_call c = {kern, job};
+    fs_pool_run(pl, fs_call_panels, &c, n_panels, chunk);
 }
 
 #endif /* FASTSERVE_MATMUL_KERNELS_H */

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._attention import attend
+from .._pool import Pool
 from .._matmul import Matmul, Q8Matrix
 from ..models.llama import LlamaConfig, LlamaWeights
 
@@ -71,7 +72,7 @@ class NumpyBackend:
     """CPU backend. KV cache: per layer float32 [n_slots, n_ctx_slot, Hkv, D].
 
     weight_type: "q8" (fastserve._matmul on int8 weights, the default) or "f32" (OpenBLAS).
-    threads: threads of the q8 products (the caller + threads - 1 helpers); 1 is the safe default
+    threads: threads of the step's loops (self.pool: the caller + threads - 1 helpers); 1 is the safe default
     on a machine whose other cores serve the event loop (see bench/bench_matmul.py). The f32
     path's threads are OpenBLAS's (threadpoolctl).
 
@@ -89,8 +90,9 @@ class NumpyBackend:
             raise ValueError(f"unknown weight_type {weight_type!r}; known: {', '.join(WEIGHT_TYPES)}")
         self.cfg, self.w = cfg, weights
         self.weight_type = weight_type
+        self.pool = Pool(threads)      # the step's helper threads, shared by its parallel loops
         if weight_type == "q8":
-            self._mm = Matmul(threads)
+            self._mm = Matmul(pool=self.pool)
             layers, output = q8_matrices(weights)
         else:
             self._mm = None

@@ -85,9 +85,11 @@ class Q8Matrix:
 
 
 class Matmul:
-    """The extension's Matmul: threads, isa and spin_us are accepted and change no number (as in C)."""
+    """The extension's Matmul: threads, pool, isa and spin_us are accepted and change no number (as in C)."""
 
-    def __init__(self, threads: int = 1, isa: str = "auto", spin_us: float = 100.0):
+    def __init__(self, threads: int = 1, isa: str = "auto", spin_us: float = 100.0, pool=None):
+        if pool is not None:
+            threads = pool.threads
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         if isa not in ("auto", "scalar"):
