@@ -5,15 +5,17 @@ GET /health every 5 ms from the moment the process was spawned; the figure is th
 200. With a llama-server binary (--llama-server PATH or $FASTSERVE_LLAMA_SERVER) the same is measured
 for it, rounds interleaved so that both see the same machine load; without one that side is skipped,
 saying why. --tree DIR (repeatable) measures other fastserve checkouts too (e.g. main, for a
-before/after in one run). The server's own start line (load time, RSS) is shown for fastserve.
+before/after in one run). The server's own start line (load time, RSS) is shown for fastserve, and
+where it names the load's phases, the start less the weights' phase too (the rest of the start).
 
-Run: python bench/bench_start.py [--rounds 5] [--llama-server PATH] [--tree ../main]
+Run: python bench/bench_start.py [--rounds 5] [--llama-server PATH [--llama-commit SHA]] [--tree ../main]
  or: pytest bench/bench_start.py --benchmark-only -s   (make bench)
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -95,7 +97,8 @@ def llama_version(binary: str) -> str:
     return next((line for line in text if "version" in line), text[0] if text else "unknown")
 
 
-def run(model: str, rounds: int = 5, llama_server: str | None = None, trees: tuple[str, ...] = ()) -> dict:
+def run(model: str, rounds: int = 5, llama_server: str | None = None, trees: tuple[str, ...] = (),
+        llama_commit: str | None = None) -> dict:
     """{label: [seconds per round]} plus the start lines; rounds interleaved across the servers."""
     sides = {f"fastserve ({REPO.name})": str(REPO)}
     for t in trees:
@@ -111,18 +114,23 @@ def run(model: str, rounds: int = 5, llama_server: str | None = None, trees: tup
             dt, err = time_to_health(fastserve_cmd(model, port), port, env=env, cwd=tree)
             times[label].append(dt)
             lines[label] = next((x for x in err.splitlines() if "loaded" in x), "")
+            weights = re.search(r"weights ([\d.]+) s", lines[label])   # start lines that name their phases
+            if weights:
+                times.setdefault(f"{label} - weights", []).append(dt - float(weights.group(1)))
         if llama_server:
             port = free_port()
             times["llama-server"].append(time_to_health(llama_cmd(llama_server, model, port), port)[0])
-    return {"times": times, "lines": lines,
-            "llama_version": llama_version(llama_server) if llama_server else None}
+    version = llama_version(llama_server) if llama_server else None
+    if version and llama_commit:
+        version += f"; built from commit {llama_commit}"
+    return {"times": times, "lines": lines, "llama_version": version}
 
 
 def report(out: dict) -> str:
     rows = [f"start -> /health 200, -np {N_SLOTS} -c {N_CTX} ({len(next(iter(out['times'].values())))} rounds):",
-            f"{'server':<32} {'median s':>9} {'min s':>7} {'max s':>7}"]
+            f"{'server':<36} {'median s':>9} {'min s':>7} {'max s':>7}"]
     for label, ts in out["times"].items():
-        rows.append(f"{label:<32} {statistics.median(ts):>9.3f} {min(ts):>7.3f} {max(ts):>7.3f}")
+        rows.append(f"{label:<36} {statistics.median(ts):>9.3f} {min(ts):>7.3f} {max(ts):>7.3f}")
     for label, line in out["lines"].items():
         rows.append(f"{label}: {line.strip()}")
     if out["llama_version"]:
@@ -135,7 +143,8 @@ def report(out: dict) -> str:
 def test_start_to_health(benchmark):
     from fastserve.default_model import default_model_path
     out = benchmark.pedantic(run, args=(default_model_path(),),
-                             kwargs={"rounds": 3, "llama_server": os.environ.get("FASTSERVE_LLAMA_SERVER")},
+                             kwargs={"rounds": 3, "llama_server": os.environ.get("FASTSERVE_LLAMA_SERVER"),
+                                     "llama_commit": os.environ.get("FASTSERVE_LLAMA_COMMIT")},
                              rounds=1, iterations=1)
     print("\n" + report(out))
     benchmark.extra_info.update(out["times"])
@@ -147,13 +156,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--llama-server", default=os.environ.get("FASTSERVE_LLAMA_SERVER"),
                     help="llama-server binary to measure side by side ($FASTSERVE_LLAMA_SERVER)")
+    ap.add_argument("--llama-commit", default=os.environ.get("FASTSERVE_LLAMA_COMMIT"),
+                    help="the llama.cpp commit the binary was built from, when its --version does not say "
+                         "($FASTSERVE_LLAMA_COMMIT)")
     ap.add_argument("--tree", action="append", default=[], help="another fastserve checkout to measure too")
     a = ap.parse_args()
     if a.model is None:
         sys.path.insert(0, str(REPO))
         from fastserve.default_model import default_model_path
         a.model = default_model_path()
-    print(report(run(a.model, a.rounds, a.llama_server, tuple(a.tree))))
+    print(report(run(a.model, a.rounds, a.llama_server, tuple(a.tree), a.llama_commit)))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ ModelLoadError naming the file and, where one is at fault, the tensor or the key
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -31,6 +32,7 @@ GGUF_MAGIC = b"GGUF"
 VERSIONS = (2, 3)               # v1 had 32-bit counts; v2 and v3 share one little-endian layout
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4                    # GGML_MAX_DIMS
+MAX_NESTING = 8                 # arrays of arrays: llama.cpp reads none; gguf-py any (we stop short of recursion limits)
 
 # ggml type id -> (name, elements per block, bytes per block): ggml's type traits (ggml/src/ggml.c).
 # Ids absent here were removed from ggml (4, 5, 31-33, 36-38) or are newer than this table.
@@ -123,7 +125,7 @@ class GGUFFile:
         if offset % self.alignment:
             raise ModelLoadError(f"{where} starts at data offset {offset}, not a multiple of the file's "
                                  f"alignment {self.alignment} (general.alignment); the file is corrupt")
-        n_elements = int(np.prod(dims, dtype=object)) if dims else 1
+        n_elements = math.prod(dims)
         n_bytes = n_elements // block * block_bytes
         start = self.data_offset + offset
         if start + n_bytes > len(self._bytes):
@@ -193,7 +195,7 @@ class _Reader:
             raise ModelLoadError(f"{self.path}: {what} is not valid UTF-8 ({exc}); the file is corrupt") from exc
 
     def value(self, type_id: int, key: str, depth: int = 0):
-        """One metadata value of the given type (an array's items read in bulk)."""
+        """One metadata value of the given type (an array's items read in bulk); depth: arrays around it."""
         if type_id in _SCALARS:
             return self.scalar(type_id, f"the value of metadata key {key!r}")
         if type_id == STRING:
@@ -212,6 +214,9 @@ class _Reader:
         if item == STRING:
             return self.strings(self.count(n, 8, what), key)
         if item == ARRAY:
+            if depth >= MAX_NESTING:
+                raise ModelLoadError(f"{self.path}: metadata array {key!r} nests arrays deeper than {MAX_NESTING}; "
+                                     "the file is corrupt")
             return [self.value(ARRAY, f"{key}[{i}]", depth + 1) for i in range(self.count(n, 12, what))]
         raise ModelLoadError(f"{self.path}: metadata array {key!r} has unknown item type {item}; the file is corrupt")
 

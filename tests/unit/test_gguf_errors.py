@@ -323,3 +323,13 @@ def test_hyperparameters_that_cannot_be_right(intact, tmp_path, key, value, patt
     path, data, rd = intact
     with pytest.raises(ModelLoadError, match=pattern):
         fastserve.load_model(_patched(tmp_path, data, _part_offset(rd.fields[key], 3), "<I", value))
+
+
+def test_arrays_nested_too_deep(tmp_path):
+    """Arrays of arrays 10 000 deep (12 bytes a level): refused, not a RecursionError."""
+    depth = 10_000
+    kv = struct.pack("<Q", 4) + b"deep" + struct.pack("<I", 9)                  # key "deep", type ARRAY
+    kv += (struct.pack("<IQ", 9, 1)) * depth + struct.pack("<IQ", 4, 0)          # ... of one array ... of no uint32
+    p = tmp_path / "deep.gguf"
+    p.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + kv)
+    _fails(p, r"metadata array 'deep(\[0\])+' nests arrays deeper than 8")
