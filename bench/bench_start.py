@@ -2,9 +2,10 @@
 
 Each round starts the server on the default model (or -m) on a free loopback port and polls
 GET /health every 5 ms from the moment the process was spawned; the figure is the time to the first
-200. With a llama-server binary (--llama-server PATH or $FASTSERVE_LLAMA_SERVER) the same is measured
-for it, rounds interleaved so that both see the same machine load; without one that side is skipped,
-saying why. --tree DIR (repeatable) measures other fastserve checkouts too (e.g. main, for a
+200. One uncounted round first warms the page cache and Python's bytecode cache (the servers start
+without PYTHONDONTWRITEBYTECODE, as a user's would). With a llama-server binary (--llama-server PATH
+or $FASTSERVE_LLAMA_SERVER) the same is measured for it, rounds interleaved so that both see the
+same machine load; without one that side is skipped, saying why. --tree DIR (repeatable) measures other fastserve checkouts too (e.g. main, for a
 before/after in one run). The server's own start line (load time, RSS) is shown for fastserve, and
 where it names the load's phases, the start less the weights' phase too (the rest of the start).
 
@@ -107,11 +108,14 @@ def run(model: str, rounds: int = 5, llama_server: str | None = None, trees: tup
     lines: dict[str, str] = {}
     if llama_server:
         times["llama-server"] = []
-    for _ in range(rounds):
+    for i in range(rounds + 1):             # round 0 warms the page cache and writes the .pyc files; not counted
         for label, tree in sides.items():
             port = free_port()
-            env = {**os.environ, "PYTHONPATH": tree}
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}   # start as a user would
+            env["PYTHONPATH"] = tree
             dt, err = time_to_health(fastserve_cmd(model, port), port, env=env, cwd=tree)
+            if i == 0:
+                continue
             times[label].append(dt)
             lines[label] = next((x for x in err.splitlines() if "loaded" in x), "")
             weights = re.search(r"weights ([\d.]+) s", lines[label])   # start lines that name their phases
@@ -119,7 +123,9 @@ def run(model: str, rounds: int = 5, llama_server: str | None = None, trees: tup
                 times.setdefault(f"{label} - weights", []).append(dt - float(weights.group(1)))
         if llama_server:
             port = free_port()
-            times["llama-server"].append(time_to_health(llama_cmd(llama_server, model, port), port)[0])
+            dt = time_to_health(llama_cmd(llama_server, model, port), port)[0]
+            if i:
+                times["llama-server"].append(dt)
     version = llama_version(llama_server) if llama_server else None
     if version and llama_commit:
         version += f"; built from commit {llama_commit}"

@@ -12,7 +12,6 @@ Matrix orientation: numpy shape (out_features, in_features), so y = x @ W.T.
 """
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -66,7 +65,7 @@ class LlamaConfig:
             return int(value(key, default, (int, np.integer), lambda v: 0 < v < 2**31))
 
         def number(key, default) -> float:
-            return float(value(key, default, (int, float, np.number), math.isfinite))
+            return float(value(key, default, (int, float, np.number), lambda v: bool(np.isfinite(v))))
 
         n_embd = count("embedding_length")
         n_head = count("attention.head_count")
