@@ -29,7 +29,9 @@ def test_default_model_answers_health_soon_after_start(default_model_file, tmp_p
                          r"([\d.]+) s\); ready ([\d.]+) s after the process started, RSS (\d+) MiB", srv.log())
         assert line, srv.log()
         load, parse, tokenizer, weights, ready, rss = map(float, line.groups())
-        assert 0 < parse + tokenizer + weights <= load <= ready <= took + 0.05 and 50 < rss < 4096
+        # the phases make up the load, the load is part of the start (figures printed to 10 ms)
+        assert abs(parse + tokenizer + weights - load) <= 0.03 and load <= ready + 0.01 <= took + 0.06
+        assert 50 < rss < 4096
         if weights > 1.0:
             # The weights are still dequantized at load (until issue 10's item 1, products on the mapped
             # blocks, lands): bound everything else now; this branch goes away by itself after that.
