@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import resource
 import sys
 import time
 
@@ -10,13 +9,18 @@ _IMPORTED = time.monotonic()        # the fallback origin where /proc is not the
 
 
 def rss_bytes() -> int:
-    """Resident memory now (Linux: /proc/self/statm); elsewhere the peak so far (getrusage)."""
+    """Resident memory now (Linux: /proc/self/statm); elsewhere the peak so far (getrusage), or 0."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak if sys.platform == "darwin" else peak * 1024      # macOS: bytes; Linux/BSD: KiB
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    try:
+        import resource
+    except ImportError:             # Windows
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024      # macOS: bytes; Linux/BSD: KiB
 
 
 def seconds_since_start() -> float:
@@ -27,5 +31,5 @@ def seconds_since_start() -> float:
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
         return max(0.0, uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
+    except (OSError, ValueError, IndexError, AttributeError):
         return time.monotonic() - _IMPORTED
