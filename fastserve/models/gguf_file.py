@@ -83,7 +83,8 @@ class GGUFFile:
         _check_header(self.path)
         with open(self.path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self._bytes = np.frombuffer(self._map, np.uint8)
+        # every tensor's data is a view whose .base chain ends at this mmap, as np.memmap's do
+        self._bytes = np.ndarray((len(self._map),), np.uint8, buffer=self._map)
         r = _Reader(self.path, self._map, self._bytes)
         self.version, n_tensors, n_kv = _read_counts(r)
         self.metadata: dict[str, Any] = {}

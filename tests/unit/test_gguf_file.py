@@ -108,3 +108,13 @@ def test_reading_touches_no_tensor_data(tmp_path):
     weights = sum(e.data.nbytes for e in gf.tensors.values())
     assert weights > 60 << 20
     assert grown < 1024, f"reading the header mapped {grown} KiB of the file"
+
+
+def test_tensor_data_are_views_of_the_mapped_file(tiny_model_path):
+    import mmap
+
+    for e in GGUFFile(tiny_model_path).tensors.values():
+        root = e.data
+        while getattr(root, "base", None) is not None:
+            root = root.base
+        assert isinstance(root, mmap.mmap), e.name
