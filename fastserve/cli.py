@@ -102,7 +102,7 @@ def _load(args):
     from .default_model import default_model_path
     path = args.model or default_model_path()
     model = load_model(path)
-    print(f"fastserve: loaded {model.name} in {model.load_seconds:.1f} s", file=sys.stderr)
+    print(f"fastserve: {model.load_summary()}", file=sys.stderr)
     return model
 
 

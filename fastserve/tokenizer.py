@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import heapq
 import operator
+import re
+from itertools import chain
 from typing import Any, Iterable
+
+import numpy as np
 
 from .chat_template import ChatTemplate
 from .errors import ModelLoadError, RequestError
@@ -92,6 +96,9 @@ def _byte_chars() -> dict[str, int]:
 
 
 _CHAR_BYTE = _byte_chars()
+# code point -> byte for GPT-2's alphabet, -1 elsewhere (the last entry stands for every larger one)
+_BYTE_OF = np.full(max(map(ord, _CHAR_BYTE)) + 2, -1, np.int16)
+_BYTE_OF[[ord(c) for c in _CHAR_BYTE]] = list(_CHAR_BYTE.values())
 
 
 class Tokenizer:
@@ -110,16 +117,16 @@ class Tokenizer:
         self.model = model
         self._spm = model == "llama"
         tokens = md.get("tokenizer.ggml.tokens")
-        if not tokens:
+        if tokens is None or len(tokens) == 0:
             raise ModelLoadError("the model has no vocabulary (tokenizer.ggml.tokens is missing or empty)")
-        # llama.cpp reads token texts as C strings (cut at NUL) and renames empty ones
-        self._text = [t.split("\0", 1)[0] or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        self._text = _token_texts(tokens)
         n = self.n_vocab = len(self._text)
-        self._id = {t: i for i, t in enumerate(self._text)}  # duplicates: the last id wins, as in llama.cpp
-        types = md.get("tokenizer.ggml.token_type") or [1] * n
-        self._attr = [_TYPE_ATTR.get(int(t), 0) for t in types[:n]] + [NORMAL] * (n - len(types))
+        self._id = dict(zip(self._text, range(n)))  # duplicates: the last id wins, as in llama.cpp
+        # attributes as a NumPy array while the vocabulary is built (bulk masks), a list afterwards
+        self._attr = _attributes(md.get("tokenizer.ggml.token_type"), n)
         scores = md.get("tokenizer.ggml.scores")
-        self._score = [float(s) for s in (scores or [])[:n]] + [0.0] * (n - len(scores or []))
+        scores = np.asarray(scores if scores is not None else [], np.float64)[:n].tolist()
+        self._score = scores + [0.0] * (n - len(scores))
 
         pre = md.get("tokenizer.ggml.pre") or "default"
         add_bos_default = self._spm
@@ -150,7 +157,8 @@ class Tokenizer:
             raise ModelLoadError("the model asks for an EOS token (tokenizer.ggml.add_eos_token) but has no EOS id")
         self.eog_ids = self._find_roles(md)
         self._specials = self._special_cache(str(md.get("general.name", "")).lower())
-        self._pieces = [self._piece(i) for i in range(n)]
+        self._pieces = self._all_pieces()
+        self._attr = self._attr.tolist()            # per-token lookups on the hot paths: a list is faster
         self._template = ChatTemplate(md.get("tokenizer.chat_template"),
                                       self._text[self.bos_id] if self.bos_id is not None else "",
                                       self._text[self.eos_id] if self.eos_id is not None else "")
@@ -188,7 +196,7 @@ class Tokenizer:
 
     def _special_cache(self, model_name: str) -> list[tuple[int, str, bool]]:
         """(id, text, rstrip) of the tokens matched in raw text, longest text first."""
-        ids = [i for i, a in enumerate(self._attr) if a & (CONTROL | USER_DEFINED | UNKNOWN)]
+        ids = np.flatnonzero(self._attr & (CONTROL | USER_DEFINED | UNKNOWN)).tolist()
         ids.sort(key=lambda i: -len(self._text[i].encode()))
         rstrip = set()
         if "phi-3" in model_name or "phi3" in model_name:   # llama.cpp strips spaces after phi-3's specials
@@ -196,8 +204,37 @@ class Tokenizer:
             rstrip -= {self._id.get(t) for t in ("<unk>", "<s>", "<|endoftext|>")}
         return [(i, self._text[i], i in rstrip) for i in ids]
 
+    def _all_pieces(self) -> list[bytes]:
+        """_piece(i) of every token i, in bulk: the plain tokens (NORMAL, the bulk of any vocabulary)
+        converted all at once from the vocabulary's code points, the others (special, byte, those with
+        a character outside GPT-2's byte alphabet) one by one through _piece."""
+        n, attr = self.n_vocab, self._attr
+        plain = ((attr & NORMAL) != 0) & ((attr & (CONTROL | UNKNOWN | USER_DEFINED)) == 0)
+        try:
+            cps = np.frombuffer("".join(self._text).encode("utf-32-le"), np.uint32)   # code points
+        except UnicodeEncodeError:          # a lone surrogate in a hand-made vocabulary
+            return [self._piece(i) for i in range(n)]
+        ends = np.zeros(n + 1, np.int64)    # token i's code points: cps[ends[i]:ends[i + 1]]
+        np.cumsum(np.fromiter(map(len, self._text), np.int64, n), out=ends[1:])
+        if self._spm:                       # "▁" is a space; UTF-8 of the rest
+            cps = np.where(cps == 0x2581, 0x20, cps).astype("<u4")
+            blob = cps.tobytes().decode("utf-32-le").encode("utf-8")
+            at = np.zeros(len(cps) + 1, np.int64)
+            np.cumsum(1 + (cps >= 0x80) + (cps >= 0x800) + (cps >= 0x10000), out=at[1:])
+            ends = at[ends]
+        else:                               # one byte per character of GPT-2's alphabet
+            b = _BYTE_OF[np.minimum(cps, len(_BYTE_OF) - 1)]
+            odd = np.flatnonzero(b < 0)
+            plain[np.searchsorted(ends, odd, "right") - 1] = False
+            blob = b.astype(np.uint8).tobytes()
+        at = ends.tolist()
+        pieces = [blob[a:z] for a, z in zip(at, at[1:])]
+        for i in np.flatnonzero(~plain).tolist():
+            pieces[i] = self._piece(i)
+        return pieces
+
     def _piece(self, i: int) -> bytes:
-        """llama.cpp's token_to_piece(special=True), computed once per token."""
+        """llama.cpp's token_to_piece(special=True) of one token."""
         attr, text = self._attr[i], self._text[i]
         if attr & (CONTROL | UNKNOWN | USER_DEFINED):
             return text.encode()
@@ -422,21 +459,63 @@ def _valid_unicode(text: str) -> str:
     return text
 
 
+def _token_texts(tokens) -> list[str]:
+    """llama.cpp reads token texts as C strings (cut at NUL) and renames empty ones."""
+    texts = list(tokens)
+    if "\0" in "".join(texts):
+        texts = [t.split("\0", 1)[0] for t in texts]
+    if "" in texts:
+        texts = [t or f"[EMPTY_{i}]" for i, t in enumerate(texts)]
+    return texts
+
+
+def _attributes(types, n: int) -> np.ndarray:
+    """int64 [n]: llama.cpp's attribute bits of each GGUF token_type (unknown types: 0; missing: NORMAL)."""
+    attr = np.full(n, NORMAL, np.int64)
+    if types is not None and len(types):
+        t = np.asarray(types, np.int64)[:n]
+        lut = np.array([0, *(_TYPE_ATTR[k] for k in range(1, 7)), 0], np.int64)   # 1..6; else 0
+        attr[:len(t)] = lut[np.where((t >= 1) & (t <= 6), t, 7)]
+    return attr
+
+
+def _merge_pairs(merges, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """The (left, right) pairs HF's BPE takes, in rank order, as _merge_pairs_loop gives them. The
+    common case (every merge splits, none repeats, all parts known) runs at C speed: one regex over
+    the joined merges, and lookups through map(); anything else goes through the loop."""
+    joined = "\n".join(merges)
+    pairs = _MERGE_SPLIT.findall(joined)
+    if (len(pairs) == len(merges) and joined.count("\n") == len(merges) - 1
+            and all(map(vocab.__contains__, chain.from_iterable(pairs)))
+            and all(map(vocab.__contains__, map("".join, pairs))) and len(set(pairs)) == len(pairs)):
+        return pairs
+    return _merge_pairs_loop(merges, vocab)
+
+
+def _merge_pairs_loop(merges, vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """llama.cpp splits a merge at the first space after its first character and keeps a duplicate's
+    first rank; HF needs every part, and the merged token, in the vocabulary (it panics otherwise)."""
+    pairs, seen = [], set()
+    for m in merges:
+        p = m.find(" ", 1)
+        a, b = (m[:p], m[p + 1:]) if p > 0 else (m, "")
+        if (a, b) not in seen and a in vocab and b in vocab and a + b in vocab:
+            seen.add((a, b))
+            pairs.append((a, b))
+    return pairs
+
+
+_MERGE_SPLIT = re.compile(r"^(.[^ \n]*) (.*)$", re.MULTILINE)
+
+
 def _build_bpe(vocab: dict[str, int], merges: list[str] | None, regexes: list[str], ignore_merges: bool):
     from tokenizers import Regex
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import models, pre_tokenizers
 
-    if not merges:
+    if merges is None or len(merges) == 0:
         raise ModelLoadError("gpt2 vocabulary without merges (tokenizer.ggml.merges is missing)")
-    pairs, seen = [], set()
-    for m in merges:
-        p = m.find(" ", 1)                # llama.cpp splits at the first space after the first character
-        a, b = (m[:p], m[p + 1:]) if p > 0 else (m, "")
-        # llama.cpp keeps a duplicate's first rank; HF needs every part in the vocabulary
-        if (a, b) not in seen and a in vocab and b in vocab and a + b in vocab:
-            seen.add((a, b))
-            pairs.append((a, b))
+    pairs = _merge_pairs(merges, vocab)
     # A byte with no token of its own stays a symbol in llama.cpp, blocking merges across it, and is
     # dropped only at the end; HF would drop it first. A placeholder unknown token keeps it in place.
     unk = None

@@ -52,30 +52,43 @@ class LlamaConfig:
             raise ModelLoadError(f"unsupported model architecture {arch!r}; supported: "
                                  f"{', '.join(SUPPORTED_ARCHITECTURES)} (SmolLM2, TinyLlama, Llama 2/3, Mistral-style)")
 
-        def need(key):
+        def value(key, default, kinds, ok):
             full = f"{arch}.{key}"
-            if full not in md:
+            v = md.get(full, default)
+            if v is None:
                 raise ModelLoadError(f"GGUF metadata lacks {full!r}; the file is incomplete")
-            return md[full]
+            if isinstance(v, bool) or not isinstance(v, kinds) or not ok(v):
+                raise ModelLoadError(f"GGUF metadata {full!r} is {v!r}, not a usable value; the file is corrupt")
+            return v
 
-        n_embd = int(need("embedding_length"))
-        n_head = int(need("attention.head_count"))
-        head_dim = int(md.get(f"{arch}.attention.key_length", n_embd // n_head))
+        def count(key, default=None) -> int:      # a size: a positive integer that fits an int32
+            return int(value(key, default, (int, np.integer), lambda v: 0 < v < 2**31))
+
+        def number(key, default) -> float:
+            return float(value(key, default, (int, float, np.number), lambda v: bool(np.isfinite(v))))
+
+        n_embd = count("embedding_length")
+        n_head = count("attention.head_count")
+        n_head_kv = count("attention.head_count_kv", n_head)
+        if n_head % n_head_kv:
+            raise ModelLoadError(f"GGUF metadata: {n_head} attention heads do not split into groups of "
+                                 f"{n_head_kv} KV heads; the file is corrupt")
+        head_dim = count("attention.key_length", n_embd // n_head)
         scaling = md.get(f"{arch}.rope.scaling.type", "none")
-        factor = float(md.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+        factor = number("rope.scaling.factor", 1.0) or 1.0
         return cls(
-            n_layer=int(need("block_count")),
+            n_layer=count("block_count"),
             n_embd=n_embd,
             n_head=n_head,
-            n_head_kv=int(md.get(f"{arch}.attention.head_count_kv", n_head)),
-            n_ff=int(need("feed_forward_length")),
+            n_head_kv=n_head_kv,
+            n_ff=count("feed_forward_length"),
             n_vocab=n_vocab,
-            n_ctx_train=int(md.get(f"{arch}.context_length", 2048)),
+            n_ctx_train=count("context_length", 2048),
             head_dim=head_dim,
-            rope_dim=int(md.get(f"{arch}.rope.dimension_count", head_dim)),
-            rope_base=float(md.get(f"{arch}.rope.freq_base", 10000.0)),
+            rope_dim=count("rope.dimension_count", head_dim),
+            rope_base=number("rope.freq_base", 10000.0),
             rope_scale=factor if scaling == "linear" else 1.0,
-            norm_eps=float(md.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+            norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),
         )
 
 

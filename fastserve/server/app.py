@@ -229,6 +229,7 @@ def serve(args) -> int:
     from ..engine import Engine
     from ..default_model import default_model_path
     from ..model import load_model
+    from ..resources import rss_bytes, seconds_since_start
 
     cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, timeout=args.timeout,
                        stall_limit=args.stall_limit, queue_timeout=args.queue_timeout,
@@ -261,6 +262,8 @@ def serve(args) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig.name)
         port = await server.start()
+        print(f"fastserve: {model.load_summary()}; ready {seconds_since_start():.2f} s after the process started, "
+              f"RSS {rss_bytes() / 2**20:.0f} MiB", file=sys.stderr, flush=True)
         print(f"fastserve: listening on http://{cfg.host}:{port} ({model.name}, {engine.n_slots} slots x "
               f"{engine.n_ctx_slot} tokens, {args.loop} loop, {threads} BLAS thread(s))", file=sys.stderr, flush=True)
         await server.wait()

@@ -114,3 +114,14 @@ def test_special_ids_and_chat_template(tok, reference):
     messages = [{"role": "system", "content": "You are a helpful AI assistant named SmolLM, trained by Hugging Face"},
                 {"role": "user", "content": "Write a haiku about autumn leaves."}]
     assert tok.apply_chat_template(messages) == chat
+
+
+@pytest.mark.model
+def test_vocabulary_built_in_bulk_equals_token_by_token(tok, model_metadata):
+    """The load-time shortcuts (pieces from the whole vocabulary's code points, merges split by one
+    regex) give what the token-by-token rules give, on the real 49k vocabulary."""
+    from fastserve.tokenizer import _merge_pairs, _merge_pairs_loop
+
+    assert tok._pieces == [tok._piece(i) for i in range(tok.n_vocab)]
+    merges = model_metadata["tokenizer.ggml.merges"]
+    assert _merge_pairs(merges, tok._id) == _merge_pairs_loop(merges, tok._id)

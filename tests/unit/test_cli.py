@@ -12,6 +12,7 @@ def test_generate(tiny_model_path):
     p = _run("generate", "-m", tiny_model_path, "-n", "8", "--temp", "0", "the cat")
     assert p.returncode == 0, p.stderr
     assert "8 tokens in" in p.stderr and p.stdout.strip()
+    assert "loaded tiny.gguf in" in p.stderr and "(parse " in p.stderr and "tokenizer " in p.stderr
 
 
 def test_missing_model_is_a_clear_error(tmp_path):

@@ -1,6 +1,7 @@
 """Tokenizer on tiny hand-built GGUF vocabularies: expected ids worked out by hand from llama.cpp's rules."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from fastserve.errors import ModelLoadError, RequestError
@@ -292,3 +293,43 @@ def test_encode_rejects_non_text(bpe):
     with pytest.raises(RequestError):
         bpe.encode(b"bytes")
     assert bpe.decode(bpe.encode("a\ud83db")) == "a\ufffdb"   # a lone surrogate cannot be UTF-8
+
+
+# ---- the vocabulary built in bulk equals the token-by-token rules ---------------------------------
+def _odd_gpt2_md() -> dict:
+    """A gpt2 vocabulary with every kind of token the bulk path must hand to the per-token one: a
+    character outside GPT-2's byte alphabet (a raw space, a CJK character), an empty text, a text cut
+    at a NUL, unknown / unused / byte types, scores and types given as NumPy arrays."""
+    md = gpt2_md()
+    tokens = md["tokenizer.ggml.tokens"] + ["a b", "中", "Ġé", "", "x\0y", "<0x41>", "Ġunused", "Ġodd"]
+    types = md["tokenizer.ggml.token_type"] + [1, 1, 1, 1, 1, 6, 5, 9]
+    md.update({"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": np.array(types, np.int32),
+               "tokenizer.ggml.scores": np.linspace(-1, 0, len(tokens), dtype=np.float32)})
+    return md
+
+
+@pytest.mark.parametrize("make_md", [gpt2_md, spm_md, _odd_gpt2_md], ids=["gpt2", "spm", "odd"])
+def test_pieces_in_bulk_equal_token_by_token(make_md):
+    tok = Tokenizer.from_metadata(make_md())
+    assert tok._pieces == [tok._piece(i) for i in range(tok.n_vocab)]
+
+
+def test_odd_vocabulary_texts_and_pieces():
+    tok = Tokenizer.from_metadata(_odd_gpt2_md())
+    n = len(gpt2_md()["tokenizer.ggml.tokens"])
+    assert [tok.token_text(i) for i in range(n, n + 5)] == ["a b", "中", "Ġé", f"[EMPTY_{n + 3}]", "x"]
+    assert tok.token_bytes(n) == b"a[UNK_BYTE_0x20a b]b"        # llama.cpp's marker for a raw space
+    assert tok.token_bytes(n + 2) == b" \xe9"                     # é is byte 0xE9 in GPT-2's alphabet
+    assert tok.token_bytes(n + 5) == b"A" and tok.token_bytes(n + 6) == b"" and tok.token_bytes(n + 7) == b""
+    assert tok._score[:2] == [-1.0, float(np.float32(-1 + 1 / (tok.n_vocab - 1)))]
+
+
+def test_merge_pairs_fast_path_equals_the_loop():
+    from fastserve.tokenizer import _merge_pairs, _merge_pairs_loop
+
+    vocab = {t: i for i, t in enumerate(gpt2_md()["tokenizer.ggml.tokens"])}
+    clean = GPT2_MERGES
+    assert _merge_pairs(clean, vocab) == _merge_pairs_loop(clean, vocab) == [tuple(m.split(" ")) for m in clean]
+    # a duplicate, an unknown part, no space after the first character, a leading space, a newline
+    messy = ["Ġ t", "h e", "Ġ t", "q zz", "he", "  x", "a\nt", "a t"]
+    assert _merge_pairs(messy, vocab) == _merge_pairs_loop(messy, vocab) == [("Ġ", "t"), ("h", "e"), ("a", "t")]
