@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import heapq
+import itertools
 import json
 import os
 import selectors
@@ -57,21 +58,21 @@ def kill_streams(host: str, port: int, n: int, *, body: dict, how: str = "rst", 
     sel = selectors.DefaultSelector()
     deadlines: list = []            # heap of (t_kill, seq, socket)
     open_socks: dict = {}           # socket -> "sent" | "draining"
-    sent = read = seen = seq = 0
+    sent = read = seen = 0
+    order = itertools.count()       # heap tie-breaker: sockets do not compare
 
     def start() -> None:
-        nonlocal sent, seq
+        nonlocal sent
         s = socket.create_connection((host, port), timeout=10)
         s.sendall(payload)
         s.setblocking(False)
         sent += 1
-        seq += 1
         open_socks[s] = "sent"
         if how == "read":
             sel.register(s, selectors.EVENT_READ)
-            heapq.heappush(deadlines, (time.monotonic() + read_timeout, seq, s))
+            heapq.heappush(deadlines, (time.monotonic() + read_timeout, next(order), s))
         else:
-            heapq.heappush(deadlines, (time.monotonic() + after_s, seq, s))
+            heapq.heappush(deadlines, (time.monotonic() + after_s, next(order), s))
 
     def end(s: socket.socket, rst: bool) -> None:
         if open_socks.pop(s, None) is None:
@@ -97,7 +98,7 @@ def kill_streams(host: str, port: int, n: int, *, body: dict, how: str = "rst", 
                 s.shutdown(socket.SHUT_WR)
                 open_socks[s] = "draining"
                 sel.register(s, selectors.EVENT_READ)
-                heapq.heappush(deadlines, (now + read_timeout, seq, s))
+                heapq.heappush(deadlines, (now + read_timeout, next(order), s))
         wait = max(0.0, deadlines[0][0] - time.monotonic()) if deadlines else 0.05
         for key, _ in sel.select(min(wait, 0.05)):
             s = key.fileobj
@@ -119,12 +120,14 @@ def kill_streams(host: str, port: int, n: int, *, body: dict, how: str = "rst", 
     return {"sent": sent, "bytes_read": read, "responses_seen": seen}
 
 
-def rss_mb(pid: int | str = "self") -> float:
+def rss_mb(pid: int | str = "self", field: str = "VmRSS") -> float:
+    """A resident-set figure of a process, MB: VmRSS (all), RssAnon (its own memory), RssFile (mapped files:
+    the model's pages, which the kernel may drop and bring back as the machine needs its memory)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
+    raise RuntimeError(f"no {field} for process {pid}")
 
 
 def census(names=REQUEST_PATH_CLASSES) -> Counter:
