@@ -9,11 +9,13 @@ start the next cycle. Whatever the bytes and however they are split:
 """
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fastserve.server.http import HttpRequest, ProtocolFailure, ServerConnection
 
+from .conftest import REPO_ROOT
 from .http_grammar import split, streams
 
 BODY_LIMIT = 1024
@@ -64,3 +66,24 @@ def test_head_gets_its_head():
     """HEAD: the status and headers of the GET answer, no body (h11 refuses a body for HEAD)."""
     out = drive([b"HEAD /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n"], False)
     assert [o[1] for o in out] == ["HEAD", "GET"]
+
+
+def test_atheris_coverage_guided(tmp_path):
+    """The same checks, inputs found by atheris (libFuzzer's coverage guidance) for a few seconds."""
+    import subprocess
+    import sys
+    from importlib.util import find_spec
+
+    if find_spec("atheris") is None:
+        pytest.skip("atheris is not installed here (it installs with the test extras on Linux x86-64): "
+                    "the hypothesis fuzz above ran without it")
+    from .atheris_http import write_seeds
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_seeds(str(corpus))
+    r = subprocess.run([sys.executable, "-m", "tests.e2e.atheris_http", "-atheris_runs=30000",
+                        "-max_total_time=12", "-rss_limit_mb=1024", str(corpus)],
+                       cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Done" in r.stderr, r.stderr[-3000:]
