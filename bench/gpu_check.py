@@ -227,9 +227,6 @@ def phase_model(c: Check) -> dict:
 
 def phase_tests(c: Check) -> dict:
     env = dict(os.environ)
-    ref = CARRY / "smollm2_q41_llamacpp_greedy.json"
-    if ref.is_file():
-        env["FASTSERVE_REFERENCE"] = str(ref)
     env["FASTSERVE_SKIP_CPU_KERNELS"] = "1"        # the CPU emulator's runs of the same tests: CI has them
     if c.dry:
         env["FASTSERVE_FAKE_CUPY"] = "1"

@@ -7,6 +7,7 @@ import time
 import numpy as np
 
 from .errors import ModelLoadError
+from .hugepages import no_huge_page_advice
 from .models.gguf_file import GGUFFile
 from .models.llama import LlamaConfig, load_weights
 from .tokenizer import Tokenizer
@@ -15,6 +16,7 @@ from .tokenizer import Tokenizer
 class Model:
     def __init__(self, path: str | os.PathLike):
         t0 = time.perf_counter()
+        no_huge_page_advice()           # before the first large array: see hugepages.py
         gf = GGUFFile(path)
         self.path = gf.path
         self.metadata = gf.metadata

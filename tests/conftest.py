@@ -1,13 +1,9 @@
 """Fixtures shared by every suite: the tiny model (written in well under a second) and the default model."""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-REFERENCE_FILE = REPO_ROOT.parent / "shared" / "reference" / "smollm2_q41_llamacpp_greedy.json"
+from .reference_data import DEFAULT_MODEL_REFERENCE, load_reference
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +34,5 @@ def default_model(default_model_file):
 
 @pytest.fixture(scope="session")
 def reference() -> dict:
-    """llama.cpp's outputs on the default model: the correctness oracle (shared/reference)."""
-    assert REFERENCE_FILE.is_file(), f"the oracle {REFERENCE_FILE} is missing: check out shared/ beside the repo"
-    return json.loads(REFERENCE_FILE.read_text(encoding="utf-8"))
+    """llama.cpp's outputs on the default model: the correctness oracle (tests/golden/data, in the repository)."""
+    return load_reference(DEFAULT_MODEL_REFERENCE)

@@ -8,8 +8,8 @@ Invariants:
 - A request body never grows past `body_limit`: a Content-Length over it, or a
   chunked body that crosses it, becomes a 413 failure at once (the connection
   then closes, since the rest of the body was never read).
-- After a failure (400, 413, ...) or a response that h11 says must close, the
-  connection takes no further request: `next_cycle()` returns False.
+- After a failure (400, 413, ...; always a 4xx) or a response that h11 says must
+  close, the connection takes no further request: `next_cycle()` returns False.
 """
 from __future__ import annotations
 
@@ -65,6 +65,7 @@ class ServerConnection:
         self._head: h11.Request | None = None
         self._body = bytearray()
         self._failed = False
+        self._head_only = False             # the request is a HEAD: its response carries no body
         self.peer_closed = False            # the peer sent EOF
 
     # -- input -------------------------------------------------------------------------------
@@ -97,12 +98,16 @@ class ServerConnection:
             try:
                 ev = h.next_event()
             except h11.RemoteProtocolError as exc:
-                return self._fail(exc.error_status_hint or 400, f"bad HTTP request: {exc}")
+                # h11 hints 501/505 for a transfer coding or version it lacks: the client's request
+                # is what cannot be served, so it is a 400 here (a 5xx says the server is at fault).
+                hint = exc.error_status_hint or 400
+                return self._fail(hint if hint < 500 else 400, f"bad HTTP request: {exc}")
             if ev is h11.NEED_DATA or ev is h11.PAUSED:
                 return None
             t = type(ev)
             if t is h11.Request:
                 self._head = ev
+                self._head_only = ev.method == b"HEAD"
                 self._body.clear()
                 length = _content_length(ev.headers)
                 if length is not None and length > self.body_limit:
@@ -128,7 +133,8 @@ class ServerConnection:
         self._failed = True
         head = self._head
         self._head = None
-        if head is None:
+        if head is None:                    # a head that never parsed: not a HEAD request's answer
+            self._head_only = False
             return ProtocolFailure(status, message)
         return ProtocolFailure(status, message, head.method.decode("ascii", "replace"),
                                head.target.decode("latin-1"))
@@ -143,14 +149,14 @@ class ServerConnection:
     # -- output ------------------------------------------------------------------------------
 
     def respond(self, status: int, headers: list, body: bytes) -> bytes:
-        """A whole response: head, body, end."""
+        """A whole response: head, body, end (HEAD: the head alone, with the body's length)."""
         headers = headers + [("content-length", str(len(body)))]
         if self._failed:
             headers.append(("connection", "close"))
         h = self._h
         try:
             out = h.send(h11.Response(status_code=status, headers=headers, reason=_reason(status)))
-            if body:
+            if body and not self._head_only:
                 out += h.send(h11.Data(data=body))
             return out + h.send(h11.EndOfMessage())
         except h11.LocalProtocolError:      # e.g. the peer's side failed before a request line
@@ -162,7 +168,7 @@ class ServerConnection:
         return self._h.send(h11.Response(status_code=status, headers=headers, reason=_reason(status)))
 
     def chunk(self, data: bytes) -> bytes:
-        return self._h.send(h11.Data(data=data)) if data else b""
+        return self._h.send(h11.Data(data=data)) if data and not self._head_only else b""
 
     def end(self) -> bytes:
         return self._h.send(h11.EndOfMessage())
@@ -177,6 +183,7 @@ class ServerConnection:
         if self._failed or h.our_state is not h11.DONE or h.their_state is not h11.DONE:
             return False
         h.start_next_cycle()
+        self._head_only = False
         return True
 
 

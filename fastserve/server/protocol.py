@@ -5,8 +5,9 @@ Flow control, the part that keeps a bad client from hurting anyone else:
   pauses us, and a streaming response then waits (`drain`) instead of reading
   more from its generation. The tokens wait in the request's own reader buffer
   (sized for the slot at submit), so the decode thread never notices.
-- a connection that stays paused (or idle, or half-sent) for --timeout seconds
-  is dropped by the watchdog calling `check()`.
+- a connection that stays paused or idle for --timeout seconds, or whose request
+  has not arrived whole --timeout seconds after its first byte, is dropped by the
+  watchdog calling `check()`.
 - EOF or a reset from the client cancels its running request (the slot is free
   within one step).
 Requests on one connection are answered in order, one at a time (pipelining).
@@ -81,7 +82,10 @@ class HttpProtocol(asyncio.Protocol):
             self.abort()
 
     def data_received(self, data):
-        self.t_active = time.monotonic()
+        if not self.http.in_request:
+            # A request starts: it has --timeout to arrive whole. Not reset by every byte, or a
+            # client trickling a byte at a time (slowloris) would hold the connection forever.
+            self.t_active = time.monotonic()
         self.http.receive(data)
         if self.exchange is None:
             self._next()

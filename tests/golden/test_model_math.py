@@ -1,4 +1,4 @@
-"""The model math against llama.cpp's outputs on the default model (shared/reference).
+"""The model math against llama.cpp's outputs on the default model (tests/golden/data, from shared/reference).
 
 Teacher forcing: feed prompt + llama.cpp's generated tokens, compare next-token
 distributions position by position. Free running: our greedy continuation

@@ -1,36 +1,24 @@
 """The tokenizer against llama.cpp on the default model: ids must match exactly, text must round-trip.
 
-Reference: shared/reference/smollm2_q41_llamacpp_greedy.json (llama.cpp's /tokenize and /completion).
+Reference: tests/golden/data/smollm2_q41_llamacpp_greedy.json (llama.cpp's /tokenize and /completion).
 """
 from __future__ import annotations
-
-import json
-from pathlib import Path
 
 import pytest
 
 from fastserve.tokenizer import Tokenizer
 
-_REFERENCE = Path(__file__).resolve().parents[2].parent / "shared" / "reference" / "smollm2_q41_llamacpp_greedy.json"
+from tests.reference_data import load_reference
+
+_CASES = load_reference()
 
 
 def _names(section: str) -> list[str]:
-    """Case names for test ids; the `reference` fixture skips when the file is absent."""
-    if not _REFERENCE.is_file():
-        return ["<reference absent>"]
-    return [c["name"] for c in json.loads(_REFERENCE.read_text(encoding="utf-8"))[section]]
+    return [c["name"] for c in _CASES[section]]
 
 
 def _case(reference: dict, section: str, name: str) -> dict:
     return next(c for c in reference[section] if c["name"] == name)
-
-
-@pytest.fixture(scope="module")
-def reference() -> dict:
-    """llama.cpp's outputs; unlike tests/conftest.py's fixture of that name, this one skips when absent."""
-    if not _REFERENCE.is_file():
-        pytest.skip(f"llama.cpp reference outputs not found at {_REFERENCE}")
-    return json.loads(_REFERENCE.read_text(encoding="utf-8"))
 
 
 @pytest.fixture(scope="module")

@@ -3,19 +3,14 @@ or a GPU it SKIPS, saying why) and [cpu] with the same kernels' CUDA C run on th
 which needs only g++. test_backend_emulated.py and test_cuda_emu.py need neither and always run.
 
 The default model and llama.cpp's reference outputs are found without pulling (a device machine has
-no network): $FASTSERVE_MODEL or the cache for the model, $FASTSERVE_REFERENCE or ../shared/reference
-for the oracle; a test that needs one and does not find it skips, saying where it looked.
+no network): $FASTSERVE_MODEL or the cache for the model (a test that needs it and does not find it
+skips, saying where it looked); the oracle is in the repository (tests/golden/data).
 """
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
-
 
 # The kernel-level tests also run with the block's threads taking turns in a shuffled order, which
 # brings out a read of another thread's write that lacks a barrier (tests/gpu/cuda_emu.set_order).
@@ -88,10 +83,6 @@ def default_model_on_disk(cupy):
 
 @pytest.fixture(scope="session")
 def reference_cases() -> list:
-    candidates = [os.environ.get("FASTSERVE_REFERENCE"),
-                  str(REPO.parent / "shared" / "reference" / "smollm2_q41_llamacpp_greedy.json"),
-                  str(REPO / ".devcarry" / "smollm2_q41_llamacpp_greedy.json")]
-    for c in candidates:
-        if c and os.path.isfile(c):
-            return json.loads(Path(c).read_text(encoding="utf-8"))["completions"]
-    pytest.skip(f"llama.cpp reference outputs not found (looked at {[c for c in candidates if c]})")
+    """llama.cpp's completions on the default model (tests/golden/data: they travel with the tree)."""
+    from ..reference_data import load_reference
+    return load_reference()["completions"]
