@@ -7,6 +7,7 @@ import pytest
 
 import fastserve
 from fastserve.errors import EngineClosed, RequestError, ServerBusy
+from fastserve.tracer import STEP_SECONDS_BUCKETS
 
 
 @pytest.fixture
@@ -238,6 +239,9 @@ def test_tracer_summary(tiny_model):
     assert s["steps"] >= 8 and s["tokens_sent"] >= 8
     assert set(s["ms_per_step"]) == {"admit", "build", "forward", "sync", "sample", "publish"}
     assert 0 < s["host_share"] < 1
+    counts, total_s = e.tracer.step_histogram()       # every traced step in one bucket, its time summed
+    assert len(counts) == len(STEP_SECONDS_BUCKETS) + 1 and sum(counts) == s["steps"]
+    assert 0 < total_s <= s["step_ms"] * s["steps"] / 1e3 * 1.001    # the phases also time idle admits
     with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=64) as e:
         with pytest.raises(RuntimeError, match="tracing is off"):
             e.trace_summary()
