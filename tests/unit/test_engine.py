@@ -101,6 +101,26 @@ def test_cancel_frees_the_slot_within_a_step(engine):
     assert _slots_free(engine)
 
 
+def test_erase_of_a_busy_slot_waits_for_its_request_to_end(tiny_model):
+    """erase_idle_slot never cuts a request; a busy slot is erased when its request ends, before it can
+    take the next one (which then computes its whole prompt), even with that next one already waiting."""
+    with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=256) as e:
+        first = e.submit("the running one", max_tokens=24, temperature=0)
+        next(iter(first))
+        e.erase_idle_slot(0)
+        second = e.submit("the running one", max_tokens=4, temperature=0)     # same prompt: would reuse it
+        assert first.result(timeout=10).finish_reason == "length" and len(first.result().token_ids) == 24
+        assert second.result(timeout=10).finish_reason == "length"
+        assert second.admission.n_cached == 0           # the erase came between the two
+        assert _slots_free(e)
+        assert e.snapshot.slot_erased[0][0] == 1 and e.snapshot.slot_erased[0][1] > 0
+        e.erase_idle_slot(0)                            # idle: at once
+        deadline = time.monotonic() + 5
+        while e.snapshot.slot_erased[0][0] < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert e.snapshot.slot_erased[0][0] == 2 and e.snapshot.slot_tokens[0] == 0
+
+
 def test_dropped_reader_frees_its_slot(engine):
     reader = engine.submit("nobody reads this", max_tokens=-1, temperature=0)
     del reader
