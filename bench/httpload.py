@@ -4,7 +4,8 @@
   start to the first /health 200; its RSS from /proc (RssSampler samples it on a thread).
 - HTTP/1.1 on asyncio streams: a response head, its body de-chunked, its SSE events.
 - stream_completion: one streaming /completion, with the arrival time of each token.
-- closed_loop: N clients that send the next request as soon as one ends, /health probed beside them.
+- closed_loop: N clients that send the next request as soon as one ends, /health probed beside them
+  from a child process (Prober).
 
 The clients are raw asyncio sockets (uvloop where installed) in the calling process, to keep the
 load generator light: it shares the machine's cores with the server. Times: time.perf_counter().
@@ -18,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -55,9 +57,12 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def fastserve_command(model: str, port: int, n_parallel: int, n_ctx: int, threads: int, *extra: str) -> list[str]:
+def fastserve_command(model: str, port: int, n_parallel: int, n_ctx: int, threads: int | None,
+                      *extra: str) -> list[str]:
+    """`fastserve serve` argv; threads None: its default -t."""
+    t = [] if threads is None else ["-t", str(threads)]
     return [sys.executable, "-m", "fastserve", "serve", "-m", model, "--host", "127.0.0.1", "--port", str(port),
-            "-np", str(n_parallel), "-c", str(n_ctx), "-t", str(threads), *extra]
+            "-np", str(n_parallel), "-c", str(n_ctx), *t, *extra]
 
 
 class ServerProcess:
@@ -217,6 +222,17 @@ async def get_once(port: int, path: str) -> tuple[int, bytes]:
         writer.close()
 
 
+async def post_once(port: int, path: str, body: dict) -> tuple[int, bytes]:
+    """POST a JSON body on a new connection: (status, response body)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(post_request(path, body))
+        status, headers = await read_head(reader)
+        return status, await read_body(reader, headers)
+    finally:
+        writer.close()
+
+
 # -- one streaming completion ----------------------------------------------------------------
 
 @dataclass
@@ -263,24 +279,27 @@ async def stream_completion(port: int, body: dict, out: Stream | None = None, pa
 
 # -- closed-loop load ------------------------------------------------------------------------
 
-async def probe(port: int, path: str, stop_at: float, out: list, every: float = 0.1) -> None:
-    """GET path every `every` s until stop_at on one kept-alive connection: out += [(t_sent, seconds, status)].
-    A connection the server closes is opened again (that attempt is not timed)."""
-    conn = None
-    while time.perf_counter() < stop_at:
+class Prober:
+    """GET `path` every `every` s from a child process (bench/health_probe.py), so that this process's busy
+    event loop adds nothing to the latencies; stop() -> [(t_sent perf_counter, seconds, status 0 = failed)]."""
+
+    def __init__(self, port: int, path: str, every: float = 0.1):
+        self._out = tempfile.NamedTemporaryFile(prefix="probe-", suffix=".json", delete=False).name
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("health_probe.py")), str(port),
+                                      path, str(every), self._out])
+
+    def stop(self, timeout: float = 40.0) -> list:
+        self.proc.send_signal(signal.SIGTERM)
         try:
-            if conn is None:
-                conn = await asyncio.open_connection("127.0.0.1", port)
-            t0 = time.perf_counter()
-            status, _ = await get(*conn, path)
-            out.append((t0, time.perf_counter() - t0, status))
-        except (OSError, asyncio.IncompleteReadError, ValueError):
-            if conn is not None:
-                conn[1].close()
-            conn = None
-        await asyncio.sleep(every)
-    if conn is not None:
-        conn[1].close()
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError(f"the probe did not stop within {timeout:g} s of SIGTERM: a GET hung")
+        try:
+            return [tuple(x) for x in orjson.loads(Path(self._out).read_bytes())]
+        finally:
+            os.unlink(self._out)
 
 
 @dataclass
@@ -299,7 +318,7 @@ async def closed_loop(port: int, prompts: list, clients: int, seconds: float, wa
                       n_predict: int = 128, at_window=None, extra: dict | None = None,
                       probes: tuple = ("/health",)) -> LoadWindow:
     """`clients` closed-loop clients of greedy streaming /completion requests (prompts as token ids),
-    measured over `seconds` after `warmup_s`; each of `probes` polled at 10 Hz beside them. Tokens/s, TTFT and
+    measured over `seconds` after `warmup_s`; each of `probes` polled at 10 Hz beside them (Prober). Tokens/s, TTFT and
     inter-token gaps are the client's own: tokens that arrived in the window, TTFT of the requests whose
     first token came in it, gaps that ended in it. At the window's end the clients are cancelled
     (their connections closed). at_window: an async callable awaited at the window's start and end,
@@ -307,7 +326,6 @@ async def closed_loop(port: int, prompts: list, clients: int, seconds: float, wa
     t_measure = time.perf_counter() + warmup_s
     stop_at = t_measure + seconds
     res = LoadResult(clients, seconds, 0, 0)
-    probed: dict = {path: [] for path in probes}
     body = {"n_predict": n_predict, "temperature": 0, "cache_prompt": False, **(extra or {})}
 
     def account(s: Stream) -> None:
@@ -342,7 +360,7 @@ async def closed_loop(port: int, prompts: list, clients: int, seconds: float, wa
             i += clients
 
     tasks = [asyncio.create_task(client(k)) for k in range(clients)]
-    probers = [asyncio.create_task(probe(port, path, stop_at, out)) for path, out in probed.items()]
+    probers = {path: Prober(port, path) for path in probes}
     marks = []
     await asyncio.sleep(max(0.0, t_measure - time.perf_counter()))
     if at_window is not None:
@@ -352,9 +370,11 @@ async def closed_loop(port: int, prompts: list, clients: int, seconds: float, wa
         marks.append(await at_window())
     for t in tasks:
         t.cancel()
-    await asyncio.gather(*tasks, *probers)
+    await asyncio.gather(*tasks)
     res.seconds = seconds
-    in_window = {path: [d for t0, d, st in out if t0 >= t_measure and st == 200] for path, out in probed.items()}
+    probed = {path: p.stop() for path, p in probers.items()}
+    in_window = {path: [d for t0, d, st in out if t_measure <= t0 <= stop_at and st == 200]
+                 for path, out in probed.items()}
     return LoadWindow(res, in_window, t_measure, stop_at, marks, errors)
 
 
@@ -369,18 +389,10 @@ class HttpTokenizer:
         self.port = port
 
     def encode(self, text: str, add_special: bool = False) -> list[int]:
-        async def go():
-            reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
-            try:
-                writer.write(post_request("/tokenize", {"content": text, "add_special": add_special}))
-                status, headers = await read_head(reader)
-                body = await read_body(reader, headers)
-            finally:
-                writer.close()
-            if status != 200:
-                raise RuntimeError(f"/tokenize answered {status}: {body[:200]!r}")
-            return orjson.loads(body)["tokens"]
-        return asyncio.run(go())
+        status, body = asyncio.run(post_once(self.port, "/tokenize", {"content": text, "add_special": add_special}))
+        if status != 200:
+            raise RuntimeError(f"/tokenize answered {status}: {body[:200]!r}")
+        return orjson.loads(body)["tokens"]
 
 
 def metric_values(text: str, name: str) -> dict:
