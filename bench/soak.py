@@ -190,8 +190,8 @@ class Soak:
             if ev.get("stop"):
                 self.count_cache(ev)
                 done.update(ev)
-        done = last == b"[DONE]" if route.startswith("/v1/") else isinstance(last, dict) and last.get("stop")
-        if not done:
+        finished = last == b"[DONE]" if route.startswith("/v1/") else isinstance(last, dict) and last.get("stop")
+        if not finished:
             self.error(f"stream ended early {route}", repr(last)[:300])
             return "error"
         return "completed"

@@ -29,6 +29,7 @@ def test_soak_3_minutes(default_model_file, tmp_path):
            "--json", str(out), "--plot", str(png)]
     p = subprocess.run(cmd, cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=MINUTES * 60 + 300)
     report = p.stdout + p.stderr[-3000:]
+    print(report)                                      # the figures, with -s
     assert out.is_file(), f"the soak wrote no figures:\n{report}"
     r = json.loads(out.read_text())
     assert r["errors_5xx"] == 0 and r["server_5xx"] == 0, report
