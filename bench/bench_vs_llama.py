@@ -115,7 +115,8 @@ def run(model: str, llama_server: str, quick: bool, starts: int, llama_commit: s
     cmds = commands(model, llama_server)
     out = {"model": model, "flags": {"np": N_PARALLEL, "c": N_CTX, "t": THREADS}, "n_predict": N_PREDICT,
            "warmup_s": warmup_s, "seconds": seconds, "llama": llama_version(llama_server, llama_commit),
-           "logs": str(logdir), "ready_s": measure_starts(cmds, starts, logdir), "servers": {}, "rows": []}
+           "logs": str(logdir), "loadavg_start": os.getloadavg(), "cpus": os.cpu_count(),
+           "ready_s": measure_starts(cmds, starts, logdir), "servers": {}, "rows": []}
     servers, samplers = {}, {}
     try:
         for name, cmd in cmds.items():
@@ -131,7 +132,7 @@ def run(model: str, llama_server: str, quick: bool, starts: int, llama_commit: s
                 row = {"server": name, **w.result.row(), "health_p50_ms": pct_ms(w.probes["/health"], 50),
                        "health_p99_ms": pct_ms(w.probes["/health"], 99), "health_n": len(w.probes["/health"]),
                        "rss_peak_mib": samplers[name].peak(w.t_measure - warmup_s, w.t_end) / MIB,
-                       "errors": w.errors}
+                       "errors": w.errors, "loadavg_1m": os.getloadavg()[0]}
                 out["rows"].append(row)
                 print(f"  {name:12s} {clients:2d} clients: {row['tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
                 time.sleep(2.0)            # the cancelled streams' slots come free
@@ -145,6 +146,7 @@ def run(model: str, llama_server: str, quick: bool, starts: int, llama_commit: s
             if name in samplers:
                 samplers[name].close()
             out["servers"].setdefault(name, {})["exit_code"], _ = srv.stop()
+    out["loadavg_end"] = os.getloadavg()
     out["ratios"] = ratios(out)
     return out
 
@@ -177,12 +179,12 @@ def report(out: dict) -> str:
              f"greedy, n_predict {N_PREDICT}, prompts 60-120 tokens; {out['warmup_s']:g} s warm-up + "
              f"{out['seconds']:g} s measured per level, interleaved", "",
              f"{'server':12s} {'clients':>7} {'tok/s':>7} {'ttft p50':>9} {'p99':>7} {'itl p50':>8} {'p99':>6} "
-             f"{'max':>7} {'health p50':>11} {'p99':>7} {'RSS peak':>9} errors"]
+             f"{'max':>7} {'health p50':>11} {'p99':>7} {'RSS peak':>9} {'load':>5} errors"]
     for r in out["rows"]:
         lines.append(f"{r['server']:12s} {r['clients']:>7} {r['tok_s']:>7.1f} {r['ttft_p50_s']:>8.2f}s "
                      f"{r['ttft_p99_s']:>6.2f}s {r['itl_p50_ms']:>6.0f}ms {r['itl_p99_ms']:>4.0f}ms "
                      f"{r['itl_max_ms']:>5.0f}ms {r['health_p50_ms']:>9.2f}ms {r['health_p99_ms']:>5.2f}ms "
-                     f"{r['rss_peak_mib']:>6.0f}MiB {r['errors'] or ''}")
+                     f"{r['rss_peak_mib']:>6.0f}MiB {r['loadavg_1m']:>5.1f} {r['errors'] or ''}")
     lines += ["", "ratios fastserve / llama-server (tok/s: higher is better; the rest: lower is better)",
               f"{'clients':>7} {'tok/s':>7} {'bar':>5} {'ttft p50':>9} {'p99':>6} {'itl p50':>8} {'p99':>6} "
               f"{'max':>6} {'health p99':>11}"]
@@ -199,6 +201,10 @@ def report(out: dict) -> str:
                      f"{', '.join(f'{x:.2f}' for x in rs)}); RSS idle {s.get('rss_idle_mib', 0):.0f} MiB, "
                      f"peak {s.get('rss_peak_mib', 0):.0f} MiB, after the load {s.get('rss_after_mib', 0):.0f} MiB; "
                      f"exit code {s.get('exit_code')}")
+    la = ", ".join(f"{x:.1f}" for x in out["loadavg_start"])
+    lines.append(f"machine: {out['cpus']} CPUs, load average {la} at the start (load: its 1-minute figure after each "
+                 f"row); llama-server's -t {THREADS} threads wait by spinning, and slow down far more than fastserve "
+                 f"when other programs take the cores: read the ratios of a busy machine with that in mind")
     q = out["ratios"]
     lines.append(f"ratios: start {q['ready_s']:.2f}, RSS idle {q['rss_idle']:.2f} (bar <= {RSS_BAR}), "
                  f"RSS peak {q['rss_peak']:.2f} (bar <= {RSS_BAR})")

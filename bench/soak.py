@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import socket
 import struct
 import sys
@@ -137,6 +138,7 @@ class Soak:
         self.cache = {"cache_n": 0, "prompt_n": 0}
         self.health: list = []                   # (t_sent, seconds, status)
         self.scrapes: list = []                  # (t, /metrics text)
+        self.loadavg: list = []                  # (t, the machine's 1-minute load average)
 
     # -- bookkeeping ---------------------------------------------------------------------
 
@@ -310,6 +312,7 @@ class Soak:
                 status, body = await get(*conn, "/metrics")
                 if status == 200:
                     self.scrapes.append((time.perf_counter(), body.decode()))
+                    self.loadavg.append((time.perf_counter(), os.getloadavg()[0]))
                 else:
                     self.check_status("/metrics", status, body)
             except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
@@ -388,11 +391,12 @@ def windows(soak: Soak, rss: list) -> list[dict]:
                 s1 = metric_values(inside[-1][1], "fastserve_step_seconds_sum").get("", 0.0)
                 step_mean = (s1 - s0) / delta[-1] if delta[-1] else float("nan")
         r = [m for t, m in rss if t <= (b - soak.t0) / 60]
+        la = [x for t, x in soak.loadavg if a <= t < b]
         out.append({"t_end_min": (b - soak.t0) / 60, "outcomes": soak.per_window[i],
                     "requests": sum(v for k, v in soak.per_window[i].items() if k not in ("error", "erase")),
                     "health_p50_ms": _pct(h, 50), "health_p99_ms": _pct(h, 99), "health_n": len(h),
                     "step_p99_ms": step_p99 * 1e3, "step_mean_ms": step_mean * 1e3,
-                    "rss_mib": r[-1] if r else float("nan")})
+                    "rss_mib": r[-1] if r else float("nan"), "loadavg": float(np.mean(la)) if la else float("nan")})
     return out
 
 
@@ -450,7 +454,7 @@ def run(model: str, minutes: float, seed: int = 0, threads: int | None = None) -
     srv = ServerProcess(fastserve_command(model, port, N_PARALLEL, N_CTX, threads, "--timeout", str(SERVER_TIMEOUT_S),
                                           "-cram", str(CACHE_RAM_MIB)), port, log)
     sampler = RssSampler(srv.pid, every=1.0)
-    out = {"model": model, "minutes": minutes, "clients": CLIENTS, "seed": seed, "server_log": log,
+    out = {"model": model, "minutes": minutes, "clients": CLIENTS, "seed": seed, "server_log": log, "cpus": os.cpu_count(),
            "ready_s": srv.ready_s, "flags": {"np": N_PARALLEL, "c": N_CTX, "timeout": SERVER_TIMEOUT_S,
                                              "cram": CACHE_RAM_MIB, "t": threads}}
     try:
@@ -551,7 +555,7 @@ def failures(out: dict) -> list[str]:
 def report(out: dict) -> str:
     r = out["rss_summary"]
     lines = [f"soak: {out['clients']} clients, {out['minutes']:g} min, {Path(out['model']).name}; server ready in "
-             f"{out['ready_s']:.1f} s; flags {out['flags']}",
+             f"{out['ready_s']:.1f} s; flags {out['flags']}; {out['cpus']} CPUs (load: the machine's load average)",
              f"warm-up {out['warmup_s']:.1f} s: RSS {out['rss_before_warmup_mib']:.0f} -> "
              f"{out['rss_after_warmup_mib']:.0f} MiB",
              f"requests {out['requests']} (completed {out['completed']}); 5xx: {out['errors_5xx']} (clients), "
@@ -567,11 +571,11 @@ def report(out: dict) -> str:
              f"after the load: slots busy {out['slots_busy_after']} ({out['slots_idle_after_s']:.1f} s), /health "
              f"{out['health_after']}; SIGTERM: exit {out['exit_code']} in {out['exit_s']:.2f} s", "",
              f"{'until min':>9} {'requests':>8} {'errors':>6} {'health p50':>10} {'p99':>7} {'step p99':>9} "
-             f"{'mean':>7} {'RSS MiB':>8}"]
+             f"{'mean':>7} {'RSS MiB':>8} {'load':>5}"]
     for w in out["windows"]:
         lines.append(f"{w['t_end_min']:>9.1f} {w['requests']:>8} {w['outcomes'].get('error', 0):>6} "
                      f"{w['health_p50_ms']:>8.2f}ms {w['health_p99_ms']:>5.1f}ms {w['step_p99_ms']:>7.0f}ms "
-                     f"{w['step_mean_ms']:>5.0f}ms {w['rss_mib']:>8.1f}")
+                     f"{w['step_mean_ms']:>5.0f}ms {w['rss_mib']:>8.1f} {w['loadavg']:>5.1f}")
     for k, v in out["error_examples"].items():
         lines.append(f"example of {k}: {v}")
     lines.append("failures: " + ("; ".join(out["failures"]) if out["failures"] else "none"))
