@@ -4,8 +4,8 @@ Bound = bytes of weight a token reads, as the GGUF stores them (every block tens
 the output matrix: token_embd when the output is tied to it, else output.weight plus one row of
 token_embd) / this machine's read bandwidth, measured in the same run with the same threads: a NumPy
 sum over 256 MB, by 1 thread and by 2 threads each summing its half. The forward pass is the backend's
-own (fastserve.backends.numpy_backend.NumpyBackend, its default weight type unless --weight-type),
-built as bench/bench_matmul.py builds it: 32 slots, 64 tokens of context each, one token decoded.
+own (fastserve.backends.numpy_backend.NumpyBackend with its defaults but the threads), one slot
+holding 64 tokens of context, one token decoded.
 Bandwidth and forward pass take turns in every round; the ratio is the median over rounds of
 (forward median / bound) measured in the same round. Bar: ratio <= 1.3.
 
@@ -24,11 +24,11 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_matmul import N_CTX_FILLED, SETTLE_S, make_backend  # noqa: E402
-
 SUM_BYTES = 256 * 1024 * 1024
 BAR = 1.3
 STEPS = 8
+N_CTX_FILLED = 64             # tokens of KV the decoded token attends to
+SETTLE_S = 0.3                # idle before each measurement: helper threads of the last one go to sleep
 
 
 def weight_bytes_per_token(path: str) -> tuple[int, dict]:
@@ -68,6 +68,15 @@ class ReadBandwidth:
             p.shutdown()
 
 
+def make_backend(model, threads: int):
+    """A NumpyBackend of one slot whose KV holds N_CTX_FILLED tokens."""
+    from fastserve.backends.numpy_backend import NumpyBackend
+    be = NumpyBackend(model.config, model.weights, 1, 2 * N_CTX_FILLED, threads=threads)
+    toks = np.random.default_rng(0).integers(0, model.config.n_vocab, N_CTX_FILLED).astype(np.int32)
+    be.forward(toks, np.arange(N_CTX_FILLED, dtype=np.int32), np.zeros(N_CTX_FILLED, np.int32), np.arange(0))
+    return be
+
+
 def forward_times(be, steps: int = STEPS) -> list[float]:
     """Seconds of each of `steps` batch-1 decode steps (slot 0, at position N_CTX_FILLED), after one warm step."""
     from threadpoolctl import threadpool_limits
@@ -82,11 +91,11 @@ def forward_times(be, steps: int = STEPS) -> list[float]:
     return out
 
 
-def run(model_path: str, threads=(1, 2), rounds: int = 5, weight_type: str | None = None) -> dict:
+def run(model_path: str, threads=(1, 2), rounds: int = 5) -> dict:
     import fastserve
     nbytes, by_type = weight_bytes_per_token(model_path)
     model = fastserve.load_model(model_path)
-    backends = {t: make_backend(model, weight_type, t) for t in threads}
+    backends = {t: make_backend(model, t) for t in threads}
     bw = ReadBandwidth()
     samples = {t: {"bandwidth": [], "forward": [], "ratio": []} for t in threads}
     try:
@@ -109,8 +118,7 @@ def run(model_path: str, threads=(1, 2), rounds: int = 5, weight_type: str | Non
                      "forward_min_ms": min(s["forward"]) * 1e3, "ratio": float(np.median(s["ratio"])),
                      "weights_gb_s": nbytes / f / 1e9, "samples": s})
     return {"model": model_path, "weight_bytes": nbytes, "weight_bytes_by_type": by_type, "rounds": rounds,
-            "weight_type": getattr(backends[threads[0]], "weight_type", weight_type) or "the backend's own",
-            "rows": rows}
+            "weight_type": getattr(backends[threads[0]], "weight_type", "the file's blocks"), "rows": rows}
 
 
 def report(out: dict) -> str:
@@ -131,12 +139,10 @@ def main(argv=None) -> int:
     ap.add_argument("-m", "--model", help="GGUF path (default: the default model)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--weight-type", help="the backend's weight type (default: its own default)")
     ap.add_argument("--json", help="also write the figures here (JSON)")
     a = ap.parse_args(argv)
     import fastserve
-    out = run(a.model or fastserve.default_model_path(), tuple(int(x) for x in a.threads.split(",")), a.rounds,
-              a.weight_type)
+    out = run(a.model or fastserve.default_model_path(), tuple(int(x) for x in a.threads.split(",")), a.rounds)
     print(report(out))
     if a.json:
         Path(a.json).write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2))

@@ -75,14 +75,11 @@ def _best(fn, reps: int) -> float:
     return min(ts)
 
 
-def make_backend(model, weight_type: str | None, threads: int):
-    """A NumpyBackend of 32 slots x 256 tokens, each slot holding N_CTX_FILLED tokens of KV.
-    weight_type None: the backend's default; threads: its compute threads (the f32 path ignores them)."""
+def make_backend(model, weight_type: str, threads: int):
     from fastserve.backends.numpy_backend import NumpyBackend
 
     cfg = model.config
-    kind = {} if weight_type is None else {"weight_type": weight_type}
-    be = NumpyBackend(cfg, model.weights, 32, 256, threads=threads, **kind)
+    be = NumpyBackend(cfg, model.weights, 32, 256, weight_type=weight_type, threads=threads if weight_type == "q8" else 1)
     rng = np.random.default_rng(0)
     for s in range(32):
         toks = rng.integers(0, cfg.n_vocab, N_CTX_FILLED).astype(np.int32)
