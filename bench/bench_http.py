@@ -8,119 +8,30 @@ in-process with no HTTP at all: the ratio is the HTTP loop's cost to the decode 
 
 Run: python bench/bench_http.py [--seconds 30] [--clients 1,8,32]
  or: pytest bench/bench_http.py --benchmark-only -s   (make bench)
-The clients are raw asyncio sockets (uvloop) in this process, to keep the load generator light:
-it shares the machine's cores with the server.
+The clients are bench/httpload.py's raw asyncio sockets (uvloop) in this process.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
-import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-import numpy as np
-import orjson
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from httpload import ServerProcess, closed_loop, fastserve_command, free_port, get_once, pct_ms  # noqa: E402
 
-from fastserve.bench import LoadResult, closed_loop, format_rows, make_prompts  # noqa: E402
+from fastserve.bench import closed_loop as inproc_closed_loop, format_rows, make_prompts  # noqa: E402
 
 N_SLOTS, N_CTX = 32, 32 * 256
 
 
-class Server:
-    def __init__(self, model_path: str, threads: int):
-        self.log = tempfile.NamedTemporaryFile("w+b", suffix=".log", delete=False)
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "fastserve", "serve", "-m", model_path, "--port", "0",
-                                      "-c", str(N_CTX), "-np", str(N_SLOTS), "-t", str(threads), "--log-disable"],
-                                     stdout=subprocess.DEVNULL, stderr=self.log, env=env, cwd=str(REPO))
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            m = re.search(rb"listening on http://127\.0\.0\.1:(\d+)", Path(self.log.name).read_bytes())
-            if m:
-                self.port = int(m.group(1))
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise RuntimeError(Path(self.log.name).read_text(errors="replace"))
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(10)
-
-
-async def _open(port):
-    return await asyncio.open_connection("127.0.0.1", port)
-
-
-async def _get(reader, writer, path: str) -> bytes:
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-    head = await reader.readuntil(b"\r\n\r\n")
-    n = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
-    return await reader.readexactly(n)
-
-
-async def _stream_one(port, prompt: list, n_predict: int, t_measure: float, t_end: float, res: LoadResult) -> None:
-    reader, writer = await _open(port)
-    body = orjson.dumps({"prompt": prompt, "n_predict": n_predict, "temperature": 0, "stream": True,
-                         "cache_prompt": False})
-    t0 = time.perf_counter()
-    writer.write(b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
-                 + str(len(body)).encode() + b"\r\n\r\n" + body)
-    await reader.readuntil(b"\r\n\r\n")
-    last, n, gaps, ttft = None, 0, [], None
-    while True:
-        size = int((await reader.readuntil(b"\r\n")).strip(), 16)     # chunked framing
-        if size == 0:
-            break
-        chunk = await reader.readexactly(size + 2)
-        now = time.perf_counter()
-        for line in chunk.split(b"\n"):
-            if not line.startswith(b"data: "):
-                continue
-            ev = orjson.loads(line[6:])
-            if ev.get("stop"):
-                continue
-            k = ev["tokens_predicted"] - n
-            if k <= 0:
-                continue
-            if last is None:
-                ttft = now - t0
-            elif t_measure <= now <= t_end:
-                res.gaps.extend([(now - last) / k] * k)
-            last, n = now, ev["tokens_predicted"]
-    writer.close()
-    if t_measure <= t0 and ttft is not None and t0 + ttft <= t_end:
-        res.requests += 1
-        res.ttft.append(ttft)
-
-
-async def _probe(port, path: str, stop_at: float, t_measure: float, out: list) -> None:
-    reader, writer = await _open(port)
-    while time.perf_counter() < stop_at:
-        t0 = time.perf_counter()
-        await _get(reader, writer, path)
-        if t0 >= t_measure:
-            out.append(time.perf_counter() - t0)
-        await asyncio.sleep(0.1)
-    writer.close()
-
-
-async def _server_counters(port) -> tuple[float, float, float]:
-    """(Σ phase sums, phase observations, generated tokens) from /metrics."""
-    reader, writer = await _open(port)
-    text = (await _get(reader, writer, "/metrics")).decode()
-    writer.close()
+async def _server_counters(port) -> tuple[float, float, float, float, float]:
+    """(Σ phase sums, phase observations, generated tokens, prompt tokens, steps) from /metrics."""
+    text = (await get_once(port, "/metrics"))[1].decode()
     sums = {m.group(1): float(m.group(2)) for m in re.finditer(r'fastserve_step_phase_seconds_sum\{phase="(\w+)"\} (\S+)', text)}
     counts = {m.group(1): float(m.group(2)) for m in re.finditer(r'fastserve_step_phase_seconds_count\{phase="(\w+)"\} (\S+)', text)}
     gen = float(re.search(r"^fastserve_generated_tokens_total (\S+)$", text, re.M).group(1))
@@ -130,31 +41,14 @@ async def _server_counters(port) -> tuple[float, float, float]:
 
 
 async def http_load(port, prompts, clients: int, seconds: float, warmup_s: float, n_predict: int = 128):
-    stop_at = time.perf_counter() + warmup_s + seconds
-    t_measure = time.perf_counter() + warmup_s
-    res = LoadResult(clients, seconds, 0, 0)
-    health, slots = [], []
-
-    async def client(k):
-        i = k
-        while time.perf_counter() < stop_at:
-            await _stream_one(port, prompts[i % len(prompts)], n_predict, t_measure, stop_at, res)
-            i += clients
-
-    tasks = [asyncio.create_task(client(k)) for k in range(clients)]
-    probes = [asyncio.create_task(_probe(port, "/health", stop_at, t_measure, health)),
-              asyncio.create_task(_probe(port, "/slots", stop_at, t_measure, slots))]
-    await asyncio.sleep(warmup_s)
-    s0 = await _server_counters(port)
-    t0 = time.perf_counter()
-    await asyncio.sleep(max(0.0, stop_at - time.perf_counter()))
-    s1 = await _server_counters(port)
-    res.seconds = time.perf_counter() - t0
+    w = await closed_loop(port, prompts, clients, seconds, warmup_s, n_predict,
+                          at_window=lambda: _server_counters(port), probes=("/health", "/slots"))
+    s0, s1 = w.marks
+    res = w.result
     res.tokens = int(s1[2] - s0[2])            # the server's count of tokens generated in the window
-    await asyncio.gather(*tasks, *probes)
     step_ms = (s1[0] - s0[0]) / (s1[1] - s0[1]) * 1e3 if s1[1] > s0[1] else float("nan")
     work = _work(res.seconds, s1[2] - s0[2], s1[3] - s0[3], s1[4] - s0[4])
-    return res, health, slots, step_ms, work
+    return res, w.probes["/health"], w.probes["/slots"], step_ms, work
 
 
 def _work(seconds, generated, prompt, steps) -> dict:
@@ -165,10 +59,6 @@ def _work(seconds, generated, prompt, steps) -> dict:
             "ms_per_token": seconds * 1e3 / max(tokens, 1)}
 
 
-def _pct(xs, q):
-    return float(np.percentile(xs, q)) * 1e3 if xs else float("nan")
-
-
 def run(model_path: str, clients_list=(1, 8, 32), seconds: float = 40.0, warmup_s: float = 20.0,
         threads: int = 1) -> dict:
     import uvloop
@@ -177,16 +67,18 @@ def run(model_path: str, clients_list=(1, 8, 32), seconds: float = 40.0, warmup_
     model = fastserve.load_model(model_path)
     prompts = make_prompts(model.tokenizer, 64)
     out = {"rows": [], "probes": []}
-    srv = Server(model_path, threads)
+    port = free_port()
+    srv = ServerProcess(fastserve_command(model_path, port, N_SLOTS, N_CTX, threads, "--log-disable"), port,
+                        tempfile.NamedTemporaryFile(suffix=".log", delete=False).name)
     try:
         for clients in clients_list:
-            res, health, slots, step_ms, work = uvloop.run(http_load(srv.port, prompts, clients, seconds, warmup_s))
+            res, health, slots, step_ms, work = uvloop.run(http_load(port, prompts, clients, seconds, warmup_s))
             out["rows"].append(res.row())
-            out["probes"].append({"clients": clients, "health_p50_ms": _pct(health, 50),
-                                  "health_p99_ms": _pct(health, 99), "slots_p50_ms": _pct(slots, 50),
-                                  "slots_p99_ms": _pct(slots, 99), "step_ms": step_ms, "work": work})
+            out["probes"].append({"clients": clients, "health_p50_ms": pct_ms(health, 50),
+                                  "health_p99_ms": pct_ms(health, 99), "slots_p50_ms": pct_ms(slots, 50),
+                                  "slots_p99_ms": pct_ms(slots, 99), "step_ms": step_ms, "work": work})
     finally:
-        out["exit_code"] = srv.stop()
+        out["exit_code"] = srv.stop()[0]
     # the same load, in-process, no HTTP
     clients = max(clients_list)
     engine = fastserve.Engine(model, n_parallel=N_SLOTS, n_ctx=N_CTX, trace=True, blas_threads=threads)
@@ -200,7 +92,7 @@ def run(model_path: str, clients_list=(1, 8, 32), seconds: float = 40.0, warmup_
                                                                     snap.tokens_prompt, snap.step)
         timer = threading.Timer(warmup_s, measure_start)
         timer.start()
-        res = closed_loop(engine, prompts, clients, seconds, warmup_s=warmup_s)
+        res = inproc_closed_loop(engine, prompts, clients, seconds, warmup_s=warmup_s)
         summary = engine.trace_summary()
         snap = engine.snapshot
         res.tokens = snap.tokens_generated - mark["gen"]

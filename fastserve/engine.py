@@ -56,6 +56,7 @@ class Snapshot:
     slot_job: tuple             # per slot: job id or 0
     tokens_generated: int       # since start
     tokens_prompt: int          # prompt tokens computed since start
+    slot_erased: tuple = ()     # per slot: (times its cached prefix was erased, tokens the last erase dropped)
 
 
 class Engine:
@@ -111,6 +112,10 @@ class Engine:
         # self.sampler still validates and holds each request's configuration.
         self.device_sampler = device_sampler_for(self.backend, self.sampler, n_batch, self._probs.shape[1])
         self._jobs: list[Job | None] = [None] * self.n_slots     # slot -> running job
+        # erase_idle_slot() on a busy slot: its prefix is dropped when its request ends, before the slot can
+        # take another (else, under load, a freed slot is taken again before an erase gets to it).
+        self._erase_on_end: set[int] = set()
+        self._erased = [(0, 0)] * self.n_slots                   # slot -> (erasures, tokens the last one dropped)
         self._waiting: deque[Job] = deque()
         self._closing = False
         self._closed = False
@@ -202,8 +207,9 @@ class Engine:
         self.inbox.put("erase", slot)
 
     def erase_idle_slot(self, slot: int) -> None:
-        """Drop slot's cached prefix only if no request runs there when the decode thread gets to
-        it; a busy slot is left alone (check snapshot.slot_tokens to see whether it happened)."""
+        """Drop slot's cached prefix without cutting a request: at once when the slot is idle when the
+        decode thread gets to it, else as soon as its request ends, before the slot takes another.
+        snapshot.slot_erased[slot] counts the erasures (and the tokens the last one dropped)."""
         if not 0 <= slot < self.n_slots:
             raise RequestError(f"slot must be in [0, {self.n_slots})")
         self.inbox.put("erase_idle", slot)
@@ -363,7 +369,9 @@ class Engine:
                 self._erase(msg.payload)
             elif msg.kind == "erase_idle":          # erase_idle_slot(): never cuts a running request
                 if self._jobs[msg.payload] is None:
-                    self.slots.forget(msg.payload)
+                    self._forget(msg.payload)
+                else:
+                    self._erase_on_end.add(msg.payload)
         while self._waiting and not self._closing:
             job = self._waiting[0]
             slot = pick_slot(self.slots, job.prompt, id_slot=job.id_slot, cache_prompt=job.cache_prompt,
@@ -433,6 +441,8 @@ class Engine:
         self._jobs[slot] = None
         if job.sampling["n_probs"]:
             self._n_probs_slots -= 1
+        if slot in self._erase_on_end:
+            self._forget(slot)
 
     def _cancel(self, job_id: int) -> None:
         for slot, job in enumerate(self._jobs):
@@ -448,6 +458,12 @@ class Engine:
     def _erase(self, slot: int) -> None:
         if self._jobs[slot] is not None:
             self._end(slot, FINISH_CANCELLED)
+        self._forget(slot)
+
+    def _forget(self, slot: int) -> None:
+        """Drop an idle slot's cached prefix; counted in snapshot.slot_erased."""
+        self._erase_on_end.discard(slot)
+        self._erased[slot] = (self._erased[slot][0] + 1, int(self.slots.n_tokens[slot]))
         self.slots.forget(slot)
 
     def _fail_batch(self, error: str) -> None:
@@ -466,7 +482,8 @@ class Engine:
                         n_running=n_running, n_waiting=n_waiting,
                         slot_state=tuple(self.slots.state.tolist()), slot_tokens=tuple(self.slots.n_tokens.tolist()),
                         slot_job=tuple(0 if j is None else j.id for j in self._jobs),
-                        tokens_generated=self._tokens_generated, tokens_prompt=self._tokens_prompt)
+                        tokens_generated=self._tokens_generated, tokens_prompt=self._tokens_prompt,
+                        slot_erased=tuple(self._erased))
 
     def _shutdown(self) -> None:
         """Decode thread exit: every reader, running, waiting or still in the inbox, ends 'closed'."""

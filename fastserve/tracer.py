@@ -10,9 +10,15 @@ Off (the default), the engine pays one `if` per phase boundary.
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 
 PHASES = ("admit", "build", "forward", "sync", "sample", "publish")
 DEVICE_PHASES = ("forward", "sync")
+# Upper bounds (seconds) of the histogram of whole-step wall times (admit to publish), shown on
+# /metrics as fastserve_step_seconds: a step's tail, which per-phase means hide.
+STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.35,
+                        0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+_STEP_BOUNDS_NS = tuple(int(b * 1e9) for b in STEP_SECONDS_BUCKETS)
 
 
 class Tracer:
@@ -26,10 +32,12 @@ class Tracer:
         self.idle_ns = 0
         self.sent_tokens = 0
         self.send_ns = 0
-        self._t = time.perf_counter_ns()
+        self.step_counts = [0] * (len(STEP_SECONDS_BUCKETS) + 1)   # steps per bucket, the last one +Inf
+        self.step_ns = 0                                            # sum of whole-step wall times
+        self._t = self._t_step = time.perf_counter_ns()
 
     def begin(self) -> None:
-        self._t = time.perf_counter_ns()
+        self._t = self._t_step = time.perf_counter_ns()
 
     def lap(self, phase: str) -> None:
         t = time.perf_counter_ns()
@@ -37,7 +45,16 @@ class Tracer:
         self._t = t
 
     def end(self) -> None:
+        """After the last lap of a step: count it, and its wall time (from begin) in the histogram."""
         self.steps += 1
+        ns = self._t - self._t_step
+        self.step_ns += ns
+        self.step_counts[bisect_left(_STEP_BOUNDS_NS, ns)] += 1
+
+    def step_histogram(self) -> tuple[tuple, float]:
+        """(steps per bucket of STEP_SECONDS_BUCKETS plus +Inf, total seconds): a copy, safe to read from
+        another thread while steps go on."""
+        return tuple(self.step_counts), self.step_ns / 1e9
 
     def sends(self, n_tokens: int, ns: int) -> None:
         self.sent_tokens += n_tokens

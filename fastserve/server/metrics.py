@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 
+from ..tracer import STEP_SECONDS_BUCKETS
+
 # Bucket upper bounds, seconds.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -116,6 +118,19 @@ class Registry:
         return "".join(out).encode()
 
 
+class HistogramFn(Histogram):
+    """A histogram kept elsewhere, read at scrape time: fn() -> (counts per bucket plus +Inf, sum)."""
+
+    def __init__(self, name: str, help: str, buckets: tuple, fn):
+        super().__init__(name, help, buckets)
+        self.fn = fn
+
+    def render(self, out: list) -> None:
+        counts, total = self.fn()
+        self._series[()] = [list(counts), float(total)]
+        super().render(out)
+
+
 class CounterFn(Counter):
     """A counter whose total is read at scrape time (e.g. from the engine's snapshot)."""
 
@@ -162,6 +177,9 @@ class ServerMetrics:
                                       "(resolution: one watchdog tick).", LATENCY_BUCKETS)
         self.phase = r.histogram("fastserve_step_phase_seconds", "Host time per decode step in each phase "
                                  "(tracer; mean per step over each one-second window).", STEP_BUCKETS, ("phase",))
+        if eng.tracer is not None:
+            r.add(HistogramFn("fastserve_step_seconds", "Wall time of each decode step, admit to publish "
+                              "(idle waits excluded).", STEP_SECONDS_BUCKETS, eng.tracer.step_histogram))
         self.http = r.counter("fastserve_http_requests", "HTTP requests answered, by status.", ("code",))
         self.requests_done = r.counter("fastserve_requests_finished", "Generations finished, by stop type.",
                                        ("stop_type",))

@@ -106,8 +106,9 @@ def detokenize(app, req, ex):
 
 
 async def slot_action(app, req, ex, slot: int):
-    """POST /slots/{id}?action=erase. A busy slot is erased once it is idle (llama-server defers
-    it too), never by cutting the request running there; waits at most --erase-wait seconds."""
+    """POST /slots/{id}?action=erase. A busy slot is erased when its request ends, before it takes
+    another (llama-server defers it too), never by cutting the request running there; the answer
+    waits for the erasure at most --erase-wait seconds (503 after that; the erasure still happens)."""
     action = req.query.get("action")
     if action in ("save", "restore"):
         raise HttpError(501, f"slot {action} is not supported")
@@ -117,27 +118,18 @@ async def slot_action(app, req, ex, slot: int):
     if not 0 <= slot < eng.n_slots:
         raise HttpError(400, f"slot id must be in [0, {eng.n_slots})")
     deadline = time.monotonic() + app.config.erase_wait
-    n_erased = None
+    erasures = eng.snapshot.slot_erased[slot][0]
+    eng.erase_idle_slot(slot)
     while time.monotonic() < deadline:
         reason = app.unhealthy_reason()
         if reason:
             raise HttpError(503, reason)
-        snap = eng.snapshot
-        if snap.slot_state[slot] == IDLE:
-            if snap.slot_tokens[slot] == 0 and n_erased is not None:
-                return json_response({"id_slot": slot, "n_erased": n_erased})
-            if n_erased is None or snap.slot_tokens[slot]:
-                n_erased = max(n_erased or 0, snap.slot_tokens[slot])
-            eng.erase_idle_slot(slot)
-            step = snap.step
-            while eng.snapshot.step < step + 2 and time.monotonic() < deadline:
-                await asyncio.sleep(0.005)      # the erase is drained at a step start, seen after it ends
-            snap = eng.snapshot
-            if snap.slot_state[slot] == IDLE and snap.slot_tokens[slot] == 0:
-                return json_response({"id_slot": slot, "n_erased": n_erased})
-        else:
-            await asyncio.sleep(0.01)
-    raise HttpError(503, f"slot {slot} stayed busy for {app.config.erase_wait:g} s; try again later")
+        count, n_erased = eng.snapshot.slot_erased[slot]
+        if count > erasures:
+            return json_response({"id_slot": slot, "n_erased": n_erased})
+        await asyncio.sleep(0.005)
+    raise HttpError(503, f"slot {slot} stayed busy for {app.config.erase_wait:g} s; it is erased when its "
+                    f"request ends")
 
 
 def not_supported(app, req, ex):

@@ -136,13 +136,15 @@ def test_metrics_parse(http):
                  "fastserve_seconds_since_last_step", "fastserve_decode_stalled",
                  "fastserve_time_to_first_token_seconds", "fastserve_inter_token_latency_seconds",
                  "fastserve_request_duration_seconds", "fastserve_queue_time_seconds",
-                 "fastserve_step_phase_seconds"):
+                 "fastserve_step_phase_seconds", "fastserve_step_seconds"):
         assert name in fams, name
     gen = [s for s in fams["fastserve_generated_tokens"].samples if s.name.endswith("_total")][0].value
     assert gen >= 3
     ttft = {s.name: s.value for s in fams["fastserve_time_to_first_token_seconds"].samples if not s.labels.get("le")}
     assert ttft["fastserve_time_to_first_token_seconds_count"] >= 1
     assert [s.value for s in fams["fastserve_decode_stalled"].samples] == [0]
+    steps = {s.name: s.value for s in fams["fastserve_step_seconds"].samples if not s.labels.get("le")}
+    assert steps["fastserve_step_seconds_count"] >= 3 and steps["fastserve_step_seconds_sum"] > 0
 
 
 def test_request_log_line(server, http):

@@ -7,6 +7,7 @@ import pytest
 
 import fastserve
 from fastserve.errors import EngineClosed, RequestError, ServerBusy
+from fastserve.tracer import STEP_SECONDS_BUCKETS
 
 
 @pytest.fixture
@@ -98,6 +99,26 @@ def test_cancel_frees_the_slot_within_a_step(engine):
     res = reader.result(timeout=5)
     assert res.finish_reason == "cancelled"
     assert _slots_free(engine)
+
+
+def test_erase_of_a_busy_slot_waits_for_its_request_to_end(tiny_model):
+    """erase_idle_slot never cuts a request; a busy slot is erased when its request ends, before it can
+    take the next one (which then computes its whole prompt), even with that next one already waiting."""
+    with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=256) as e:
+        first = e.submit("the running one", max_tokens=24, temperature=0)
+        next(iter(first))
+        e.erase_idle_slot(0)
+        second = e.submit("the running one", max_tokens=4, temperature=0)     # same prompt: would reuse it
+        assert first.result(timeout=10).finish_reason == "length" and len(first.result().token_ids) == 24
+        assert second.result(timeout=10).finish_reason == "length"
+        assert second.admission.n_cached == 0           # the erase came between the two
+        assert _slots_free(e)
+        assert e.snapshot.slot_erased[0][0] == 1 and e.snapshot.slot_erased[0][1] > 0
+        e.erase_idle_slot(0)                            # idle: at once
+        deadline = time.monotonic() + 5
+        while e.snapshot.slot_erased[0][0] < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert e.snapshot.slot_erased[0][0] == 2 and e.snapshot.slot_tokens[0] == 0
 
 
 def test_dropped_reader_frees_its_slot(engine):
@@ -238,6 +259,9 @@ def test_tracer_summary(tiny_model):
     assert s["steps"] >= 8 and s["tokens_sent"] >= 8
     assert set(s["ms_per_step"]) == {"admit", "build", "forward", "sync", "sample", "publish"}
     assert 0 < s["host_share"] < 1
+    counts, total_s = e.tracer.step_histogram()       # every traced step in one bucket, its time summed
+    assert len(counts) == len(STEP_SECONDS_BUCKETS) + 1 and sum(counts) == s["steps"]
+    assert 0 < total_s <= s["step_ms"] * s["steps"] / 1e3 * 1.001    # the phases also time idle admits
     with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=64) as e:
         with pytest.raises(RuntimeError, match="tracing is off"):
             e.trace_summary()
