@@ -242,7 +242,7 @@ def serve(args) -> int:
                     max_queue=args.max_queue, trace=True, cache_ram_mib=args.cache_ram,
                     slot_prompt_similarity=args.slot_prompt_similarity,
                     backend=make_backend_factory(args.test_stall_file) or getattr(args, "device", None),
-                    blas_threads=threads)
+                    blas_threads=threads, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
     app = App(engine, cfg)
     server = Server(app)
     timer: list = []
@@ -262,7 +262,8 @@ def serve(args) -> int:
             loop.add_signal_handler(sig, on_signal, sig.name)
         port = await server.start()
         print(f"fastserve: listening on http://{cfg.host}:{port} ({model.name}, {engine.n_slots} slots x "
-              f"{engine.n_ctx_slot} tokens, {args.loop} loop, {threads} BLAS thread(s))", file=sys.stderr, flush=True)
+              f"{engine.n_ctx_slot} tokens, KV {args.cache_type_k}/{args.cache_type_v}, {args.loop} loop, "
+              f"{threads} BLAS thread(s))", file=sys.stderr, flush=True)
         await server.wait()
 
     try:

@@ -3,7 +3,8 @@
 Teacher forcing: feed prompt + llama.cpp's generated tokens, compare next-token
 distributions position by position. Free running: our greedy continuation
 through the Engine must equal llama.cpp's for 16 tokens, except for a first
-divergence at a near-tie (llama.cpp's top two within 0.02, and we took the other).
+divergence at a near-tie (we took another of llama.cpp's candidates within 0.02 of its top).
+Both with the KV cache in f16 (the default) and in f32.
 """
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import pytest
 import fastserve
 
 NEAR_TIE = 0.02
+CACHE_TYPES = ("f16", "f32")
 
 
 def _softmax(row):
@@ -18,13 +20,13 @@ def _softmax(row):
     return p / p.sum()
 
 
-@pytest.fixture(scope="module")
-def teacher_forced(default_model, reference):
-    """Per generated position: (our argmax, our probs, llama.cpp's top5 entry)."""
+@pytest.fixture(scope="module", params=CACHE_TYPES)
+def teacher_forced(default_model, reference, request):
+    """Per generated position: (our argmax, our probs, llama.cpp's top5 entry), KV cache in request.param."""
     out = []
     for case in reference["completions"]:
         prompt = case["prompt_token_ids"]
-        logits = default_model.logits(prompt + case["generated_token_ids"])
+        logits = default_model.logits(prompt + case["generated_token_ids"], request.param, request.param)
         for entry in case["top5_per_position"]:
             row = logits[len(prompt) - 1 + entry["pos"]]
             out.append((int(np.argmax(row)), _softmax(row), entry))
@@ -49,9 +51,11 @@ def test_teacher_forced_top5_probabilities(teacher_forced):
     assert median <= 0.03
 
 
-def test_greedy_continuations_match(default_model, reference):
+@pytest.mark.parametrize("cache_type", CACHE_TYPES)
+def test_greedy_continuations_match(default_model, reference, cache_type):
     cases = reference["completions"]
-    with fastserve.Engine(default_model, n_parallel=4, n_ctx=2048) as engine:
+    with fastserve.Engine(default_model, n_parallel=4, n_ctx=2048, cache_type_k=cache_type,
+                          cache_type_v=cache_type) as engine:
         readers = [engine.submit(c["prompt_token_ids"], max_tokens=16, temperature=0, cache_prompt=False)
                    for c in cases]
         ours = [r.result().token_ids for r in readers]
@@ -63,10 +67,13 @@ def test_greedy_continuations_match(default_model, reference):
         if first is None:
             assert len(got) == len(want), f"{case['name']}: {len(got)} tokens, llama.cpp {len(want)}"
             continue
+        # A near-tie: our token is one of llama.cpp's candidates within NEAR_TIE of its top (two-way
+        # mostly; long_history_~300tok opens on a three-way tie, its top three within 0.011).
         top = case["top5_per_position"][first]["top5"]
-        assert top[0]["prob"] - top[1]["prob"] <= NEAR_TIE and got[first] == top[1]["id"], (
+        gap = next((top[0]["prob"] - t["prob"] for t in top[1:] if t["id"] == got[first]), None)
+        assert gap is not None and gap <= NEAR_TIE, (
             f"{case['name']}: diverges at {first} ({got[first]} vs {want[first]}) outside a near-tie")
-        flips.append((case["name"], first, round(top[0]["prob"] - top[1]["prob"], 4)))
+        flips.append((case["name"], first, round(gap, 4)))
     print(f"near-tie flips: {flips}")
 
 
