@@ -53,6 +53,7 @@ class Snapshot:
     n_waiting: int
     slot_state: tuple           # per slot: IDLE / PREFILL / DECODE
     slot_tokens: tuple          # per slot: tokens held (prompt + generated)
+    slot_past: tuple            # per slot: tokens whose KV is written (grows chunk by chunk in a prefill)
     slot_job: tuple             # per slot: job id or 0
     tokens_generated: int       # since start
     tokens_prompt: int          # prompt tokens computed since start
@@ -472,6 +473,7 @@ class Engine:
         return Snapshot(step=step, t_step=time.monotonic(), busy=bool(n_running or n_waiting or len(self.inbox)),
                         n_running=n_running, n_waiting=n_waiting,
                         slot_state=tuple(self.slots.state.tolist()), slot_tokens=tuple(self.slots.n_tokens.tolist()),
+                        slot_past=tuple(self.slots.n_past.tolist()),
                         slot_job=tuple(0 if j is None else j.id for j in self._jobs),
                         tokens_generated=self._tokens_generated, tokens_prompt=self._tokens_prompt)
 
