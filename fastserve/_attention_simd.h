@@ -220,9 +220,14 @@ FS_ATTR static void FS_S(fs_pv)(float *const *acc, const float *const *p, float 
             for (int v = 0; v < nv; v++)
                 VSTORE(acc[r] + d0 + v * VL, a[r][v]);
     }
-    for (int64_t j = j0; j < j1; j++)            /* row sums: RB independent chains, keys in order */
+    float ls[RB];                                 /* row sums: RB independent chains, keys in order */
+    for (int r = 0; r < RB; r++)
+        ls[r] = *l[r];
+    for (int64_t j = j0; j < j1; j++)
         for (int r = 0; r < RB; r++)
-            *l[r] = *l[r] + p[r][j];
+            ls[r] = ls[r] + p[r][j];
+    for (int r = 0; r < RB; r++)
+        *l[r] = ls[r];
 }
 
 /* out[d] = acc[d] / l. */
