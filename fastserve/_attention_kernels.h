@@ -247,9 +247,12 @@ typedef struct fs_attn_isa {
     const float *(*k_tile)(int type, const uint8_t *src, int64_t D, float *kt);   /* -> [D][KT] f32 */
     void (*v_tile)(int type, const uint8_t *src, int64_t stride, int64_t D, int64_t Dp, int64_t nk, float *vt);
     void (*qk)(const float *const *q, const float *kt, int64_t D, float *const *s);
+    void (*qk_f16)(const float *const *q, const uint16_t *kt, int64_t D, float *const *s);     /* fp16 tile */
     void (*probs)(float *s, int64_t n, float *m, float *l, float *acc, int64_t Dp);
     void (*pv)(float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1,
                const float *vt, int64_t Dp);
+    void (*pv_f16)(float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1,
+                   const uint16_t *v, int64_t ldv, int64_t D);                                 /* fp16 rows */
     void (*finish)(const float *acc, float l, int64_t D, float *out);
 } fs_attn_isa;
 
@@ -263,6 +266,16 @@ static inline int64_t fs_attn_scratch_floats(int64_t D, int64_t Dp, int64_t rows
 static inline int64_t fs_attn_tokens_per_item(int64_t G)
 {
     return G >= FS_ROWS ? 1 : FS_ROWS / G;
+}
+
+/* acc += p v over keys j0..j1-1: from the fp16 cache rows (vdirect, ldv values apart) or the float32 tile vt. */
+static inline void fs_attn_pv(const fs_attn_isa *isa, float *const *a, const float *const *p, float *const *l,
+                              int64_t j0, int64_t j1, const uint8_t *vdirect, int64_t ldv, const float *vt, int64_t Dp)
+{
+    if (vdirect)
+        isa->pv_f16(a, p, l, j0, j1, (const uint16_t *)vdirect, ldv, Dp);
+    else
+        isa->pv(a, p, l, j0, j1, vt, Dp);
 }
 
 static void fs_attn_item(const fs_attn_job *jb, int64_t item, float *sc)
@@ -299,9 +312,6 @@ static void fs_attn_item(const fs_attn_job *jb, int64_t item, float *sc)
     for (int64_t kt = 0; kt * FS_KT <= maxpos; kt++) {
         int64_t k0 = kt * FS_KT;
         int64_t nk = maxpos - k0 + 1 < FS_KT ? maxpos - k0 + 1 : FS_KT;    /* keys any row needs */
-        const uint8_t *ksrc = jb->k + ((slot * jb->n_ktiles + kt) * Hkv + kvh) * krow;
-        const float *ktile = isa->k_tile(jb->type_k, ksrc, D, ktbuf);
-        isa->v_tile(jb->type_v, jb->v + ((slot * jb->n_ctx + k0) * Hkv + kvh) * vrow, Hkv * vrow, D, Dp, nk, vt);
         /* Active rows: tokens at or past this tile's first key, each with its own count of keys. */
         int64_t na = 0;
         for (int64_t t = 0; t < nt; t++) {
@@ -330,16 +340,30 @@ static void fs_attn_item(const fs_attn_job *jb, int64_t item, float *sc)
             pp[i] = pp[0];
             nk_row[i] = nk_row[0];
         }
-        for (int64_t i = 0; i < napad; i += rb)
-            isa->qk(qp + i, ktile, D, sp + i);
+        /* One block of rows (a decode step's G heads): the products read the fp16 cache as they go;
+         * more rows share one conversion of the tile to float32. The values are the same. */
+        const uint8_t *ksrc = jb->k + ((slot * jb->n_ktiles + kt) * Hkv + kvh) * krow;
+        const uint8_t *vsrc = jb->v + ((slot * jb->n_ctx + k0) * Hkv + kvh) * vrow;
+        int k_direct = jb->type_k == FS_KV_F16 && napad <= rb;
+        int v_direct = jb->type_v == FS_KV_F16 && napad <= rb && D == Dp;
+        const float *ktile = k_direct ? NULL : isa->k_tile(jb->type_k, ksrc, D, ktbuf);
+        if (!v_direct)
+            isa->v_tile(jb->type_v, vsrc, Hkv * vrow, D, Dp, nk, vt);
+        for (int64_t i = 0; i < napad; i += rb) {
+            if (k_direct)
+                isa->qk_f16(qp + i, (const uint16_t *)ksrc, D, sp + i);
+            else
+                isa->qk(qp + i, ktile, D, sp + i);
+        }
         for (int64_t i = 0; i < na; i++)
             isa->probs(sp[i], nk_row[i], mp[i], lp[i], ap[i], Dp);
         for (int64_t i = 0; i < napad; i += rb) {
             int64_t nmin = nk_row[i];
             for (int k = 1; k < rb; k++)
                 nmin = nk_row[i + k] < nmin ? nk_row[i + k] : nmin;
-            isa->pv(ap + i, pp + i, lp + i, 0, nmin, vt, Dp);       /* keys every row of the block has */
-            for (int k = 0; k < rb && i + k < na; k++)              /* then each row's own */
+            /* keys every row of the block has, then each row's own */
+            fs_attn_pv(isa, ap + i, pp + i, lp + i, 0, nmin, v_direct ? vsrc : NULL, Hkv * D, vt, Dp);
+            for (int k = 0; k < rb && i + k < na; k++)
                 if (nk_row[i + k] > nmin) {
                     float *a1[8];
                     const float *p1[8];
@@ -349,7 +373,7 @@ static void fs_attn_item(const fs_attn_job *jb, int64_t item, float *sc)
                         p1[z] = pp[i + k];
                         l1[z] = z == 0 ? lp[i + k] : l + rows_cap;
                     }
-                    isa->pv(a1, p1, l1, nmin, nk_row[i + k], vt, Dp);
+                    fs_attn_pv(isa, a1, p1, l1, nmin, nk_row[i + k], v_direct ? vsrc : NULL, Hkv * D, vt, Dp);
                 }
         }
     }

@@ -146,8 +146,10 @@ FS_ATTR static void FS_S(fs_v_tile)(int type, const uint8_t *src, int64_t stride
     }
 }
 
-/* s[r][0..KT) = sum over d in order of q[r][d] * kt[d][j], for RB rows (vectorised over keys). */
-FS_ATTR static void FS_S(fs_qk)(const float *const *q, const float *kt, int64_t D, float *const *s)
+/* s[r][0..KT) = sum over d in order of q[r][d] * kt[d][j], for RB rows (vectorised over keys); kt is
+ * float32, or (f16 = 1) the cache's own fp16 tile, converted as it is read (the same values). */
+FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_qk_any)(const float *const *q, const void *kt,
+                                                                         int f16, int64_t D, float *const *s)
 {
     for (int64_t j0 = 0; j0 < FS_KT; j0 += NV * VL) {
         VF acc[RB][NV];
@@ -156,8 +158,10 @@ FS_ATTR static void FS_S(fs_qk)(const float *const *q, const float *kt, int64_t 
                 acc[r][v] = VSET1(0.0f);
         for (int64_t d = 0; d < D; d++) {
             VF kv[NV];
-            for (int v = 0; v < NV; v++)
-                kv[v] = VLOAD(kt + d * FS_KT + j0 + v * VL);
+            for (int v = 0; v < NV; v++) {
+                int64_t i = d * FS_KT + j0 + v * VL;
+                kv[v] = f16 ? VLOAD_F16((const uint16_t *)kt + i) : VLOAD((const float *)kt + i);
+            }
             for (int r = 0; r < RB; r++) {
                 VF qb = VSET1(q[r][d]);
                 for (int v = 0; v < NV; v++)
@@ -168,6 +172,16 @@ FS_ATTR static void FS_S(fs_qk)(const float *const *q, const float *kt, int64_t 
             for (int v = 0; v < NV; v++)
                 VSTORE(s[r] + j0 + v * VL, acc[r][v]);
     }
+}
+
+FS_ATTR static void FS_S(fs_qk)(const float *const *q, const float *kt, int64_t D, float *const *s)
+{
+    FS_S(fs_qk_any)(q, kt, 0, D, s);
+}
+
+FS_ATTR static void FS_S(fs_qk_f16)(const float *const *q, const uint16_t *kt, int64_t D, float *const *s)
+{
+    FS_S(fs_qk_any)(q, kt, 1, D, s);
 }
 
 /* One row, one tile of n keys: the running max m, scores -> probabilities p (in s), l and acc
@@ -196,9 +210,11 @@ FS_ATTR static void FS_S(fs_probs)(float *s, int64_t n, float *m, float *l, floa
         VSTORE(acc + d, VMUL(VLOAD(acc + d), ab));
 }
 
-/* For RB rows: keys j0..j1-1 in order, acc[r][d] += p[r][j] * vt[j][d] and l[r] += p[r][j]. */
-FS_ATTR static void FS_S(fs_pv)(float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1,
-                                const float *vt, int64_t Dp)
+/* For RB rows: keys j0..j1-1 in order, acc[r][d] += p[r][j] * v[j][d] and l[r] += p[r][j]; v is float32
+ * [KT][ldv] (Dp dimensions), or (f16 = 1) the cache's own fp16 rows, ldv values apart (then D == Dp). */
+FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_pv_any)(
+    float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1, const void *vsrc, int f16,
+    int64_t ldv, int64_t Dp)
 {
     for (int64_t d0 = 0; d0 < Dp; d0 += NV * VL) {
         int nv = Dp - d0 >= NV * VL ? NV : (int)((Dp - d0) / VL);
@@ -208,8 +224,11 @@ FS_ATTR static void FS_S(fs_pv)(float *const *acc, const float *const *p, float 
                 a[r][v] = v < nv ? VLOAD(acc[r] + d0 + v * VL) : VSET1(0.0f);
         for (int64_t j = j0; j < j1; j++) {
             VF vv[NV];
-            for (int v = 0; v < NV; v++)
-                vv[v] = v < nv ? VLOAD(vt + j * Dp + d0 + v * VL) : VSET1(0.0f);
+            for (int v = 0; v < NV; v++) {
+                int64_t i = j * ldv + d0 + v * VL;
+                vv[v] = v >= nv ? VSET1(0.0f)
+                      : f16 ? VLOAD_F16((const uint16_t *)vsrc + i) : VLOAD((const float *)vsrc + i);
+            }
             for (int r = 0; r < RB; r++) {
                 VF pb = VSET1(p[r][j]);
                 for (int v = 0; v < NV; v++)
@@ -230,6 +249,18 @@ FS_ATTR static void FS_S(fs_pv)(float *const *acc, const float *const *p, float 
         *l[r] = ls[r];
 }
 
+FS_ATTR static void FS_S(fs_pv)(float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1,
+                                const float *vt, int64_t Dp)
+{
+    FS_S(fs_pv_any)(acc, p, l, j0, j1, vt, 0, Dp, Dp);
+}
+
+FS_ATTR static void FS_S(fs_pv_f16)(float *const *acc, const float *const *p, float *const *l, int64_t j0,
+                                    int64_t j1, const uint16_t *v, int64_t ldv, int64_t D)
+{
+    FS_S(fs_pv_any)(acc, p, l, j0, j1, v, 1, ldv, D);
+}
+
 /* out[d] = acc[d] / l. */
 FS_ATTR static void FS_S(fs_finish)(const float *acc, float l, int64_t D, float *out)
 {
@@ -241,8 +272,8 @@ FS_ATTR static void FS_S(fs_finish)(const float *acc, float l, int64_t D, float 
         out[d] = acc[d] / l;
 }
 
-static const fs_attn_isa FS_S(fs_attn) = {RB, FS_S(fs_k_tile), FS_S(fs_v_tile), FS_S(fs_qk), FS_S(fs_probs),
-                                          FS_S(fs_pv), FS_S(fs_finish)};
+static const fs_attn_isa FS_S(fs_attn) = {RB, FS_S(fs_k_tile), FS_S(fs_v_tile), FS_S(fs_qk), FS_S(fs_qk_f16),
+                                          FS_S(fs_probs), FS_S(fs_pv), FS_S(fs_pv_f16), FS_S(fs_finish)};
 
 #undef FS_S
 #undef FS_ATTR
