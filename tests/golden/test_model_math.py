@@ -6,6 +6,8 @@ through the Engine must equal llama.cpp's for 16 tokens, except for a first
 divergence at a near-tie (we took another of llama.cpp's candidates within 0.02 of its top).
 Both with the KV cache in f16 (the default) and in f32.
 """
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -89,3 +91,19 @@ def test_greedy_is_batch_invariant_on_the_default_model(default_model, reference
         alone = [engine.generate(p, max_tokens=16, temperature=0, cache_prompt=False).token_ids for p in prompts[:6]]
     for i, want in enumerate(alone):
         assert crowd[i] == want and crowd[i + 13] == want, f"prompt {i} differs in company"
+
+
+def test_long_prompt_greedy_is_the_same_whatever_the_prefill_chunk(default_model):
+    """A 1,100-token prompt (3 key tiles past a chunk of 512), prefilled 512 tokens a step or 96, and in a q8_0 cache the same way:
+    the same greedy continuation (attention's key tiles sit at fixed positions, whatever the chunk)."""
+    text = "\n".join(p.read_text(errors="replace") for p in sorted(Path(fastserve.__file__).parent.glob("*.py")))
+    ids = default_model.tokenizer.encode(text, add_special=False)[:1100]
+    outs = {}
+    for cache_type in ("f16", "q8_0"):
+        for n_batch in (512, 96):
+            with fastserve.Engine(default_model, n_parallel=1, n_ctx=2048, n_batch=n_batch, cache_type_k=cache_type,
+                                  cache_type_v=cache_type) as engine:
+                outs[cache_type, n_batch] = engine.generate(ids, max_tokens=8, temperature=0,
+                                                            cache_prompt=False).token_ids
+    assert outs["f16", 512] == outs["f16", 96] and len(outs["f16", 512]) == 8
+    assert outs["q8_0", 512] == outs["q8_0", 96]
