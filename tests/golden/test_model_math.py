@@ -94,8 +94,8 @@ def test_greedy_is_batch_invariant_on_the_default_model(default_model, reference
 
 
 def test_long_prompt_greedy_is_the_same_whatever_the_prefill_chunk(default_model):
-    """A 1,100-token prompt (3 key tiles past a chunk of 512), prefilled 512 tokens a step or 96, and in a q8_0 cache the same way:
-    the same greedy continuation (attention's key tiles sit at fixed positions, whatever the chunk)."""
+    """A 1,100-token prompt prefilled 512 tokens a step or 96, in an f16 and a q8_0 cache: the same
+    greedy continuation (attention's key tiles sit at fixed positions, whatever the chunk)."""
     text = "\n".join(p.read_text(errors="replace") for p in sorted(Path(fastserve.__file__).parent.glob("*.py")))
     ids = default_model.tokenizer.encode(text, add_special=False)[:1100]
     outs = {}
