@@ -48,6 +48,10 @@ def extensions():
             # Its float sums are specified operation by operation (batch invariance, parity with the
             # NumPy twin): no fused multiply-add.
             ext_args += ["-ffp-contract=off"]
+        if name == "fastserve._attention":
+            depends += [os.path.join("fastserve", "_attention_kernels.h"), os.path.join("fastserve", "_attention_simd.h")]
+            # The same: every float operation of attention is specified (twin: fastserve/ref/attention.py).
+            ext_args += ["-ffp-contract=off"]
         exts.append(Extension(name, [pyx], define_macros=macros, extra_compile_args=ext_args,
                               extra_link_args=link_args, depends=depends))
     return cythonize(

@@ -82,6 +82,11 @@ def _model_args(p) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=8192, help="KV cache tokens, shared by the slots")
     p.add_argument("-np", "--parallel", type=int, default=8, help="slots (concurrent requests)")
     p.add_argument("-b", "--batch-size", type=int, default=512, help="most tokens in one step")
+    # The choices are backends/kv_cache.KV_CACHE_TYPES (tests/unit/test_cli.py checks), written out so
+    # that parsing the command line loads no extension.
+    for flag, short in (("--cache-type-k", "-ctk"), ("--cache-type-v", "-ctv")):
+        p.add_argument(short, flag, choices=("f16", "f32", "q8_0"), default="f16",
+                       help=f"KV cache type for {'keys' if flag.endswith('k') else 'values'} on the CPU (default f16)")
 
 
 def _device_arg(p) -> None:
@@ -109,7 +114,7 @@ def _load(args):
 def _engine(args, model):
     from .engine import Engine
     return Engine(model, n_parallel=args.parallel, n_ctx=args.ctx_size, n_batch=args.batch_size,
-                  backend=args.device)
+                  backend=args.device, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
 
 
 def _generate(args) -> int:
@@ -153,7 +158,7 @@ def _bench(args) -> int:
         n_parallel = max(1, clients)               # a slot per client, as llama-server -np N
         with Engine(model, n_parallel=n_parallel, n_ctx=max(args.ctx_size, 512 * n_parallel),
                     n_batch=args.batch_size, trace=True, blas_threads=args.threads or None,
-                    backend=args.device) as engine:
+                    backend=args.device, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v) as engine:
             closed_loop(engine, prompts, clients, 3.0, n_predict=args.n_predict)     # warm-up
             engine.tracer.reset()
             rows.append(closed_loop(engine, prompts, clients, args.seconds, n_predict=args.n_predict).row())

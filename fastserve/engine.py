@@ -25,7 +25,7 @@ from ._delivery import Delivery
 from ._sampling import Sampler
 from ._slots import DECODE, IDLE, SlotTable
 from .device_sampling import device_sampler_for
-from .errors import EngineClosed, RequestError, ServerBusy
+from .errors import ConfigError, EngineClosed, RequestError, ServerBusy
 from .inbox import Inbox
 from .prompt_cache import MIB, PromptCache
 from .reader import Waker
@@ -53,6 +53,7 @@ class Snapshot:
     n_waiting: int
     slot_state: tuple           # per slot: IDLE / PREFILL / DECODE
     slot_tokens: tuple          # per slot: tokens held (prompt + generated)
+    slot_past: tuple            # per slot: tokens whose KV is written (grows chunk by chunk in a prefill)
     slot_job: tuple             # per slot: job id or 0
     tokens_generated: int       # since start
     tokens_prompt: int          # prompt tokens computed since start
@@ -69,11 +70,14 @@ class Engine:
     (cache_prompt); slot_prompt_similarity is the share of the prompt a free slot's prefix must
     exceed for that slot to be picked (else the least recently used one); cache_ram_mib > 0 keeps
     the prefixes of reused slots in that much host RAM (fastserve/prompt_cache.py), 0 = off.
+    cache_type_k / cache_type_v: the KV cache's types on the CPU backend ("f16", "f32", "q8_0"; llama-server's
+    --cache-type-k/-v); the CUDA backend keeps its KV in its own dtype and refuses any other.
     """
 
     def __init__(self, model, n_parallel: int = 8, n_ctx: int = 8192, n_batch: int = 512,
                  max_queue: int = 256, backend=None, trace: bool = False, blas_threads: int | None = None,
-                 prefill_chunk: int = 32, cache_ram_mib: float = 0, slot_prompt_similarity: float = 0.1):
+                 prefill_chunk: int = 32, cache_ram_mib: float = 0, slot_prompt_similarity: float = 0.1,
+                 cache_type_k: str = "f16", cache_type_v: str = "f16"):
         if n_parallel < 1 or n_batch < 1 or max_queue < 0:
             raise ValueError("n_parallel and n_batch must be >= 1, max_queue >= 0")
         if n_ctx // n_parallel < 2:
@@ -88,6 +92,7 @@ class Engine:
         self.tokenizer = model.tokenizer
         self.n_slots, self.n_ctx_slot, self.n_batch = n_parallel, n_ctx // n_parallel, n_batch
         self.max_queue, self.prefill_chunk = max_queue, max(1, prefill_chunk)
+        self.cache_type_k, self.cache_type_v = cache_type_k, cache_type_v
         n_vocab = model.config.n_vocab
         self.backend = self._make_backend(backend)
         eog = np.zeros(n_vocab, np.uint8)
@@ -134,9 +139,12 @@ class Engine:
         if backend is None or backend in ("cpu", "numpy"):
             from .backends.numpy_backend import NumpyBackend
             return NumpyBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot,
-                                threads=self.threads)
+                                threads=self.threads, cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v)
         if backend == "cuda":
             from .backends.cupy_backend import CupyBackend
+            if (self.cache_type_k, self.cache_type_v) != ("f16", "f16"):
+                raise ConfigError(f"the CUDA backend keeps its KV cache in f16; --cache-type-k {self.cache_type_k} / "
+                                 f"--cache-type-v {self.cache_type_v} are for the CPU backend (--device cpu)")
             return CupyBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot,
                                max_tokens=self.n_batch)
         if isinstance(backend, str):
@@ -481,6 +489,7 @@ class Engine:
         return Snapshot(step=step, t_step=time.monotonic(), busy=bool(n_running or n_waiting or len(self.inbox)),
                         n_running=n_running, n_waiting=n_waiting,
                         slot_state=tuple(self.slots.state.tolist()), slot_tokens=tuple(self.slots.n_tokens.tolist()),
+                        slot_past=tuple(self.slots.n_past.tolist()),
                         slot_job=tuple(0 if j is None else j.id for j in self._jobs),
                         tokens_generated=self._tokens_generated, tokens_prompt=self._tokens_prompt,
                         slot_erased=tuple(self._erased))

@@ -23,3 +23,7 @@ class ServerBusy(FastserveError):
 
 class EngineClosed(FastserveError):
     """The engine was closed; no more requests are taken."""
+
+
+class ConfigError(FastserveError, ValueError):
+    """A setting cannot work with this model or backend (e.g. a KV cache type the head size does not fit)."""

@@ -41,8 +41,9 @@ class Model:
     def name(self) -> str:
         return os.path.basename(self.path)
 
-    def logits(self, token_ids) -> np.ndarray:
-        """Teacher forcing: float32 [len(token_ids), n_vocab] for one fresh sequence from position 0."""
+    def logits(self, token_ids, cache_type_k: str = "f16", cache_type_v: str = "f16") -> np.ndarray:
+        """Teacher forcing: float32 [len(token_ids), n_vocab] for one fresh sequence from position 0,
+        with the KV cache in those types (see backends/kv_cache.py)."""
         from .backends.numpy_backend import NumpyBackend
 
         ids = np.asarray(list(token_ids), dtype=np.int32)
@@ -51,7 +52,8 @@ class Model:
             return np.zeros((0, self.config.n_vocab), np.float32)
         if ids.min() < 0 or ids.max() >= self.config.n_vocab:
             raise ValueError(f"token ids must be in [0, {self.config.n_vocab})")
-        backend = NumpyBackend(self.config, self.weights, n_slots=1, n_ctx_slot=n)
+        backend = NumpyBackend(self.config, self.weights, n_slots=1, n_ctx_slot=n, cache_type_k=cache_type_k,
+                               cache_type_v=cache_type_v)
         rows = np.arange(n, dtype=np.int32)
         return np.ascontiguousarray(backend.forward(ids, rows, np.zeros(n, np.int32), rows), dtype=np.float32)
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._attention import attend
+from .._attention import Attention
 from .._pool import Pool
 from .._matmul import Matmul, Q8Matrix
 from ..models.llama import LlamaConfig, LlamaWeights
+from .kv_cache import DEFAULT_CACHE_TYPE, KVCache
 
 WEIGHT_TYPES = ("q8", "f32")
 
@@ -69,7 +70,8 @@ def silu(x: np.ndarray) -> np.ndarray:
 
 
 class NumpyBackend:
-    """CPU backend. KV cache: per layer float32 [n_slots, n_ctx_slot, Hkv, D].
+    """CPU backend. KV cache: self.kv (backends/kv_cache.py), in cache_type_k / cache_type_v
+    ("f16", the default, "f32" or "q8_0"), read directly by attention.
 
     weight_type: "q8" (fastserve._matmul on int8 weights, the default) or "f32" (OpenBLAS).
     threads: threads of the step's loops (self.pool: the caller + threads - 1 helpers); 1 is the safe default
@@ -81,11 +83,13 @@ class NumpyBackend:
     picks other kernels (other summation orders) for a one-column product (gemv)
     and for "small" products (out*n up to ~1152), so on the f32 path every product
     is given at least `min_rows` rows (zero padding). Attention
-    (fastserve._attention) computes each (token, head) on its own.
+    (fastserve._attention) computes each (token, head) in a fixed order of key tiles, whatever
+    the batch or the threads.
     """
 
     def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, n_slots: int, n_ctx_slot: int,
-                 weight_type: str = "q8", threads: int = 1):
+                 weight_type: str = "q8", threads: int = 1, cache_type_k: str = DEFAULT_CACHE_TYPE,
+                 cache_type_v: str = DEFAULT_CACHE_TYPE):
         if weight_type not in WEIGHT_TYPES:
             raise ValueError(f"unknown weight_type {weight_type!r}; known: {', '.join(WEIGHT_TYPES)}")
         self.cfg, self.w = cfg, weights
@@ -100,12 +104,10 @@ class NumpyBackend:
             output = weights.output
         self._layer_mats, self._output = layers, output   # per layer (wqkv, wo, w_gate_up, w_down)
         self.n_slots, self.n_ctx_slot, self.n_vocab = n_slots, n_ctx_slot, cfg.n_vocab
-        shape = (n_slots, n_ctx_slot, cfg.n_head_kv, cfg.head_dim)
-        self.k_cache = [np.zeros(shape, np.float32) for _ in range(cfg.n_layer)]
-        self.v_cache = [np.zeros(shape, np.float32) for _ in range(cfg.n_layer)]
+        self.kv = KVCache(cfg.n_layer, n_slots, n_ctx_slot, cfg.n_head_kv, cfg.head_dim, cache_type_k, cache_type_v)
+        self._attn = Attention(self.pool)
         self.cos, self.sin = rope_tables(cfg, n_ctx_slot, weights.rope_freqs)
         self.scale = float(1.0 / np.sqrt(cfg.head_dim))
-        self.scratch = np.zeros(n_ctx_slot, np.float32)        # attention scores of one (token, head)
         narrowest = min(cfg.n_embd, (cfg.n_head + 2 * cfg.n_head_kv) * cfg.head_dim, 2 * cfg.n_ff)
         self.min_rows = max(2, -(-2048 // narrowest)) if weight_type == "f32" else 1
 
@@ -116,35 +118,19 @@ class NumpyBackend:
         return self._mm(x, m, np.empty((len(x), m.n_out), np.float32))
 
     def kv_bytes_per_token(self) -> int:
-        c = self.cfg
-        return 2 * c.n_layer * c.n_head_kv * c.head_dim * 4
+        return self.kv.bytes_per_token()
 
     def copy_slot(self, src: int, dst: int, n_tokens: int) -> None:
-        for k, v in zip(self.k_cache, self.v_cache):
-            k[dst, :n_tokens] = k[src, :n_tokens]
-            v[dst, :n_tokens] = v[src, :n_tokens]
+        self.kv.copy_slot(src, dst, n_tokens)
 
     def save_slot(self, slot: int, start: int, n_tokens: int, into: np.ndarray) -> None:
         """KV rows start..start+n_tokens of slot into `into` (uint8, >= n_tokens * kv_bytes_per_token()),
-        laid out [n_layer, 2 (K, V), n_tokens, Hkv * D] float32. Copies into `into`, allocates nothing."""
-        dst = self._kv_rows(into, n_tokens)
-        for li, (k, v) in enumerate(zip(self.k_cache, self.v_cache)):
-            np.copyto(dst[li, 0], k[slot, start:start + n_tokens])
-            np.copyto(dst[li, 1], v[slot, start:start + n_tokens])
+        in the cache types' row formats (KVCache.save_slot). Copies into `into`, allocates nothing."""
+        self.kv.save_slot(slot, start, n_tokens, into)
 
     def restore_slot(self, slot: int, start: int, n_tokens: int, src: np.ndarray) -> None:
         """The inverse of save_slot: KV rows start..start+n_tokens of slot from `src`."""
-        rows = self._kv_rows(src, n_tokens)
-        for li, (k, v) in enumerate(zip(self.k_cache, self.v_cache)):
-            np.copyto(k[slot, start:start + n_tokens], rows[li, 0])
-            np.copyto(v[slot, start:start + n_tokens], rows[li, 1])
-
-    def _kv_rows(self, buf: np.ndarray, n_tokens: int) -> np.ndarray:
-        c = self.cfg
-        nbytes = n_tokens * self.kv_bytes_per_token()
-        if buf.dtype != np.uint8 or buf.ndim != 1 or len(buf) < nbytes or not buf.flags.c_contiguous:
-            raise ValueError(f"a KV copy of {n_tokens} tokens needs a contiguous uint8 buffer of {nbytes} bytes")
-        return buf[:nbytes].view(np.float32).reshape(c.n_layer, 2, n_tokens, c.n_head_kv, c.head_dim)
+        self.kv.restore_slot(slot, start, n_tokens, src)
 
     def forward(self, tokens, positions, slots, out_rows) -> np.ndarray:
         cfg, w = self.cfg, self.w
@@ -165,11 +151,10 @@ class NumpyBackend:
             v = qkv[:n, q_dim + kv_dim:].reshape(n, cfg.n_head_kv, cfg.head_dim)
             apply_rope(q, cos, sin, cfg.rope_dim)
             apply_rope(k, cos, sin, cfg.rope_dim)
-            kc, vc = self.k_cache[li], self.v_cache[li]
-            kc[slots, positions] = k
-            vc[slots, positions] = v
+            self.kv.store(li, np.ascontiguousarray(k), np.ascontiguousarray(v), slots, positions)
             attn = np.zeros((len(x), q_dim), np.float32)
-            attend(np.ascontiguousarray(q), kc, vc, slots, positions, attn, self.scratch, self.scale)
+            self._attn(np.ascontiguousarray(q), self.kv.k[li], self.kv.v[li], self.kv.type_k, self.kv.type_v,
+                       slots, positions, attn, self.scale)
             x += self._matmul(attn, wo)
             h = rms_norm(x, lw.ffn_norm, cfg.norm_eps)
             gu = self._matmul(h, w_gate_up)

@@ -243,7 +243,7 @@ def serve(args) -> int:
                     max_queue=args.max_queue, trace=True, cache_ram_mib=args.cache_ram,
                     slot_prompt_similarity=args.slot_prompt_similarity,
                     backend=make_backend_factory(args.test_stall_file) or getattr(args, "device", None),
-                    blas_threads=threads)
+                    blas_threads=threads, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
     app = App(engine, cfg)
     server = Server(app)
     timer: list = []
@@ -265,7 +265,8 @@ def serve(args) -> int:
         print(f"fastserve: {model.load_summary()}; ready {seconds_since_start():.2f} s after the process started, "
               f"RSS {rss_bytes() / 2**20:.0f} MiB", file=sys.stderr, flush=True)
         print(f"fastserve: listening on http://{cfg.host}:{port} ({model.name}, {engine.n_slots} slots x "
-              f"{engine.n_ctx_slot} tokens, {args.loop} loop, {threads} BLAS thread(s))", file=sys.stderr, flush=True)
+              f"{engine.n_ctx_slot} tokens, KV {args.cache_type_k}/{args.cache_type_v}, {args.loop} loop, "
+              f"{threads} BLAS thread(s))", file=sys.stderr, flush=True)
         await server.wait()
 
     try:

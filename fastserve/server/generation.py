@@ -8,7 +8,9 @@ the decode thread never waits (the reader's buffer holds the whole request).
 
 Deadlines (queue time, total time, inter-token stall) are checked by the
 watchdog every tick from `check()`, which reads only this object and the
-engine's snapshot. Ending a request for any reason goes through the exchange:
+engine's snapshot. The inter-token clock restarts on every sign of progress: a token for
+the reader, or more KV written in the request's slot (a prefill computing the prompt,
+chunk by chunk, is working, not stalled: a 5k-token prompt may take longer than the limit). Ending a request for any reason goes through the exchange:
 its `fail()` records why and cancels the task that is writing the response.
 """
 from __future__ import annotations
@@ -36,7 +38,7 @@ class Delta(NamedTuple):
 
 class Generation:
     __slots__ = ("app", "reader", "admission", "n_prompt", "n_probs", "limits", "text", "ids", "probs",
-                 "t_submit", "t_admit", "t_first", "t_last", "t_end", "count_seen", "t_progress",
+                 "t_submit", "t_admit", "t_first", "t_last", "t_end", "progress_seen", "t_progress",
                  "stop_type", "exchange", "_closed", "queued_behind")
 
     def __init__(self, app, exchange, ids: list, *, stop: list, limits: Limits, **submit_kwargs):
@@ -68,7 +70,7 @@ class Generation:
         self.t_submit = self.t_progress = now
         self.t_admit = self.t_first = self.t_last = self.t_end = None
         self.queued_behind = snap.n_waiting + snap.n_running >= engine.n_slots
-        self.count_seen = 0
+        self.progress_seen = (0, -1)       # (tokens for the reader, tokens with KV written in the slot)
         self.stop_type = "none"
         self._closed = False
         exchange.generation = self
@@ -187,14 +189,16 @@ class Generation:
         if self.limits.total and now - self.t_submit > self.limits.total:
             self.app.metrics.deadlines.inc(1, "total")
             return HttpError(504, f"the request ran past its time limit of {self.limits.total:g} s")
-        count = buf.count
-        if count != self.count_seen:
-            self.count_seen = count
+        slot = self.admission.slot
+        progress = (buf.count, snap.slot_past[slot] if 0 <= slot < len(snap.slot_past) else -1)
+        if progress != self.progress_seen:
+            self.progress_seen = progress
             self.t_progress = now
         elif self.t_admit is not None and self.limits.token and \
                 now - max(self.t_progress, self.t_admit) > self.limits.token:
             self.app.metrics.deadlines.inc(1, "token")
-            return HttpError(504, f"no token for {now - max(self.t_progress, self.t_admit):.1f} s "
+            what = "" if progress[0] else " (the prompt is not advancing)"
+            return HttpError(504, f"no token for {now - max(self.t_progress, self.t_admit):.1f} s{what} "
                                   f"(inter-token limit {self.limits.token:g} s)")
         return None
 

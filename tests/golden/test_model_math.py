@@ -3,14 +3,18 @@
 Teacher forcing: feed prompt + llama.cpp's generated tokens, compare next-token
 distributions position by position. Free running: our greedy continuation
 through the Engine must equal llama.cpp's for 16 tokens, except for a first
-divergence at a near-tie (llama.cpp's top two within 0.02, and we took the other).
+divergence at a near-tie (we took another of llama.cpp's candidates within 0.02 of its top).
+Both with the KV cache in f16 (the default) and in f32.
 """
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import fastserve
 
 NEAR_TIE = 0.02
+CACHE_TYPES = ("f16", "f32")
 
 
 def _softmax(row):
@@ -18,13 +22,13 @@ def _softmax(row):
     return p / p.sum()
 
 
-@pytest.fixture(scope="module")
-def teacher_forced(default_model, reference):
-    """Per generated position: (our argmax, our probs, llama.cpp's top5 entry)."""
+@pytest.fixture(scope="module", params=CACHE_TYPES)
+def teacher_forced(default_model, reference, request):
+    """Per generated position: (our argmax, our probs, llama.cpp's top5 entry), KV cache in request.param."""
     out = []
     for case in reference["completions"]:
         prompt = case["prompt_token_ids"]
-        logits = default_model.logits(prompt + case["generated_token_ids"])
+        logits = default_model.logits(prompt + case["generated_token_ids"], request.param, request.param)
         for entry in case["top5_per_position"]:
             row = logits[len(prompt) - 1 + entry["pos"]]
             out.append((int(np.argmax(row)), _softmax(row), entry))
@@ -49,9 +53,11 @@ def test_teacher_forced_top5_probabilities(teacher_forced):
     assert median <= 0.03
 
 
-def test_greedy_continuations_match(default_model, reference):
+@pytest.mark.parametrize("cache_type", CACHE_TYPES)
+def test_greedy_continuations_match(default_model, reference, cache_type):
     cases = reference["completions"]
-    with fastserve.Engine(default_model, n_parallel=4, n_ctx=2048) as engine:
+    with fastserve.Engine(default_model, n_parallel=4, n_ctx=2048, cache_type_k=cache_type,
+                          cache_type_v=cache_type) as engine:
         readers = [engine.submit(c["prompt_token_ids"], max_tokens=16, temperature=0, cache_prompt=False)
                    for c in cases]
         ours = [r.result().token_ids for r in readers]
@@ -63,10 +69,13 @@ def test_greedy_continuations_match(default_model, reference):
         if first is None:
             assert len(got) == len(want), f"{case['name']}: {len(got)} tokens, llama.cpp {len(want)}"
             continue
+        # A near-tie: our token is one of llama.cpp's candidates within NEAR_TIE of its top (two-way
+        # mostly; long_history_~300tok opens on a three-way tie, its top three within 0.011).
         top = case["top5_per_position"][first]["top5"]
-        assert top[0]["prob"] - top[1]["prob"] <= NEAR_TIE and got[first] == top[1]["id"], (
+        gap = next((top[0]["prob"] - t["prob"] for t in top[1:] if t["id"] == got[first]), None)
+        assert gap is not None and gap <= NEAR_TIE, (
             f"{case['name']}: diverges at {first} ({got[first]} vs {want[first]}) outside a near-tie")
-        flips.append((case["name"], first, round(top[0]["prob"] - top[1]["prob"], 4)))
+        flips.append((case["name"], first, round(gap, 4)))
     print(f"near-tie flips: {flips}")
 
 
@@ -82,3 +91,19 @@ def test_greedy_is_batch_invariant_on_the_default_model(default_model, reference
         alone = [engine.generate(p, max_tokens=16, temperature=0, cache_prompt=False).token_ids for p in prompts[:6]]
     for i, want in enumerate(alone):
         assert crowd[i] == want and crowd[i + 13] == want, f"prompt {i} differs in company"
+
+
+def test_long_prompt_greedy_is_the_same_whatever_the_prefill_chunk(default_model):
+    """A 1,100-token prompt prefilled 512 tokens a step or 96, in an f16 and a q8_0 cache: the same
+    greedy continuation (attention's key tiles sit at fixed positions, whatever the chunk)."""
+    text = "\n".join(p.read_text(errors="replace") for p in sorted(Path(fastserve.__file__).parent.glob("*.py")))
+    ids = default_model.tokenizer.encode(text, add_special=False)[:1100]
+    outs = {}
+    for cache_type in ("f16", "q8_0"):
+        for n_batch in (512, 96):
+            with fastserve.Engine(default_model, n_parallel=1, n_ctx=2048, n_batch=n_batch, cache_type_k=cache_type,
+                                  cache_type_v=cache_type) as engine:
+                outs[cache_type, n_batch] = engine.generate(ids, max_tokens=8, temperature=0,
+                                                            cache_prompt=False).token_ids
+    assert outs["f16", 512] == outs["f16", 96] and len(outs["f16", 512]) == 8
+    assert outs["q8_0", 512] == outs["q8_0", 96]

@@ -84,22 +84,3 @@ def test_batch_invariance(request, model_fixture):
             out = be.forward(np.array(toks, np.int32), np.array(pos), np.array(slots), np.arange(len(part)))
             rows.append(out.copy())
         np.testing.assert_array_equal(np.concatenate(rows), alone, err_msg=f"chunk {chunk}")
-
-
-def test_attention_matches_twin(tiny_model):
-    from fastserve import _attention
-    from fastserve.ref import attention as ref_attention
-
-    rng = np.random.default_rng(1)
-    n_slots, n_ctx, hkv, d, h = 3, 20, 2, 16, 4
-    k = rng.standard_normal((n_slots, n_ctx, hkv, d)).astype(np.float32)
-    v = rng.standard_normal((n_slots, n_ctx, hkv, d)).astype(np.float32)
-    q = rng.standard_normal((6, h, d)).astype(np.float32)
-    slots = np.array([0, 0, 1, 2, 2, 2])
-    pos = np.array([3, 4, 0, 17, 18, 19])
-    out_c = np.zeros((6, h * d), np.float32)
-    out_r = np.zeros((6, h * d), np.float32)
-    scratch = np.zeros(n_ctx, np.float32)
-    _attention.attend(q, k, v, slots, pos, out_c, scratch, 0.25)
-    ref_attention.attend(q, k, v, slots, pos, out_r, scratch, 0.25)
-    np.testing.assert_allclose(out_c, out_r, rtol=1e-5, atol=1e-6)

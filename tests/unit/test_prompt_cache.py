@@ -37,7 +37,10 @@ def backend(tiny_model):
 
 
 def _kv(be, slot, n):
-    return [k[slot, :n].copy() for k in be.k_cache] + [v[slot, :n].copy() for v in be.v_cache]
+    """Slot's KV rows 0..n, as bytes per layer."""
+    buf = np.zeros(n * be.kv_bytes_per_token(), np.uint8)
+    be.save_slot(slot, 0, n, buf)
+    return np.split(buf, be.cfg.n_layer)
 
 
 def test_save_then_restore_is_bit_exact(backend):
@@ -47,7 +50,7 @@ def test_save_then_restore_is_bit_exact(backend):
     assert n == 30 and entry.n == 40 and len(entry.blocks) == 3
     assert pc.restore(entry, 1, 0, 40)
     assert all(np.array_equal(a, b) for a, b in zip(_kv(backend, 0, 40), _kv(backend, 1, 40)))
-    for k in backend.k_cache + backend.v_cache:
+    for k in backend.kv.k + backend.kv.v:
         k[1] = 0
     assert pc.restore(entry, 1, 0, 36)        # ends inside the last block, which holds 8 rows
     assert all(np.array_equal(a, b) for a, b in zip(_kv(backend, 0, 36), _kv(backend, 1, 36)))

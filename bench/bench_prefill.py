@@ -1,0 +1,232 @@
+"""Prefill of one long prompt on the default model, side by side: fastserve (this tree), optionally an
+older fastserve tree (--before, e.g. /work/main) and llama-server (--llama-server PATH).
+
+For prompts of ~700, ~2k and ~5k tokens (one slot, n_predict 1, no prompt reuse): seconds from the
+request to its answer and prompt tokens/s. fastserve runs in-process (in a worker process per tree,
+so that two trees can be compared); llama-server runs as `-np 1 -c 8192 -t THREADS` and is asked
+POST /completion {prompt: ids, n_predict: 1, cache_prompt: false}. The systems take turns, prompt by
+prompt, repeat by repeat (noisy shared machines: only ratios from one run mean anything); the best
+of --repeat is reported (the --before tree runs once). Then the share of a decode step spent in attention, at 1 slot holding 2k
+tokens and at 32 slots holding 256 each.
+
+Run: python bench/bench_prefill.py [--llama-server PATH] [--before TREE] [--threads 2] [--repeat 2]
+Without a llama-server binary it says why and measures fastserve alone.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SIZES = (700, 2000, 5000)
+LLAMA_MIRROR = "/work/.mirror/unslothai+llama.cpp/repo"
+
+
+def prompt_ids(tokenizer, n: int) -> list:
+    """n token ids of ordinary text (this repository's sources), the same for every system."""
+    text = "\n".join(p.read_text(errors="replace") for p in sorted((REPO / "fastserve").rglob("*.py")))
+    ids = tokenizer.encode(text, add_special=False)
+    while len(ids) < n:
+        ids = ids + ids
+    return ids[:n]
+
+
+# -- a fastserve worker: one process per tree, commands on stdin, one JSON line per answer ----------
+
+def worker(threads: int) -> None:
+    import numpy as np
+    import fastserve
+    from fastserve.backends import numpy_backend
+
+    model = fastserve.load_model(fastserve.default_model_path())
+    kw = {"blas_threads": threads}
+    if "cache_type_k" in inspect.signature(fastserve.Engine).parameters:
+        kw.update(cache_type_k="f16", cache_type_v="f16")
+    engine = fastserve.Engine(model, n_parallel=1, n_ctx=8192, **kw)
+    print(json.dumps({"ready": fastserve.__file__, "kv": kw.get("cache_type_k", "f32")}), flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd[0] == "prefill":
+            ids = prompt_ids(model.tokenizer, int(cmd[1]))
+            t0 = time.perf_counter()
+            engine.generate(ids, max_tokens=1, temperature=0, cache_prompt=False)
+            print(json.dumps({"s": time.perf_counter() - t0}), flush=True)
+        elif cmd[0] == "share":
+            print(json.dumps(_attention_share(model, numpy_backend, int(cmd[1]), int(cmd[2]), threads, np)),
+                  flush=True)
+    engine.close()
+
+
+def _attention_share(model, nb, n_slots: int, n_held: int, threads: int, np) -> dict:
+    """ms of a decode step and of its attention calls, each slot holding n_held tokens."""
+    cfg = model.config
+    be = nb.NumpyBackend(cfg, model.weights, n_slots, max(n_held + 16, 64), threads=threads)
+    spent = [0.0]
+
+    def timed(f):
+        def call(*a):
+            t0 = time.perf_counter()
+            r = f(*a)
+            spent[0] += time.perf_counter() - t0
+            return r
+        return call
+
+    if hasattr(be, "_attn"):
+        be._attn = timed(be._attn)
+    else:                                   # an older tree: a module-level attend()
+        nb.attend = timed(nb.attend)
+    ids = prompt_ids(model.tokenizer, n_held)
+    for s in range(n_slots):
+        for c in range(0, n_held, 512):
+            pos = np.arange(c, min(n_held, c + 512))
+            be.forward(np.asarray(ids)[pos], pos, np.full(len(pos), s), [len(pos) - 1])
+    steps, total = 8, 0.0
+    spent[0] = 0.0
+    for i in range(steps):
+        pos = np.full(n_slots, n_held + i)
+        t0 = time.perf_counter()
+        be.forward(np.full(n_slots, ids[i]), pos, np.arange(n_slots), np.arange(n_slots))
+        total += time.perf_counter() - t0
+    return {"step_ms": total / steps * 1e3, "attn_ms": spent[0] / steps * 1e3}
+
+
+class Worker:
+    def __init__(self, tree: Path, threads: int):
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        self.p = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", "--threads", str(threads)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=str(tree))
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError("the fastserve worker exited")
+        return json.loads(line)
+
+    def ask(self, cmd: str) -> dict:
+        self.p.stdin.write(cmd + "\n")
+        self.p.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.p.stdin.close()
+        self.p.wait(30)
+
+
+class LlamaServer:
+    def __init__(self, binary: str, model: str, threads: int):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.p = subprocess.Popen([binary, "-m", model, "-np", "1", "-c", "8192", "-t", str(threads),
+                                   "--port", str(self.port), "--host", "127.0.0.1"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        raise RuntimeError("llama-server did not become healthy within 120 s")
+
+    def prefill(self, ids: list) -> float:
+        body = json.dumps({"prompt": ids, "n_predict": 1, "cache_prompt": False, "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", body,
+                                     {"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=600) as r:
+            r.read()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.p.send_signal(signal.SIGTERM)       # it finishes a prompt in progress first
+        try:
+            self.p.wait(10)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait(10)
+
+
+def llama_commit() -> str:
+    try:
+        return subprocess.run(["git", "--git-dir", LLAMA_MIRROR, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-server", help="path of a llama-server binary to compare against")
+    ap.add_argument("--before", help="another fastserve tree (built in place) to compare against")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    ap.add_argument("--no-share", action="store_true", help="skip the decode-step attention share")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        worker(a.threads)
+        return 0
+    sizes = [int(s) for s in a.sizes.split(",")]
+    systems = {"fastserve": Worker(REPO, a.threads)}
+    if a.before:
+        systems["before"] = Worker(Path(a.before).resolve(), a.threads)
+    for name, w in systems.items():
+        print(f"{name}: {w.info['ready']} (KV {w.info['kv']}, {a.threads} threads)")
+    if a.llama_server and os.access(a.llama_server, os.X_OK):
+        sys.path.insert(0, str(REPO))
+        import fastserve
+        systems["llama-server"] = LlamaServer(a.llama_server, fastserve.default_model_path(), a.threads)
+        print(f"llama-server: {a.llama_server} (llama.cpp {llama_commit()}), -np 1 -c 8192 -t {a.threads}")
+        tok = fastserve.load_model(fastserve.default_model_path()).tokenizer
+    else:
+        print("llama-server: skipped (" + ("no --llama-server given" if not a.llama_server else
+                                         f"{a.llama_server} is not an executable") + ")")
+        tok = None
+    best: dict = {}
+    try:
+        for rep in range(a.repeat):
+            for n in sizes:
+                for name, sysm in systems.items():
+                    if name == "before" and rep > 0:      # an old tree is slow on long prompts: once
+                        continue
+                    s = sysm.prefill(prompt_ids(tok, n)) if name == "llama-server" else sysm.ask(f"prefill {n}")["s"]
+                    best[name, n] = min(best.get((name, n), s), s)
+                    print(f"  rep {rep} {name:12s} {n:5d} tokens: {s:6.2f} s", flush=True)
+        names = list(systems)
+        print("\n| prompt tokens | " + " | ".join(f"{x} s (tok/s)" for x in names) +
+              "".join(f" | fastserve vs {x}" for x in names[1:]) + " |")
+        print("| --- " * (1 + 2 * len(names) - 1) + "|")
+        for n in sizes:
+            cells = [f"{best[x, n]:.2f} ({n / best[x, n]:.0f})" for x in names]
+            ratios = [f"{best[x, n] / best['fastserve', n]:.2f}x" for x in names[1:]]
+            print(f"| {n} | " + " | ".join(cells + ratios) + " |")
+        if not a.no_share:
+            print("\ndecode step, attention share:")
+            for name, sysm in systems.items():
+                if name == "llama-server":
+                    continue
+                for slots, held in ((1, 2048), (32, 256)):
+                    r = sysm.ask(f"share {slots} {held}")
+                    print(f"  {name:10s} {slots:2d} slot(s) x {held} tokens: step {r['step_ms']:.1f} ms, attention "
+                          f"{r['attn_ms']:.2f} ms ({100 * r['attn_ms'] / r['step_ms']:.0f} %)", flush=True)
+    finally:
+        for sysm in systems.values():
+            sysm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

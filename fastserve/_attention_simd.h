@@ -1,0 +1,297 @@
+/* The attention kernel pieces, written once and included by _attention_kernels.h once per ISA
+ * (FS_SIMD_SCALAR, FS_SIMD_AVX2, FS_SIMD_AVX512 defined around the #include). Every piece does, per
+ * lane, exactly the float32 operations of the contract at the top of _attention_kernels.h; the ISAs
+ * differ only in how many keys (qk) or dimensions (pv) one instruction covers. */
+
+#if defined(FS_SIMD_SCALAR)
+#define FS_S(name) name##_scalar
+#define FS_ATTR
+#define VL 1
+#define NV 1                       /* vectors per row in qk / pv register blocks */
+#define RB 4                       /* rows per block */
+typedef float fs_vf_scalar;
+#define VF fs_vf_scalar
+#define VLOAD(p) (*(p))
+#define VSTORE(p, v) (*(p) = (v))
+#define VSET1(x) (x)
+#define VMUL(a, b) ((a) * (b))
+#define VADD(a, b) ((a) + (b))
+#define VDIV(a, b) ((a) / (b))
+#define VMAXF(a, b) ((a) > (b) ? (a) : (b))
+#define VHMAX(v) (v)
+#define VLOAD_F16(p) fs_f16_to_f32(*(p))
+#define VLOAD_I8(p) ((float)*(p))
+#define VMINF(a, b) ((a) < (b) ? (a) : (b))
+#define VSUB(a, b) ((a) - (b))
+#define VPOW2I(n) fs_bits_f32((uint32_t)((int32_t)(n) + 127) << 23)
+#define VZERO_BELOW(x, t, r) ((x) < (t) ? 0.0f : (r))
+
+#elif defined(FS_SIMD_AVX2)
+#define FS_S(name) name##_avx2
+#define FS_ATTR __attribute__((target("avx2,f16c")))
+#define VL 8
+#define NV 2
+#define RB 4
+#define VF __m256
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps((p), (v))
+#define VSET1(x) _mm256_set1_ps(x)
+#define VMUL(a, b) _mm256_mul_ps((a), (b))
+#define VADD(a, b) _mm256_add_ps((a), (b))
+#define VDIV(a, b) _mm256_div_ps((a), (b))
+#define VMAXF(a, b) _mm256_max_ps((a), (b))
+#define VLOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define VLOAD_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+FS_ATTR static inline float fs_hmax_avx2(__m256 v)
+{
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+#define VHMAX(v) fs_hmax_avx2(v)
+#define VMINF(a, b) _mm256_min_ps((a), (b))
+#define VSUB(a, b) _mm256_sub_ps((a), (b))
+#define VPOW2I(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
+#define VZERO_BELOW(x, t, r) _mm256_andnot_ps(_mm256_cmp_ps((x), _mm256_set1_ps(t), _CMP_LT_OQ), (r))
+
+#elif defined(FS_SIMD_AVX512)
+#define FS_S(name) name##_avx512
+#define FS_ATTR __attribute__((target("avx512f,avx512bw,f16c")))
+#define VL 16
+#define NV 4
+#define RB 4
+#define VF __m512
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps((p), (v))
+#define VSET1(x) _mm512_set1_ps(x)
+#define VMUL(a, b) _mm512_mul_ps((a), (b))
+#define VADD(a, b) _mm512_add_ps((a), (b))
+#define VDIV(a, b) _mm512_div_ps((a), (b))
+#define VMAXF(a, b) _mm512_max_ps((a), (b))
+#define VHMAX(v) _mm512_reduce_max_ps(v)
+#define VLOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define VLOAD_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define VMINF(a, b) _mm512_min_ps((a), (b))
+#define VSUB(a, b) _mm512_sub_ps((a), (b))
+#define VPOW2I(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
+#define VZERO_BELOW(x, t, r) _mm512_maskz_mov_ps((__mmask16)~_mm512_cmp_ps_mask((x), _mm512_set1_ps(t), _CMP_LT_OQ), (r))
+#endif
+
+/* fs_exp2 (_attention_kernels.h) lane by lane. */
+FS_ATTR static inline VF FS_S(fs_exp2v)(VF x)
+{
+    VF xc = VMINF(VMAXF(x, VSET1(-127.0f)), VSET1(0.0f));
+    const VF magic = VSET1(12582912.0f);
+    VF n = VSUB(VADD(xc, magic), magic), f = VSUB(xc, n);
+    VF p = VSET1(FS_E6);
+    p = VADD(VMUL(p, f), VSET1(FS_E5));
+    p = VADD(VMUL(p, f), VSET1(FS_E4));
+    p = VADD(VMUL(p, f), VSET1(FS_E3));
+    p = VADD(VMUL(p, f), VSET1(FS_E2));
+    p = VADD(VMUL(p, f), VSET1(FS_E1));
+    p = VADD(VMUL(p, f), VSET1(1.0f));
+    return VZERO_BELOW(x, -126.0f, VMUL(p, VPOW2I(n)));
+}
+
+/* kt [D][KT] float32 from the tile's storage (f32: the cache itself, no copy). */
+FS_ATTR static const float *FS_S(fs_k_tile)(int type, const uint8_t *src, int64_t D, float *kt)
+{
+    if (type == FS_KV_F32)
+        return (const float *)src;
+    if (type == FS_KV_F16) {
+        const uint16_t *h = (const uint16_t *)src;
+        for (int64_t i = 0; i < D * FS_KT; i += VL)
+            VSTORE(kt + i, VLOAD_F16(h + i));
+        return kt;
+    }
+    const uint16_t *scales = (const uint16_t *)src;
+    const int8_t *q = (const int8_t *)(src + D / FS_QB * FS_KT * 2);
+    for (int64_t d = 0; d < D; d++)
+        for (int64_t j = 0; j < FS_KT; j += VL)
+            VSTORE(kt + d * FS_KT + j, VMUL(VLOAD_I8(q + d * FS_KT + j), VLOAD_F16(scales + d / FS_QB * FS_KT + j)));
+    return kt;
+}
+
+/* vt [KT][Dp] float32: keys 0..nk-1 of the tile (rows `stride` bytes apart), dimensions D..Dp zero. */
+FS_ATTR static void FS_S(fs_v_tile)(int type, const uint8_t *src, int64_t stride, int64_t D, int64_t Dp,
+                                    int64_t nk, float *vt)
+{
+    for (int64_t j = 0; j < nk; j++) {
+        const uint8_t *row = src + j * stride;
+        float *o = vt + j * Dp;
+        int64_t d = 0;
+        if (type == FS_KV_F32) {
+            memcpy(o, row, (size_t)D * 4);
+            d = D;
+        } else if (type == FS_KV_F16) {
+            const uint16_t *h = (const uint16_t *)row;
+            for (; d + VL <= D; d += VL)
+                VSTORE(o + d, VLOAD_F16(h + d));
+            for (; d < D; d++)
+                o[d] = fs_f16_to_f32(h[d]);
+        } else {
+            for (int64_t b = 0; b < D / FS_QB; b++) {
+                uint16_t dh;
+                memcpy(&dh, row + b * FS_Q8_BLOCK, 2);
+                float dq = fs_f16_to_f32(dh);
+                const int8_t *qb = (const int8_t *)(row + b * FS_Q8_BLOCK + 2);
+                for (int i = 0; i < FS_QB; i += VL)
+                    VSTORE(o + b * FS_QB + i, VMUL(VLOAD_I8(qb + i), VSET1(dq)));
+            }
+            d = D;
+        }
+        for (; d < Dp; d++)
+            o[d] = 0.0f;
+    }
+}
+
+/* s[r][0..KT) = sum over d in order of q[r][d] * kt[d][j], for RB rows (vectorised over keys); kt is
+ * float32, or (f16 = 1) the cache's own fp16 tile, converted as it is read (the same values). */
+FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_qk_any)(const float *const *q, const void *kt,
+                                                                         int f16, int64_t D, float *const *s)
+{
+    for (int64_t j0 = 0; j0 < FS_KT; j0 += NV * VL) {
+        VF acc[RB][NV];
+        for (int r = 0; r < RB; r++)
+            for (int v = 0; v < NV; v++)
+                acc[r][v] = VSET1(0.0f);
+        for (int64_t d = 0; d < D; d++) {
+            VF kv[NV];
+            for (int v = 0; v < NV; v++) {
+                int64_t i = d * FS_KT + j0 + v * VL;
+                kv[v] = f16 ? VLOAD_F16((const uint16_t *)kt + i) : VLOAD((const float *)kt + i);
+            }
+            for (int r = 0; r < RB; r++) {
+                VF qb = VSET1(q[r][d]);
+                for (int v = 0; v < NV; v++)
+                    acc[r][v] = VADD(acc[r][v], VMUL(qb, kv[v]));
+            }
+        }
+        for (int r = 0; r < RB; r++)
+            for (int v = 0; v < NV; v++)
+                VSTORE(s[r] + j0 + v * VL, acc[r][v]);
+    }
+}
+
+FS_ATTR static void FS_S(fs_qk)(const float *const *q, const float *kt, int64_t D, float *const *s)
+{
+    FS_S(fs_qk_any)(q, kt, 0, D, s);
+}
+
+FS_ATTR static void FS_S(fs_qk_f16)(const float *const *q, const uint16_t *kt, int64_t D, float *const *s)
+{
+    FS_S(fs_qk_any)(q, kt, 1, D, s);
+}
+
+/* One row, one tile of n keys: the running max m, scores -> probabilities p (in s), l and acc
+ * scaled by alpha = exp2(m - m'). */
+FS_ATTR static void FS_S(fs_probs)(float *s, int64_t n, float *m, float *l, float *acc, int64_t Dp)
+{
+    int64_t j = 0;
+    float mt = -INFINITY;
+    if (n >= VL) {
+        VF mv = VLOAD(s);
+        for (j = VL; j + VL <= n; j += VL)
+            mv = VMAXF(mv, VLOAD(s + j));
+        mt = VHMAX(mv);
+    }
+    for (; j < n; j++)
+        mt = s[j] > mt ? s[j] : mt;
+    float mnew = mt > *m ? mt : *m;
+    float alpha = fs_exp2(*m - mnew);
+    *m = mnew;
+    VF mb = VSET1(-mnew);
+    for (j = 0; j < n; j += VL)                  /* whole vectors: lanes past n are never read */
+        VSTORE(s + j, FS_S(fs_exp2v)(VADD(VLOAD(s + j), mb)));
+    *l = *l * alpha;
+    VF ab = VSET1(alpha);
+    for (int64_t d = 0; d < Dp; d += VL)
+        VSTORE(acc + d, VMUL(VLOAD(acc + d), ab));
+}
+
+/* For RB rows: keys j0..j1-1 in order, acc[r][d] += p[r][j] * v[j][d] and l[r] += p[r][j]; v is float32
+ * [KT][ldv] (Dp dimensions), or (f16 = 1) the cache's own fp16 rows, ldv values apart (then D == Dp). */
+FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_pv_any)(
+    float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1, const void *vsrc, int f16,
+    int64_t ldv, int64_t Dp)
+{
+    for (int64_t d0 = 0; d0 < Dp; d0 += NV * VL) {
+        int nv = Dp - d0 >= NV * VL ? NV : (int)((Dp - d0) / VL);
+        VF a[RB][NV];
+        for (int r = 0; r < RB; r++)
+            for (int v = 0; v < NV; v++)
+                a[r][v] = v < nv ? VLOAD(acc[r] + d0 + v * VL) : VSET1(0.0f);
+        for (int64_t j = j0; j < j1; j++) {
+            VF vv[NV];
+            for (int v = 0; v < NV; v++) {
+                int64_t i = j * ldv + d0 + v * VL;
+                vv[v] = v >= nv ? VSET1(0.0f)
+                      : f16 ? VLOAD_F16((const uint16_t *)vsrc + i) : VLOAD((const float *)vsrc + i);
+            }
+            for (int r = 0; r < RB; r++) {
+                VF pb = VSET1(p[r][j]);
+                for (int v = 0; v < NV; v++)
+                    a[r][v] = VADD(a[r][v], VMUL(pb, vv[v]));
+            }
+        }
+        for (int r = 0; r < RB; r++)
+            for (int v = 0; v < nv; v++)
+                VSTORE(acc[r] + d0 + v * VL, a[r][v]);
+    }
+    float ls[RB];                                 /* row sums: RB independent chains, keys in order */
+    for (int r = 0; r < RB; r++)
+        ls[r] = *l[r];
+    for (int64_t j = j0; j < j1; j++)
+        for (int r = 0; r < RB; r++)
+            ls[r] = ls[r] + p[r][j];
+    for (int r = 0; r < RB; r++)
+        *l[r] = ls[r];
+}
+
+FS_ATTR static void FS_S(fs_pv)(float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1,
+                                const float *vt, int64_t Dp)
+{
+    FS_S(fs_pv_any)(acc, p, l, j0, j1, vt, 0, Dp, Dp);
+}
+
+FS_ATTR static void FS_S(fs_pv_f16)(float *const *acc, const float *const *p, float *const *l, int64_t j0,
+                                    int64_t j1, const uint16_t *v, int64_t ldv, int64_t D)
+{
+    FS_S(fs_pv_any)(acc, p, l, j0, j1, v, 1, ldv, D);
+}
+
+/* out[d] = acc[d] / l. */
+FS_ATTR static void FS_S(fs_finish)(const float *acc, float l, int64_t D, float *out)
+{
+    int64_t d = 0;
+    VF lb = VSET1(l);
+    for (; d + VL <= D; d += VL)
+        VSTORE(out + d, VDIV(VLOAD(acc + d), lb));
+    for (; d < D; d++)
+        out[d] = acc[d] / l;
+}
+
+static const fs_attn_isa FS_S(fs_attn) = {RB, FS_S(fs_k_tile), FS_S(fs_v_tile), FS_S(fs_qk), FS_S(fs_qk_f16),
+                                          FS_S(fs_probs), FS_S(fs_pv), FS_S(fs_pv_f16), FS_S(fs_finish)};
+
+#undef FS_S
+#undef FS_ATTR
+#undef VL
+#undef NV
+#undef RB
+#undef VF
+#undef VLOAD
+#undef VSTORE
+#undef VSET1
+#undef VMUL
+#undef VADD
+#undef VDIV
+#undef VMAXF
+#undef VHMAX
+#undef VLOAD_F16
+#undef VLOAD_I8
+#undef VMINF
+#undef VSUB
+#undef VPOW2I
+#undef VZERO_BELOW
