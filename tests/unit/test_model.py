@@ -38,7 +38,7 @@ def test_quantized_weights_match_f32(tmp_path, qtype, tol):
     ref = fastserve.load_model(write_llama_gguf(tmp_path / "f32.gguf", seed=3))
     q = fastserve.load_model(write_llama_gguf(tmp_path / f"{qtype}.gguf", seed=3, weight_type=qtype))
     for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-        a, b = getattr(ref.weights.layers[1], name), getattr(q.weights.layers[1], name)
+        a, b = getattr(ref.weights.layers[1], name).to_float(), getattr(q.weights.layers[1], name).to_float()
         rel = np.sqrt(np.mean((a - b) ** 2) / np.mean(a ** 2))
         assert 0 < rel < tol, f"{qtype} {name}: relative RMS error {rel}"
     ids = [10, 200, 33, 4, 71, 300]

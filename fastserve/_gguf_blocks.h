@@ -1,0 +1,300 @@
+/* GGUF's weight blocks, decoded where the kernels read them: the C behind fastserve/_matmul.pyx's
+ * BlockMatrix (the NumPy twin is fastserve/ref/matmul.py's decode()).
+ *
+ * Every supported type is, per block of 32 inputs of a row, exactly
+ *     w_i = d * (s_i * q_i) + m        (q_i integer in [-128, 127]; float32 d, m)
+ * with s_i = 1 and m = 0 except where said:
+ *   Q4_0  q = nibble - 8                 d = f16
+ *   Q4_1  q = nibble (0..15)             d, m = f16
+ *   Q5_0  q = 5-bit value - 16           d = f16
+ *   Q5_1  q = 5-bit value (0..31)        d, m = f16
+ *   Q8_0  q = int8                       d = f16
+ *   Q4_K  q = nibble, sub-block j of a 256-block with 6-bit sc_j, mn_j:
+ *         d = f32(d) * sc_j, m = -(f32(dmin) * mn_j)       (the product is exact in float32)
+ *   Q5_K  as Q4_K with a fifth bit, q in 0..31
+ *   Q6_K  q = 6-bit value - 32, s_i = the int8 scale of its 16 inputs (two per block), d = f32(d)
+ * The products (fastserve/_matmul_kernels.h) take d, m and s from here and the integer dot from q, so
+ * this file and the twin's decode() are the one place that knows each bit layout (ggml's block_*
+ * structs). F32, F16 and BF16 rows are decoded to float32 (exact).
+ *
+ * Staged panel (what a kernel reads): 16 rows of a matrix (lanes; rows past the end: q = 0, d = 0,
+ * m = 0, s = 0), nb panel-blocks of 32 inputs each, of fs_stage_bytes(kind) bytes:
+ *   integer kinds: bytes [0, 512): byte k*64 + lane*4 + j = (uint8)(q[lane][k*4 + j] + 128);
+ *                  [512, 576) d[lane] float32; then, kind QM: [576, 640) m[lane] float32;
+ *                  kind QS: [576, 640) s[lane] of inputs 0..15, [640, 704) of inputs 16..31, int32;
+ *   kind F:        [32][16] float32: input i of lane l at (i*16 + l)*4.
+ * The layout of VNNI's u8 x s8 dot: one 32-bit SIMD lane per row, four inputs per lane.
+ */
+#ifndef FASTSERVE_GGUF_BLOCKS_H
+#define FASTSERVE_GGUF_BLOCKS_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+/* ggml's type ids (gguf.GGMLQuantizationType) */
+enum {
+    FS_T_F32 = 0, FS_T_F16 = 1, FS_T_Q4_0 = 2, FS_T_Q4_1 = 3, FS_T_Q5_0 = 6, FS_T_Q5_1 = 7,
+    FS_T_Q8_0 = 8, FS_T_Q4_K = 12, FS_T_Q5_K = 13, FS_T_Q6_K = 14, FS_T_BF16 = 30
+};
+
+/* What a kernel does with a staged panel: integer dot times d (Q), plus the offset m (QM), with two
+ * integer sub-scales per block (QS), or a float dot (F). */
+enum { FS_KIND_Q = 0, FS_KIND_QM = 1, FS_KIND_QS = 2, FS_KIND_F = 3, FS_N_KINDS = 4 };
+
+#define FS_STAGE_Q 576
+#define FS_STAGE_QM 640
+#define FS_STAGE_QS 704
+#define FS_STAGE_F 2048
+
+typedef struct {
+    int block_inputs;      /* inputs per stored block: 1 (float types), 32 or 256 */
+    int block_bytes;
+    int kind;
+} fs_type_info;
+
+/* 0 and *info for a type the kernels run; -1 for any other. */
+static int fs_type(int type, fs_type_info *info)
+{
+    switch (type) {
+    case FS_T_F32:  *info = (fs_type_info){1, 4, FS_KIND_F}; return 0;
+    case FS_T_F16:  *info = (fs_type_info){1, 2, FS_KIND_F}; return 0;
+    case FS_T_BF16: *info = (fs_type_info){1, 2, FS_KIND_F}; return 0;
+    case FS_T_Q4_0: *info = (fs_type_info){32, 18, FS_KIND_Q}; return 0;
+    case FS_T_Q4_1: *info = (fs_type_info){32, 20, FS_KIND_QM}; return 0;
+    case FS_T_Q5_0: *info = (fs_type_info){32, 22, FS_KIND_Q}; return 0;
+    case FS_T_Q5_1: *info = (fs_type_info){32, 24, FS_KIND_QM}; return 0;
+    case FS_T_Q8_0: *info = (fs_type_info){32, 34, FS_KIND_Q}; return 0;
+    case FS_T_Q4_K: *info = (fs_type_info){256, 144, FS_KIND_QM}; return 0;
+    case FS_T_Q5_K: *info = (fs_type_info){256, 176, FS_KIND_QM}; return 0;
+    case FS_T_Q6_K: *info = (fs_type_info){256, 210, FS_KIND_QS}; return 0;
+    default: return -1;
+    }
+}
+
+static inline int64_t fs_stage_bytes(int kind)
+{
+    static const int64_t b[FS_N_KINDS] = {FS_STAGE_Q, FS_STAGE_QM, FS_STAGE_QS, FS_STAGE_F};
+    return b[kind];
+}
+
+/* Bytes of one row of n_in inputs (n_in a multiple of the type's block). */
+static inline int64_t fs_row_bytes(const fs_type_info *t, int64_t n_in)
+{
+    return n_in / t->block_inputs * t->block_bytes;
+}
+
+/* IEEE half -> float, exactly (denormals, inf and NaN payloads included). */
+static inline float fs_f16(const uint8_t *p)
+{
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+    uint32_t s = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, bits;
+    float f;
+    if (e == 0) {
+        f = (float)m * 0x1p-24f;            /* zero or denormal: exact */
+        memcpy(&bits, &f, 4);
+        bits |= s;
+    } else if (e == 31) {
+        bits = s | 0x7f800000u | (m << 13);
+    } else {
+        bits = s | ((e + 112) << 23) | (m << 13);
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float fs_bf16(const uint8_t *p)
+{
+    uint32_t bits = (uint32_t)(p[0] | (p[1] << 8)) << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* ---- one block of 32 inputs: q [32], d, m, s [2] --------------------------------------------- */
+
+typedef struct {
+    float d, m;
+    int32_t s[2];
+} fs_blk;
+
+/* Q4_K / Q5_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4). */
+static inline void fs_scale_min_k4(int j, const uint8_t *q, int *sc, int *mn)
+{
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *mn = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* Block b (of 32 inputs) of one row's bytes. */
+static void fs_decode_block(int type, const uint8_t *row, int64_t b, int8_t *q, fs_blk *o)
+{
+    o->m = 0.0f;
+    o->s[0] = o->s[1] = 1;
+    switch (type) {
+    case FS_T_Q4_0: case FS_T_Q4_1: {
+        const int has_m = type == FS_T_Q4_1;
+        const uint8_t *p = row + b * (has_m ? 20 : 18), *qs = p + (has_m ? 4 : 2);
+        const int off = has_m ? 0 : 8;
+        o->d = fs_f16(p);
+        if (has_m)
+            o->m = fs_f16(p + 2);
+        for (int i = 0; i < 16; i++) {
+            q[i] = (int8_t)((qs[i] & 15) - off);
+            q[i + 16] = (int8_t)((qs[i] >> 4) - off);
+        }
+        return;
+    }
+    case FS_T_Q5_0: case FS_T_Q5_1: {
+        const int has_m = type == FS_T_Q5_1;
+        const uint8_t *p = row + b * (has_m ? 24 : 22), *hp = p + (has_m ? 4 : 2), *qs = hp + 4;
+        const uint32_t qh = (uint32_t)hp[0] | ((uint32_t)hp[1] << 8) | ((uint32_t)hp[2] << 16) | ((uint32_t)hp[3] << 24);
+        const int off = has_m ? 0 : 16;
+        o->d = fs_f16(p);
+        if (has_m)
+            o->m = fs_f16(p + 2);
+        for (int i = 0; i < 16; i++) {
+            q[i] = (int8_t)(((qs[i] & 15) | (((qh >> i) & 1) << 4)) - off);
+            q[i + 16] = (int8_t)(((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - off);
+        }
+        return;
+    }
+    case FS_T_Q8_0: {
+        const uint8_t *p = row + b * 34;
+        o->d = fs_f16(p);
+        memcpy(q, p + 2, 32);
+        return;
+    }
+    case FS_T_Q4_K: case FS_T_Q5_K: {
+        const int five = type == FS_T_Q5_K, j = (int)(b & 7);
+        const uint8_t *p = row + (b >> 3) * (five ? 176 : 144);
+        const uint8_t *qh = p + 16, *qs = p + (five ? 48 : 16) + 32 * (j >> 1);
+        int sc, mn;
+        fs_scale_min_k4(j, p + 4, &sc, &mn);
+        o->d = fs_f16(p) * (float)sc;
+        o->m = -(fs_f16(p + 2) * (float)mn);
+        for (int i = 0; i < 32; i++) {
+            int v = (qs[i] >> (4 * (j & 1))) & 15;
+            if (five)
+                v |= ((qh[i] >> j) & 1) << 4;
+            q[i] = (int8_t)v;
+        }
+        return;
+    }
+    case FS_T_Q6_K: {
+        const int j = (int)(b & 7), c = j >> 2, t = j & 3;
+        const uint8_t *p = row + (b >> 3) * 210;
+        const uint8_t *ql = p + 64 * c + 32 * (t & 1), *qh = p + 128 + 32 * c;
+        const int8_t *sc = (const int8_t *)(p + 192);
+        o->d = fs_f16(p + 208);
+        o->s[0] = sc[2 * j];
+        o->s[1] = sc[2 * j + 1];
+        for (int i = 0; i < 32; i++)
+            q[i] = (int8_t)((((ql[i] >> (4 * (t >> 1))) & 15) | (((qh[i] >> (2 * t)) & 3) << 4)) - 32);
+        return;
+    }
+    default:
+        memset(q, 0, 32);
+        o->d = 0.0f;
+        return;
+    }
+}
+
+/* Input i of a float-type row. */
+static inline float fs_float_at(int type, const uint8_t *row, int64_t i)
+{
+    if (type == FS_T_F32) {
+        float f;
+        memcpy(&f, row + 4 * i, 4);
+        return f;
+    }
+    return type == FS_T_F16 ? fs_f16(row + 2 * i) : fs_bf16(row + 2 * i);
+}
+
+/* One row as float32 out [n_in]: d * (s * q) + m per input (d * q where m = 0 and s = 1). */
+static void fs_dequantize_row(int type, const uint8_t *row, int64_t n_in, float *out)
+{
+    fs_type_info t;
+    if (fs_type(type, &t) != 0)
+        return;
+    if (t.kind == FS_KIND_F) {
+        for (int64_t i = 0; i < n_in; i++)
+            out[i] = fs_float_at(type, row, i);
+        return;
+    }
+    for (int64_t b = 0; b < n_in / 32; b++) {
+        int8_t q[32];
+        fs_blk o;
+        fs_decode_block(type, row, b, q, &o);
+        for (int i = 0; i < 32; i++) {
+            float v = (float)(o.s[i >> 4] * q[i]) * o.d;
+            out[b * 32 + i] = t.kind == FS_KIND_QM ? v + o.m : v;
+        }
+    }
+}
+
+/* ---- staging a panel -------------------------------------------------------------------------- */
+
+/* Rows past `valid` as q = 0, d = m = s = 0 (float kind: zeros). */
+static void fs_stage_clear(uint8_t *stage, int kind, int64_t nb, int valid)
+{
+    const int64_t pbb = fs_stage_bytes(kind);
+    for (int64_t b = 0; b < nb; b++) {
+        uint8_t *pb = stage + b * pbb;
+        if (kind == FS_KIND_F) {
+            for (int i = 0; i < 32; i++)
+                memset(pb + i * 64 + valid * 4, 0, (size_t)(16 - valid) * 4);
+            continue;
+        }
+        for (int k = 0; k < 8; k++)
+            memset(pb + k * 64 + valid * 4, 128, (size_t)(16 - valid) * 4);
+        for (int64_t off = 512; off < pbb; off += 64)
+            memset(pb + off + valid * 4, 0, (size_t)(16 - valid) * 4);
+    }
+}
+
+/* The portable staging: rows [0, valid) at row_bytes apart, n_in inputs (nb = ceil(n_in / 32)). */
+static void fs_stage_panel_scalar(int type, const uint8_t *rows, int64_t row_bytes, int valid,
+                                  int64_t n_in, uint8_t *stage)
+{
+    fs_type_info t;
+    fs_type(type, &t);
+    const int64_t nb = (n_in + 31) / 32, pbb = fs_stage_bytes(t.kind);
+    if (valid < 16)
+        fs_stage_clear(stage, t.kind, nb, valid);
+    for (int lane = 0; lane < valid; lane++) {
+        const uint8_t *row = rows + lane * row_bytes;
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *pb = stage + b * pbb;
+            if (t.kind == FS_KIND_F) {
+                for (int i = 0; i < 32; i++) {
+                    float v = b * 32 + i < n_in ? fs_float_at(type, row, b * 32 + i) : 0.0f;
+                    memcpy(pb + (i * 16 + lane) * 4, &v, 4);
+                }
+                continue;
+            }
+            int8_t q[32];
+            fs_blk o;
+            fs_decode_block(type, row, b, q, &o);
+            for (int k = 0; k < 8; k++)
+                for (int j = 0; j < 4; j++)
+                    pb[k * 64 + lane * 4 + j] = (uint8_t)(q[k * 4 + j] + 128);
+            memcpy(pb + 512 + lane * 4, &o.d, 4);
+            if (t.kind == FS_KIND_QM)
+                memcpy(pb + 576 + lane * 4, &o.m, 4);
+            if (t.kind == FS_KIND_QS) {
+                memcpy(pb + 576 + lane * 4, &o.s[0], 4);
+                memcpy(pb + 640 + lane * 4, &o.s[1], 4);
+            }
+        }
+    }
+}
+
+#endif /* FASTSERVE_GGUF_BLOCKS_H */
