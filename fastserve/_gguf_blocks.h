@@ -297,4 +297,100 @@ static void fs_stage_panel_scalar(int type, const uint8_t *rows, int64_t row_byt
     }
 }
 
+
+/* ---- AVX-512BW staging ------------------------------------------------------------------------ */
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 8))
+#define FS_HAVE_STAGE_AVX512 1
+#define FS_STAGE512 __attribute__((target("avx512f,avx512bw,f16c")))
+
+/* z[g] (g < 8) = [a of lane g | b of lane g | a of lane g+8 | b of lane g+8] (16 bytes each) -> out[k]
+ * (k < 8) = dword k of every lane: lane l's 16 dwords a0..a3 b0..b3 transposed, 16 lanes x 8 dwords,
+ * out[k] dword l = dword k of lane l. */
+FS_STAGE512 static inline void fs_transpose16x8(__m512i z[8], __m512i out[8])
+{
+    const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+    for (int h = 0; h < 2; h++) {
+        __m512i *zz = z + 4 * h;
+        __m512i t0 = _mm512_unpacklo_epi32(zz[0], zz[1]), t1 = _mm512_unpackhi_epi32(zz[0], zz[1]);
+        __m512i t2 = _mm512_unpacklo_epi32(zz[2], zz[3]), t3 = _mm512_unpackhi_epi32(zz[2], zz[3]);
+        zz[0] = _mm512_unpacklo_epi64(t0, t2);     /* per 128-bit lane: dword 0 of the 4 lanes */
+        zz[1] = _mm512_unpackhi_epi64(t0, t2);
+        zz[2] = _mm512_unpacklo_epi64(t1, t3);
+        zz[3] = _mm512_unpackhi_epi64(t1, t3);
+    }
+    for (int i = 0; i < 4; i++) {
+        out[i] = _mm512_permutex2var_epi64(z[i], lo, z[4 + i]);
+        out[4 + i] = _mm512_permutex2var_epi64(z[i], hi, z[4 + i]);
+    }
+}
+
+FS_STAGE512 static inline __m512i fs_load4x16(const uint8_t *p0, const uint8_t *p1, const uint8_t *p2, const uint8_t *p3)
+{
+    __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)p0));
+    z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)p1), 1);
+    z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)p2), 2);
+    return _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)p3), 3);
+}
+
+/* f16 at byte off of block b of each of 16 rows -> 16 floats (exact; a signalling NaN comes out quiet) */
+FS_STAGE512 static inline __m512 fs_gather_f16(const uint8_t *rows, __m512i lane_off, int64_t at, int shift)
+{
+    __m512i g = _mm512_i32gather_epi32(lane_off, (const void *)(rows + at), 1);
+    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, shift)));
+}
+
+/* Q4_0 / Q4_1: two blocks per pass; the 16 quant bytes of block b sit at qoff in it. */
+FS_STAGE512 static void fs_stage_q4_avx512(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage)
+{
+    const int has_m = type == FS_T_Q4_1, bb = has_m ? 20 : 18, qoff = has_m ? 4 : 2;
+    const int64_t pbb = has_m ? FS_STAGE_QM : FS_STAGE_Q;
+    const __m512i low = _mm512_set1_epi8(15);
+    /* u8 = q + 128: nibble | 0x80 (Q4_1), nibble + 120 (Q4_0: q = nibble - 8) */
+    const __m512i add = _mm512_set1_epi8(has_m ? (char)0x80 : (char)120);
+    const __m512i lane_off = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                _mm512_set1_epi32((int)row_bytes));
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int64_t b1 = b + 1 < nb ? b + 1 : b;        /* an odd last block: decoded twice, kept once */
+        __m512i z[8], t[8];
+        for (int g = 0; g < 8; g++) {
+            const uint8_t *r0 = rows + g * row_bytes, *r1 = rows + (g + 8) * row_bytes;
+            z[g] = fs_load4x16(r0 + b * bb + qoff, r0 + b1 * bb + qoff, r1 + b * bb + qoff, r1 + b1 * bb + qoff);
+        }
+        fs_transpose16x8(z, t);
+        for (int h = 0; h < 2 && b + h < nb; h++) {
+            uint8_t *pb = stage + (b + h) * pbb;
+            for (int k = 0; k < 4; k++) {
+                __m512i v = t[4 * h + k];
+                _mm512_storeu_si512((void *)(pb + k * 64), _mm512_add_epi8(_mm512_and_si512(v, low), add));
+                _mm512_storeu_si512((void *)(pb + (k + 4) * 64),
+                                    _mm512_add_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), add));
+            }
+            _mm512_storeu_ps((void *)(pb + 512), fs_gather_f16(rows, lane_off, (b + h) * bb, 0));
+            if (has_m)
+                _mm512_storeu_ps((void *)(pb + 576), fs_gather_f16(rows, lane_off, (b + h) * bb, 16));
+        }
+    }
+}
+
+/* Q8_0: one block per pass, its 32 int8 quants at byte 2. */
+FS_STAGE512 static void fs_stage_q8_avx512(const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage)
+{
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i lane_off = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                _mm512_set1_epi32((int)row_bytes));
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i z[8], t[8];
+        for (int g = 0; g < 8; g++) {
+            const uint8_t *r0 = rows + g * row_bytes + b * 34 + 2, *r1 = rows + (g + 8) * row_bytes + b * 34 + 2;
+            z[g] = fs_load4x16(r0, r0 + 16, r1, r1 + 16);
+        }
+        fs_transpose16x8(z, t);
+        uint8_t *pb = stage + b * FS_STAGE_Q;
+        for (int k = 0; k < 8; k++)
+            _mm512_storeu_si512((void *)(pb + k * 64), _mm512_xor_si512(t[k], flip));
+        _mm512_storeu_ps((void *)(pb + 512), fs_gather_f16(rows, lane_off, b * 34, 0));
+    }
+}
+#endif
+
 #endif /* FASTSERVE_GGUF_BLOCKS_H */

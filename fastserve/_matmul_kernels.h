@@ -739,6 +739,17 @@ static inline int64_t fs_part_panels(const fs_part *p)
 static void fs_stage_panel(int isa, int type, const uint8_t *rows, int64_t row_bytes, int valid,
                            int64_t n_in, uint8_t *stage)
 {
+#if defined(FS_HAVE_STAGE_AVX512)
+    /* whole panels (the gathers and loads read 16 rows) of the types with a SIMD decoder */
+    if (isa == FS_ISA_AVX512VNNI && valid == FS_LANES && (type == FS_T_Q4_0 || type == FS_T_Q4_1)) {
+        fs_stage_q4_avx512(type, rows, row_bytes, n_in / FS_QK, stage);
+        return;
+    }
+    if (isa == FS_ISA_AVX512VNNI && valid == FS_LANES && type == FS_T_Q8_0) {
+        fs_stage_q8_avx512(rows, row_bytes, n_in / FS_QK, stage);
+        return;
+    }
+#endif
     (void)isa;
     fs_stage_panel_scalar(type, rows, row_bytes, valid, n_in, stage);
 }
