@@ -59,7 +59,17 @@ def _forward_rows(backend, seqs):
     return np.split(out, split)
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_model", "default_model"])
+@pytest.fixture(scope="module")
+def q4_k_m_model(tmp_path_factory):
+    """A small model in llama.cpp's Q4_K_M mix: Q|K|V and gate|up stack Q4_K with Q6_K parts."""
+    path = write_llama_gguf(tmp_path_factory.mktemp("q4km") / "q4km.gguf", n_embd=256, n_ff=512, seed=4,
+                            weight_type="Q4_K_M")
+    model = fastserve.load_model(path)
+    assert model.weights.layers[0].wqkv.types == ("Q4_K", "Q4_K", "Q6_K")
+    return model
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_model", "q4_k_m_model", "default_model"])
 def test_batch_invariance(request, model_fixture):
     """A token's logits are bit-identical alone, among other sequences, and under any prompt chunking."""
     model = request.getfixturevalue(model_fixture)
