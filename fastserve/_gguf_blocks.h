@@ -326,32 +326,54 @@ FS_STAGE512 static inline void fs_transpose16x8(__m512i z[8], __m512i out[8])
 
 FS_STAGE512 static inline __m512i fs_load4x16(const uint8_t *p0, const uint8_t *p1, const uint8_t *p2, const uint8_t *p3)
 {
+    /* broadcast loads merged under masks: load-port work, no shuffles */
     __m512i z = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)p0));
-    z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)p1), 1);
-    z = _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)p2), 2);
-    return _mm512_inserti32x4(z, _mm_loadu_si128((const __m128i *)p3), 3);
+    z = _mm512_mask_broadcast_i32x4(z, 0x00F0, _mm_loadu_si128((const __m128i *)p1));
+    z = _mm512_mask_broadcast_i32x4(z, 0x0F00, _mm_loadu_si128((const __m128i *)p2));
+    return _mm512_mask_broadcast_i32x4(z, 0xF000, _mm_loadu_si128((const __m128i *)p3));
 }
 
-/* f16 at byte off of block b of each of 16 rows -> 16 floats (exact; a signalling NaN comes out quiet) */
-FS_STAGE512 static inline __m512 fs_gather_f16(const uint8_t *rows, __m512i lane_off, int64_t at, int shift)
+/* The 4 bytes at byte `at` of block b of each of the 16 rows, copied (scalar: the load and store
+ * ports are idle while the vector units transpose) to dst [16] as 32-bit words. */
+static inline void fs_copy_dwords(const uint8_t *rows, int64_t row_bytes, int64_t at, uint8_t *dst)
 {
-    __m512i g = _mm512_i32gather_epi32(lane_off, (const void *)(rows + at), 1);
-    return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, shift)));
+    for (int l = 0; l < 16; l++)
+        memcpy(dst + 4 * l, rows + l * row_bytes + at, 4);
+}
+
+/* 16 words of two f16 each (low: d, high: m) at pb + 512 -> d float32 at pb + 512 (and m at pb + 576). */
+FS_STAGE512 static inline void fs_widen_scales(uint8_t *pb, int has_m)
+{
+    __m512i g = _mm512_loadu_si512((const void *)(pb + 512));
+    _mm512_storeu_ps((void *)(pb + 512), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g)));
+    if (has_m)
+        _mm512_storeu_ps((void *)(pb + 576), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))));
 }
 
 /* Q4_0 / Q4_1: two blocks per pass; the 16 quant bytes of block b sit at qoff in it. */
-FS_STAGE512 static void fs_stage_q4_avx512(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage)
+/* The bytes [from, to) of the next panel into the cache while this one is decoded: its 16 rows are
+ * one contiguous region, read here as 16 interleaved streams that the hardware prefetchers do not
+ * follow well. */
+static inline void fs_prefetch_range(const uint8_t *next, int64_t from, int64_t to)
+{
+    if (!next)
+        return;
+    for (int64_t off = from & ~(int64_t)63; off < to; off += 64)
+        __builtin_prefetch(next + off, 0, 3);
+}
+
+FS_STAGE512 static void fs_stage_q4_avx512(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                           const uint8_t *next)
 {
     const int has_m = type == FS_T_Q4_1, bb = has_m ? 20 : 18, qoff = has_m ? 4 : 2;
     const int64_t pbb = has_m ? FS_STAGE_QM : FS_STAGE_Q;
     const __m512i low = _mm512_set1_epi8(15);
     /* u8 = q + 128: nibble | 0x80 (Q4_1), nibble + 120 (Q4_0: q = nibble - 8) */
     const __m512i add = _mm512_set1_epi8(has_m ? (char)0x80 : (char)120);
-    const __m512i lane_off = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                _mm512_set1_epi32((int)row_bytes));
     for (int64_t b = 0; b < nb; b += 2) {
         const int64_t b1 = b + 1 < nb ? b + 1 : b;        /* an odd last block: decoded twice, kept once */
         __m512i z[8], t[8];
+        fs_prefetch_range(next, 16 * row_bytes * b / nb, 16 * row_bytes * (b + 2) / nb);
         for (int g = 0; g < 8; g++) {
             const uint8_t *r0 = rows + g * row_bytes, *r1 = rows + (g + 8) * row_bytes;
             z[g] = fs_load4x16(r0 + b * bb + qoff, r0 + b1 * bb + qoff, r1 + b * bb + qoff, r1 + b1 * bb + qoff);
@@ -365,21 +387,20 @@ FS_STAGE512 static void fs_stage_q4_avx512(int type, const uint8_t *rows, int64_
                 _mm512_storeu_si512((void *)(pb + (k + 4) * 64),
                                     _mm512_add_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), add));
             }
-            _mm512_storeu_ps((void *)(pb + 512), fs_gather_f16(rows, lane_off, (b + h) * bb, 0));
-            if (has_m)
-                _mm512_storeu_ps((void *)(pb + 576), fs_gather_f16(rows, lane_off, (b + h) * bb, 16));
+            fs_copy_dwords(rows, row_bytes, (b + h) * bb, pb + 512);
+            fs_widen_scales(pb, has_m);
         }
     }
 }
 
 /* Q8_0: one block per pass, its 32 int8 quants at byte 2. */
-FS_STAGE512 static void fs_stage_q8_avx512(const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage)
+FS_STAGE512 static void fs_stage_q8_avx512(const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                           const uint8_t *next)
 {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const __m512i lane_off = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                _mm512_set1_epi32((int)row_bytes));
     for (int64_t b = 0; b < nb; b++) {
         __m512i z[8], t[8];
+        fs_prefetch_range(next, 16 * row_bytes * b / nb, 16 * row_bytes * (b + 1) / nb);
         for (int g = 0; g < 8; g++) {
             const uint8_t *r0 = rows + g * row_bytes + b * 34 + 2, *r1 = rows + (g + 8) * row_bytes + b * 34 + 2;
             z[g] = fs_load4x16(r0, r0 + 16, r1, r1 + 16);
@@ -388,7 +409,8 @@ FS_STAGE512 static void fs_stage_q8_avx512(const uint8_t *rows, int64_t row_byte
         uint8_t *pb = stage + b * FS_STAGE_Q;
         for (int k = 0; k < 8; k++)
             _mm512_storeu_si512((void *)(pb + k * 64), _mm512_xor_si512(t[k], flip));
-        _mm512_storeu_ps((void *)(pb + 512), fs_gather_f16(rows, lane_off, b * 34, 0));
+        fs_copy_dwords(rows, row_bytes, b * 34, pb + 512);       /* d and the first two quants */
+        fs_widen_scales(pb, 0);
     }
 }
 #endif

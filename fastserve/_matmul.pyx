@@ -75,7 +75,7 @@ cdef extern from "_matmul_kernels.h" nogil:
                           int32_t *qsum, int32_t *qhalf, float *sx)
     void fs_pad_rows(const float *x, int64_t n, int64_t n_in, int64_t ldx, float *xf)
     void fs_stage_panel(int isa, int type, const uint8_t *rows, int64_t row_bytes, int valid,
-                        int64_t n_in, uint8_t *stage)
+                        int64_t n_in, uint8_t *stage, const uint8_t *next)
     int fs_isa_supported(int isa)
     int fs_best_isa()
     fs_kernel fs_kernel_for(int isa, int kind)
@@ -274,7 +274,7 @@ cdef class BlockMatrix:
         buf = np.zeros((nb, pbb), np.uint8)
         cdef uint8_t[:, ::1] bv = buf
         fs_stage_panel(isa_id, self.parts[pi].type, self.parts[pi].data + r0 * self.parts[pi].row_bytes,
-                       self.parts[pi].row_bytes, valid, self.n_in, &bv[0, 0])
+                       self.parts[pi].row_bytes, valid, self.n_in, &bv[0, 0], NULL)
         return buf
 
     def __repr__(self):

@@ -735,22 +735,24 @@ static inline int64_t fs_part_panels(const fs_part *p)
     return (p->rows + FS_LANES - 1) / FS_LANES;
 }
 
-/* 16 rows (valid of them real) of one type into the kernels' layout, with the isa's decoder. */
+/* 16 rows (valid of them real) of one type into the kernels' layout, with the isa's decoder; next:
+ * the next panel's rows (16 * row_bytes bytes) to prefetch meanwhile, or NULL. */
 static void fs_stage_panel(int isa, int type, const uint8_t *rows, int64_t row_bytes, int valid,
-                           int64_t n_in, uint8_t *stage)
+                           int64_t n_in, uint8_t *stage, const uint8_t *next)
 {
 #if defined(FS_HAVE_STAGE_AVX512)
     /* whole panels (the gathers and loads read 16 rows) of the types with a SIMD decoder */
     if (isa == FS_ISA_AVX512VNNI && valid == FS_LANES && (type == FS_T_Q4_0 || type == FS_T_Q4_1)) {
-        fs_stage_q4_avx512(type, rows, row_bytes, n_in / FS_QK, stage);
+        fs_stage_q4_avx512(type, rows, row_bytes, n_in / FS_QK, stage, next);
         return;
     }
     if (isa == FS_ISA_AVX512VNNI && valid == FS_LANES && type == FS_T_Q8_0) {
-        fs_stage_q8_avx512(rows, row_bytes, n_in / FS_QK, stage);
+        fs_stage_q8_avx512(rows, row_bytes, n_in / FS_QK, stage, next);
         return;
     }
 #endif
     (void)isa;
+    fs_prefetch_range(next, 0, 16 * row_bytes);
     fs_stage_panel_scalar(type, rows, row_bytes, valid, n_in, stage);
 }
 
@@ -767,7 +769,9 @@ static void fs_product_task(void *ctx, int64_t begin, int64_t end)
         const fs_part *pt = &pr->parts[pi];
         const int64_t r0 = (g - pt->first_panel) * FS_LANES;
         const int valid = (int)(pt->rows - r0 < FS_LANES ? pt->rows - r0 : FS_LANES);
-        fs_stage_panel(pr->isa, pt->type, pt->data + r0 * pt->row_bytes, pt->row_bytes, valid, pr->n_in, stage);
+        /* the next panel of this part, when this task computes it too */
+        const uint8_t *next = g + 1 < end && r0 + 2 * FS_LANES <= pt->rows ? pt->data + (r0 + FS_LANES) * pt->row_bytes : NULL;
+        fs_stage_panel(pr->isa, pt->type, pt->data + r0 * pt->row_bytes, pt->row_bytes, valid, pr->n_in, stage, next);
         fs_job j = pr->act;
         j.w = stage;
         j.valid = valid;
