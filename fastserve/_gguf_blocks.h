@@ -413,6 +413,135 @@ FS_STAGE512 static void fs_stage_q8_avx512(const uint8_t *rows, int64_t row_byte
         fs_widen_scales(pb, 0);
     }
 }
+
+/* 16 bytes at byte `at` of each of the 16 rows -> out[k] (k < 4): dword k of every row. */
+FS_STAGE512 static inline void fs_rows16x4(const uint8_t *rows, int64_t row_bytes, int64_t at, __m512i out[4])
+{
+    __m512i z[8], t[8];
+    for (int g = 0; g < 8; g++) {
+        const uint8_t *r0 = rows + g * row_bytes + at, *r1 = rows + (g + 8) * row_bytes + at;
+        z[g] = fs_load4x16(r0, r0, r1, r1);
+    }
+    fs_transpose16x8(z, t);
+    for (int k = 0; k < 4; k++)
+        out[k] = t[k];
+}
+
+/* 32 bytes at byte `at` of each of the 16 rows -> out[k] (k < 8): dword k of every row. */
+FS_STAGE512 static inline void fs_rows16x8(const uint8_t *rows, int64_t row_bytes, int64_t at, __m512i out[8])
+{
+    __m512i z[8];
+    for (int g = 0; g < 8; g++) {
+        const uint8_t *r0 = rows + g * row_bytes + at, *r1 = rows + (g + 8) * row_bytes + at;
+        z[g] = fs_load4x16(r0, r0 + 16, r1, r1 + 16);
+    }
+    fs_transpose16x8(z, out);
+}
+
+/* Byte `byte` (0..3) of each 32-bit lane, as an int32. */
+FS_STAGE512 static inline __m512i fs_byte(__m512i v, int byte)
+{
+    return _mm512_and_si512(_mm512_srli_epi32(v, 8 * byte), _mm512_set1_epi32(0xFF));
+}
+
+/* Each byte shifted right by s (0..7), the bits from its neighbour cleared. */
+FS_STAGE512 static inline __m512i fs_bytes_srl(__m512i v, int s, int mask)
+{
+    return _mm512_and_si512(_mm512_srli_epi16(v, s), _mm512_set1_epi8((char)mask));
+}
+
+/* Q4_K / Q5_K: per 256-block the 8 scales and mins (d * sc_j, -(dmin * mn_j)) of 16 rows, then the
+ * quants two blocks (one 32-byte chunk, low and high nibbles) per transpose. */
+FS_STAGE512 static void fs_stage_k45_avx512(int five, const uint8_t *rows, int64_t row_bytes, int64_t nb,
+                                            uint8_t *stage, const uint8_t *next)
+{
+    const int bb = five ? 176 : 144, qoff = five ? 48 : 16;
+    const __m512i hi80 = _mm512_set1_epi8((char)0x80);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        fs_prefetch_range(next, 16 * row_bytes * sb * 8 / nb, 16 * row_bytes * (sb + 1) * 8 / nb);
+        __m512i h[4], qh[8];
+        fs_rows16x4(rows, row_bytes, sb * bb, h);       /* d | dmin, scales[0..3], [4..7], [8..11] */
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h[0]));
+        const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h[0], 16)));
+        const __m512i m63 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(15);
+        for (int j = 0; j < 8; j++) {
+            __m512i sc, mn;
+            if (j < 4) {
+                sc = _mm512_and_si512(fs_byte(h[1], j), m63);
+                mn = _mm512_and_si512(fs_byte(h[2], j), m63);
+            } else {
+                __m512i lo = fs_byte(h[3], j - 4);
+                sc = _mm512_or_si512(_mm512_and_si512(lo, m15), _mm512_slli_epi32(_mm512_srli_epi32(fs_byte(h[1], j - 4), 6), 4));
+                mn = _mm512_or_si512(_mm512_srli_epi32(lo, 4), _mm512_slli_epi32(_mm512_srli_epi32(fs_byte(h[2], j - 4), 6), 4));
+            }
+            uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QM;
+            _mm512_storeu_ps((void *)(pb + 512), _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+            __m512i m = _mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));     /* negated: sign bit */
+            _mm512_storeu_si512((void *)(pb + 576), _mm512_xor_si512(m, _mm512_set1_epi32((int)0x80000000u)));
+        }
+        if (five)
+            fs_rows16x8(rows, row_bytes, sb * bb + 16, qh);
+        for (int c = 0; c < 4; c++) {
+            __m512i t[8];
+            fs_rows16x8(rows, row_bytes, sb * bb + qoff + 32 * c, t);
+            uint8_t *p0 = stage + (sb * 8 + 2 * c) * FS_STAGE_QM, *p1 = p0 + FS_STAGE_QM;
+            for (int k = 0; k < 8; k++) {
+                __m512i lo = _mm512_and_si512(t[k], _mm512_set1_epi8(15)), hi = fs_bytes_srl(t[k], 4, 15);
+                if (five) {     /* the fifth bit of block j is bit j of the qh byte */
+                    lo = _mm512_or_si512(lo, _mm512_slli_epi16(fs_bytes_srl(qh[k], 2 * c, 1), 4));
+                    hi = _mm512_or_si512(hi, _mm512_slli_epi16(fs_bytes_srl(qh[k], 2 * c + 1, 1), 4));
+                }
+                _mm512_storeu_si512((void *)(p0 + k * 64), _mm512_or_si512(lo, hi80));
+                _mm512_storeu_si512((void *)(p1 + k * 64), _mm512_or_si512(hi, hi80));
+            }
+        }
+    }
+}
+
+/* Q6_K: per 256-block d and the 16 int8 sub-scales of 16 rows, then per 128 inputs three
+ * transposes (ql low half, ql high half, qh) give four blocks. */
+FS_STAGE512 static void fs_stage_q6k_avx512(const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                            const uint8_t *next)
+{
+    const __m512i off = _mm512_set1_epi8(96);          /* u8 = (q6 - 32) + 128 */
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        fs_prefetch_range(next, 16 * row_bytes * sb * 8 / nb, 16 * row_bytes * (sb + 1) * 8 / nb);
+        const int64_t at = sb * 210;
+        __m512i sc[4];
+        fs_rows16x4(rows, row_bytes, at + 192, sc);      /* scales[0..15] as 4 dwords per row */
+        uint16_t dh[16];                                 /* d: the block's last two bytes */
+        for (int l = 0; l < 16; l++)
+            memcpy(&dh[l], rows + l * row_bytes + at + 208, 2);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dh));
+        for (int j = 0; j < 8; j++) {
+            uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QS;
+            _mm512_storeu_ps((void *)(pb + 512), d);
+            for (int h = 0; h < 2; h++) {           /* int8 scale 2j + h, sign-extended */
+                const int i = 2 * j + h;
+                __m512i v = _mm512_srai_epi32(_mm512_slli_epi32(sc[i >> 2], 24 - 8 * (i & 3)), 24);
+                _mm512_storeu_si512((void *)(pb + 576 + 64 * h), v);
+            }
+        }
+        for (int c = 0; c < 2; c++) {
+            __m512i l0[8], l1[8], qh[8];
+            fs_rows16x8(rows, row_bytes, at + 64 * c, l0);
+            fs_rows16x8(rows, row_bytes, at + 64 * c + 32, l1);
+            fs_rows16x8(rows, row_bytes, at + 128 + 32 * c, qh);
+            uint8_t *pb = stage + (sb * 8 + 4 * c) * FS_STAGE_QS;
+            for (int k = 0; k < 8; k++) {
+                const __m512i lo15 = _mm512_set1_epi8(15);
+                __m512i v0 = _mm512_or_si512(_mm512_and_si512(l0[k], lo15), _mm512_slli_epi16(fs_bytes_srl(qh[k], 0, 3), 4));
+                __m512i v1 = _mm512_or_si512(_mm512_and_si512(l1[k], lo15), _mm512_slli_epi16(fs_bytes_srl(qh[k], 2, 3), 4));
+                __m512i v2 = _mm512_or_si512(fs_bytes_srl(l0[k], 4, 15), _mm512_slli_epi16(fs_bytes_srl(qh[k], 4, 3), 4));
+                __m512i v3 = _mm512_or_si512(fs_bytes_srl(l1[k], 4, 15), _mm512_slli_epi16(fs_bytes_srl(qh[k], 6, 3), 4));
+                _mm512_storeu_si512((void *)(pb + 0 * FS_STAGE_QS + k * 64), _mm512_add_epi8(v0, off));
+                _mm512_storeu_si512((void *)(pb + 1 * FS_STAGE_QS + k * 64), _mm512_add_epi8(v1, off));
+                _mm512_storeu_si512((void *)(pb + 2 * FS_STAGE_QS + k * 64), _mm512_add_epi8(v2, off));
+                _mm512_storeu_si512((void *)(pb + 3 * FS_STAGE_QS + k * 64), _mm512_add_epi8(v3, off));
+            }
+        }
+    }
+}
 #endif
 
 #endif /* FASTSERVE_GGUF_BLOCKS_H */
