@@ -758,6 +758,11 @@ static void fs_stage_panel(int isa, int type, const uint8_t *rows, int64_t row_b
         fs_stage_q6k_avx512(rows, row_bytes, n_in / FS_QK, stage, next);
         return;
     }
+    if (isa == FS_ISA_AVX512VNNI && valid == FS_LANES && n_in % FS_QK == 0 &&
+        (type == FS_T_F32 || type == FS_T_F16 || type == FS_T_BF16)) {
+        fs_stage_float_avx512(type, rows, row_bytes, n_in / FS_QK, stage, next);
+        return;
+    }
 #endif
     (void)isa;
     fs_prefetch_range(next, 0, 16 * row_bytes);

@@ -80,8 +80,16 @@ def random_blocks(type_name, rows, n_in, seed, special=True):
     return raw.reshape(rows, -1)
 
 
-def n_in_for(type_name, blocks=2):
-    return B.TYPES[type_name][0] * blocks if B.TYPES[type_name][0] > 1 else 32 * blocks + 8
+def n_in_for(type_name, blocks=2, ragged=True):
+    """Inputs per row: whole blocks of the type; float types: 32 * blocks (+ 8 when ragged: the
+    last block zero padded, which the SIMD decoders leave to the scalar one)."""
+    per = B.TYPES[type_name][0]
+    return per * blocks if per > 1 else 32 * blocks + (8 if ragged else 0)
+
+
+# (type, ragged): the float types both with a zero-padded last block and with whole blocks
+TYPE_SHAPES = [pytest.param(t, r, id=t + ("-ragged" if r and B.TYPES[t][0] == 1 else ""))
+               for t in TYPES for r in ((True, False) if B.TYPES[t][0] == 1 else (True,))]
 
 
 def matrix(m, parts, n_in):
@@ -233,10 +241,10 @@ def test_quantization_bit_exact():
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("type_name", TYPES)
-def test_decode_bit_exact(type_name):
+@pytest.mark.parametrize("type_name,ragged", TYPE_SHAPES)
+def test_decode_bit_exact(type_name, ragged):
     """What each isa's decoder stages (q, d, m, s per lane and block) is the twin's decode."""
-    n_out, n_in = 37, n_in_for(type_name, 2)
+    n_out, n_in = 37, n_in_for(type_name, 2, ragged)
     raw = random_blocks(type_name, n_out, n_in, seed=6)
     want = B.decode(type_name, raw, n_out, n_in)
     w = matrix(c_mod(), [(type_name, raw)], n_in)
@@ -260,12 +268,12 @@ def test_decode_bit_exact(type_name):
                 np.testing.assert_array_equal(s[:nv], want.s[lanes], err_msg=f"{isa} s")
 
 
-@pytest.mark.parametrize("type_name", TYPES)
-def test_outputs_bit_exact(type_name):
+@pytest.mark.parametrize("type_name,ragged", TYPE_SHAPES)
+def test_outputs_bit_exact(type_name, ragged):
     """Every kernel and thread count gives the twin's bits, on random blocks with zero, denormal,
     NaN, inf and extreme scales, and activations with zero, tiny and denormal blocks."""
     rng = np.random.default_rng(7)
-    n_out, n_in = 53, n_in_for(type_name, 3 if B.TYPES[type_name][0] == 256 else 5)
+    n_out, n_in = 53, n_in_for(type_name, 3 if B.TYPES[type_name][0] == 256 else 5, ragged)
     raw = random_blocks(type_name, n_out, n_in, seed=8)
     x = rand(rng, 19, n_in)
     x[3] = 0.0
