@@ -298,6 +298,25 @@ static void fs_stage_panel_scalar(int type, const uint8_t *rows, int64_t row_byt
 }
 
 
+/* The bytes [from, to) of the next panel into the cache while this one is decoded: its 16 rows are
+ * one contiguous region, read here as 16 interleaved streams that the hardware prefetchers do not
+ * follow well. */
+static inline void fs_prefetch_range(const uint8_t *next, int64_t from, int64_t to)
+{
+    if (!next)
+        return;
+    for (int64_t off = from & ~(int64_t)63; off < to; off += 64)
+        __builtin_prefetch(next + off, 0, 3);
+}
+
+/* The 4 bytes at byte `at` of block b of each of the 16 rows, copied (scalar: the load and store
+ * ports are idle while the vector units transpose) to dst [16] as 32-bit words. */
+static inline void fs_copy_dwords(const uint8_t *rows, int64_t row_bytes, int64_t at, uint8_t *dst)
+{
+    for (int l = 0; l < 16; l++)
+        memcpy(dst + 4 * l, rows + l * row_bytes + at, 4);
+}
+
 /* ---- AVX-512BW staging ------------------------------------------------------------------------ */
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 8))
 #define FS_HAVE_STAGE_AVX512 1
@@ -333,14 +352,6 @@ FS_STAGE512 static inline __m512i fs_load4x16(const uint8_t *p0, const uint8_t *
     return _mm512_mask_broadcast_i32x4(z, 0xF000, _mm_loadu_si128((const __m128i *)p3));
 }
 
-/* The 4 bytes at byte `at` of block b of each of the 16 rows, copied (scalar: the load and store
- * ports are idle while the vector units transpose) to dst [16] as 32-bit words. */
-static inline void fs_copy_dwords(const uint8_t *rows, int64_t row_bytes, int64_t at, uint8_t *dst)
-{
-    for (int l = 0; l < 16; l++)
-        memcpy(dst + 4 * l, rows + l * row_bytes + at, 4);
-}
-
 /* 16 words of two f16 each (low: d, high: m) at pb + 512 -> d float32 at pb + 512 (and m at pb + 576). */
 FS_STAGE512 static inline void fs_widen_scales(uint8_t *pb, int has_m)
 {
@@ -351,17 +362,6 @@ FS_STAGE512 static inline void fs_widen_scales(uint8_t *pb, int has_m)
 }
 
 /* Q4_0 / Q4_1: two blocks per pass; the 16 quant bytes of block b sit at qoff in it. */
-/* The bytes [from, to) of the next panel into the cache while this one is decoded: its 16 rows are
- * one contiguous region, read here as 16 interleaved streams that the hardware prefetchers do not
- * follow well. */
-static inline void fs_prefetch_range(const uint8_t *next, int64_t from, int64_t to)
-{
-    if (!next)
-        return;
-    for (int64_t off = from & ~(int64_t)63; off < to; off += 64)
-        __builtin_prefetch(next + off, 0, 3);
-}
-
 FS_STAGE512 static void fs_stage_q4_avx512(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
                                            const uint8_t *next)
 {
@@ -566,6 +566,90 @@ FS_STAGE512 static void fs_stage_float_avx512(int type, const uint8_t *rows, int
                     _mm512_storeu_si512((void *)(pb + (i0 + 2 * k + 1) * 16), _mm512_and_si512(t[k], _mm512_set1_epi32((int)0xFFFF0000u)));
                 }
             }
+        }
+    }
+}
+#endif
+
+/* ---- AVX2 staging (x86 without AVX-512): the same decoders over two halves of 8 rows ----------- */
+#if defined(__x86_64__) || defined(__i386__)
+#define FS_HAVE_STAGE_AVX2 1
+#define FS_STAGE256 __attribute__((target("avx2,f16c")))
+
+/* z[g] (g < 8) = [16 bytes a of row g | 16 bytes b of row g] -> out[k] = dword k of rows 0..7. */
+FS_STAGE256 static inline void fs_transpose8x8_avx2(const __m256i z[8], __m256i out[8])
+{
+    __m256i u[8];
+    for (int h = 0; h < 2; h++) {
+        const __m256i *zz = z + 4 * h;
+        __m256i t0 = _mm256_unpacklo_epi32(zz[0], zz[1]), t1 = _mm256_unpackhi_epi32(zz[0], zz[1]);
+        __m256i t2 = _mm256_unpacklo_epi32(zz[2], zz[3]), t3 = _mm256_unpackhi_epi32(zz[2], zz[3]);
+        u[4 * h + 0] = _mm256_unpacklo_epi64(t0, t2);
+        u[4 * h + 1] = _mm256_unpackhi_epi64(t0, t2);
+        u[4 * h + 2] = _mm256_unpacklo_epi64(t1, t3);
+        u[4 * h + 3] = _mm256_unpackhi_epi64(t1, t3);
+    }
+    for (int k = 0; k < 4; k++) {
+        out[k] = _mm256_permute2x128_si256(u[k], u[k + 4], 0x20);
+        out[k + 4] = _mm256_permute2x128_si256(u[k], u[k + 4], 0x31);
+    }
+}
+
+FS_STAGE256 static inline __m256i fs_load2x16(const uint8_t *a, const uint8_t *b)
+{
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                   _mm_loadu_si128((const __m128i *)b), 1);
+}
+
+/* The f16 at byte `at` of block-relative position of each of 16 rows -> 16 floats at dst. */
+FS_STAGE256 static inline void fs_f16x16_avx2(const uint8_t *rows, int64_t row_bytes, int64_t at, uint8_t *dst)
+{
+    uint16_t h[16];
+    for (int l = 0; l < 16; l++)
+        memcpy(&h[l], rows + l * row_bytes + at, 2);
+    _mm256_storeu_ps((float *)dst, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
+    _mm256_storeu_ps((float *)dst + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8))));
+}
+
+/* Q4_0 / Q4_1 (two blocks per transpose) and Q8_0 (one). */
+FS_STAGE256 static void fs_stage_q48_avx2(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                          const uint8_t *next)
+{
+    const int q8 = type == FS_T_Q8_0, has_m = type == FS_T_Q4_1;
+    const int bb = q8 ? 34 : has_m ? 20 : 18, qoff = has_m ? 4 : 2, step = q8 ? 1 : 2;
+    const int64_t pbb = has_m ? FS_STAGE_QM : FS_STAGE_Q;
+    const __m256i low = _mm256_set1_epi8(15);
+    const __m256i add = _mm256_set1_epi8(q8 || has_m ? (char)0x80 : (char)120);
+    for (int64_t b = 0; b < nb; b += step) {
+        const int64_t b1 = b + 1 < nb ? b + 1 : b;
+        fs_prefetch_range(next, 16 * row_bytes * b / nb, 16 * row_bytes * (b + step) / nb);
+        for (int h = 0; h < 2; h++) {
+            __m256i z[8], t[8];
+            for (int g = 0; g < 8; g++) {
+                const uint8_t *r = rows + (8 * h + g) * row_bytes;
+                z[g] = q8 ? fs_load2x16(r + b * bb + 2, r + b * bb + 18) : fs_load2x16(r + b * bb + qoff, r + b1 * bb + qoff);
+            }
+            fs_transpose8x8_avx2(z, t);
+            if (q8) {
+                for (int k = 0; k < 8; k++)
+                    _mm256_storeu_si256((__m256i *)(stage + b * pbb + k * 64 + h * 32), _mm256_xor_si256(t[k], add));
+                continue;
+            }
+            for (int e = 0; e < 2 && b + e < nb; e++) {
+                uint8_t *pb = stage + (b + e) * pbb + h * 32;
+                for (int k = 0; k < 4; k++) {
+                    __m256i v = t[4 * e + k];
+                    _mm256_storeu_si256((__m256i *)(pb + k * 64), _mm256_add_epi8(_mm256_and_si256(v, low), add));
+                    _mm256_storeu_si256((__m256i *)(pb + (k + 4) * 64),
+                                        _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), add));
+                }
+            }
+        }
+        for (int e = 0; e < step && b + e < nb; e++) {
+            uint8_t *pb = stage + (b + e) * pbb;
+            fs_f16x16_avx2(rows, row_bytes, (b + e) * bb, pb + 512);
+            if (has_m)
+                fs_f16x16_avx2(rows, row_bytes, (b + e) * bb + 2, pb + 576);
         }
     }
 }
