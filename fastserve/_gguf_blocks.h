@@ -653,6 +653,123 @@ FS_STAGE256 static void fs_stage_q48_avx2(int type, const uint8_t *rows, int64_t
         }
     }
 }
+
+/* 32 bytes at byte `at` of rows 0..7 (from `rows`) -> out[k] = dword k of each; a16: only 16 bytes. */
+FS_STAGE256 static inline void fs_rows8_avx2(const uint8_t *rows, int64_t row_bytes, int64_t at, int a16, __m256i out[8])
+{
+    __m256i z[8];
+    for (int g = 0; g < 8; g++) {
+        const uint8_t *r = rows + g * row_bytes + at;
+        z[g] = fs_load2x16(r, a16 ? r : r + 16);
+    }
+    fs_transpose8x8_avx2(z, out);
+}
+
+FS_STAGE256 static inline __m256i fs_byte256(__m256i v, int byte)
+{
+    return _mm256_and_si256(_mm256_srli_epi32(v, 8 * byte), _mm256_set1_epi32(0xFF));
+}
+
+FS_STAGE256 static inline __m256i fs_bytes_srl256(__m256i v, int s, int mask)
+{
+    return _mm256_and_si256(_mm256_srli_epi16(v, s), _mm256_set1_epi8((char)mask));
+}
+
+/* Q4_K / Q5_K, as fs_stage_k45_avx512 over two halves of 8 rows. */
+FS_STAGE256 static void fs_stage_k45_avx2(int five, const uint8_t *rows, int64_t row_bytes, int64_t nb,
+                                          uint8_t *stage, const uint8_t *next)
+{
+    const int bb = five ? 176 : 144, qoff = five ? 48 : 16;
+    const __m256i hi80 = _mm256_set1_epi8((char)0x80), m63 = _mm256_set1_epi32(63), m15 = _mm256_set1_epi32(15);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        fs_prefetch_range(next, 16 * row_bytes * sb * 8 / nb, 16 * row_bytes * (sb + 1) * 8 / nb);
+        float dd[16], dm[16];
+        fs_f16x16_avx2(rows, row_bytes, sb * bb, (uint8_t *)dd);
+        fs_f16x16_avx2(rows, row_bytes, sb * bb + 2, (uint8_t *)dm);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *r8 = rows + 8 * h * row_bytes;
+            __m256i hs[8], qh[8];
+            fs_rows8_avx2(r8, row_bytes, sb * bb, 1, hs);      /* d | dmin, scales[0..3], [4..7], [8..11] */
+            const __m256 d = _mm256_loadu_ps(dd + 8 * h), dmin = _mm256_loadu_ps(dm + 8 * h);
+            for (int j = 0; j < 8; j++) {
+                __m256i sc, mn;
+                if (j < 4) {
+                    sc = _mm256_and_si256(fs_byte256(hs[1], j), m63);
+                    mn = _mm256_and_si256(fs_byte256(hs[2], j), m63);
+                } else {
+                    __m256i lo = fs_byte256(hs[3], j - 4);
+                    sc = _mm256_or_si256(_mm256_and_si256(lo, m15), _mm256_slli_epi32(_mm256_srli_epi32(fs_byte256(hs[1], j - 4), 6), 4));
+                    mn = _mm256_or_si256(_mm256_srli_epi32(lo, 4), _mm256_slli_epi32(_mm256_srli_epi32(fs_byte256(hs[2], j - 4), 6), 4));
+                }
+                uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QM + h * 32;
+                _mm256_storeu_ps((float *)(pb + 512), _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
+                __m256i m = _mm256_castps_si256(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn)));
+                _mm256_storeu_si256((__m256i *)(pb + 576), _mm256_xor_si256(m, _mm256_set1_epi32((int)0x80000000u)));
+            }
+            if (five)
+                fs_rows8_avx2(r8, row_bytes, sb * bb + 16, 0, qh);
+            for (int c = 0; c < 4; c++) {
+                __m256i t[8];
+                fs_rows8_avx2(r8, row_bytes, sb * bb + qoff + 32 * c, 0, t);
+                uint8_t *p0 = stage + (sb * 8 + 2 * c) * FS_STAGE_QM + h * 32, *p1 = p0 + FS_STAGE_QM;
+                for (int k = 0; k < 8; k++) {
+                    __m256i lo = _mm256_and_si256(t[k], _mm256_set1_epi8(15)), hi = fs_bytes_srl256(t[k], 4, 15);
+                    if (five) {
+                        lo = _mm256_or_si256(lo, _mm256_slli_epi16(fs_bytes_srl256(qh[k], 2 * c, 1), 4));
+                        hi = _mm256_or_si256(hi, _mm256_slli_epi16(fs_bytes_srl256(qh[k], 2 * c + 1, 1), 4));
+                    }
+                    _mm256_storeu_si256((__m256i *)(p0 + k * 64), _mm256_or_si256(lo, hi80));
+                    _mm256_storeu_si256((__m256i *)(p1 + k * 64), _mm256_or_si256(hi, hi80));
+                }
+            }
+        }
+    }
+}
+
+/* Q6_K, as fs_stage_q6k_avx512 over two halves of 8 rows. */
+FS_STAGE256 static void fs_stage_q6k_avx2(const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                          const uint8_t *next)
+{
+    const __m256i off = _mm256_set1_epi8(96), lo15 = _mm256_set1_epi8(15);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        fs_prefetch_range(next, 16 * row_bytes * sb * 8 / nb, 16 * row_bytes * (sb + 1) * 8 / nb);
+        const int64_t at = sb * 210;
+        float dd[16];
+        fs_f16x16_avx2(rows, row_bytes, at + 208, (uint8_t *)dd);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *r8 = rows + 8 * h * row_bytes;
+            __m256i sc[8];
+            fs_rows8_avx2(r8, row_bytes, at + 192, 1, sc);
+            const __m256 d = _mm256_loadu_ps(dd + 8 * h);
+            for (int j = 0; j < 8; j++) {
+                uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QS + h * 32;
+                _mm256_storeu_ps((float *)(pb + 512), d);
+                for (int e = 0; e < 2; e++) {
+                    const int i = 2 * j + e;
+                    __m256i v = _mm256_srai_epi32(_mm256_slli_epi32(sc[i >> 2], 24 - 8 * (i & 3)), 24);
+                    _mm256_storeu_si256((__m256i *)(pb + 576 + 64 * e), v);
+                }
+            }
+            for (int c = 0; c < 2; c++) {
+                __m256i l0[8], l1[8], qh[8];
+                fs_rows8_avx2(r8, row_bytes, at + 64 * c, 0, l0);
+                fs_rows8_avx2(r8, row_bytes, at + 64 * c + 32, 0, l1);
+                fs_rows8_avx2(r8, row_bytes, at + 128 + 32 * c, 0, qh);
+                uint8_t *pb = stage + (sb * 8 + 4 * c) * FS_STAGE_QS + h * 32;
+                for (int k = 0; k < 8; k++) {
+                    __m256i v0 = _mm256_or_si256(_mm256_and_si256(l0[k], lo15), _mm256_slli_epi16(fs_bytes_srl256(qh[k], 0, 3), 4));
+                    __m256i v1 = _mm256_or_si256(_mm256_and_si256(l1[k], lo15), _mm256_slli_epi16(fs_bytes_srl256(qh[k], 2, 3), 4));
+                    __m256i v2 = _mm256_or_si256(fs_bytes_srl256(l0[k], 4, 15), _mm256_slli_epi16(fs_bytes_srl256(qh[k], 4, 3), 4));
+                    __m256i v3 = _mm256_or_si256(fs_bytes_srl256(l1[k], 4, 15), _mm256_slli_epi16(fs_bytes_srl256(qh[k], 6, 3), 4));
+                    _mm256_storeu_si256((__m256i *)(pb + 0 * FS_STAGE_QS + k * 64), _mm256_add_epi8(v0, off));
+                    _mm256_storeu_si256((__m256i *)(pb + 1 * FS_STAGE_QS + k * 64), _mm256_add_epi8(v1, off));
+                    _mm256_storeu_si256((__m256i *)(pb + 2 * FS_STAGE_QS + k * 64), _mm256_add_epi8(v2, off));
+                    _mm256_storeu_si256((__m256i *)(pb + 3 * FS_STAGE_QS + k * 64), _mm256_add_epi8(v3, off));
+                }
+            }
+        }
+    }
+}
 #endif
 
 #endif /* FASTSERVE_GGUF_BLOCKS_H */

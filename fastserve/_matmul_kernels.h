@@ -769,6 +769,14 @@ static void fs_stage_panel(int isa, int type, const uint8_t *rows, int64_t row_b
         fs_stage_q48_avx2(type, rows, row_bytes, n_in / FS_QK, stage, next);
         return;
     }
+    if (isa == FS_ISA_AVX2 && valid == FS_LANES && (type == FS_T_Q4_K || type == FS_T_Q5_K)) {
+        fs_stage_k45_avx2(type == FS_T_Q5_K, rows, row_bytes, n_in / FS_QK, stage, next);
+        return;
+    }
+    if (isa == FS_ISA_AVX2 && valid == FS_LANES && type == FS_T_Q6_K) {
+        fs_stage_q6k_avx2(rows, row_bytes, n_in / FS_QK, stage, next);
+        return;
+    }
 #endif
     (void)isa;
     fs_prefetch_range(next, 0, 16 * row_bytes);
