@@ -362,14 +362,17 @@ FS_STAGE512 static inline void fs_widen_scales(uint8_t *pb, int has_m)
 }
 
 /* Q4_0 / Q4_1: two blocks per pass; the 16 quant bytes of block b sit at qoff in it. */
-FS_STAGE512 static void fs_stage_q4_avx512(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
-                                           const uint8_t *next)
+/* Q4_0 / Q4_1 / Q5_0 / Q5_1: two blocks per pass; the 16 quant bytes of block b sit at qoff in it,
+ * Q5's 32 fifth bits (bit i: input i) before them. */
+FS_STAGE512 static void fs_stage_q45_avx512(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                            const uint8_t *next)
 {
-    const int has_m = type == FS_T_Q4_1, bb = has_m ? 20 : 18, qoff = has_m ? 4 : 2;
+    const int has_m = type == FS_T_Q4_1 || type == FS_T_Q5_1, five = type == FS_T_Q5_0 || type == FS_T_Q5_1;
+    const int bb = (has_m ? 20 : 18) + (five ? 4 : 0), qoff = (has_m ? 4 : 2) + (five ? 4 : 0);
     const int64_t pbb = has_m ? FS_STAGE_QM : FS_STAGE_Q;
     const __m512i low = _mm512_set1_epi8(15);
-    /* u8 = q + 128: nibble | 0x80 (Q4_1), nibble + 120 (Q4_0: q = nibble - 8) */
-    const __m512i add = _mm512_set1_epi8(has_m ? (char)0x80 : (char)120);
+    /* u8 = q + 128: value | 0x80 (Q4_1, Q5_1), nibble + 120 (Q4_0: q = nibble - 8), value + 112 (Q5_0) */
+    const __m512i add = _mm512_set1_epi8(has_m ? (char)0x80 : five ? (char)112 : (char)120);
     for (int64_t b = 0; b < nb; b += 2) {
         const int64_t b1 = b + 1 < nb ? b + 1 : b;        /* an odd last block: decoded twice, kept once */
         __m512i z[8], t[8];
@@ -381,11 +384,21 @@ FS_STAGE512 static void fs_stage_q4_avx512(int type, const uint8_t *rows, int64_
         fs_transpose16x8(z, t);
         for (int h = 0; h < 2 && b + h < nb; h++) {
             uint8_t *pb = stage + (b + h) * pbb;
-            for (int k = 0; k < 4; k++) {
-                __m512i v = t[4 * h + k];
-                _mm512_storeu_si512((void *)(pb + k * 64), _mm512_add_epi8(_mm512_and_si512(v, low), add));
-                _mm512_storeu_si512((void *)(pb + (k + 4) * 64),
-                                    _mm512_add_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), add));
+            __m512i qh = _mm512_setzero_si512();
+            if (five) {
+                uint8_t w[64];
+                fs_copy_dwords(rows, row_bytes, (b + h) * bb + qoff - 4, w);
+                qh = _mm512_loadu_si512((const void *)w);
+            }
+            for (int k = 0; k < 8; k++) {
+                __m512i v = t[4 * h + (k & 3)];
+                v = _mm512_and_si512(k < 4 ? v : _mm512_srli_epi16(v, 4), low);
+                if (five) {     /* bits 4k..4k+3 to bit 4 of bytes 0..3: x * 0x204081 spreads 4 bits 8 apart */
+                    __m512i x = _mm512_and_si512(_mm512_srli_epi32(qh, 4 * k), _mm512_set1_epi32(15));
+                    x = _mm512_and_si512(_mm512_mullo_epi32(x, _mm512_set1_epi32(0x204081)), _mm512_set1_epi32(0x01010101));
+                    v = _mm512_or_si512(v, _mm512_slli_epi32(x, 4));
+                }
+                _mm512_storeu_si512((void *)(pb + k * 64), _mm512_add_epi8(v, add));
             }
             fs_copy_dwords(rows, row_bytes, (b + h) * bb, pb + 512);
             fs_widen_scales(pb, has_m);

@@ -741,9 +741,10 @@ static void fs_stage_panel(int isa, int type, const uint8_t *rows, int64_t row_b
                            int64_t n_in, uint8_t *stage, const uint8_t *next)
 {
 #if defined(FS_HAVE_STAGE_AVX512)
-    /* whole panels (the gathers and loads read 16 rows) of the types with a SIMD decoder */
-    if (isa == FS_ISA_AVX512VNNI && valid == FS_LANES && (type == FS_T_Q4_0 || type == FS_T_Q4_1)) {
-        fs_stage_q4_avx512(type, rows, row_bytes, n_in / FS_QK, stage, next);
+    /* whole panels (the loads read 16 rows) of the types with a SIMD decoder */
+    if (isa == FS_ISA_AVX512VNNI && valid == FS_LANES &&
+        (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q5_0 || type == FS_T_Q5_1)) {
+        fs_stage_q45_avx512(type, rows, row_bytes, n_in / FS_QK, stage, next);
         return;
     }
     if (isa == FS_ISA_AVX512VNNI && valid == FS_LANES && type == FS_T_Q8_0) {
