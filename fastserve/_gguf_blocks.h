@@ -306,7 +306,7 @@ static inline void fs_prefetch_range(const uint8_t *next, int64_t from, int64_t 
     if (!next)
         return;
     for (int64_t off = from & ~(int64_t)63; off < to; off += 64)
-        __builtin_prefetch(next + off, 0, 3);
+        __builtin_prefetch(next + off, 0, 2);
 }
 
 /* The 4 bytes at byte `at` of block b of each of the 16 rows, copied (scalar: the load and store

@@ -49,6 +49,9 @@
 #define FS_QK 32                 /* inputs per block */
 #define FS_LANES 16              /* outputs per panel */
 #define FS_TINY 0x1p-100f         /* blocks with a smaller amax are zero */
+#ifndef FS_PREFETCH_PANELS
+#define FS_PREFETCH_PANELS 4       /* how far ahead a task prefetches the rows it will decode */
+#endif
 #ifndef FS_TASKS_PER_THREAD
 #define FS_TASKS_PER_THREAD 4
 #endif
@@ -795,10 +798,16 @@ static void fs_product_task(void *ctx, int64_t begin, int64_t end)
         while (g >= pr->parts[pi].first_panel + fs_part_panels(&pr->parts[pi]))
             pi++;
         const fs_part *pt = &pr->parts[pi];
-        const int64_t r0 = (g - pt->first_panel) * FS_LANES;
+        const int64_t r0 = (g - pt->first_panel) * FS_LANES, panel_bytes = FS_LANES * pt->row_bytes;
         const int valid = (int)(pt->rows - r0 < FS_LANES ? pt->rows - r0 : FS_LANES);
-        /* the next panel of this part, when this task computes it too */
-        const uint8_t *next = g + 1 < end && r0 + 2 * FS_LANES <= pt->rows ? pt->data + (r0 + FS_LANES) * pt->row_bytes : NULL;
+        /* Rows FS_PREFETCH_PANELS panels ahead (in this part) come into L2 while this panel is
+         * decoded; a task's first panel also asks for the ones between. */
+        if (g == begin || r0 == 0) {
+            int64_t upto = r0 + FS_PREFETCH_PANELS * FS_LANES < pt->rows ? r0 + FS_PREFETCH_PANELS * FS_LANES : pt->rows;
+            fs_prefetch_range(pt->data, r0 * pt->row_bytes, upto * pt->row_bytes);
+        }
+        const uint8_t *next = r0 + (FS_PREFETCH_PANELS + 1) * FS_LANES <= pt->rows
+                              ? pt->data + r0 * pt->row_bytes + FS_PREFETCH_PANELS * panel_bytes : NULL;
         fs_stage_panel(pr->isa, pt->type, pt->data + r0 * pt->row_bytes, pt->row_bytes, valid, pr->n_in, stage, next);
         fs_job j = pr->act;
         j.w = stage;
