@@ -372,9 +372,9 @@ def phase_timing(c: Check) -> dict:
         wbytes = be.weight_bytes_per_step()
         floor_ms = wbytes / bw * 1e3 if bw else float("nan")
         c.results["models"][label] = {"weight_bytes": wbytes, "prefill_4096_tokens_s": prefill_s,
-                                      "params": sum(m.size for lw in model.weights.layers
+                                      "params": sum(m.n_out * m.n_in for lw in model.weights.layers
                                                     for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down))
-                                      + model.weights.output.size}
+                                      + model.weights.output.n_out * model.weights.output.n_in}
         p0 = prompt_len
         c.results["models"][label]["kernels_b1_us"] = _kernel_breakdown(be)
         c.save()

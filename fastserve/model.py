@@ -59,5 +59,5 @@ class Model:
 
 
 def load_model(path: str | os.PathLike) -> Model:
-    """Load a llama-family GGUF model (memory-mapped, dequantized once to float32)."""
+    """Load a llama-family GGUF model (memory-mapped; the products run on its blocks as stored)."""
     return Model(path)

@@ -6,7 +6,7 @@ Same contract as NumpyBackend (fastserve/backends/base.py); same math, in this o
 then the final norm on the output rows only, logits = h Wout^T. Products of up to matvec_max_n rows
 (decode) form h as they read it and gate/up's warp writes s: h and gu are then never stored.
 
-Precision: weights are dequantized on the host (float32, models/llama.py) and rounded once at load
+Precision: weights are dequantized on the host matrix by matrix (float32, BlockMatrix.to_float) and rounded once at load
 to `dtype` (f16 by default, or bf16); the residual stream x, the products' accumulation and outputs
 (qkv, gate/up, logits), norms, RoPE and softmax are float32; what a product reads (normed h,
 attention output, SwiGLU output) is rounded to `dtype`; the KV cache is `dtype`.
@@ -153,9 +153,13 @@ class CupyBackend:
 
     # -- set-up --------------------------------------------------------------------------------
 
-    def _to_device(self, a: np.ndarray, storage: str):
-        """A host float32 array as a device array of `storage` ('f32', or rounded on the device)."""
+    def _to_device(self, a, storage: str):
+        """A host float32 array, or a BlockMatrix decoded here (one matrix at a time, so that no
+        float32 copy of the model exists on the host), as a device array of `storage` ('f32', or
+        rounded on the device)."""
         cp = self.cp
+        if hasattr(a, "to_float"):
+            a = a.to_float()
         src = cp.asarray(np.ascontiguousarray(a, dtype=np.float32))
         if storage == "f32":
             return src

@@ -1,8 +1,7 @@
 """The llama forward pass in NumPy (float32): the CPU backend and the reference for the GPU one.
 
-The matrix products run on int8 weights (fastserve._matmul, "q8", the default: a quarter of the
-memory traffic of float32, and batch-invariant by construction) or on the float32 weights through
-OpenBLAS ("f32"). Everything else is float32.
+The matrix products run on the GGUF file's own blocks (fastserve._matmul: memory-mapped, decoded
+panel by panel as they are read, batch-invariant by construction). Everything else is float32.
 
 Shapes: n = tokens in the batch, d = n_embd, H = heads, Hkv = KV heads,
 D = head_dim, G = H // Hkv (queries per KV head), L = keys attended.
@@ -13,12 +12,9 @@ import numpy as np
 
 from .._attention import Attention
 from .._pool import Pool
-from .._matmul import Matmul, Q8Matrix
+from .._matmul import Matmul
 from ..models.llama import LlamaConfig, LlamaWeights
 from .kv_cache import DEFAULT_CACHE_TYPE, KVCache
-
-WEIGHT_TYPES = ("q8", "f32")
-
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """x [n, d] -> x / rms(x) * w, in float32."""
@@ -46,25 +42,6 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int) -
     x[:, :, 1:rope_dim:2] = x0 * s + x1 * c
 
 
-def matmul(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x [n, in] times w [out, in] transposed: [n, out], C-contiguous.
-
-    Written as w @ x.T: with the weight as BLAS's first operand, OpenBLAS is
-    faster than x @ w.T at the small n of decode steps. The copy back to C
-    order keeps every later operation's summation order independent of n."""
-    return np.ascontiguousarray((w @ x.T).T)
-
-
-def q8_matrices(w: LlamaWeights):
-    """([(wqkv, wo, w_gate_up, w_down) per layer], output) as Q8Matrix: requantized once per weights
-    object (cached in w.packed) and shared by every backend built on them."""
-    if "q8" not in w.packed:
-        layers = [tuple(Q8Matrix.from_float(m) for m in (lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down))
-                  for lw in w.layers]
-        w.packed["q8"] = (layers, Q8Matrix.from_float(w.output))
-    return w.packed["q8"]
-
-
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (np.float32(1.0) + np.exp(-x))
 
@@ -73,48 +50,29 @@ class NumpyBackend:
     """CPU backend. KV cache: self.kv (backends/kv_cache.py), in cache_type_k / cache_type_v
     ("f16", the default, "f32" or "q8_0"), read directly by attention.
 
-    weight_type: "q8" (fastserve._matmul on int8 weights, the default) or "f32" (OpenBLAS).
     threads: threads of the step's loops (self.pool: the caller + threads - 1 helpers); 1 is the safe default
-    on a machine whose other cores serve the event loop (see bench/bench_matmul.py). The f32
-    path's threads are OpenBLAS's (threadpoolctl).
+    on a machine whose other cores serve the event loop (see bench/bench_matmul.py).
 
     Batch invariance: a token's logits do not depend on what else is in the
-    batch. The q8 product sums every output in a fixed order whatever n. OpenBLAS
-    picks other kernels (other summation orders) for a one-column product (gemv)
-    and for "small" products (out*n up to ~1152), so on the f32 path every product
-    is given at least `min_rows` rows (zero padding). Attention
+    batch. The products sum every output in a fixed order whatever n. Attention
     (fastserve._attention) computes each (token, head) in a fixed order of key tiles, whatever
     the batch or the threads.
     """
 
     def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, n_slots: int, n_ctx_slot: int,
-                 weight_type: str = "q8", threads: int = 1, cache_type_k: str = DEFAULT_CACHE_TYPE,
+                 threads: int = 1, cache_type_k: str = DEFAULT_CACHE_TYPE,
                  cache_type_v: str = DEFAULT_CACHE_TYPE):
-        if weight_type not in WEIGHT_TYPES:
-            raise ValueError(f"unknown weight_type {weight_type!r}; known: {', '.join(WEIGHT_TYPES)}")
         self.cfg, self.w = cfg, weights
-        self.weight_type = weight_type
         self.pool = Pool(threads)      # the step's helper threads, shared by its parallel loops
-        if weight_type == "q8":
-            self._mm = Matmul(pool=self.pool)
-            layers, output = q8_matrices(weights)
-        else:
-            self._mm = None
-            layers = [(lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down) for lw in weights.layers]
-            output = weights.output
-        self._layer_mats, self._output = layers, output   # per layer (wqkv, wo, w_gate_up, w_down)
+        self._mm = Matmul(pool=self.pool)
         self.n_slots, self.n_ctx_slot, self.n_vocab = n_slots, n_ctx_slot, cfg.n_vocab
         self.kv = KVCache(cfg.n_layer, n_slots, n_ctx_slot, cfg.n_head_kv, cfg.head_dim, cache_type_k, cache_type_v)
         self._attn = Attention(self.pool)
         self.cos, self.sin = rope_tables(cfg, n_ctx_slot, weights.rope_freqs)
         self.scale = float(1.0 / np.sqrt(cfg.head_dim))
-        narrowest = min(cfg.n_embd, (cfg.n_head + 2 * cfg.n_head_kv) * cfg.head_dim, 2 * cfg.n_ff)
-        self.min_rows = max(2, -(-2048 // narrowest)) if weight_type == "f32" else 1
 
     def _matmul(self, x: np.ndarray, m) -> np.ndarray:
         """x [n, in] times m [out, in] transposed: [n, out] float32, C-contiguous."""
-        if self._mm is None:
-            return matmul(x, m)
         return self._mm(x, m, np.empty((len(x), m.n_out), np.float32))
 
     def kv_bytes_per_token(self) -> int:
@@ -139,11 +97,9 @@ class NumpyBackend:
         n = len(positions)
         q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
         cos, sin = self.cos[positions], self.sin[positions]
-        # Rows past n are zero padding so that every product has >= min_rows rows.
-        x = np.zeros((max(n, self.min_rows), cfg.n_embd), np.float32)
-        x[:n] = w.tok_embd[np.asarray(tokens, dtype=np.int64)]
+        x = w.tok_embd.get_rows(np.asarray(tokens, dtype=np.int64))
         for li, lw in enumerate(w.layers):
-            wqkv, wo, w_gate_up, w_down = self._layer_mats[li]
+            wqkv, wo, w_gate_up, w_down = lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down
             h = rms_norm(x, lw.attn_norm, cfg.norm_eps)
             qkv = self._matmul(h, wqkv)
             q = qkv[:n, :q_dim].reshape(n, cfg.n_head, cfg.head_dim)
@@ -160,6 +116,5 @@ class NumpyBackend:
             gu = self._matmul(h, w_gate_up)
             x += self._matmul(silu(gu[:, :cfg.n_ff]) * gu[:, cfg.n_ff:], w_down)
         rows = np.asarray(out_rows, dtype=np.int64)
-        h = np.zeros((max(len(rows), self.min_rows), cfg.n_embd), np.float32)
-        h[:len(rows)] = rms_norm(x[rows], w.out_norm, cfg.norm_eps)
-        return self._matmul(h, self._output)[:len(rows)]
+        h = rms_norm(x[rows], w.out_norm, cfg.norm_eps)
+        return self._matmul(h, w.output)

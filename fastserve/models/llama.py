@@ -4,22 +4,25 @@ Covers SmolLM2, TinyLlama, Llama 2/3, Mistral-style models: RMSNorm, RoPE
 (llama.cpp's "normal" pair layout, since convert_hf_to_gguf permutes Q and K for
 it), grouped-query attention, SwiGLU, tied or separate output matrix.
 
-Weights are dequantized once at load to float32 (CPU) with gguf.quants, and the matrices are also
-packed once for fastserve._matmul's int8 product (LlamaWeights.packed["q8"]): the int8 blocks of
-Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 tensors are taken as they are (exact; Q4_1/Q5_1 keep their offset),
-any other type is requantized from float32 (one scale per 32 inputs).
+The matrices stay as the file stores them (memory-mapped): fastserve._matmul.BlockMatrix views of the
+tensors' blocks, on which the CPU products run directly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+Q6_K, F32, F16, BF16); a tensor of any other type is repacked once at load into Q8_0 blocks (logged).
+Only the norm vectors are decoded to float32. The GPU backend decodes one matrix at a time while
+uploading (LlamaWeights.float_tensors, BlockMatrix.to_float).
 Matrix orientation: numpy shape (out_features, in_features), so y = x @ W.T.
 """
 from __future__ import annotations
 
+import logging
 import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import ModelLoadError
 from .gguf_file import GGUFFile
+
+log = logging.getLogger("fastserve.models")
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 # Types gguf.quants can dequantize (checked at import time of gguf; listed for error messages).
@@ -94,29 +97,28 @@ class LlamaConfig:
 
 @dataclass
 class LayerWeights:
-    """Q, K, V and gate, up are stacked so that each is one matrix product (fewer, larger calls)."""
+    """Q, K, V and gate, up are stacked so that each is one matrix product (fewer, larger calls).
+    Matrices are fastserve._matmul.BlockMatrix views of the file's blocks; norms are float32."""
     attn_norm: np.ndarray   # [n_embd]
-    wqkv: np.ndarray        # [(n_head + 2*n_head_kv)*head_dim, n_embd]: rows Q, then K, then V
-    wo: np.ndarray          # [n_embd, n_head*head_dim]
+    wqkv: object            # [(n_head + 2*n_head_kv)*head_dim, n_embd]: rows Q, then K, then V
+    wo: object              # [n_embd, n_head*head_dim]
     ffn_norm: np.ndarray    # [n_embd]
-    w_gate_up: np.ndarray   # [2*n_ff, n_embd]: rows gate, then up
-    w_down: np.ndarray      # [n_embd, n_ff]
+    w_gate_up: object       # [2*n_ff, n_embd]: rows gate, then up
+    w_down: object          # [n_embd, n_ff]
 
 
 @dataclass
 class LlamaWeights:
-    tok_embd: np.ndarray            # [n_vocab, n_embd]
+    tok_embd: object                # BlockMatrix [n_vocab, n_embd] (get_rows: the embedding lookup)
     layers: list[LayerWeights]
     out_norm: np.ndarray            # [n_embd]
-    output: np.ndarray              # [n_vocab, n_embd]; the same array as tok_embd when tied
+    output: object                  # BlockMatrix [n_vocab, n_embd]; the same object as tok_embd when tied
     rope_freqs: np.ndarray | None   # [rope_dim/2] llama3-style frequency factors, or None
-    # Backend-specific copies made once per weights object (e.g. "q8": the matrices requantized for
-    # fastserve._matmul), so that every backend built on these weights shares them.
-    packed: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def dequantize(entry, path: str) -> np.ndarray:
-    """One tensor as float32, numpy shape = entry.shape."""
+    """One tensor as float32, numpy shape = entry.shape (norm vectors, and the types the kernels
+    do not run, before they are repacked)."""
     if entry.type_name not in SUPPORTED_TENSOR_TYPES:
         raise ModelLoadError(f"{path}: tensor {entry.name} has type {entry.type_name}, which fastserve cannot "
                              f"run; supported types: {', '.join(SUPPORTED_TENSOR_TYPES)}")
@@ -131,63 +133,34 @@ def dequantize(entry, path: str) -> np.ndarray:
     return np.ascontiguousarray(out.reshape(entry.shape))
 
 
-# GGUF blocks of 32 weights that are int8 values times a scale (plus an offset): bytes per block.
-EXACT_BLOCK_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
+def matrix_part(entry, path: str):
+    """(label, type, data, rows) of one 2-D tensor for BlockMatrix: its mapped bytes as they are for a
+    kernel type; any other type repacked once into Q8_0 blocks (F64 into F32), logged."""
+    from .._matmul import KERNEL_TYPES
 
-
-def exact_blocks(entry):
-    """A Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 matrix [rows, cols] as it is stored: (q int8 [rows, cols],
-    d float32 [rows, cols/32], m float32 like d for Q4_1/Q5_1, else None), w = d * q (+ m) per
-    block. None for any other type. (ggml's block layouts: f16 d, [f16 m], [u32 high bits], then
-    16 bytes whose low nibbles are elements 0..15 and high nibbles 16..31, or 32 int8 for Q8_0.)"""
-    t = entry.type_name
-    if t not in EXACT_BLOCK_TYPES or len(entry.shape) != 2 or entry.shape[1] % 32:
-        return None
+    if entry.type_name not in SUPPORTED_TENSOR_TYPES:
+        dequantize(entry, path)                                          # raises the unsupported-type error
     rows, cols = entry.shape
-    raw = np.asarray(entry.data, dtype=np.uint8).reshape(-1, EXACT_BLOCK_TYPES[t])
-    d = raw[:, 0:2].copy().view(np.float16).astype(np.float32).reshape(rows, cols // 32)
-    m = None
-    if t == "Q8_0":
-        return raw[:, 2:].copy().view(np.int8).reshape(rows, cols), d, None
-    at = 2
-    if t in ("Q4_1", "Q5_1"):
-        m = raw[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(rows, cols // 32)
-        at = 4
-    q = np.empty((len(raw), 32), np.uint8)
-    if t in ("Q5_0", "Q5_1"):
-        qh = raw[:, at:at + 4].copy().view("<u4")                      # [blocks, 1]
-        at += 4
-        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
-    qs = raw[:, at:at + 16]
-    q[:, :16], q[:, 16:] = qs & 0x0F, qs >> 4
-    if t in ("Q5_0", "Q5_1"):
-        q |= high
-    q = q.view(np.int8)
-    if t == "Q4_0":
-        q -= 8
-    elif t == "Q5_0":
-        q -= 16
-    return q.reshape(rows, cols), d, m
+    if entry.type_name in KERNEL_TYPES:
+        return (f"{path}: tensor {entry.name}", entry.type_name, entry.data, rows)
+    f32 = dequantize(entry, path)
+    if entry.type_name == "F64" or cols % 32:
+        log.info("tensor %s: %s repacked to F32", entry.name, entry.type_name)
+        return (f"{path}: tensor {entry.name}", "F32", f32, rows)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+    log.info("tensor %s: %s repacked to Q8_0", entry.name, entry.type_name)
+    return (f"{path}: tensor {entry.name}", "Q8_0", quantize(f32, GGMLQuantizationType.Q8_0), rows)
 
 
-def _q8_matrix(entries, f32: np.ndarray):
-    """The Q8Matrix of the row-wise concatenation of entries (whose float32 values are f32): exact
-    blocks where the type has them, the others requantized from f32; offsets if any part has them."""
-    from .._matmul import Q8Matrix, quantize_rows
+def block_matrix(entries, path: str):
+    """The BlockMatrix of the row-wise concatenation of entries (2-D tensors of one width)."""
+    from .._matmul import BlockMatrix
 
-    parts, row = [], 0
-    for e in entries:
-        blocks = exact_blocks(e)
-        if blocks is None:
-            blocks = (*quantize_rows(np.ascontiguousarray(f32[row:row + e.shape[0]])), None)
-        parts.append(blocks)
-        row += e.shape[0]
-    q = np.concatenate([p[0] for p in parts])
-    d = np.concatenate([p[1] for p in parts])
-    m = None
-    if any(p[2] is not None for p in parts):
-        m = np.concatenate([p[2] if p[2] is not None else np.zeros_like(p[1]) for p in parts])
-    return Q8Matrix.from_blocks(np.ascontiguousarray(q), np.ascontiguousarray(d), m)
+    try:
+        return BlockMatrix([matrix_part(e, path) for e in entries], entries[0].shape[1])
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 class _Progress:
@@ -208,9 +181,9 @@ class _Progress:
             sys.stderr.flush()
 
 
-def load_weights(gf: GGUFFile, cfg: LlamaConfig, q8: bool = True) -> LlamaWeights:
-    """Dequantize every tensor the forward pass needs; checks shapes against cfg. q8: also pack the
-    matrices for fastserve._matmul (packed["q8"], see the module docstring)."""
+def load_weights(gf: GGUFFile, cfg: LlamaConfig) -> LlamaWeights:
+    """Views of every tensor the forward pass needs, as the file stores them (no matrix is decoded:
+    the products run on the mapped blocks); norms as float32. Checks shapes against cfg."""
     names = ["token_embd.weight", "output_norm.weight"]
     per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                  "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
@@ -222,14 +195,11 @@ def load_weights(gf: GGUFFile, cfg: LlamaConfig, q8: bool = True) -> LlamaWeight
     if missing:
         raise ModelLoadError(f"{gf.path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
                              "is this a llama-family model?")
-    progress = _Progress(len(names), "loading weights")
-    got = {}
-    for n in names:
-        got[n] = dequantize(gf.tensors[n], gf.path)
-        progress.step()
 
     q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
     expected = {"token_embd.weight": (cfg.n_vocab, cfg.n_embd), "output_norm.weight": (cfg.n_embd,)}
+    if has_output:
+        expected["output.weight"] = (cfg.n_vocab, cfg.n_embd)
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
         expected.update({b + "attn_norm.weight": (cfg.n_embd,), b + "ffn_norm.weight": (cfg.n_embd,),
@@ -238,33 +208,27 @@ def load_weights(gf: GGUFFile, cfg: LlamaConfig, q8: bool = True) -> LlamaWeight
                          b + "ffn_gate.weight": (cfg.n_ff, cfg.n_embd), b + "ffn_up.weight": (cfg.n_ff, cfg.n_embd),
                          b + "ffn_down.weight": (cfg.n_embd, cfg.n_ff)})
     for n, shape in expected.items():
-        if got[n].shape != shape:
-            raise ModelLoadError(f"{gf.path}: tensor {n} has shape {got[n].shape}, expected {shape}")
+        if tuple(gf.tensors[n].shape) != shape:
+            raise ModelLoadError(f"{gf.path}: tensor {n} has shape {tuple(gf.tensors[n].shape)}, expected {shape}")
 
+    t = gf.tensors
+    progress = _Progress(cfg.n_layer + 1, "loading weights")
     layers = []
     for i in range(cfg.n_layer):
-        t = {p: got.pop(f"blk.{i}.{p}.weight") for p in per_layer}
+        b = f"blk.{i}."
         layers.append(LayerWeights(
-            attn_norm=t["attn_norm"],
-            wqkv=np.concatenate([t["attn_q"], t["attn_k"], t["attn_v"]]),
-            wo=t["attn_output"], ffn_norm=t["ffn_norm"],
-            w_gate_up=np.concatenate([t["ffn_gate"], t["ffn_up"]]),
-            w_down=t["ffn_down"]))
+            attn_norm=dequantize(t[b + "attn_norm.weight"], gf.path),
+            wqkv=block_matrix([t[b + "attn_q.weight"], t[b + "attn_k.weight"], t[b + "attn_v.weight"]], gf.path),
+            wo=block_matrix([t[b + "attn_output.weight"]], gf.path),
+            ffn_norm=dequantize(t[b + "ffn_norm.weight"], gf.path),
+            w_gate_up=block_matrix([t[b + "ffn_gate.weight"], t[b + "ffn_up.weight"]], gf.path),
+            w_down=block_matrix([t[b + "ffn_down.weight"]], gf.path)))
+        progress.step()
     rope_freqs = None
     if "rope_freqs.weight" in gf.tensors:
         rope_freqs = dequantize(gf.tensors["rope_freqs.weight"], gf.path).reshape(-1)
-    tok = got["token_embd.weight"]
-    weights = LlamaWeights(tok_embd=tok, layers=layers, out_norm=got["output_norm.weight"],
-                           output=got["output.weight"] if has_output else tok, rope_freqs=rope_freqs)
-    if q8:
-        t = gf.tensors
-        packed = []
-        for i, lw in enumerate(layers):
-            b = f"blk.{i}."
-            packed.append((_q8_matrix([t[b + "attn_q.weight"], t[b + "attn_k.weight"], t[b + "attn_v.weight"]], lw.wqkv),
-                           _q8_matrix([t[b + "attn_output.weight"]], lw.wo),
-                           _q8_matrix([t[b + "ffn_gate.weight"], t[b + "ffn_up.weight"]], lw.w_gate_up),
-                           _q8_matrix([t[b + "ffn_down.weight"]], lw.w_down)))
-        output = _q8_matrix([t["output.weight" if has_output else "token_embd.weight"]], weights.output)
-        weights.packed["q8"] = (packed, output)
-    return weights
+    tok = block_matrix([t["token_embd.weight"]], gf.path)
+    output = block_matrix([t["output.weight"]], gf.path) if has_output else tok
+    progress.step()
+    return LlamaWeights(tok_embd=tok, layers=layers, out_norm=dequantize(t["output_norm.weight"], gf.path),
+                        output=output, rope_freqs=rope_freqs)

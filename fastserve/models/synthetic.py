@@ -49,7 +49,9 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
                      n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 512, n_ctx: int = 2048,
                      weight_type: str = "F32", tied: bool = False, seed: int = 0,
                      architecture: str = "llama") -> str:
-    """Write a llama GGUF with random weights. weight_type: F32, F16, or a type gguf.quants can quantize."""
+    """Write a llama GGUF with random weights. weight_type: F32, F16, a type gguf.quants can quantize,
+    Q4_K, Q5_K, Q6_K (fastserve.ref.blocks' encoder; rows of a multiple of 256 inputs), or "Q4_K_M"
+    (llama.cpp's mix: attn_v and ffn_down in Q6_K, the other matrices in Q4_K)."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -77,7 +79,10 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
     w.add_chat_template(CHAT_TEMPLATE)
 
     def mat(name, rows, cols, scale):
-        _add(w, name, (rng.standard_normal((rows, cols)) * scale).astype(np.float32), weight_type)
+        t = weight_type
+        if t == "Q4_K_M":
+            t = "Q6_K" if ("attn_v" in name or "ffn_down" in name) else "Q4_K"
+        _add(w, name, (rng.standard_normal((rows, cols)) * scale).astype(np.float32), t)
 
     def vec(name, n):
         w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
@@ -111,6 +116,9 @@ def _add(writer, name: str, arr: np.ndarray, weight_type: str) -> None:
         writer.add_tensor(name, arr)
     elif weight_type == "F16":
         writer.add_tensor(name, arr.astype(np.float16))
+    elif weight_type in ("Q4_K", "Q5_K", "Q6_K"):
+        from ..ref.blocks import encode
+        writer.add_tensor(name, encode(weight_type, arr), raw_dtype=gguf.GGMLQuantizationType[weight_type])
     else:
         qtype = gguf.GGMLQuantizationType[weight_type]
         writer.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)

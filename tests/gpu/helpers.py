@@ -5,6 +5,7 @@ import dataclasses
 
 import numpy as np
 
+from fastserve._matmul import BlockMatrix
 from fastserve.models.llama import LlamaWeights
 
 
@@ -32,10 +33,14 @@ def round_to(a: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def rounded_weights(w: LlamaWeights, dtype: str) -> LlamaWeights:
-    """The weights as CupyBackend holds them: matrices and the embedding rounded to dtype, norms float32."""
-    layers = [dataclasses.replace(lw, wqkv=round_to(lw.wqkv, dtype), wo=round_to(lw.wo, dtype),
-                                  w_gate_up=round_to(lw.w_gate_up, dtype), w_down=round_to(lw.w_down, dtype))
+    """The weights as CupyBackend holds them: matrices and the embedding rounded to dtype (as F32
+    BlockMatrix, which the NumPy backend multiplies in float32), norms float32."""
+    def rounded(m):
+        return BlockMatrix.from_float(round_to(m.to_float(), dtype))
+
+    layers = [dataclasses.replace(lw, wqkv=rounded(lw.wqkv), wo=rounded(lw.wo),
+                                  w_gate_up=rounded(lw.w_gate_up), w_down=rounded(lw.w_down))
               for lw in w.layers]
-    tok = round_to(w.tok_embd, dtype)
-    out = tok if w.output is w.tok_embd else round_to(w.output, dtype)
+    tok = rounded(w.tok_embd)
+    out = tok if w.output is w.tok_embd else rounded(w.output)
     return LlamaWeights(tok_embd=tok, layers=layers, out_norm=w.out_norm, output=out, rope_freqs=w.rope_freqs)

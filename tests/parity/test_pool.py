@@ -22,7 +22,7 @@ def test_threads_bounds(mod):
 
 def test_one_pool_serves_two_products_and_changes_no_number():
     r = np.random.default_rng(0)
-    w = _matmul.Q8Matrix.from_float(r.standard_normal((700, 256)).astype(np.float32))
+    w = _matmul.BlockMatrix.from_float(r.standard_normal((700, 256)).astype(np.float32))
     x = r.standard_normal((9, 256)).astype(np.float32)
     alone = _matmul.Matmul(threads=1)(x, w, np.empty((9, 700), np.float32))
     pool = _pool.Pool(2, spin_us=50)

@@ -58,8 +58,18 @@ def test_token_id_prompt(engine):
         engine.generate("the cat", max_tokens=5, temperature=0).token_ids
 
 
-def test_greedy_is_batch_invariant(tiny_model):
+@pytest.fixture(scope="module")
+def q4_k_m_model(tmp_path_factory):
+    """A small model in llama.cpp's Q4_K_M mix of Q4_K and Q6_K matrices."""
+    from fastserve.models.synthetic import write_llama_gguf
+    return fastserve.load_model(write_llama_gguf(tmp_path_factory.mktemp("q4km") / "m.gguf", n_embd=256,
+                                                 n_ff=512, seed=4, weight_type="Q4_K_M"))
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_model", "q4_k_m_model"])
+def test_greedy_is_batch_invariant(request, model_fixture):
     """A request's greedy output is the same alone and among 31 concurrent others."""
+    tiny_model = request.getfixturevalue(model_fixture)
     prompts = [f"request number {i} says the" + " at" * (i % 7) for i in range(32)]
     with fastserve.Engine(tiny_model, n_parallel=32, n_ctx=32 * 96, n_batch=128) as e:
         alone = [e.generate(p, max_tokens=24, temperature=0, cache_prompt=False).token_ids for p in prompts[:4]]

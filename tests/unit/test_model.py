@@ -38,7 +38,7 @@ def test_quantized_weights_match_f32(tmp_path, qtype, tol):
     ref = fastserve.load_model(write_llama_gguf(tmp_path / "f32.gguf", seed=3))
     q = fastserve.load_model(write_llama_gguf(tmp_path / f"{qtype}.gguf", seed=3, weight_type=qtype))
     for name in ("wqkv", "wo", "w_gate_up", "w_down"):
-        a, b = getattr(ref.weights.layers[1], name), getattr(q.weights.layers[1], name)
+        a, b = getattr(ref.weights.layers[1], name).to_float(), getattr(q.weights.layers[1], name).to_float()
         rel = np.sqrt(np.mean((a - b) ** 2) / np.mean(a ** 2))
         assert 0 < rel < tol, f"{qtype} {name}: relative RMS error {rel}"
     ids = [10, 200, 33, 4, 71, 300]
@@ -59,7 +59,17 @@ def _forward_rows(backend, seqs):
     return np.split(out, split)
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_model", "default_model"])
+@pytest.fixture(scope="module")
+def q4_k_m_model(tmp_path_factory):
+    """A small model in llama.cpp's Q4_K_M mix: Q|K|V and gate|up stack Q4_K with Q6_K parts."""
+    path = write_llama_gguf(tmp_path_factory.mktemp("q4km") / "q4km.gguf", n_embd=256, n_ff=512, seed=4,
+                            weight_type="Q4_K_M")
+    model = fastserve.load_model(path)
+    assert model.weights.layers[0].wqkv.types == ("Q4_K", "Q4_K", "Q6_K")
+    return model
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_model", "q4_k_m_model", "default_model"])
 def test_batch_invariance(request, model_fixture):
     """A token's logits are bit-identical alone, among other sequences, and under any prompt chunking."""
     model = request.getfixturevalue(model_fixture)
