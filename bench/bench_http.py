@@ -81,7 +81,7 @@ def run(model_path: str, clients_list=(1, 8, 32), seconds: float = 40.0, warmup_
         out["exit_code"] = srv.stop()[0]
     # the same load, in-process, no HTTP
     clients = max(clients_list)
-    engine = fastserve.Engine(model, n_parallel=N_SLOTS, n_ctx=N_CTX, trace=True, blas_threads=threads)
+    engine = fastserve.Engine(model, n_parallel=N_SLOTS, n_ctx=N_CTX, trace=True, threads=threads)
     with engine:
         mark = {}
 

@@ -48,7 +48,7 @@ def worker(threads: int) -> None:
     from fastserve.backends import numpy_backend
 
     model = fastserve.load_model(fastserve.default_model_path())
-    kw = {"blas_threads": threads}
+    kw = {"threads": threads}
     if "cache_type_k" in inspect.signature(fastserve.Engine).parameters:
         kw.update(cache_type_k="f16", cache_type_v="f16")
     engine = fastserve.Engine(model, n_parallel=1, n_ctx=8192, **kw)

@@ -24,11 +24,11 @@ def ttft(engine, prompt, **kw):
     return c.timings["first_token_ms"], c.timings["cache_n"]
 
 
-def measure(model, n_tokens: int = 400, rounds: int = 3, blas_threads: int = 1) -> dict:
+def measure(model, n_tokens: int = 400, rounds: int = 3, threads: int = 1) -> dict:
     rng = np.random.default_rng(400)
     n_vocab = model.config.n_vocab
     cold, warm, restored, cache_n = [], [], [], {}
-    with fastserve.Engine(model, n_parallel=1, n_ctx=1024, cache_ram_mib=256, blas_threads=blas_threads) as e:
+    with fastserve.Engine(model, n_parallel=1, n_ctx=1024, cache_ram_mib=256, threads=threads) as e:
         ttft(e, rng.integers(100, n_vocab, 8).tolist())                 # warm-up: BLAS, first allocations
         for _ in range(rounds):
             a, b = (rng.integers(100, n_vocab, n_tokens).tolist() for _ in range(2))
@@ -85,9 +85,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=400)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--blas-threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     t0 = time.perf_counter()
     m = fastserve.load_model(fastserve.default_model_path())
     print(f"model loaded in {time.perf_counter() - t0:.1f} s")
-    print(report(measure(m, args.tokens, args.rounds, args.blas_threads)))
+    print(report(measure(m, args.tokens, args.rounds, args.threads)))

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     sp.add_argument("--body-limit", type=int, default=2 << 20, help="largest request body, bytes (413 above)")
     sp.add_argument("-a", "--alias", help="model name shown in responses (default: the file name)")
     sp.add_argument("-t", "--threads", type=int, default=0,
-                    help="BLAS threads for the decode thread (default: cores - 1, leaving one to the HTTP loop)")
+                    help="threads of the decode step: products and attention (default 0: every core)")
     sp.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop implementation")
     sp.add_argument("--log-disable", action="store_true", help="no per-request log lines")
     sp.add_argument("--test-stall-file", help=argparse.SUPPRESS)   # tests: forward() hangs while this file exists
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     bp.add_argument("--clients", default="1,8,32", help="comma-separated concurrency levels")
     bp.add_argument("--seconds", type=float, default=30.0, help="measured seconds per level (after a warm-up)")
     bp.add_argument("-n", "--n-predict", type=int, default=128)
-    bp.add_argument("-t", "--threads", type=int, default=0, help="BLAS threads (0: library default)")
+    bp.add_argument("-t", "--threads", type=int, default=0, help="threads of the decode step (0: every core)")
     _device_arg(bp)
 
     args = p.parse_args(argv)
@@ -157,7 +157,7 @@ def _bench(args) -> int:
     for clients in (int(c) for c in args.clients.split(",")):
         n_parallel = max(1, clients)               # a slot per client, as llama-server -np N
         with Engine(model, n_parallel=n_parallel, n_ctx=max(args.ctx_size, 512 * n_parallel),
-                    n_batch=args.batch_size, trace=True, blas_threads=args.threads or None,
+                    n_batch=args.batch_size, trace=True, threads=args.threads or None,
                     backend=args.device, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v) as engine:
             closed_loop(engine, prompts, clients, 3.0, n_predict=args.n_predict)     # warm-up
             engine.tracer.reset()

@@ -12,6 +12,7 @@ outward call is the Waker it hands to Delivery.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -60,6 +61,14 @@ class Snapshot:
     slot_erased: tuple = ()     # per slot: (times its cached prefix was erased, tokens the last erase dropped)
 
 
+
+def default_threads() -> int:
+    """The cores this process may run on (llama.cpp's -t default is the cores too)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
 class Engine:
     """Many concurrent requests on one model, decoded together.
 
@@ -75,19 +84,17 @@ class Engine:
     """
 
     def __init__(self, model, n_parallel: int = 8, n_ctx: int = 8192, n_batch: int = 512,
-                 max_queue: int = 256, backend=None, trace: bool = False, blas_threads: int | None = None,
+                 max_queue: int = 256, backend=None, trace: bool = False, threads: int | None = None,
                  prefill_chunk: int = 32, cache_ram_mib: float = 0, slot_prompt_similarity: float = 0.1,
                  cache_type_k: str = "f16", cache_type_v: str = "f16"):
         if n_parallel < 1 or n_batch < 1 or max_queue < 0:
             raise ValueError("n_parallel and n_batch must be >= 1, max_queue >= 0")
         if n_ctx // n_parallel < 2:
             raise ValueError(f"n_ctx={n_ctx} leaves less than 2 tokens per slot for n_parallel={n_parallel}")
-        # Threads of the CPU backend's matrix products (the int8 kernel's and OpenBLAS's). One is the
-        # safe default on small machines: a second helps only while the other core is idle.
-        self.threads = max(1, blas_threads or 1)
-        if blas_threads:
-            from threadpoolctl import threadpool_limits
-            self._blas_limits = threadpool_limits(blas_threads)
+        # Threads of the CPU backend's step (products and attention, llama.cpp's -t): every core by
+        # default. Its helpers take tasks dynamically, so an event loop that needs a core for a
+        # moment delays one task, not the step (see _pool.h).
+        self.threads = max(1, threads or default_threads())
         self.model = model
         self.tokenizer = model.tokenizer
         self.n_slots, self.n_ctx_slot, self.n_batch = n_parallel, n_ctx // n_parallel, n_batch
@@ -139,7 +146,8 @@ class Engine:
         if backend is None or backend in ("cpu", "numpy"):
             from .backends.numpy_backend import NumpyBackend
             return NumpyBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot,
-                                threads=self.threads, cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v)
+                                threads=self.threads, cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v,
+                                max_tokens=self.n_batch, reuse_logits=True)
         if backend == "cuda":
             from .backends.cupy_backend import CupyBackend
             if (self.cache_type_k, self.cache_type_v) != ("f16", "f16"):

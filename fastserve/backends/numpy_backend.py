@@ -16,10 +16,17 @@ from .._matmul import Matmul
 from ..models.llama import LlamaConfig, LlamaWeights
 from .kv_cache import DEFAULT_CACHE_TYPE, KVCache
 
-def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """x [n, d] -> x / rms(x) * w, in float32."""
-    ms = np.einsum("ij,ij->i", x, x) / np.float32(x.shape[1])
-    return x * (1.0 / np.sqrt(ms + np.float32(eps)))[:, None].astype(np.float32) * w
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = None,
+             ms: np.ndarray | None = None) -> np.ndarray:
+    """x [n, d] -> x / rms(x) * w, in float32; into out [n, d] (and ms [n] as scratch) when given."""
+    ms = np.einsum("ij,ij->i", x, x, out=ms)
+    ms /= np.float32(x.shape[1])
+    ms += np.float32(eps)
+    np.sqrt(ms, out=ms)
+    np.divide(1.0, ms, out=ms)
+    out = np.multiply(x, ms[:, None], out=out)
+    out *= w
+    return out
 
 
 def rope_tables(cfg: LlamaConfig, n_pos: int, freq_factors: np.ndarray | None):
@@ -33,17 +40,59 @@ def rope_tables(cfg: LlamaConfig, n_pos: int, freq_factors: np.ndarray | None):
     return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
 
 
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int) -> None:
-    """In place. x [n, heads, D]; cos/sin [n, rope_dim/2]; rotates pairs (2i, 2i+1) of the first rope_dim."""
-    x0 = x[:, :, 0:rope_dim:2].copy()
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, tmp=None) -> None:
+    """In place. x [n, heads, D]; cos/sin [n, rope_dim/2]; rotates pairs (2i, 2i+1) of the first rope_dim.
+    tmp: three float32 scratch arrays of at least [n, heads, rope_dim/2] (allocated when None)."""
+    n, heads, half = x.shape[0], x.shape[1], rope_dim // 2
+    if tmp is None:
+        tmp = [np.empty((n, heads, half), np.float32) for _ in range(3)]
+    x0, t, u = (a[:n, :heads] for a in tmp)
     x1 = x[:, :, 1:rope_dim:2]
     c, s = cos[:, None, :], sin[:, None, :]
-    x[:, :, 0:rope_dim:2] = x0 * c - x1 * s
-    x[:, :, 1:rope_dim:2] = x0 * s + x1 * c
+    np.copyto(x0, x[:, :, 0:rope_dim:2])
+    np.multiply(x0, c, out=t)
+    np.multiply(x1, s, out=u)
+    np.multiply(x0, s, out=x0)                 # x0 * s, before x1 is overwritten
+    np.subtract(t, u, out=x[:, :, 0:rope_dim:2])
+    np.multiply(x1, c, out=u)
+    np.add(x0, u, out=x1)
 
 
-def silu(x: np.ndarray) -> np.ndarray:
-    return x / (np.float32(1.0) + np.exp(-x))
+def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out = silu(gate) * up = gate / (1 + exp(-gate)) * up in float32, written into out."""
+    np.negative(gate, out=out)
+    np.exp(out, out=out)
+    out += np.float32(1.0)
+    np.divide(gate, out, out=out)
+    out *= up
+    return out
+
+
+class Activations:
+    """The forward pass's buffers, allocated once for `rows` tokens (grown, never shrunk, if a
+    step brings more): a step uses their first n rows and allocates nothing else of its size."""
+
+    def __init__(self, cfg: LlamaConfig, rows: int):
+        q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+        self.rows = rows
+        self.x = np.zeros((rows, cfg.n_embd), np.float32)            # the residual stream
+        self.h = np.zeros((rows, cfg.n_embd), np.float32)            # normed input of a product
+        self.y = np.zeros((rows, cfg.n_embd), np.float32)            # a product into the stream
+        self.ms = np.zeros(rows, np.float32)                         # RMSNorm's mean squares
+        self.qkv = np.zeros((rows, q_dim + 2 * kv_dim), np.float32)
+        self.q = np.zeros((rows, cfg.n_head, cfg.head_dim), np.float32)
+        self.k = np.zeros((rows, cfg.n_head_kv, cfg.head_dim), np.float32)
+        self.v = np.zeros((rows, cfg.n_head_kv, cfg.head_dim), np.float32)
+        self.attn = np.zeros((rows, q_dim), np.float32)
+        self.gu = np.zeros((rows, 2 * cfg.n_ff), np.float32)
+        self.act = np.zeros((rows, cfg.n_ff), np.float32)
+        half = cfg.rope_dim // 2
+        self.cos = np.zeros((rows, half), np.float32)
+        self.sin = np.zeros((rows, half), np.float32)
+        # RoPE's temporaries: [rows, heads, rope_dim/2] for the widest (query) heads.
+        self.r0 = np.zeros((rows, cfg.n_head, half), np.float32)
+        self.r1 = np.zeros((rows, cfg.n_head, half), np.float32)
+        self.r2 = np.zeros((rows, cfg.n_head, half), np.float32)
 
 
 class NumpyBackend:
@@ -61,8 +110,13 @@ class NumpyBackend:
 
     def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, n_slots: int, n_ctx_slot: int,
                  threads: int = 1, cache_type_k: str = DEFAULT_CACHE_TYPE,
-                 cache_type_v: str = DEFAULT_CACHE_TYPE):
+                 cache_type_v: str = DEFAULT_CACHE_TYPE, max_tokens: int = 512, reuse_logits: bool = False):
         self.cfg, self.w = cfg, weights
+        self.act = Activations(cfg, max(1, max_tokens))
+        # The engine samples a step's logits before the next step: it may have them in one reused
+        # buffer; other callers (Model.logits, tests) keep them, so they get fresh arrays.
+        self.reuse_logits = reuse_logits
+        self._logits = np.zeros((max(1, max_tokens) if reuse_logits else 0, cfg.n_vocab), np.float32)
         self.pool = Pool(threads)      # the step's helper threads, shared by its parallel loops
         self._mm = Matmul(pool=self.pool)
         self.n_slots, self.n_ctx_slot, self.n_vocab = n_slots, n_ctx_slot, cfg.n_vocab
@@ -70,10 +124,6 @@ class NumpyBackend:
         self._attn = Attention(self.pool)
         self.cos, self.sin = rope_tables(cfg, n_ctx_slot, weights.rope_freqs)
         self.scale = float(1.0 / np.sqrt(cfg.head_dim))
-
-    def _matmul(self, x: np.ndarray, m) -> np.ndarray:
-        """x [n, in] times m [out, in] transposed: [n, out] float32, C-contiguous."""
-        return self._mm(x, m, np.empty((len(x), m.n_out), np.float32))
 
     def kv_bytes_per_token(self) -> int:
         return self.kv.bytes_per_token()
@@ -91,30 +141,47 @@ class NumpyBackend:
         self.kv.restore_slot(slot, start, n_tokens, src)
 
     def forward(self, tokens, positions, slots, out_rows) -> np.ndarray:
+        """tokens, positions, slots [n]; out_rows [m]: logits float32 [m, n_vocab] of those rows
+        (a view of a reused buffer when the backend was made with reuse_logits=True)."""
         cfg, w = self.cfg, self.w
         positions = np.asarray(positions, dtype=np.int64)
         slots = np.asarray(slots, dtype=np.int64)
         n = len(positions)
+        if n > self.act.rows:
+            self.act = Activations(cfg, n)
+        a = self.act
         q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
-        cos, sin = self.cos[positions], self.sin[positions]
-        x = w.tok_embd.get_rows(np.asarray(tokens, dtype=np.int64))
+        x, h, y, ms, qkv = a.x[:n], a.h[:n], a.y[:n], a.ms[:n], a.qkv[:n]
+        q, k, v, attn, gu, act = a.q[:n], a.k[:n], a.v[:n], a.attn[:n], a.gu[:n], a.act[:n]
+        cos, sin, rope_tmp = a.cos[:n], a.sin[:n], (a.r0, a.r1, a.r2)
+        if n and (positions.min() < 0 or positions.max() >= self.n_ctx_slot):
+            raise ValueError(f"positions must be in [0, {self.n_ctx_slot}), got {positions.min()}..{positions.max()}")
+        # mode="clip": take's default ("raise") copies through a temporary; positions are checked above.
+        np.take(self.cos, positions, axis=0, out=cos, mode="clip")
+        np.take(self.sin, positions, axis=0, out=sin, mode="clip")
+        w.tok_embd.get_rows(np.asarray(tokens, dtype=np.int64), out=x)
         for li, lw in enumerate(w.layers):
-            wqkv, wo, w_gate_up, w_down = lw.wqkv, lw.wo, lw.w_gate_up, lw.w_down
-            h = rms_norm(x, lw.attn_norm, cfg.norm_eps)
-            qkv = self._matmul(h, wqkv)
-            q = qkv[:n, :q_dim].reshape(n, cfg.n_head, cfg.head_dim)
-            k = qkv[:n, q_dim:q_dim + kv_dim].reshape(n, cfg.n_head_kv, cfg.head_dim)
-            v = qkv[:n, q_dim + kv_dim:].reshape(n, cfg.n_head_kv, cfg.head_dim)
-            apply_rope(q, cos, sin, cfg.rope_dim)
-            apply_rope(k, cos, sin, cfg.rope_dim)
-            self.kv.store(li, np.ascontiguousarray(k), np.ascontiguousarray(v), slots, positions)
-            attn = np.zeros((len(x), q_dim), np.float32)
-            self._attn(np.ascontiguousarray(q), self.kv.k[li], self.kv.v[li], self.kv.type_k, self.kv.type_v,
+            rms_norm(x, lw.attn_norm, cfg.norm_eps, out=h, ms=ms)
+            self._mm(h, lw.wqkv, qkv)
+            np.copyto(q, qkv[:, :q_dim].reshape(n, cfg.n_head, cfg.head_dim))
+            np.copyto(k, qkv[:, q_dim:q_dim + kv_dim].reshape(n, cfg.n_head_kv, cfg.head_dim))
+            np.copyto(v, qkv[:, q_dim + kv_dim:].reshape(n, cfg.n_head_kv, cfg.head_dim))
+            apply_rope(q, cos, sin, cfg.rope_dim, rope_tmp)
+            apply_rope(k, cos, sin, cfg.rope_dim, rope_tmp)
+            self.kv.store(li, k, v, slots, positions)
+            self._attn(q, self.kv.k[li], self.kv.v[li], self.kv.type_k, self.kv.type_v,
                        slots, positions, attn, self.scale)
-            x += self._matmul(attn, wo)
-            h = rms_norm(x, lw.ffn_norm, cfg.norm_eps)
-            gu = self._matmul(h, w_gate_up)
-            x += self._matmul(silu(gu[:, :cfg.n_ff]) * gu[:, cfg.n_ff:], w_down)
+            x += self._mm(attn, lw.wo, y)
+            rms_norm(x, lw.ffn_norm, cfg.norm_eps, out=h, ms=ms)
+            self._mm(h, lw.w_gate_up, gu)
+            swiglu(gu[:, :cfg.n_ff], gu[:, cfg.n_ff:], act)
+            x += self._mm(act, lw.w_down, y)
         rows = np.asarray(out_rows, dtype=np.int64)
-        h = rms_norm(x[rows], w.out_norm, cfg.norm_eps)
-        return self._matmul(h, w.output)
+        m = len(rows)
+        if m and (rows.min() < 0 or rows.max() >= n):
+            raise ValueError(f"out_rows must be in [0, {n}), got {rows.min()}..{rows.max()}")
+        np.take(x, rows, axis=0, out=y[:m], mode="clip")
+        rms_norm(y[:m], w.out_norm, cfg.norm_eps, out=h[:m], ms=ms[:m])
+        if not self.reuse_logits or m > len(self._logits):
+            return self._mm(h[:m], w.output, np.empty((m, cfg.n_vocab), np.float32))
+        return self._mm(h[:m], w.output, self._logits[:m])

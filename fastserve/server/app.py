@@ -226,7 +226,7 @@ def _force_exit() -> None:
 
 def serve(args) -> int:
     """`fastserve serve`: load the model, start the engine, serve until SIGTERM/SIGINT; returns 0."""
-    from ..engine import Engine
+    from ..engine import Engine, default_threads
     from ..default_model import default_model_path
     from ..model import load_model
     from ..resources import rss_bytes, seconds_since_start
@@ -238,12 +238,12 @@ def serve(args) -> int:
                        alias=args.alias, log_requests=not args.log_disable)
     path = args.model or default_model_path()
     model = load_model(path)
-    threads = args.threads if args.threads and args.threads > 0 else max(1, (os.cpu_count() or 2) - 1)
+    threads = args.threads if args.threads and args.threads > 0 else default_threads()
     engine = Engine(model, n_parallel=args.parallel, n_ctx=args.ctx_size, n_batch=args.batch_size,
                     max_queue=args.max_queue, trace=True, cache_ram_mib=args.cache_ram,
                     slot_prompt_similarity=args.slot_prompt_similarity,
                     backend=make_backend_factory(args.test_stall_file) or getattr(args, "device", None),
-                    blas_threads=threads, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
+                    threads=threads, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
     app = App(engine, cfg)
     server = Server(app)
     timer: list = []
@@ -266,7 +266,7 @@ def serve(args) -> int:
               f"RSS {rss_bytes() / 2**20:.0f} MiB", file=sys.stderr, flush=True)
         print(f"fastserve: listening on http://{cfg.host}:{port} ({model.name}, {engine.n_slots} slots x "
               f"{engine.n_ctx_slot} tokens, KV {args.cache_type_k}/{args.cache_type_v}, {args.loop} loop, "
-              f"{threads} BLAS thread(s))", file=sys.stderr, flush=True)
+              f"{threads} thread(s))", file=sys.stderr, flush=True)
         await server.wait()
 
     try:

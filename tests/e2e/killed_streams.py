@@ -151,13 +151,13 @@ class InProcessServer:
 
     with InProcessServer(model, n_parallel=8, n_ctx=8192) as srv: srv.port ..."""
 
-    def __init__(self, model, *, n_parallel: int = 8, n_ctx: int = 8192, blas_threads: int = 1,
+    def __init__(self, model, *, n_parallel: int = 8, n_ctx: int = 8192, threads: int = 1,
                  log_requests: bool = False, **server_config):
         from fastserve.engine import Engine
         from fastserve.server.app import App, Server
         from fastserve.server.config import ServerConfig
 
-        self.engine = Engine(model, n_parallel=n_parallel, n_ctx=n_ctx, trace=True, blas_threads=blas_threads)
+        self.engine = Engine(model, n_parallel=n_parallel, n_ctx=n_ctx, trace=True, threads=threads)
         cfg = ServerConfig(host="127.0.0.1", port=0, log_requests=log_requests, **server_config)
         self.app = App(self.engine, cfg, log_stream=open(os.devnull, "w"))
         self.server = Server(self.app)

@@ -275,10 +275,11 @@ def test_a_failed_fill_leaves_no_cache_entry_behind(tiny_model):
 @pytest.fixture(scope="module")
 def engines(tiny_model):
     kw = dict(n_parallel=2, n_ctx=2 * 128, n_batch=32)
-    es = {"ref": fastserve.Engine(tiny_model, **kw),
-          "slots": fastserve.Engine(tiny_model, **kw),
-          "ram": fastserve.Engine(tiny_model, cache_ram_mib=0.1, **kw),           # ~6 blocks: evictions
-          "ram_tiny": fastserve.Engine(tiny_model, cache_ram_mib=32 * 512 / MIB, **kw)}  # 1 block: refusals
+    es = {"ref": fastserve.Engine(tiny_model, **kw)}
+    block = 32 * es["ref"].backend.kv_bytes_per_token()                          # a pool block's bytes
+    es.update({"slots": fastserve.Engine(tiny_model, **kw),
+               "ram": fastserve.Engine(tiny_model, cache_ram_mib=6 * block / MIB, **kw),   # evictions
+               "ram_tiny": fastserve.Engine(tiny_model, cache_ram_mib=block / MIB, **kw)})  # refusals
     yield es
     for e in es.values():
         e.close()
