@@ -487,7 +487,8 @@ def _merge_pairs(merges, vocab: dict[str, int]) -> list[tuple[str, str]]:
     pairs = _MERGE_SPLIT.findall(joined)
     if (len(pairs) == len(merges) and joined.count("\n") == len(merges) - 1
             and all(map(vocab.__contains__, chain.from_iterable(pairs)))
-            and all(map(vocab.__contains__, map("".join, pairs))) and len(set(pairs)) == len(pairs)):
+            and all(map(vocab.__contains__, map("".join, pairs)))
+            and len(set(merges)) == len(merges)):         # equal merges <=> equal pairs (m == a + " " + b)
         return pairs
     return _merge_pairs_loop(merges, vocab)
 
