@@ -99,8 +99,10 @@ class NumpyBackend:
         self._layer_mats, self._output = layers, output   # per layer (wqkv, wo, w_gate_up, w_down)
         self.n_slots, self.n_ctx_slot, self.n_vocab = n_slots, n_ctx_slot, cfg.n_vocab
         shape = (n_slots, n_ctx_slot, cfg.n_head_kv, cfg.head_dim)
-        self.k_cache = [np.zeros(shape, np.float32) for _ in range(cfg.n_layer)]
-        self.v_cache = [np.zeros(shape, np.float32) for _ in range(cfg.n_layer)]
+        # np.full, not np.zeros: every page is written now. np.zeros (calloc) leaves each page to its
+        # first write, so RSS would creep up for hours as slots reach positions they never reached.
+        self.k_cache = [np.full(shape, 0, np.float32) for _ in range(cfg.n_layer)]
+        self.v_cache = [np.full(shape, 0, np.float32) for _ in range(cfg.n_layer)]
         self.cos, self.sin = rope_tables(cfg, n_ctx_slot, weights.rope_freqs)
         self.scale = float(1.0 / np.sqrt(cfg.head_dim))
         self.scratch = np.zeros(n_ctx_slot, np.float32)        # attention scores of one (token, head)
