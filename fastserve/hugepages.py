@@ -8,8 +8,8 @@ buffers, strings, parser state) later reuse that part of the heap, and each 4 kB
 brings in a whole 2 MiB page (khugepaged fills in more in the background). RSS then grows with the
 requests served and never comes back, while malloc and Python hold no more memory than before:
 measured with bench/bench_killed_streams.py, +1.5 / +7.7 / +34.6 MB over three rounds of 1,200
-killed streams with the advice, +6.0 / +0.6 / +0.4 MB without it, and the KV cache is resident only
-where slots wrote it (RssAnon 783 MB instead of 1,014 MB after the warm-up).
+killed streams with the advice, +6.0 / +0.6 / +0.4 MB without it (and +0.0 / +0.0 / +0.0 once the
+KV cache is also written whole at start: numpy_backend.py).
 
 An explicit NUMPY_MADVISE_HUGEPAGE in the environment is the user's choice and is left alone.
 """

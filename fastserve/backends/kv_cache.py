@@ -34,9 +34,12 @@ class KVCache:
         self.n_layer, self.n_slots, self.n_ctx_slot, self.n_head_kv = n_layer, n_slots, n_ctx_slot, n_head_kv
         self.row_k, self.row_v = kernels.row_bytes(type_k, head_dim), kernels.row_bytes(type_v, head_dim)
         n_tiles = -(-n_ctx_slot // kernels.KT)
-        self.k = [np.zeros((n_slots, n_tiles, n_head_kv, kernels.k_tile_bytes(type_k, head_dim)), np.uint8)
+        # np.full, not np.zeros: every page is written now, as llama.cpp clears its KV buffer at start.
+        # np.zeros (calloc) leaves each page to its first write, so RSS would creep up for hours as
+        # slots reach positions they never reached before.
+        self.k = [np.full((n_slots, n_tiles, n_head_kv, kernels.k_tile_bytes(type_k, head_dim)), 0, np.uint8)
                   for _ in range(n_layer)]
-        self.v = [np.zeros((n_slots, n_ctx_slot, n_head_kv, self.row_v), np.uint8) for _ in range(n_layer)]
+        self.v = [np.full((n_slots, n_ctx_slot, n_head_kv, self.row_v), 0, np.uint8) for _ in range(n_layer)]
 
     def bytes_per_token(self) -> int:
         """Bytes one token's KV takes in one slot (every layer, K and V)."""

@@ -184,6 +184,12 @@ class InProcessServer:
             raise RuntimeError("the in-process server did not start")
         return self
 
+    def census(self, names=REQUEST_PATH_CLASSES) -> Counter:
+        """census() taken on the server's loop between two callbacks (its timers are then as at rest)."""
+        async def take():
+            return census(names)
+        return asyncio.run_coroutine_threadsafe(take(), self.loop).result(30)
+
     def idle(self, timeout: float = 10.0) -> bool:
         """Wait until no request runs, waits or is in flight, and no connection is open."""
         deadline = time.monotonic() + timeout

@@ -44,12 +44,12 @@ def _rounds(srv, body: dict, how: str, after_s: float) -> list:
     """RssAnon after a warm-up and after each round, each round's census of the request path."""
     kill_streams(srv.host, srv.port, 16, body=body, how=how, after_s=after_s)
     assert srv.idle(20)
-    base = census()
+    base = srv.census()
     rows = [rss_mb(field="RssAnon")]
     for _ in range(ROUNDS):
         kill_streams(srv.host, srv.port, PER_ROUND, body=body, how=how, after_s=after_s)
         assert srv.idle(20), (srv.engine.snapshot, len(srv.app.inflight), len(srv.app.connections))
-        left = census() - base
+        left = srv.census() - base
         assert not left, f"after {PER_ROUND} {how} requests, still alive: {dict(left)}"
         rows.append(rss_mb(field="RssAnon"))
     return rows
