@@ -52,7 +52,8 @@ SERVER_TIMEOUT_S = 10          # --timeout: a connection that reads nothing this
 CACHE_RAM_MIB = 16             # small, so that its pool is full (all its pages touched) early on
 ERASE_SHARE = 0.08             # completed /completion requests whose client then erases their slot
 WARM_PROMPT_SENTENCES = 16     # ~330 tokens: the warm-up writes every slot's KV beyond what the soak uses
-IDLE_READ_S = 60.0             # a response that sends nothing this long counts as hung
+IDLE_READ_S = 60.0             # a stream that sends nothing this long counts as hung
+WHOLE_ANSWER_S = 300.0         # an answer sent in one piece (non-streaming, erase) that takes this long: hung
 DROP_GRACE_S = 20.0            # past --timeout + 3 s, time a never-read request of 8 tokens may still take
 N_WINDOWS = 10
 ENDINGS = {"read": 0.45, "read_json": 0.12, "rst": 0.1, "fin": 0.1, "half_close": 0.06, "never_read": 0.1,
@@ -212,7 +213,8 @@ class Soak:
         if ending.startswith("never_read"):
             return await self.never_read(rng, route, body, ending == "never_read_dropped")
         r, writer = await asyncio.open_connection("127.0.0.1", self.port)
-        reader = IdleTimeoutReader(r, IDLE_READ_S)
+        idle_s = IDLE_READ_S if stream else WHOLE_ANSWER_S      # a whole generation may come before a byte does
+        reader = IdleTimeoutReader(r, idle_s)
         kind, done = None, {}
         try:
             writer.write(post_request(route, body))
@@ -238,7 +240,7 @@ class Soak:
                 try:
                     kind = await read
                 except asyncio.TimeoutError:
-                    self.error(f"hang {route}", f"no byte for {IDLE_READ_S:g} s")
+                    self.error(f"hang {route}{' stream' if stream else ''}", f"no byte for {idle_s:g} s")
                     return
             if kind != "error":
                 self.outcome(f"{kind} {route}{' stream' if stream else ''}")
@@ -297,9 +299,9 @@ class Soak:
         route = "/slots/{id}?action=erase"
         try:
             status, body = await asyncio.wait_for(post_once(self.port, f"/slots/{slot}?action=erase", {}),
-                                                  IDLE_READ_S)
+                                                  WHOLE_ANSWER_S)
         except asyncio.TimeoutError:
-            self.error(f"hang {route}", f"no answer in {IDLE_READ_S:g} s")
+            self.error(f"hang {route}", f"no answer in {WHOLE_ANSWER_S:g} s")
             return
         if self.check_status(route, status, body):
             self.outcome("erase")
