@@ -10,7 +10,7 @@ closed-loop clients in this process. Each request picks at random:
 - its prompt: one of six shared prefixes and a random tail, so that prompt-cache hits happen.
 Some clients erase the slot of their completed request (POST /slots/{id}?action=erase). Beside them:
 /health at 10 Hz (from a child process), /metrics every 2 s and the server's RSS (from /proc) every second.
-Before the clocked part, a warm-up of 32 concurrent prompts of ~400 tokens writes every slot's KV cache
+Before the clocked part, a warm-up of 32 prompts of ~360 tokens (8 at a time) writes every slot's KV cache
 further than the soak's requests reach (prompt + n_predict <= ~320), so that the first touch of the
 preallocated KV pages does not read as growth; RSS is reported before and after it.
 
@@ -51,7 +51,9 @@ N_PARALLEL, N_CTX, CLIENTS = 32, 16384, 32
 SERVER_TIMEOUT_S = 10          # --timeout: a connection that reads nothing this long is dropped
 CACHE_RAM_MIB = 16             # small, so that its pool is full (all its pages touched) early on
 ERASE_SHARE = 0.08             # completed /completion requests whose client then erases their slot
-WARM_PROMPT_SENTENCES = 20     # ~400 tokens (of 512 a slot): every slot's KV written beyond what the soak uses (<= ~330)
+WARM_PROMPT_SENTENCES = 18     # ~360 tokens (of 512 a slot): every slot's KV written beyond what the soak uses (<= ~330)
+WARM_WAVE = 8                  # warm-up requests at a time (the least recently used slots take each wave): all 32
+                               # at once would wait past --token-timeout for their first token on a busy machine
 IDLE_READ_S = 60.0             # a stream that sends nothing this long counts as hung
 WHOLE_ANSWER_S = 300.0         # an answer sent in one piece (non-streaming, erase) that takes this long: hung
 DROP_GRACE_S = 20.0            # past --timeout + 3 s, time a never-read request of 8 tokens may still take
@@ -494,8 +496,8 @@ def run(model: str, minutes: float, seed: int = 0, threads: int | None = None) -
 
 
 def warm_up(port: int) -> float:
-    """32 concurrent greedy requests of ~400 prompt tokens and 1 token each: every slot's KV written that
-    far. Seconds it took."""
+    """32 greedy requests of ~360 prompt tokens and 1 token each, WARM_WAVE at a time: every slot's KV
+    written that far. Seconds it took."""
     async def one(k: int):
         text = " ".join(SENTENCES[(k + i) % len(SENTENCES)] for i in range(WARM_PROMPT_SENTENCES))
         status, body = await post_once(port, "/completion", {"prompt": text, "n_predict": 1, "temperature": 0,
@@ -504,7 +506,8 @@ def warm_up(port: int) -> float:
             raise RuntimeError(f"the warm-up request answered {status}: {body[:300]!r}")
 
     async def go():
-        await asyncio.gather(*(one(k) for k in range(N_PARALLEL)))
+        for k0 in range(0, N_PARALLEL, WARM_WAVE):
+            await asyncio.gather(*(one(k) for k in range(k0, min(N_PARALLEL, k0 + WARM_WAVE))))
     t0 = time.perf_counter()
     asyncio.run(go())
     return time.perf_counter() - t0
