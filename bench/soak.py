@@ -10,7 +10,7 @@ closed-loop clients in this process. Each request picks at random:
 - its prompt: one of six shared prefixes and a random tail, so that prompt-cache hits happen.
 Some clients erase the slot of their completed request (POST /slots/{id}?action=erase). Beside them:
 /health at 10 Hz (from a child process), /metrics every 2 s and the server's RSS (from /proc) every second.
-Before the clocked part, a warm-up of 32 concurrent prompts of ~330 tokens writes every slot's KV cache
+Before the clocked part, a warm-up of 32 prompts of ~360 tokens (8 at a time) writes every slot's KV cache
 further than the soak's requests reach (prompt + n_predict <= ~320), so that the first touch of the
 preallocated KV pages does not read as growth; RSS is reported before and after it.
 
@@ -51,8 +51,11 @@ N_PARALLEL, N_CTX, CLIENTS = 32, 16384, 32
 SERVER_TIMEOUT_S = 10          # --timeout: a connection that reads nothing this long is dropped
 CACHE_RAM_MIB = 16             # small, so that its pool is full (all its pages touched) early on
 ERASE_SHARE = 0.08             # completed /completion requests whose client then erases their slot
-WARM_PROMPT_SENTENCES = 16     # ~330 tokens: the warm-up writes every slot's KV beyond what the soak uses
-IDLE_READ_S = 60.0             # a response that sends nothing this long counts as hung
+WARM_PROMPT_SENTENCES = 18     # ~360 tokens (of 512 a slot): every slot's KV written beyond what the soak uses (<= ~330)
+WARM_WAVE = 8                  # warm-up requests at a time (the least recently used slots take each wave): all 32
+                               # at once would wait past --token-timeout for their first token on a busy machine
+IDLE_READ_S = 60.0             # a stream that sends nothing this long counts as hung
+WHOLE_ANSWER_S = 300.0         # an answer sent in one piece (non-streaming, erase) that takes this long: hung
 DROP_GRACE_S = 20.0            # past --timeout + 3 s, time a never-read request of 8 tokens may still take
 N_WINDOWS = 10
 ENDINGS = {"read": 0.45, "read_json": 0.12, "rst": 0.1, "fin": 0.1, "half_close": 0.06, "never_read": 0.1,
@@ -212,7 +215,8 @@ class Soak:
         if ending.startswith("never_read"):
             return await self.never_read(rng, route, body, ending == "never_read_dropped")
         r, writer = await asyncio.open_connection("127.0.0.1", self.port)
-        reader = IdleTimeoutReader(r, IDLE_READ_S)
+        idle_s = IDLE_READ_S if stream else WHOLE_ANSWER_S      # a whole generation may come before a byte does
+        reader = IdleTimeoutReader(r, idle_s)
         kind, done = None, {}
         try:
             writer.write(post_request(route, body))
@@ -238,7 +242,7 @@ class Soak:
                 try:
                     kind = await read
                 except asyncio.TimeoutError:
-                    self.error(f"hang {route}", f"no byte for {IDLE_READ_S:g} s")
+                    self.error(f"hang {route}{' stream' if stream else ''}", f"no byte for {idle_s:g} s")
                     return
             if kind != "error":
                 self.outcome(f"{kind} {route}{' stream' if stream else ''}")
@@ -297,9 +301,9 @@ class Soak:
         route = "/slots/{id}?action=erase"
         try:
             status, body = await asyncio.wait_for(post_once(self.port, f"/slots/{slot}?action=erase", {}),
-                                                  IDLE_READ_S)
+                                                  WHOLE_ANSWER_S)
         except asyncio.TimeoutError:
-            self.error(f"hang {route}", f"no answer in {IDLE_READ_S:g} s")
+            self.error(f"hang {route}", f"no answer in {WHOLE_ANSWER_S:g} s")
             return
         if self.check_status(route, status, body):
             self.outcome("erase")
@@ -492,8 +496,8 @@ def run(model: str, minutes: float, seed: int = 0, threads: int | None = None) -
 
 
 def warm_up(port: int) -> float:
-    """32 concurrent greedy requests of ~330 prompt tokens and 1 token each: every slot's KV written that
-    far. Seconds it took."""
+    """32 greedy requests of ~360 prompt tokens and 1 token each, WARM_WAVE at a time: every slot's KV
+    written that far. Seconds it took."""
     async def one(k: int):
         text = " ".join(SENTENCES[(k + i) % len(SENTENCES)] for i in range(WARM_PROMPT_SENTENCES))
         status, body = await post_once(port, "/completion", {"prompt": text, "n_predict": 1, "temperature": 0,
@@ -502,7 +506,8 @@ def warm_up(port: int) -> float:
             raise RuntimeError(f"the warm-up request answered {status}: {body[:300]!r}")
 
     async def go():
-        await asyncio.gather(*(one(k) for k in range(N_PARALLEL)))
+        for k0 in range(0, N_PARALLEL, WARM_WAVE):
+            await asyncio.gather(*(one(k) for k in range(k0, min(N_PARALLEL, k0 + WARM_WAVE))))
     t0 = time.perf_counter()
     asyncio.run(go())
     return time.perf_counter() - t0

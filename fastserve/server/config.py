@@ -20,7 +20,9 @@ class ServerConfig:
     cors_origin: str | None = None   # "*" or one origin allowed to call from a browser
     body_limit: int = DEFAULT_BODY_LIMIT
     alias: str | None = None         # the model name in responses (default: the file name)
-    erase_wait: float = 30.0         # s: how long /slots/{id}?action=erase waits for a busy slot
+    # s: how long /slots/{id}?action=erase waits for a busy slot's request to end (the erasure happens then,
+    # whatever the wait): as long as a request may wait for a slot, since under load a request lasts minutes
+    erase_wait: float = 600.0
     tick: float = 0.1                # s: watchdog period (deadlines, stall, dropped clients)
     log_requests: bool = True
 

@@ -108,7 +108,7 @@ def detokenize(app, req, ex):
 async def slot_action(app, req, ex, slot: int):
     """POST /slots/{id}?action=erase. A busy slot is erased when its request ends, before it takes
     another (llama-server defers it too), never by cutting the request running there; the answer
-    waits for the erasure at most --erase-wait seconds (503 after that; the erasure still happens)."""
+    waits for the erasure at most ServerConfig.erase_wait seconds (503 after that; the erasure still happens)."""
     action = req.query.get("action")
     if action in ("save", "restore"):
         raise HttpError(501, f"slot {action} is not supported")

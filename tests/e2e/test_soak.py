@@ -16,9 +16,12 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MINUTES = 3
 # RSS growth from the end of the first window (a tenth of the run, after the warm-up that writes every
-# slot's KV) to the end of the load. ~500 requests in 3 minutes here: 8 MiB is ~16 kB a request, half
-# of what each request left behind before the killed-streams fix (~25-30 kB, issue 11).
-MAX_RSS_GROWTH_MIB = 8.0
+# slot's KV) to the end of the load. Measured on the default model (2 busy cores, ~450-500 requests in
+# 3 minutes): +10.6 and +14.6 MiB, rising ~4-6 MiB/min; over 30 minutes the rise stopped after ~9 minutes
+# at +57 MiB and RSS stayed flat for the 21 minutes after. So 3 minutes cannot tell a bounded rise from
+# a leak of ~25 kB a request (issue 11's); this bound (~65 kB a request) catches a gross per-request
+# leak, and the 30-minute soak (bench/soak.py) gives the figures.
+MAX_RSS_GROWTH_MIB = 32.0
 
 
 @pytest.mark.soak
