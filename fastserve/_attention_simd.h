@@ -210,6 +210,32 @@ FS_ATTR static void FS_S(fs_probs)(float *s, int64_t n, float *m, float *l, floa
         VSTORE(acc + d, VMUL(VLOAD(acc + d), ab));
 }
 
+/* One group of nv (<= NV) vectors of dimensions from d0; nv a constant where it is NV (the common case). */
+FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_pv_group)(
+    float *const *acc, const float *const *p, int64_t j0, int64_t j1, const void *vsrc, int f16, int64_t ldv,
+    int64_t d0, int nv)
+{
+    VF a[RB][NV];
+    for (int r = 0; r < RB; r++)
+        for (int v = 0; v < NV; v++)
+            a[r][v] = v < nv ? VLOAD(acc[r] + d0 + v * VL) : VSET1(0.0f);
+    for (int64_t j = j0; j < j1; j++) {
+        VF vv[NV];
+        for (int v = 0; v < nv; v++) {
+            int64_t i = j * ldv + d0 + v * VL;
+            vv[v] = f16 ? VLOAD_F16((const uint16_t *)vsrc + i) : VLOAD((const float *)vsrc + i);
+        }
+        for (int r = 0; r < RB; r++) {
+            VF pb = VSET1(p[r][j]);
+            for (int v = 0; v < nv; v++)
+                a[r][v] = VADD(a[r][v], VMUL(pb, vv[v]));
+        }
+    }
+    for (int r = 0; r < RB; r++)
+        for (int v = 0; v < nv; v++)
+            VSTORE(acc[r] + d0 + v * VL, a[r][v]);
+}
+
 /* For RB rows: keys j0..j1-1 in order, acc[r][d] += p[r][j] * v[j][d] and l[r] += p[r][j]; v is float32
  * [KT][ldv] (Dp dimensions), or (f16 = 1) the cache's own fp16 rows, ldv values apart (then D == Dp). */
 FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_pv_any)(
@@ -217,27 +243,10 @@ FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_pv_any)(
     int64_t ldv, int64_t Dp)
 {
     for (int64_t d0 = 0; d0 < Dp; d0 += NV * VL) {
-        int nv = Dp - d0 >= NV * VL ? NV : (int)((Dp - d0) / VL);
-        VF a[RB][NV];
-        for (int r = 0; r < RB; r++)
-            for (int v = 0; v < NV; v++)
-                a[r][v] = v < nv ? VLOAD(acc[r] + d0 + v * VL) : VSET1(0.0f);
-        for (int64_t j = j0; j < j1; j++) {
-            VF vv[NV];
-            for (int v = 0; v < NV; v++) {
-                int64_t i = j * ldv + d0 + v * VL;
-                vv[v] = v >= nv ? VSET1(0.0f)
-                      : f16 ? VLOAD_F16((const uint16_t *)vsrc + i) : VLOAD((const float *)vsrc + i);
-            }
-            for (int r = 0; r < RB; r++) {
-                VF pb = VSET1(p[r][j]);
-                for (int v = 0; v < NV; v++)
-                    a[r][v] = VADD(a[r][v], VMUL(pb, vv[v]));
-            }
-        }
-        for (int r = 0; r < RB; r++)
-            for (int v = 0; v < nv; v++)
-                VSTORE(acc[r] + d0 + v * VL, a[r][v]);
+        if (Dp - d0 >= NV * VL)
+            FS_S(fs_pv_group)(acc, p, j0, j1, vsrc, f16, ldv, d0, NV);
+        else
+            FS_S(fs_pv_group)(acc, p, j0, j1, vsrc, f16, ldv, d0, (int)((Dp - d0) / VL));
     }
     float ls[RB];                                 /* row sums: RB independent chains, keys in order */
     for (int r = 0; r < RB; r++)
