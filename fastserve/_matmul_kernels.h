@@ -712,6 +712,8 @@ static fs_kernel fs_kernel_for(int isa, int kind)
     return k[kind];
 }
 
+#include "_matmul_fused.h"
+
 /* ---- a product over the parts of a stacked matrix ------------------------------------------ */
 
 /* One part: rows [col0, col0 + rows) of the matrix (columns of y), all of one GGUF type. */
@@ -731,6 +733,7 @@ typedef struct {
     fs_job act;                 /* activations, n, y (the matrix's column 0) and ldy */
     uint8_t *stage;             /* one staging panel per task, stage_bytes apart */
     int64_t stage_bytes, chunk;
+    int fused;                  /* panels fs_fused_ok accepts skip staging (_matmul_fused.h) */
 } fs_product;
 
 static inline int64_t fs_part_panels(const fs_part *p)
@@ -808,11 +811,15 @@ static void fs_product_task(void *ctx, int64_t begin, int64_t end)
         }
         const uint8_t *next = r0 + (FS_PREFETCH_PANELS + 1) * FS_LANES <= pt->rows
                               ? pt->data + r0 * pt->row_bytes + FS_PREFETCH_PANELS * panel_bytes : NULL;
-        fs_stage_panel(pr->isa, pt->type, pt->data + r0 * pt->row_bytes, pt->row_bytes, valid, pr->n_in, stage, next);
         fs_job j = pr->act;
-        j.w = stage;
         j.valid = valid;
         j.y = pr->act.y + pt->col0 + r0;
+        if (pr->fused && fs_fused_ok(pr->isa, pt->type, j.n)) {
+            fs_fused_panel(pr->isa, pt->type, &j, pt->data + r0 * pt->row_bytes, pt->row_bytes, next);
+            continue;
+        }
+        fs_stage_panel(pr->isa, pt->type, pt->data + r0 * pt->row_bytes, pt->row_bytes, valid, pr->n_in, stage, next);
+        j.w = stage;
         pr->kern[pt->kind](&j);
     }
 }
