@@ -78,7 +78,7 @@ cdef extern from "_matmul_kernels.h" nogil:
     void fs_stage_panel(int isa, int type, const uint8_t *rows, int64_t row_bytes, int valid,
                         int64_t n_in, uint8_t *stage, const uint8_t *next)
     int fs_isa_supported(int isa)
-    int fs_fused_ok(int isa, int type, int64_t n)
+    int fs_fused_ok(int isa, int type, int64_t n, int valid)
     enum:
         FS_FUSED_MAX_N
     int fs_best_isa()
@@ -102,10 +102,10 @@ def isas():
 
 
 def fused_types(str isa="auto"):
-    """The types whose products at n <= FUSED_MAX_N rows the isa's fused kernel computes straight
-    from the file's rows (the others stage panels)."""
+    """The types whose products at small n the isa's fused kernel computes straight from the file's
+    rows (n <= FUSED_MAX_N; Q4_K and Q6_K n <= 2, where fusing still wins), the others stage panels."""
     cdef int isa_id = _isa_id(isa)
-    return tuple(t for t, i in TYPE_IDS.items() if fs_fused_ok(isa_id, i, 1))
+    return tuple(t for t, i in TYPE_IDS.items() if fs_fused_ok(isa_id, i, 1, FS_LANES))
 
 
 FUSED_MAX_N = FS_FUSED_MAX_N

@@ -10,6 +10,10 @@
  *     Q4_0 / Q4_1: the 16 nibble bytes of each block broadcast into two lanes, masked with 0x0F and
  *                  0xF0 (the high nibbles stay multiplied by 16: shifted out exactly after the sum);
  *     Q8_0:        the 32 quant bytes of each block, made unsigned (xor 0x80);
+ *     Q4_K:        blocks 2c, 2c + 1 of a 256-block are the low and high nibbles of one 32-byte chunk:
+ *                  broadcast to both halves, masked 0x0F / 0xF0 (n <= 2 only, whole panels);
+ *     Q6_K:        the 64 low-bit bytes of two blocks and their high bits, q + 32 (n <= 2); its
+ *                  half-block dots are reduced apart and multiplied by their int8 sub-scales;
  *   activations: the 64 quantized inputs of blocks b, b+1 as they lie (one load, reused by 16 rows);
  *   vpdpbusd then leaves 16 partial dots (4 inputs each) per row, and a transpose-reduce (unpack
  *   dwords, unpack qwords, shuffle 128-bit lanes: 3 steps of add) sums the 8 partials of every (row,
@@ -24,6 +28,7 @@
 #define FASTSERVE_MATMUL_FUSED_H
 
 #define FS_FUSED_MAX_N 4        /* at more rows the staged kernels' weight reuse wins */
+#define FS_FUSED_MAX_N_K 2      /* the same for Q4_K */
 
 #if defined(FS_HAVE_AVX512VNNI) && defined(FS_HAVE_STAGE_AVX512)
 #define FS_HAVE_FUSED_AVX512 1
@@ -59,119 +64,297 @@ FS_FUSED512 FS_INLINE __m512i fs_fused_scales(const uint8_t *const rp[16], int64
     return _mm512_loadu_si512((const void *)w);
 }
 
-/* Q4_0 / Q4_1 / Q8_0: 16 rows at rows (row_bytes apart; lanes >= valid repeat row 0 and are not
- * stored) times the job's R activation rows, into y as the staged kernel would; next: the rows to
- * prefetch meanwhile (16 * row_bytes bytes) or NULL. */
-FS_FUSED512 FS_INLINE void fs_fused_q48_avx512(const fs_job *j, int type, const uint8_t *rows, int64_t row_bytes,
-                                               const uint8_t *next, const int R)
+/* Q6_K: row p's blocks jj, jj + 1 (jj even) of 256-block sb as unsigned 6-bit values q + 32: the
+ * 64 low-bit bytes of chunk jj / 4 hold both (their low nibbles for jj % 4 = 0, high for 2), and
+ * its 32 high-bit bytes, broadcast to both halves, bits jj % 4 * 2 (and + 2) for each. */
+FS_FUSED512 FS_INLINE __m512i fs_fused_q6k_weights(const uint8_t *p, int64_t sb, int jj)
 {
-    const int64_t nb = j->nb, K = nb * FS_QK;
-    const int q8 = type == FS_T_Q8_0, has_m = type == FS_T_Q4_1;
-    const int bb = q8 ? 34 : has_m ? 20 : 18, qoff = has_m ? 4 : 2;
-    const int32_t offset = q8 ? 128 : type == FS_T_Q4_0 ? 8 : 0;
+    const uint8_t *blk = p + sb * 210;
+    const int c = jj >> 2, t = jj & 3;
+    __m512i ql = _mm512_loadu_si512((const void *)(blk + 64 * c));
+    if (t)
+        ql = _mm512_srli_epi16(ql, 4);
+    __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c)));
+    qh = _mm512_srlv_epi16(qh, _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * t)), _mm256_set1_epi16((short)(2 * t + 2)), 1));
+    return _mm512_or_si512(_mm512_and_si512(ql, _mm512_set1_epi8(15)),
+                           _mm512_slli_epi16(_mm512_and_si512(qh, _mm512_set1_epi8(3)), 4));
+}
+
+/* Row p's weights of blocks b, b1 (b1 = b + 1, or b for an odd last block) as unsigned bytes, laid
+ * out [b: inputs 0..15 | 16..31 | b1: 0..15 | 16..31]; the nibble types' high nibbles stay x16:
+ * Q4_0 / Q4_1 in the second and fourth 128-bit lanes, Q4_K (whose blocks 2c, 2c + 1 are the low
+ * and high nibbles of one 32-byte chunk) in the upper 256 bits. */
+FS_FUSED512 FS_INLINE __m512i fs_fused_weights(const int type, const uint8_t *p, int64_t b, int64_t b1)
+{
+    if (type == FS_T_Q8_0) {
+        __m512i w = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + b * 34 + 2)));
+        w = _mm512_inserti64x4(w, _mm256_loadu_si256((const __m256i *)(p + b1 * 34 + 2)), 1);
+        return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+    }
+    if (type == FS_T_Q6_K)
+        return fs_fused_q6k_weights(p, b >> 3, (int)(b & 7));
+    if (type == FS_T_Q4_K) {
+        const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8((char)0xF0), 1);
+        const __m512i w = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + (b >> 3) * 144 + 16 + 16 * (b & 7))));
+        return _mm512_and_si512(w, nib);
+    }
+    const int bb = type == FS_T_Q4_1 ? 20 : 18, qoff = type == FS_T_Q4_1 ? 4 : 2;
     const __m512i nib = _mm512_set_epi64((long long)0xF0F0F0F0F0F0F0F0ull, (long long)0xF0F0F0F0F0F0F0F0ull,
                                          0x0F0F0F0F0F0F0F0Fll, 0x0F0F0F0F0F0F0F0Fll,
                                          (long long)0xF0F0F0F0F0F0F0F0ull, (long long)0xF0F0F0F0F0F0F0F0ull,
                                          0x0F0F0F0F0F0F0F0Fll, 0x0F0F0F0F0F0F0F0Fll);
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const uint8_t *rp[16];
+    __m512i w = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p + b * bb + qoff)));
+    w = _mm512_mask_broadcast_i32x4(w, 0xFF00, _mm_loadu_si128((const __m128i *)(p + b1 * bb + qoff)));
+    return _mm512_and_si512(w, nib);
+}
+
+/* Rows rp[0..3]'s dots of blocks b, b1 with the R activation rows xv, two reduce steps in: e[r],
+ * per 128-bit lane (half a block) the 4 rows' sums. */
+FS_FUSED512 FS_INLINE void fs_fused_quad(const int type, const uint8_t *const *rp, int64_t b, int64_t b1,
+                                         const __m512i *xv, const int R, __m512i *e)
+{
+    __m512i c[2][FS_FUSED_MAX_N];
+#pragma GCC unroll 2
+    for (int t = 0; t < 2; t++) {
+        __m512i a[2][FS_FUSED_MAX_N];
+#pragma GCC unroll 2
+        for (int s = 0; s < 2; s++) {
+            const __m512i w = fs_fused_weights(type, rp[2 * t + s], b, b1);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                a[s][r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv[r]);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            c[t][r] = fs_fold32(a[0][r], a[1][r]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        e[r] = fs_fold64(c[0][r], c[1][r]);
+}
+
+/* The raw integer dots of blocks b, b1 of the 16 rows rp with the R activation rows xv (their 64
+ * quantized inputs of b, b1): is0[r], is1[r], lane l = row l (before the weights' offset). */
+FS_FUSED512 FS_INLINE void fs_fused_isums(const int type, const uint8_t *const rp[16], int64_t b, int64_t b1,
+                                          const __m512i *xv, const int R, __m512i *is0, __m512i *is1)
+{
+    const int lane_nibbles = type == FS_T_Q4_0 || type == FS_T_Q4_1;
+    __m512i e[4][FS_FUSED_MAX_N];
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; u++)
+        fs_fused_quad(type, rp + 4 * u, b, b1, xv, R, e[u]);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const __m512i f0 = fs_fold128(e[0][r], e[1][r], lane_nibbles), f1 = fs_fold128(e[2][r], e[3][r], lane_nibbles);
+        is0[r] = _mm512_shuffle_i64x2(f0, f1, 0x88);
+        is1[r] = _mm512_shuffle_i64x2(f0, f1, 0xDD);
+        if (type == FS_T_Q4_K)
+            is1[r] = _mm512_srai_epi32(is1[r], 4);
+    }
+}
+
+/* acc += (float)isum * (d * d_x)  [then acc += m * s_x]: block o of the row's activations. */
+FS_FUSED512 FS_INLINE __m512 fs_fused_float(const fs_job *j, __m512 acc, __m512i isum, __m512 d, __m512 m,
+                                            const int has_m, int64_t o)
+{
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(j->dx[o]))));
+    if (has_m)
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(m, _mm512_set1_ps(j->sx[o])));
+    return acc;
+}
+
+/* The R activation rows' 64 quantized inputs of blocks b, b + 1 (32 when b is the last). */
+FS_FUSED512 FS_INLINE void fs_fused_acts(const fs_job *j, int64_t b, int two, const int R, __m512i *xv)
+{
+    const int64_t K = j->nb * FS_QK;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        xv[r] = _mm512_maskz_loadu_epi8(two ? ~0ull : 0xFFFFFFFFull, j->xq + r * K + b * FS_QK);
+}
+
+/* The 16 rows' addresses (lanes >= valid repeat row 0 and are not stored) and zero sums. */
+FS_FUSED512 FS_INLINE void fs_fused_begin(const fs_job *j, const uint8_t *rows, int64_t row_bytes,
+                                          const uint8_t **rp, __m512 *f, const int R)
+{
     for (int l = 0; l < 16; l++)
         rp[l] = rows + (l < j->valid ? l : 0) * row_bytes;
-    __m512 f[FS_FUSED_MAX_N];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
         f[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b += 2) {
-        const int two = b + 1 < nb;
-        const int64_t b1 = two ? b + 1 : b;          /* an odd last block: read twice, kept once */
-        fs_prefetch_range(next, 16 * row_bytes * b / nb, 16 * row_bytes * (b + 2) / nb);
-        __m512i xv[FS_FUSED_MAX_N];
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            xv[r] = _mm512_maskz_loadu_epi8(two ? ~0ull : 0xFFFFFFFFull, j->xq + r * K + b * FS_QK);
-        __m512i e[4][FS_FUSED_MAX_N];
-#pragma GCC unroll 4
-        for (int u = 0; u < 4; u++) {
-            __m512i c[2][FS_FUSED_MAX_N];
-#pragma GCC unroll 2
-            for (int t = 0; t < 2; t++) {
-                __m512i a[2][FS_FUSED_MAX_N];
-#pragma GCC unroll 2
-                for (int s = 0; s < 2; s++) {
-                    const uint8_t *p = rp[4 * u + 2 * t + s];
-                    __m512i w;
-                    if (q8) {
-                        w = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + b * bb + 2)));
-                        w = _mm512_inserti64x4(w, _mm256_loadu_si256((const __m256i *)(p + b1 * bb + 2)), 1);
-                        w = _mm512_xor_si512(w, flip);
-                    } else {
-                        w = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p + b * bb + qoff)));
-                        w = _mm512_mask_broadcast_i32x4(w, 0xFF00, _mm_loadu_si128((const __m128i *)(p + b1 * bb + qoff)));
-                        w = _mm512_and_si512(w, nib);
-                    }
-#pragma GCC unroll 4
-                    for (int r = 0; r < R; r++)
-                        a[s][r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv[r]);
-                }
-#pragma GCC unroll 4
-                for (int r = 0; r < R; r++)
-                    c[t][r] = fs_fold32(a[0][r], a[1][r]);
-            }
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++)
-                e[u][r] = fs_fold64(c[0][r], c[1][r]);
-        }
-        const __m512i g0 = fs_fused_scales(rp, b * bb), g1 = fs_fused_scales(rp, b1 * bb);
-        const __m512 d0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g0)), d1 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g1));
-        const __m512 m0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g0, 16)));
-        const __m512 m1 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g1, 16)));
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const __m512i f0 = fs_fold128(e[0][r], e[1][r], !q8), f1 = fs_fold128(e[2][r], e[3][r], !q8);
-            const int64_t o = r * nb + b;
-            __m512i is0 = _mm512_shuffle_i64x2(f0, f1, 0x88), is1 = _mm512_shuffle_i64x2(f0, f1, 0xDD);
-            if (offset) {
-                is0 = _mm512_sub_epi32(is0, _mm512_set1_epi32(offset * j->xs[o]));
-                is1 = _mm512_sub_epi32(is1, _mm512_set1_epi32(offset * j->xs[two ? o + 1 : o]));
-            }
-            /* the float part in the contract's order, block b then b + 1 */
-            f[r] = _mm512_add_ps(f[r], _mm512_mul_ps(_mm512_cvtepi32_ps(is0), _mm512_mul_ps(d0, _mm512_set1_ps(j->dx[o]))));
-            if (has_m)
-                f[r] = _mm512_add_ps(f[r], _mm512_mul_ps(m0, _mm512_set1_ps(j->sx[o])));
-            if (two) {
-                f[r] = _mm512_add_ps(f[r], _mm512_mul_ps(_mm512_cvtepi32_ps(is1), _mm512_mul_ps(d1, _mm512_set1_ps(j->dx[o + 1]))));
-                if (has_m)
-                    f[r] = _mm512_add_ps(f[r], _mm512_mul_ps(m1, _mm512_set1_ps(j->sx[o + 1])));
-            }
-        }
-    }
+}
+
+FS_FUSED512 FS_INLINE void fs_fused_store(const fs_job *j, const __m512 *f, const int R)
+{
     const __mmask16 msk = (__mmask16)(j->valid >= 16 ? 0xFFFF : (1u << j->valid) - 1u);
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
         _mm512_mask_storeu_ps(j->y + r * j->ldy, msk, f[r]);
 }
 
+/* Q4_0 / Q4_1 / Q8_0: 16 rows at rows (row_bytes apart; lanes >= valid repeat row 0 and are not
+ * stored) times the job's R activation rows, into y as the staged kernel would; next: the rows to
+ * prefetch meanwhile (16 * row_bytes bytes) or NULL. */
+FS_FUSED512 FS_INLINE void fs_fused_q48_avx512(const fs_job *j, const int type, const uint8_t *rows, int64_t row_bytes,
+                                               const uint8_t *next, const int R)
+{
+    const int64_t nb = j->nb;
+    const int has_m = type == FS_T_Q4_1, bb = type == FS_T_Q8_0 ? 34 : has_m ? 20 : 18;
+    const int32_t offset = type == FS_T_Q8_0 ? 128 : type == FS_T_Q4_0 ? 8 : 0;
+    const uint8_t *rp[16];
+    __m512 f[FS_FUSED_MAX_N];
+    fs_fused_begin(j, rows, row_bytes, rp, f, R);
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int two = b + 1 < nb;
+        const int64_t b1 = two ? b + 1 : b;          /* an odd last block: read twice, kept once */
+        fs_prefetch_range(next, 16 * row_bytes * b / nb, 16 * row_bytes * (b + 2) / nb);
+        __m512i xv[FS_FUSED_MAX_N], is0[FS_FUSED_MAX_N], is1[FS_FUSED_MAX_N];
+        fs_fused_acts(j, b, two, R, xv);
+        fs_fused_isums(type, rp, b, b1, xv, R, is0, is1);
+        const __m512i g0 = fs_fused_scales(rp, b * bb), g1 = fs_fused_scales(rp, b1 * bb);
+        const __m512 d0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g0)), d1 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g1));
+        const __m512 m0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g0, 16)));
+        const __m512 m1 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g1, 16)));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const int64_t o = r * nb + b;
+            if (offset) {
+                is0[r] = _mm512_sub_epi32(is0[r], _mm512_set1_epi32(offset * j->xs[o]));
+                is1[r] = _mm512_sub_epi32(is1[r], _mm512_set1_epi32(offset * j->xs[two ? o + 1 : o]));
+            }
+            f[r] = fs_fused_float(j, f[r], is0[r], d0, m0, has_m, o);
+            if (two)
+                f[r] = fs_fused_float(j, f[r], is1[r], d1, m1, has_m, o + 1);
+        }
+    }
+    fs_fused_store(j, f, R);
+}
+
+/* Q4_K (whole panels: the scales of 16 rows come as the staging decoder reads them). */
+FS_FUSED512 FS_INLINE void fs_fused_q4k_avx512(const fs_job *j, const uint8_t *rows, int64_t row_bytes,
+                                               const uint8_t *next, const int R)
+{
+    const int64_t nb = j->nb;
+    const uint8_t *rp[16];
+    __m512 f[FS_FUSED_MAX_N];
+    fs_fused_begin(j, rows, row_bytes, rp, f, R);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        fs_prefetch_range(next, 16 * row_bytes * sb * 8 / nb, 16 * row_bytes * (sb + 1) * 8 / nb);
+        __m512i h[4];
+        __m512 dsc[8], mneg[8];
+        fs_rows16x4(rows, row_bytes, sb * 144, h);
+        fs_k45_scales(h, dsc, mneg);
+        for (int c = 0; c < 4; c++) {
+            const int64_t b = sb * 8 + 2 * c;
+            __m512i xv[FS_FUSED_MAX_N], is0[FS_FUSED_MAX_N], is1[FS_FUSED_MAX_N];
+            fs_fused_acts(j, b, 1, R, xv);
+            fs_fused_isums(FS_T_Q4_K, rp, b, b + 1, xv, R, is0, is1);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                f[r] = fs_fused_float(j, f[r], is0[r], dsc[2 * c], mneg[2 * c], 1, r * nb + b);
+                f[r] = fs_fused_float(j, f[r], is1[r], dsc[2 * c + 1], mneg[2 * c + 1], 1, r * nb + b + 1);
+            }
+        }
+    }
+    fs_fused_store(j, f, R);
+}
+
+/* Q6_K: 16 rows at rows (lanes >= valid repeat row 0) times R activation rows. Per pair of blocks
+ * the dots of each half block stay apart (two reduce steps, not three), lose the offset 32 *
+ * sum(q_x) of their half, are multiplied by their int8 sub-scales, then summed: isum = s0 * lo16
+ * + s1 * hi16, exactly. */
+FS_FUSED512 FS_INLINE void fs_fused_q6k_avx512(const fs_job *j, const uint8_t *rows, int64_t row_bytes,
+                                               const uint8_t *next, const int R)
+{
+    const int64_t nb = j->nb;
+    const uint8_t *rp[16];
+    __m512 f[FS_FUSED_MAX_N];
+    fs_fused_begin(j, rows, row_bytes, rp, f, R);
+    /* per 128-bit lane k: byte k of each dword (the sub-scale of half k % 2 of block k / 2) */
+    const __m512i to_top = _mm512_set_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        fs_prefetch_range(next, 16 * row_bytes * sb * 8 / nb, 16 * row_bytes * (sb + 1) * 8 / nb);
+        /* d: the block's last two bytes (read as the high half of the dword before them) */
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(fs_fused_scales(rp, sb * 210 + 206), 16)));
+        for (int jj = 0; jj < 8; jj += 2) {
+            const int64_t b = sb * 8 + jj;
+            __m512i xv[FS_FUSED_MAX_N], e[4][FS_FUSED_MAX_N], corr[FS_FUSED_MAX_N];
+            fs_fused_acts(j, b, 1, R, xv);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const int64_t o = r * nb + b;
+                const int32_t h0 = j->xh[o], h1 = j->xh[o + 1];
+                corr[r] = _mm512_set_epi32(32 * (j->xs[o + 1] - h1), 32 * (j->xs[o + 1] - h1), 32 * (j->xs[o + 1] - h1), 32 * (j->xs[o + 1] - h1),
+                                           32 * h1, 32 * h1, 32 * h1, 32 * h1,
+                                           32 * (j->xs[o] - h0), 32 * (j->xs[o] - h0), 32 * (j->xs[o] - h0), 32 * (j->xs[o] - h0),
+                                           32 * h0, 32 * h0, 32 * h0, 32 * h0);
+            }
+            const __m512i sc = fs_fused_scales(rp, sb * 210 + 192 + 2 * jj);     /* s0, s1 of jj, jj + 1 */
+#pragma GCC unroll 4
+            for (int u = 0; u < 4; u++) {
+                fs_fused_quad(FS_T_Q6_K, rp + 4 * u, b, b + 1, xv, R, e[u]);
+                /* rows 4u..4u+3's sub-scales, laid out as e[u]: [s0 jj | s1 jj | s0 jj+1 | s1 jj+1] */
+                const __m512i su = _mm512_srai_epi32(_mm512_sllv_epi32(_mm512_shuffle_i32x4(sc, sc, 0x55 * u), to_top), 24);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++)
+                    e[u][r] = _mm512_mullo_epi32(_mm512_sub_epi32(e[u][r], corr[r]), su);
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const __m512i f0 = fs_fold128(e[0][r], e[1][r], 0), f1 = fs_fold128(e[2][r], e[3][r], 0);
+                f[r] = fs_fused_float(j, f[r], _mm512_shuffle_i64x2(f0, f1, 0x88), d, d, 0, r * nb + b);
+                f[r] = fs_fused_float(j, f[r], _mm512_shuffle_i64x2(f0, f1, 0xDD), d, d, 0, r * nb + b + 1);
+            }
+        }
+    }
+    fs_fused_store(j, f, R);
+}
+
+#define FS_FUSED_BY_N(CALL)                                              \
+    switch (j->n) {                                                      \
+    case 1: CALL(1); break;                                              \
+    case 2: CALL(2); break;                                              \
+    case 3: CALL(3); break;                                              \
+    default: CALL(4); break;                                             \
+    }
+
 FS_FUSED512 static void fs_fused_avx512(const fs_job *j, int type, const uint8_t *rows, int64_t row_bytes,
                                         const uint8_t *next)
 {
-    switch (j->n) {
-    case 1: fs_fused_q48_avx512(j, type, rows, row_bytes, next, 1); break;
-    case 2: fs_fused_q48_avx512(j, type, rows, row_bytes, next, 2); break;
-    case 3: fs_fused_q48_avx512(j, type, rows, row_bytes, next, 3); break;
-    default: fs_fused_q48_avx512(j, type, rows, row_bytes, next, 4); break;
+#define FS_Q40(R) fs_fused_q48_avx512(j, FS_T_Q4_0, rows, row_bytes, next, R)
+#define FS_Q41(R) fs_fused_q48_avx512(j, FS_T_Q4_1, rows, row_bytes, next, R)
+#define FS_Q80(R) fs_fused_q48_avx512(j, FS_T_Q8_0, rows, row_bytes, next, R)
+#define FS_Q4K(R) fs_fused_q4k_avx512(j, rows, row_bytes, next, R)
+#define FS_Q6K(R) fs_fused_q6k_avx512(j, rows, row_bytes, next, R)
+    switch (type) {
+    case FS_T_Q4_0: FS_FUSED_BY_N(FS_Q40); break;
+    case FS_T_Q4_1: FS_FUSED_BY_N(FS_Q41); break;
+    case FS_T_Q8_0: FS_FUSED_BY_N(FS_Q80); break;
+    case FS_T_Q4_K: FS_FUSED_BY_N(FS_Q4K); break;
+    case FS_T_Q6_K: FS_FUSED_BY_N(FS_Q6K); break;
+    default: break;
     }
+#undef FS_Q40
+#undef FS_Q41
+#undef FS_Q80
+#undef FS_Q4K
+#undef FS_Q6K
 }
 #endif /* FS_HAVE_FUSED_AVX512 */
 
-/* Whether the fused kernel computes a panel of this type at n activation rows with this isa. */
-static inline int fs_fused_ok(int isa, int type, int64_t n)
+/* Whether the fused kernel computes a panel of valid rows of this type at n activation rows with
+ * this isa (valid < 16: only the 32-input types; Q4_K's last partial panel stages). Q4_K stops at
+ * FS_FUSED_MAX_N_K rows: its staging decoder is cheaper per byte than the 32-input types', so the
+ * fused kernel's per-row reduction wins only below that (measured: 1.34x at n = 1, 1.04x at 2,
+ * 0.87x at 4, 1 thread, 2048x2048). */
+static inline int fs_fused_ok(int isa, int type, int64_t n, int valid)
 {
 #if defined(FS_HAVE_FUSED_AVX512)
     if (isa == FS_ISA_AVX512VNNI && n >= 1 && n <= FS_FUSED_MAX_N &&
-        (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q8_0))
+        (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q8_0 ||
+         (type == FS_T_Q4_K && valid == FS_LANES && n <= FS_FUSED_MAX_N_K) || (type == FS_T_Q6_K && n <= FS_FUSED_MAX_N_K)))
         return 1;
 #endif
-    (void)isa; (void)type; (void)n;
+    (void)isa; (void)type; (void)n; (void)valid;
     return 0;
 }
 

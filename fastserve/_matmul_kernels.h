@@ -814,7 +814,7 @@ static void fs_product_task(void *ctx, int64_t begin, int64_t end)
         fs_job j = pr->act;
         j.valid = valid;
         j.y = pr->act.y + pt->col0 + r0;
-        if (pr->fused && fs_fused_ok(pr->isa, pt->type, j.n)) {
+        if (pr->fused && fs_fused_ok(pr->isa, pt->type, j.n, valid)) {
             fs_fused_panel(pr->isa, pt->type, &j, pt->data + r0 * pt->row_bytes, pt->row_bytes, next);
             continue;
         }

@@ -477,7 +477,7 @@ int main(void) {
             pr.act.xf = xf; pr.act.n = n; pr.act.y = y0; pr.act.ldy = o;
             for (int k = 0; k < FS_N_KINDS; k++) pr.kern[k] = fs_kernel_for(FS_ISA_SCALAR, k);
             fs_product_task(&pr, 0, n_panels);
-            fused_checks += fs_fused_ok(FS_ISA_AVX512VNNI, types[ti], n) && fs_isa_supported(FS_ISA_AVX512VNNI);
+            fused_checks += fs_fused_ok(FS_ISA_AVX512VNNI, types[ti], n, 16) && fs_isa_supported(FS_ISA_AVX512VNNI);
             for (int isa = 1; isa <= 4; isa++) {
                 if (!fs_isa_supported(isa)) continue;
                 for (int th = 1; th <= 4; th++) {          /* 3, 4: 1, 2 threads, fused */
