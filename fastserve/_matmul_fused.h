@@ -21,6 +21,8 @@
  *   weights (8 for Q4_0, 128 for Q8_0) leaves as isum -= offset * sum(q_x): exact integers, so the
  *   float part below (the staged kernels' operations in their order) gives the same bits.
  *
+ * AVX2 (Q4_0, Q4_1, Q8_0): the same in 8-row halves, one block per register (see there).
+ *
  * Scales: the 16 rows' first dword of each block (f16 d, and m for Q4_1) copied by scalar loads, then
  * widened with vcvtph2ps (exact), as the staging decoders do.
  */
@@ -29,6 +31,15 @@
 
 #define FS_FUSED_MAX_N 4        /* at more rows the staged kernels' weight reuse wins */
 #define FS_FUSED_MAX_N_K 2      /* the same for Q4_K */
+
+/* CALL(R) for the job's n = R (1..4) activation rows, R a constant in each case. */
+#define FS_FUSED_BY_N(CALL)                                              \
+    switch (j->n) {                                                      \
+    case 1: CALL(1); break;                                              \
+    case 2: CALL(2); break;                                              \
+    case 3: CALL(3); break;                                              \
+    default: CALL(4); break;                                             \
+    }
 
 #if defined(FS_HAVE_AVX512VNNI) && defined(FS_HAVE_STAGE_AVX512)
 #define FS_HAVE_FUSED_AVX512 1
@@ -309,14 +320,6 @@ FS_FUSED512 FS_INLINE void fs_fused_q6k_avx512(const fs_job *j, const uint8_t *r
     fs_fused_store(j, f, R);
 }
 
-#define FS_FUSED_BY_N(CALL)                                              \
-    switch (j->n) {                                                      \
-    case 1: CALL(1); break;                                              \
-    case 2: CALL(2); break;                                              \
-    case 3: CALL(3); break;                                              \
-    default: CALL(4); break;                                             \
-    }
-
 FS_FUSED512 static void fs_fused_avx512(const fs_job *j, int type, const uint8_t *rows, int64_t row_bytes,
                                         const uint8_t *next)
 {
@@ -341,6 +344,106 @@ FS_FUSED512 static void fs_fused_avx512(const fs_job *j, int type, const uint8_t
 }
 #endif /* FS_HAVE_FUSED_AVX512 */
 
+#if defined(FS_HAVE_STAGE_AVX2)
+#define FS_HAVE_FUSED_AVX2 1
+#define FS_FUSED256 __attribute__((target("avx2,f16c")))
+
+/* AVX2 (no VNNI), Q4_0 / Q4_1 / Q8_0: half a panel (8 rows, lanes) at a time, one block per
+ * 256-bit register [inputs 0..15 | 16..31]: nibbles as u8 0..15 (maddubs pairs <= 2 * 15 * 127),
+ * Q8_0 as maddubs(|w|, sign(x, w)) (the staged AVX2 kernel's exact dot), then madd with ones, and
+ * the transpose-reduce of 8 rows' 8 partials: unpack dwords, unpack qwords, swap 128-bit lanes. */
+FS_FUSED256 FS_INLINE __m256i fs_fold32_avx2(__m256i a, __m256i b)
+{
+    return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+}
+
+FS_FUSED256 FS_INLINE __m256i fs_fold64_avx2(__m256i c, __m256i d)
+{
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(c, d), _mm256_unpackhi_epi64(c, d));
+}
+
+/* Row p's dot partials of block b with the activations xv (their 32 inputs of b). */
+FS_FUSED256 FS_INLINE __m256i fs_fused_dot_avx2(const int type, const uint8_t *p, int64_t b, __m256i xv)
+{
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (type == FS_T_Q8_0) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(p + b * 34 + 2));
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)), ones);
+    }
+    const int bb = type == FS_T_Q4_1 ? 20 : 18, qoff = type == FS_T_Q4_1 ? 4 : 2;
+    const __m128i q = _mm_loadu_si128((const __m128i *)(p + b * bb + qoff)), m = _mm_set1_epi8(15);
+    const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
+}
+
+FS_FUSED256 FS_INLINE void fs_fused_half_avx2(const fs_job *j, const int type, const uint8_t *const *rp, int h,
+                                              const uint8_t *next, int64_t next_bytes, const int R)
+{
+    const int64_t nb = j->nb, K = nb * FS_QK;
+    const int has_m = type == FS_T_Q4_1, bb = type == FS_T_Q8_0 ? 34 : has_m ? 20 : 18;
+    const int32_t offset = type == FS_T_Q4_0 ? 8 : 0;
+    __m256 f[FS_FUSED_MAX_N];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        f[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        fs_prefetch_range(next, next_bytes * (2 * b + h) / (2 * nb), next_bytes * (2 * b + h + 1) / (2 * nb));
+        __m256i xv[FS_FUSED_MAX_N], e[2][FS_FUSED_MAX_N];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            xv[r] = _mm256_loadu_si256((const __m256i *)(j->xq + r * K + b * FS_QK));
+#pragma GCC unroll 2
+        for (int u = 0; u < 2; u++) {
+            __m256i c[2][FS_FUSED_MAX_N];
+#pragma GCC unroll 2
+            for (int t = 0; t < 2; t++) {
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++)
+                    c[t][r] = fs_fold32_avx2(fs_fused_dot_avx2(type, rp[4 * u + 2 * t], b, xv[r]),
+                                             fs_fused_dot_avx2(type, rp[4 * u + 2 * t + 1], b, xv[r]));
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                e[u][r] = fs_fold64_avx2(c[0][r], c[1][r]);
+        }
+        uint16_t d16[8], m16[8];
+        for (int l = 0; l < 8; l++) {
+            memcpy(&d16[l], rp[l] + b * bb, 2);
+            memcpy(&m16[l], rp[l] + b * bb + 2, 2);
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d16));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m16));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const int64_t o = r * nb + b;
+            __m256i is = _mm256_add_epi32(_mm256_permute2x128_si256(e[0][r], e[1][r], 0x20),
+                                          _mm256_permute2x128_si256(e[0][r], e[1][r], 0x31));
+            if (offset)
+                is = _mm256_sub_epi32(is, _mm256_set1_epi32(offset * j->xs[o]));
+            f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(d, _mm256_set1_ps(j->dx[o]))));
+            if (has_m)
+                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(m, _mm256_set1_ps(j->sx[o])));
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        fs_store_half_avx2(j, h, r, f[r]);
+}
+
+FS_FUSED256 static void fs_fused_avx2(const fs_job *j, int type, const uint8_t *rows, int64_t row_bytes,
+                                      const uint8_t *next)
+{
+    const uint8_t *rp[16];
+    for (int l = 0; l < 16; l++)
+        rp[l] = rows + (l < j->valid ? l : 0) * row_bytes;
+    for (int h = 0; h < 2 && h * 8 < j->valid; h++) {
+#define FS_HALF(R) fs_fused_half_avx2(j, type, rp + 8 * h, h, next, 16 * row_bytes, R)
+        FS_FUSED_BY_N(FS_HALF);
+#undef FS_HALF
+    }
+}
+#endif /* FS_HAVE_STAGE_AVX2 */
+
 /* Whether the fused kernel computes a panel of valid rows of this type at n activation rows with
  * this isa (valid < 16: only the 32-input types; Q4_K's last partial panel stages). Q4_K stops at
  * FS_FUSED_MAX_N_K rows: its staging decoder is cheaper per byte than the 32-input types', so the
@@ -354,6 +457,11 @@ static inline int fs_fused_ok(int isa, int type, int64_t n, int valid)
          (type == FS_T_Q4_K && valid == FS_LANES && n <= FS_FUSED_MAX_N_K) || (type == FS_T_Q6_K && n <= FS_FUSED_MAX_N_K)))
         return 1;
 #endif
+#if defined(FS_HAVE_FUSED_AVX2)
+    if (isa == FS_ISA_AVX2 && n >= 1 && n <= FS_FUSED_MAX_N &&
+        (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q8_0))
+        return 1;
+#endif
     (void)isa; (void)type; (void)n; (void)valid;
     return 0;
 }
@@ -365,6 +473,12 @@ static void fs_fused_panel(int isa, int type, const fs_job *j, const uint8_t *ro
 #if defined(FS_HAVE_FUSED_AVX512)
     if (isa == FS_ISA_AVX512VNNI) {
         fs_fused_avx512(j, type, rows, row_bytes, next);
+        return;
+    }
+#endif
+#if defined(FS_HAVE_FUSED_AVX2)
+    if (isa == FS_ISA_AVX2) {
+        fs_fused_avx2(j, type, rows, row_bytes, next);
         return;
     }
 #endif

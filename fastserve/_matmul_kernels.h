@@ -249,6 +249,21 @@ static inline int32_t fs_load4(const int8_t *p)
     return v;
 }
 
+/* Lanes h*8 .. of output row r (those of the panel's valid ones). */
+FS_AVX2 FS_INLINE void fs_store_half_avx2(const fs_job *j, int h, int64_t r, __m256 v)
+{
+    int valid = j->valid - h * 8;
+    valid = valid > 8 ? 8 : valid;
+    float *yr = j->y + r * j->ldy + h * 8;
+    if (valid == 8) {
+        _mm256_storeu_ps(yr, v);
+    } else if (valid > 0) {
+        float tmp[8];
+        _mm256_storeu_ps(tmp, v);
+        memcpy(yr, tmp, (size_t)valid * sizeof(float));
+    }
+}
+
 /* AVX2 (no VNNI): one half panel (8 outputs) times R rows. The weights are made signed again
  * (xor 0x80) and multiplied with maddubs(|w|, sign(x, w)), whose i16 pair sums cannot saturate
  * (2 * 128 * 127 < 2^15); the integer result is VNNI's exact dot. */
@@ -301,19 +316,9 @@ FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, int h, int64_t r0, const in
                 f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(mw, _mm256_set1_ps(j->sx[(r0 + r) * nb + b])));
         }
     }
-    int valid = j->valid - h * 8;
-    valid = valid > 8 ? 8 : valid;
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        float *yr = j->y + (r0 + r) * j->ldy + h * 8;
-        if (valid == 8) {
-            _mm256_storeu_ps(yr, f[r]);
-        } else if (valid > 0) {
-            float tmp[8];
-            _mm256_storeu_ps(tmp, f[r]);
-            memcpy(yr, tmp, (size_t)valid * sizeof(float));
-        }
-    }
+    for (int r = 0; r < R; r++)
+        fs_store_half_avx2(j, h, r0 + r, f[r]);
 }
 
 FS_AVX2 FS_INLINE void fs_float_tile_avx2(const fs_job *j, int h, int64_t r0, const int R)
@@ -333,15 +338,9 @@ FS_AVX2 FS_INLINE void fs_float_tile_avx2(const fs_job *j, int h, int64_t r0, co
                 f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(wv, _mm256_set1_ps(xb[r * K + i])));
         }
     }
-    int valid = j->valid - h * 8;
-    valid = valid > 8 ? 8 : valid;
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        float tmp[8];
-        _mm256_storeu_ps(tmp, f[r]);
-        if (valid > 0)
-            memcpy(j->y + (r0 + r) * j->ldy + h * 8, tmp, (size_t)valid * sizeof(float));
-    }
+    for (int r = 0; r < R; r++)
+        fs_store_half_avx2(j, h, r0 + r, f[r]);
 }
 
 /* kind FS_N_KINDS: the float kernel */
