@@ -90,7 +90,7 @@ def matrix_table(model, reps: int = 5, old=None) -> list[str]:
     best = _matmul.best_isa()
     heads = [*_matmul.isas()] + [best + " staged"] + (["old q8 " + old.best_isa()] if old else [])
     lines = [f"(n <= {_matmul.FUSED_MAX_N} rows of {', '.join(_matmul.fused_types(best))}: the fused kernels; "
-             f"'{best} staged': the staging path at the same n)",
+             f"(Q4_K, Q6_K: n <= 2); '{best} staged': the staging path at the same n)",
              f"{'matrix':10s} {'type':6s} {'n':>3s} " + " ".join(f"{k:>22s}" for k in heads)]
     for name, w in mats:
         ow = _old_matrix(old, w) if old else None
