@@ -44,7 +44,7 @@ def extensions():
         ext_args, link_args = list(args) + ["-pthread"], ["-pthread"]
         depends = [os.path.join("fastserve", "_pool.h"), os.path.join("fastserve", "_pool.pxd")]
         if name == "fastserve._matmul":
-            depends += [os.path.join("fastserve", h) for h in ("_matmul_kernels.h", "_gguf_blocks.h")]
+            depends += [os.path.join("fastserve", h) for h in ("_matmul_kernels.h", "_matmul_fused.h", "_gguf_blocks.h")]
             # Its float sums are specified operation by operation (batch invariance, parity with the
             # NumPy twin): no fused multiply-add.
             ext_args += ["-ffp-contract=off"]

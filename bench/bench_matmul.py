@@ -3,12 +3,16 @@
 Run: python bench/bench_matmul.py [--model PATH] [--rounds 5] [--busy] [--old-so PATH]
      pytest bench/bench_matmul.py --benchmark-only -p no:cacheprovider -s
 
-Prints (1) each weight matrix's product at n = 1, 8, 32 rows for every kernel this machine runs
-(GB/s of file bytes streamed), beside the int8-copy kernels of an older build of fastserve._matmul
-(--old-so: its .so; the matrix repacked from the same exact blocks) when given; (2) a decode step of
-the whole model (NumpyBackend.forward, 32 slots holding 64 tokens each) at batch 1, 8 and 32 on 1 and
-2 threads, with the machine's read bandwidth measured in the same run (a NumPy sum over 256 MB, on
-1 and 2 threads) and the floor it sets for batch 1 (weight bytes / bandwidth). The configurations
+Prints (1) each weight matrix's product at n = 1, 2, 4, 8, 32 rows for every kernel this machine runs
+(GB/s of file bytes streamed; at n <= 4 the fused kernels where the type has one, and the staging
+path beside them), beside the int8-copy kernels of an older build of fastserve._matmul (--old-so:
+its .so; the matrix repacked from the same exact blocks) when given, and every fused type on random
+2048 x 2048 blocks at n = 1, 2, 4, fused and staged; (2) a batch-1 step's products alone (every matrix
+once, from memory) against the floor; (3) a decode step of the whole model (NumpyBackend.forward, 32
+slots holding 64 tokens each) at batch 1, 8 and 32 on 1 and 2 threads (batch 1 also staged), with the
+machine's read bandwidth measured in the same run (a NumPy sum over 256 MB, on 1 and 2 threads) and
+the floor it sets for batch 1 (weight bytes / bandwidth); (4) where a batch-1 step's time goes
+(products, attention, norms, RoPE, SiLU, embedding rows, the rest). The configurations
 take turns within each round, so the ratios compare runs made under the same load; a shared machine
 still moves every figure, so read medians over rounds. --busy adds a process that keeps one core
 busy and measures everything again beside it.
@@ -27,7 +31,9 @@ import numpy as np
 import pytest
 
 BATCHES = (1, 8, 32)
+MATRIX_BATCHES = (1, 2, 4, 8, 32)
 CONFIGS = (1, 2)                    # threads
+FUSED_MAX_N = 4                     # batches also measured staged (fastserve._matmul.FUSED_MAX_N)
 N_CTX_FILLED = 64
 SETTLE_S = 0.1
 
@@ -81,16 +87,22 @@ def matrix_table(model, reps: int = 5, old=None) -> list[str]:
     mats = [("wqkv", lw.wqkv), ("wo", lw.wo), ("w_gate_up", lw.w_gate_up), ("w_down", lw.w_down),
             ("output", model.weights.output)]
     rng = np.random.default_rng(0)
-    heads = [*_matmul.isas()] + (["old q8 " + old.best_isa()] if old else [])
-    lines = [f"{'matrix':10s} {'type':6s} {'n':>3s} " + " ".join(f"{k:>22s}" for k in heads)]
+    best = _matmul.best_isa()
+    heads = [*_matmul.isas()] + [best + " staged"] + (["old q8 " + old.best_isa()] if old else [])
+    lines = [f"(n <= {_matmul.FUSED_MAX_N} rows of {', '.join(_matmul.fused_types(best))}: the fused kernels; "
+             f"(Q4_K, Q6_K: n <= 2); '{best} staged': the staging path at the same n)",
+             f"{'matrix':10s} {'type':6s} {'n':>3s} " + " ".join(f"{k:>22s}" for k in heads)]
     for name, w in mats:
         ow = _old_matrix(old, w) if old else None
-        for n in BATCHES:
+        for n in MATRIX_BATCHES:
             x = rng.standard_normal((n, w.n_in)).astype(np.float32)
             y = np.empty((n, w.n_out), np.float32)
             cells = []
-            for isa in _matmul.isas():
-                mm = _matmul.Matmul(1, isa)
+            for isa, fused in [(isa, True) for isa in _matmul.isas()] + [(best, False)]:
+                mm = _matmul.Matmul(1, isa, fused=fused)
+                if not fused and (n > _matmul.FUSED_MAX_N or not set(w.types) & set(_matmul.fused_types(best))):
+                    cells.append("-")
+                    continue
                 t = _best(lambda: mm(x, w, y), reps)
                 cells.append(f"{t * 1e6:8.0f} us {w.nbytes / t / 1e9:5.1f} GB/s")
             if old:
@@ -98,6 +110,69 @@ def matrix_table(model, reps: int = 5, old=None) -> list[str]:
                 t = _best(lambda: mm_old(x, ow, y), reps)
                 cells.append(f"{t * 1e6:8.0f} us {ow.nbytes / t / 1e9:5.1f} GB/s")
             lines.append(f"{name:10s} {'+'.join(sorted(set(w.types))):6s} {n:3d} " + " ".join(f"{c:>22s}" for c in cells))
+    return lines
+
+
+def random_matrix(type_name: str, n_out: int = 2048, n_in: int = 2048, seed: int = 0):
+    """A BlockMatrix of random blocks of type_name whose f16 scales are ordinary numbers."""
+    from fastserve import _matmul
+    per, nbytes, _ = _matmul.type_info(type_name)
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n_out, n_in // per, nbytes), dtype=np.uint8)
+    scales = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}[type_name]
+    for off in scales:
+        f16 = np.float16(rng.random((n_out, n_in // per)) * 0.02 - 0.01).view(np.uint8).reshape(n_out, -1, 2)
+        raw[:, :, off:off + 2] = f16
+    return _matmul.BlockMatrix([(type_name, type_name, raw.reshape(n_out, -1), n_out)], n_in)
+
+
+def type_table(reps: int = 7) -> list[str]:
+    """Per fused type (random 2048 x 2048 blocks, warm caches, 1 thread): GB/s of file bytes at n =
+    1, 2, 4, the fused kernels (where they run at that n) beside the staging path."""
+    from fastserve import _matmul
+    best = _matmul.best_isa()
+    rng = np.random.default_rng(1)
+    lines = [f"per type, 2048 x 2048, 1 thread, {best}: GB/s of file bytes, fused / staged (ratio)"]
+    for t in _matmul.fused_types(best):
+        w = random_matrix(t)
+        cells = []
+        for n in (1, 2, 4):
+            x = rng.standard_normal((n, w.n_in)).astype(np.float32)
+            y = np.empty((n, w.n_out), np.float32)
+            tf, ts = (_best(lambda: _matmul.Matmul(1, best, fused=f)(x, w, y), reps) for f in (True, False))
+            cells.append(f"n={n} {w.nbytes / tf / 1e9:5.1f} / {w.nbytes / ts / 1e9:5.1f} ({ts / tf:4.2f})")
+        lines.append(f"  {t:5s} " + "   ".join(cells))
+    return lines
+
+
+def step_products(model, rounds: int = 9) -> list[str]:
+    """A batch-1 step's products alone (every matrix of the model once, in the forward's order, so
+    the weights come from memory as in a step) on 1 and 2 threads, fused and staged, against the
+    floor weight bytes / read bandwidth measured between them with the same threads."""
+    from fastserve import _matmul
+    from fastserve._pool import Pool
+    w = model.weights
+    mats = [getattr(lw, k) for lw in w.layers for k in ("wqkv", "wo", "w_gate_up", "w_down")] + [w.output]
+    total = sum(m.nbytes for m in mats)
+    rng = np.random.default_rng(2)
+    xs = {m.n_in: rng.standard_normal((1, m.n_in)).astype(np.float32) for m in mats}
+    ys = [np.empty((1, m.n_out), np.float32) for m in mats]
+    lines = [f"a batch-1 step's products ({total / 1e6:.1f} MB), median of {rounds} rounds"]
+    for c in CONFIGS:
+        mm = _matmul.Matmul(pool=Pool(c))
+        t: dict = {True: [], False: [], "bw": []}
+        for _ in range(rounds):
+            t["bw"].append(read_bandwidth(c))
+            for fused in (True, False):
+                mm.fused = fused
+                t0 = time.perf_counter()
+                for m, y in zip(mats, ys):
+                    mm(xs[m.n_in], m, y)
+                t[fused].append(time.perf_counter() - t0)
+        floor = total / float(np.median(t["bw"]))
+        f, s = (float(np.median(t[k])) for k in (True, False))
+        lines.append(f"  {c} thread(s): fused {f * 1e3:6.2f} ms ({f / floor:4.2f}x floor), staged {s * 1e3:6.2f} ms "
+                     f"({s / floor:4.2f}x); floor {floor * 1e3:.2f} ms at {np.median(t['bw']) / 1e9:.1f} GB/s")
     return lines
 
 
@@ -139,14 +214,17 @@ def step_times(model, rounds: int, steps: int = 4) -> dict:
         for n in BATCHES:
             toks, slots = np.full(n, 100, np.int32), np.arange(n)
             for c in CONFIGS:
-                be = backends[c]
-                time.sleep(SETTLE_S)
-                be.forward(toks, np.full(n, N_CTX_FILLED), slots, slots)       # warm
-                for i in range(steps):
-                    pos = np.full(n, N_CTX_FILLED + i)
-                    t0 = time.perf_counter()
-                    be.forward(toks, pos, slots, slots)
-                    out.setdefault((n, c), []).append(time.perf_counter() - t0)
+                for fused in (True, False) if n <= FUSED_MAX_N else (True,):
+                    be = backends[c]
+                    be._mm.fused = fused
+                    time.sleep(SETTLE_S)
+                    be.forward(toks, np.full(n, N_CTX_FILLED), slots, slots)       # warm
+                    for i in range(steps):
+                        pos = np.full(n, N_CTX_FILLED + i)
+                        t0 = time.perf_counter()
+                        be.forward(toks, pos, slots, slots)
+                        out.setdefault((n, c) if fused else (n, c, "staged"), []).append(time.perf_counter() - t0)
+                    be._mm.fused = True
     return out
 
 
@@ -162,7 +240,71 @@ def step_table(times: dict, wbytes: int) -> list[str]:
         floors = "   ".join(f"{med[c] / (wbytes / bw[c] * 1e3):13.2f}" for c in CONFIGS)
         r2 = np.median(np.array(times[(n, 2)]) / np.array(times[(n, 1)]))
         lines.append(f"{n:5d} " + " ".join(f"{c:>16s}" for c in cells) + f"   {floors}   {r2:7.3f}")
+        if (n, 1, "staged") in times:
+            med = {c: 1e3 * float(np.median(times[(n, c, "staged")])) for c in CONFIGS}
+            cells = [f"{med[c]:7.1f} ({1e3 * min(times[(n, c, 'staged')]):5.1f})" for c in CONFIGS]
+            floors = "   ".join(f"{med[c] / (wbytes / bw[c] * 1e3):13.2f}" for c in CONFIGS)
+            r2 = np.median(np.array(times[(n, 2, "staged")]) / np.array(times[(n, 1, "staged")]))
+            lines.append(f"{'':5s} " + " ".join(f"{c:>16s}" for c in cells) + f"   {floors}   {r2:7.3f}   (staged, not fused)")
     return lines
+
+
+def forward_breakdown(model, threads: int, steps: int = 40) -> list[str]:
+    """Where a batch-1 decode step's time goes: the backend's pieces timed by wrappers (products of
+    the layers, the output product, attention, norms, RoPE, SiLU, the embedding rows; the rest is
+    Python and NumPy glue), fused and staged."""
+    from fastserve.backends import numpy_backend as nbk
+
+    be = make_backend(model, threads)
+    acc: dict = {}
+
+    def timed(name, fn):
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[name] = acc.get(name, 0.0) + time.perf_counter() - t0
+        return call
+
+    out_m, inner = model.weights.output, be._matmul
+    be._matmul = lambda x, m: timed("output product" if m is out_m else "layer products", inner)(x, m)
+    saved = {name: getattr(nbk, name) for name in ("rms_norm", "apply_rope", "attend", "silu")}
+    emb = model.weights.tok_embd
+    lines = [f"batch-1 step on {threads} thread(s), {steps} steps: ms per step (share)"]
+    try:
+        for name, fn in saved.items():
+            setattr(nbk, name, timed(name, fn))
+        model.weights.tok_embd = _RowsTimed(emb, timed)
+        toks, slots = np.full(1, 100, np.int32), np.arange(1)
+        for fused in (True, False):
+            be._mm.fused = fused
+            acc.clear()
+            total = 0.0
+            for i in range(steps):
+                pos = np.full(1, N_CTX_FILLED + i % 8)
+                t0 = time.perf_counter()
+                be.forward(toks, pos, slots, slots)
+                total += time.perf_counter() - t0
+            parts = sorted(acc.items(), key=lambda kv: -kv[1]) + [("rest (Python, NumPy glue)", total - sum(acc.values()))]
+            lines.append(f"  {'fused' if fused else 'staged'}: {total / steps * 1e3:.2f} ms: " +
+                         ", ".join(f"{k} {v / steps * 1e3:.2f} ({100 * v / total:.0f} %)" for k, v in parts))
+    finally:
+        for name, fn in saved.items():
+            setattr(nbk, name, fn)
+        model.weights.tok_embd = emb
+        be._mm.fused = True
+    return lines
+
+
+class _RowsTimed:
+    """A BlockMatrix whose get_rows (the embedding lookup) is timed; all else passes through."""
+
+    def __init__(self, m, timed):
+        self._m, self.get_rows = m, timed("embedding rows", m.get_rows)
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
 
 
 class BusyCore:
@@ -194,8 +336,12 @@ def main(argv=None) -> int:
           f"{os.cpu_count()} CPUs")
     if not args.no_matrices:
         print("\n".join(matrix_table(model, old=load_old(args.old_so) if args.old_so else None)))
+        print("\n".join(type_table()))
+    print("\n".join(step_products(model)))
     print(f"\ndecode step, 32 slots x {N_CTX_FILLED} tokens of context, {args.rounds} rounds")
     print("\n".join(step_table(step_times(model, args.rounds), weight_bytes(model))))
+    for c in CONFIGS:
+        print("\n".join(forward_breakdown(model, c)))
     if args.busy:
         print("\nthe same beside a process that keeps one core busy")
         with BusyCore():

@@ -463,6 +463,29 @@ FS_STAGE512 static inline __m512i fs_bytes_srl(__m512i v, int s, int mask)
     return _mm512_and_si512(_mm512_srli_epi16(v, s), _mm512_set1_epi8((char)mask));
 }
 
+/* Q4_K / Q5_K: the 8 scales d * sc_j and offsets -(dmin * mn_j) of a 256-block of 16 rows from
+ * h (fs_rows16x4 of its first 16 bytes: d | dmin, scales[0..3], [4..7], [8..11]). */
+FS_STAGE512 static inline void fs_k45_scales(const __m512i h[4], __m512 dsc[8], __m512 mneg[8])
+{
+    const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h[0]));
+    const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h[0], 16)));
+    const __m512i m63 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(15);
+    for (int j = 0; j < 8; j++) {
+        __m512i sc, mn;
+        if (j < 4) {
+            sc = _mm512_and_si512(fs_byte(h[1], j), m63);
+            mn = _mm512_and_si512(fs_byte(h[2], j), m63);
+        } else {
+            __m512i lo = fs_byte(h[3], j - 4);
+            sc = _mm512_or_si512(_mm512_and_si512(lo, m15), _mm512_slli_epi32(_mm512_srli_epi32(fs_byte(h[1], j - 4), 6), 4));
+            mn = _mm512_or_si512(_mm512_srli_epi32(lo, 4), _mm512_slli_epi32(_mm512_srli_epi32(fs_byte(h[2], j - 4), 6), 4));
+        }
+        dsc[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+        __m512i m = _mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));     /* negated: sign bit */
+        mneg[j] = _mm512_castsi512_ps(_mm512_xor_si512(m, _mm512_set1_epi32((int)0x80000000u)));
+    }
+}
+
 /* Q4_K / Q5_K: per 256-block the 8 scales and mins (d * sc_j, -(dmin * mn_j)) of 16 rows, then the
  * quants two blocks (one 32-byte chunk, low and high nibbles) per transpose. */
 FS_STAGE512 static void fs_stage_k45_avx512(int five, const uint8_t *rows, int64_t row_bytes, int64_t nb,
@@ -473,24 +496,13 @@ FS_STAGE512 static void fs_stage_k45_avx512(int five, const uint8_t *rows, int64
     for (int64_t sb = 0; sb < nb / 8; sb++) {
         fs_prefetch_range(next, 16 * row_bytes * sb * 8 / nb, 16 * row_bytes * (sb + 1) * 8 / nb);
         __m512i h[4], qh[8];
-        fs_rows16x4(rows, row_bytes, sb * bb, h);       /* d | dmin, scales[0..3], [4..7], [8..11] */
-        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h[0]));
-        const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(h[0], 16)));
-        const __m512i m63 = _mm512_set1_epi32(63), m15 = _mm512_set1_epi32(15);
+        __m512 dsc[8], mneg[8];
+        fs_rows16x4(rows, row_bytes, sb * bb, h);
+        fs_k45_scales(h, dsc, mneg);
         for (int j = 0; j < 8; j++) {
-            __m512i sc, mn;
-            if (j < 4) {
-                sc = _mm512_and_si512(fs_byte(h[1], j), m63);
-                mn = _mm512_and_si512(fs_byte(h[2], j), m63);
-            } else {
-                __m512i lo = fs_byte(h[3], j - 4);
-                sc = _mm512_or_si512(_mm512_and_si512(lo, m15), _mm512_slli_epi32(_mm512_srli_epi32(fs_byte(h[1], j - 4), 6), 4));
-                mn = _mm512_or_si512(_mm512_srli_epi32(lo, 4), _mm512_slli_epi32(_mm512_srli_epi32(fs_byte(h[2], j - 4), 6), 4));
-            }
             uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QM;
-            _mm512_storeu_ps((void *)(pb + 512), _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
-            __m512i m = _mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));     /* negated: sign bit */
-            _mm512_storeu_si512((void *)(pb + 576), _mm512_xor_si512(m, _mm512_set1_epi32((int)0x80000000u)));
+            _mm512_storeu_ps((void *)(pb + 512), dsc[j]);
+            _mm512_storeu_ps((void *)(pb + 576), mneg[j]);
         }
         if (five)
             fs_rows16x8(rows, row_bytes, sb * bb + 16, qh);

@@ -67,6 +67,7 @@ cdef extern from "_matmul_kernels.h" nogil:
         fs_job act
         uint8_t *stage
         int64_t stage_bytes, chunk
+        int fused
     int fs_type(int type, fs_type_info *info)
     int64_t fs_stage_bytes(int kind)
     int64_t fs_row_bytes(const fs_type_info *t, int64_t n_in)
@@ -77,6 +78,9 @@ cdef extern from "_matmul_kernels.h" nogil:
     void fs_stage_panel(int isa, int type, const uint8_t *rows, int64_t row_bytes, int valid,
                         int64_t n_in, uint8_t *stage, const uint8_t *next)
     int fs_isa_supported(int isa)
+    int fs_fused_ok(int isa, int type, int64_t n, int valid)
+    enum:
+        FS_FUSED_MAX_N
     int fs_best_isa()
     fs_kernel fs_kernel_for(int isa, int kind)
     void fs_product_task(void *ctx, int64_t begin, int64_t end) noexcept
@@ -95,6 +99,16 @@ KINDS = {FS_KIND_Q: "q", FS_KIND_QM: "qm", FS_KIND_QS: "qs", FS_KIND_F: "f"}
 def isas():
     """The kernels this machine can run ("scalar" always)."""
     return tuple(name for isa, name in sorted(ISA_NAMES.items()) if fs_isa_supported(isa))
+
+
+def fused_types(str isa="auto"):
+    """The types whose products at small n the isa's fused kernel computes straight from the file's
+    rows (n <= FUSED_MAX_N; Q4_K and Q6_K n <= 2, where fusing still wins), the others stage panels."""
+    cdef int isa_id = _isa_id(isa)
+    return tuple(t for t, i in TYPE_IDS.items() if fs_fused_ok(isa_id, i, 1, FS_LANES))
+
+
+FUSED_MAX_N = FS_FUSED_MAX_N
 
 
 def best_isa():
@@ -285,11 +299,14 @@ cdef class Matmul:
     """y = x . W^T for BlockMatrix weights. pool: a fastserve._pool.Pool whose threads the products
     run on (shared with the backend's other loops), or None: then threads (the calling thread plus
     threads - 1 helpers spinning spin_us after a call) makes one of its own. isa: "auto" (the best
-    kernel of this machine) or a name from isas(). Holds the activation scratch and one staging
+    kernel of this machine) or a name from isas(). fused: small batches (n <= 4) of the types the
+    isa has a fused kernel for (fused_types()) compute straight from the file's rows instead of
+    staging panels (the same bits; False: always stage, for comparison). Holds the activation scratch and one staging
     panel per task (grown on demand, never shrunk)."""
     cdef readonly int threads
     cdef readonly str isa
     cdef readonly Pool pool
+    cdef public bint fused
     cdef int isa_id
     cdef fs_kernel kern[4]
     cdef int8_t *xq
@@ -309,8 +326,9 @@ cdef class Matmul:
         self.stage = NULL
         self.cap_q = self.cap_b = self.cap_f = self.cap_stage = 0
 
-    def __init__(self, int threads=1, str isa="auto", double spin_us=100.0, Pool pool=None):
+    def __init__(self, int threads=1, str isa="auto", double spin_us=100.0, Pool pool=None, bint fused=True):
         self.isa_id = _isa_id(isa)
+        self.fused = fused
         self.isa = ISA_NAMES[self.isa_id]
         for k in range(FS_N_KINDS):
             self.kern[k] = fs_kernel_for(self.isa_id, k)
@@ -376,6 +394,7 @@ cdef class Matmul:
         self.busy = True
         pr.parts, pr.n_parts, pr.n_in, pr.n_panels = w.parts, w.n_parts, w.n_in, w.n_panels
         pr.isa = self.isa_id
+        pr.fused = self.fused
         for k in range(FS_N_KINDS):
             pr.kern[k] = self.kern[k]
         pr.act.nb = nb

@@ -249,6 +249,21 @@ static inline int32_t fs_load4(const int8_t *p)
     return v;
 }
 
+/* Lanes h*8 .. of output row r (those of the panel's valid ones). */
+FS_AVX2 FS_INLINE void fs_store_half_avx2(const fs_job *j, int h, int64_t r, __m256 v)
+{
+    int valid = j->valid - h * 8;
+    valid = valid > 8 ? 8 : valid;
+    float *yr = j->y + r * j->ldy + h * 8;
+    if (valid == 8) {
+        _mm256_storeu_ps(yr, v);
+    } else if (valid > 0) {
+        float tmp[8];
+        _mm256_storeu_ps(tmp, v);
+        memcpy(yr, tmp, (size_t)valid * sizeof(float));
+    }
+}
+
 /* AVX2 (no VNNI): one half panel (8 outputs) times R rows. The weights are made signed again
  * (xor 0x80) and multiplied with maddubs(|w|, sign(x, w)), whose i16 pair sums cannot saturate
  * (2 * 128 * 127 < 2^15); the integer result is VNNI's exact dot. */
@@ -301,19 +316,9 @@ FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, int h, int64_t r0, const in
                 f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(mw, _mm256_set1_ps(j->sx[(r0 + r) * nb + b])));
         }
     }
-    int valid = j->valid - h * 8;
-    valid = valid > 8 ? 8 : valid;
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        float *yr = j->y + (r0 + r) * j->ldy + h * 8;
-        if (valid == 8) {
-            _mm256_storeu_ps(yr, f[r]);
-        } else if (valid > 0) {
-            float tmp[8];
-            _mm256_storeu_ps(tmp, f[r]);
-            memcpy(yr, tmp, (size_t)valid * sizeof(float));
-        }
-    }
+    for (int r = 0; r < R; r++)
+        fs_store_half_avx2(j, h, r0 + r, f[r]);
 }
 
 FS_AVX2 FS_INLINE void fs_float_tile_avx2(const fs_job *j, int h, int64_t r0, const int R)
@@ -333,15 +338,9 @@ FS_AVX2 FS_INLINE void fs_float_tile_avx2(const fs_job *j, int h, int64_t r0, co
                 f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(wv, _mm256_set1_ps(xb[r * K + i])));
         }
     }
-    int valid = j->valid - h * 8;
-    valid = valid > 8 ? 8 : valid;
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        float tmp[8];
-        _mm256_storeu_ps(tmp, f[r]);
-        if (valid > 0)
-            memcpy(j->y + (r0 + r) * j->ldy + h * 8, tmp, (size_t)valid * sizeof(float));
-    }
+    for (int r = 0; r < R; r++)
+        fs_store_half_avx2(j, h, r0 + r, f[r]);
 }
 
 /* kind FS_N_KINDS: the float kernel */
@@ -712,6 +711,8 @@ static fs_kernel fs_kernel_for(int isa, int kind)
     return k[kind];
 }
 
+#include "_matmul_fused.h"
+
 /* ---- a product over the parts of a stacked matrix ------------------------------------------ */
 
 /* One part: rows [col0, col0 + rows) of the matrix (columns of y), all of one GGUF type. */
@@ -731,6 +732,7 @@ typedef struct {
     fs_job act;                 /* activations, n, y (the matrix's column 0) and ldy */
     uint8_t *stage;             /* one staging panel per task, stage_bytes apart */
     int64_t stage_bytes, chunk;
+    int fused;                  /* panels fs_fused_ok accepts skip staging (_matmul_fused.h) */
 } fs_product;
 
 static inline int64_t fs_part_panels(const fs_part *p)
@@ -808,11 +810,15 @@ static void fs_product_task(void *ctx, int64_t begin, int64_t end)
         }
         const uint8_t *next = r0 + (FS_PREFETCH_PANELS + 1) * FS_LANES <= pt->rows
                               ? pt->data + r0 * pt->row_bytes + FS_PREFETCH_PANELS * panel_bytes : NULL;
-        fs_stage_panel(pr->isa, pt->type, pt->data + r0 * pt->row_bytes, pt->row_bytes, valid, pr->n_in, stage, next);
         fs_job j = pr->act;
-        j.w = stage;
         j.valid = valid;
         j.y = pr->act.y + pt->col0 + r0;
+        if (pr->fused && fs_fused_ok(pr->isa, pt->type, j.n, valid)) {
+            fs_fused_panel(pr->isa, pt->type, &j, pt->data + r0 * pt->row_bytes, pt->row_bytes, next);
+            continue;
+        }
+        fs_stage_panel(pr->isa, pt->type, pt->data + r0 * pt->row_bytes, pt->row_bytes, valid, pr->n_in, stage, next);
+        j.w = stage;
         pr->kern[pt->kind](&j);
     }
 }

@@ -286,6 +286,32 @@ def test_outputs_bit_exact(type_name, ragged):
     assert_same(wc.get_rows([0, 5, n_out - 1]), matrix(twin(), [(type_name, raw)], n_in).get_rows([0, 5, n_out - 1]))
 
 
+@pytest.mark.parametrize("type_name", TYPES)
+def test_small_batches_bit_exact(type_name):
+    """n = 1..4 rows (the fused kernels' batches, fused_types()), with odd block counts and row
+    counts that leave a partial panel of 16: the twin's bits with the fused path and with staging,
+    on 1 to 3 threads."""
+    m = c_mod()
+    rng = np.random.default_rng(14)
+    per = B.TYPES[type_name][0]
+    for isa in set(m.isas()) & {"avx2", "avx512vnni"}:
+        assert {"Q4_0", "Q4_1", "Q8_0"} <= set(m.fused_types(isa)), isa
+    for n_out, blocks in ((37, 1), (16, 3), (53, 2 if per == 256 else 5)):
+        n_in = n_in_for(type_name, blocks, ragged=True)
+        raw = random_blocks(type_name, n_out, n_in, seed=15 + blocks)
+        x = rand(rng, m.FUSED_MAX_N, n_in)
+        x[1, :32] = 0.0
+        x[2, -32:] *= np.float32(1e30)
+        want = product(twin(), x, matrix(twin(), [(type_name, raw)], n_in))
+        wc = matrix(m, [(type_name, raw)], n_in)
+        for isa, threads in kernels():
+            for fused in (True, False):
+                mm = m.Matmul(threads=threads, isa=isa, fused=fused)
+                for n in range(1, m.FUSED_MAX_N + 1):
+                    got = mm(x[:n], wc, np.full((n, n_out), np.nan, np.float32))
+                    assert_same(got, want[:n], f"{type_name} {n_out}x{n_in} n={n} {isa} {threads} threads fused={fused}")
+
+
 def test_stacked_parts_of_mixed_types():
     """Q4_K | Q6_K | F16 | Q8_0 parts in one matrix: one activation quantization, each part into its
     column range, the same bits as each part alone and as the twin."""
@@ -419,7 +445,7 @@ static int same(const float *a, const float *b, int64_t n) {
 int main(void) {
     const int types[] = {FS_T_F32, FS_T_F16, FS_T_BF16, FS_T_Q4_0, FS_T_Q4_1, FS_T_Q5_0, FS_T_Q5_1,
                          FS_T_Q8_0, FS_T_Q4_K, FS_T_Q5_K, FS_T_Q6_K};
-    int fails = 0, checks = 0;
+    int fails = 0, checks = 0, fused_checks = 0;
     for (int isa = 0; isa <= 4; isa++) printf("isa %d supported %d\n", isa, fs_isa_supported(isa));
     printf("best %d\n", fs_best_isa());
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
@@ -451,12 +477,14 @@ int main(void) {
             pr.act.xf = xf; pr.act.n = n; pr.act.y = y0; pr.act.ldy = o;
             for (int k = 0; k < FS_N_KINDS; k++) pr.kern[k] = fs_kernel_for(FS_ISA_SCALAR, k);
             fs_product_task(&pr, 0, n_panels);
+            fused_checks += fs_fused_ok(FS_ISA_AVX512VNNI, types[ti], n, 16) && fs_isa_supported(FS_ISA_AVX512VNNI);
             for (int isa = 1; isa <= 4; isa++) {
                 if (!fs_isa_supported(isa)) continue;
-                for (int th = 1; th <= 2; th++) {
-                    fs_pool *pl = th > 1 ? fs_pool_new(th, 100000) : NULL;
+                for (int th = 1; th <= 4; th++) {          /* 3, 4: 1, 2 threads, fused */
+                    fs_pool *pl = th % 2 == 0 ? fs_pool_new(2, 100000) : NULL;
                     memset(y1, 0xff, n * o * 4);
                     pr.isa = isa;
+                    pr.fused = th > 2;
                     for (int k = 0; k < FS_N_KINDS; k++) pr.kern[k] = fs_kernel_for(isa, k);
                     pr.act.y = y1;
                     fs_pool_run(pl, fs_product_task, &pr, n_panels, 1);
@@ -469,6 +497,7 @@ int main(void) {
         }
         free(w);
     }
+    printf("%d fused products\n", fused_checks);
     printf("%d checks, %d mismatches\n", checks, fails);
     return fails != 0;
 }
@@ -495,6 +524,8 @@ def test_c_kernels_agree_natively(tmp_path):
         pytest.skip(f"no C compiler {cc[0]!r}")
     out = _check_harness(tmp_path, cc)
     assert "checks" in out
+    if c_mod().best_isa() == "avx512vnni":
+        assert int(out.split(" fused products")[0].split()[-1]) > 0, out
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="cross-checks run on Linux")

@@ -1,0 +1,488 @@
+/* Fused small-batch products: n <= 4 activation rows times 16 weight rows computed straight from the
+ * file's blocks, with no staging round trip (included by _matmul_kernels.h, whose numbers it keeps
+ * bit for bit: see there).
+ *
+ * Why: at batch 1 decoding a panel into the staging layout costs 2.5-3x the kernel that reads it,
+ * while the kernel's weight reuse (up to 8 activation rows per staged byte) buys nothing. Here each
+ * of the 16 rows (lanes of the result) is read as it is stored, two blocks per 512-bit register:
+ *
+ *   weights of row l, blocks b, b+1:  128-bit lanes [b: inputs 0..15 | b: 16..31 | b+1: 0..15 | b+1: 16..31]
+ *     Q4_0 / Q4_1: the 16 nibble bytes of each block broadcast into two lanes, masked with 0x0F and
+ *                  0xF0 (the high nibbles stay multiplied by 16: shifted out exactly after the sum);
+ *     Q8_0:        the 32 quant bytes of each block, made unsigned (xor 0x80);
+ *     Q4_K:        blocks 2c, 2c + 1 of a 256-block are the low and high nibbles of one 32-byte chunk:
+ *                  broadcast to both halves, masked 0x0F / 0xF0 (n <= 2 only, whole panels);
+ *     Q6_K:        the 64 low-bit bytes of two blocks and their high bits, q + 32 (n <= 2); its
+ *                  half-block dots are reduced apart and multiplied by their int8 sub-scales;
+ *   activations: the 64 quantized inputs of blocks b, b+1 as they lie (one load, reused by 16 rows);
+ *   vpdpbusd then leaves 16 partial dots (4 inputs each) per row, and a transpose-reduce (unpack
+ *   dwords, unpack qwords, shuffle 128-bit lanes: 3 steps of add) sums the 8 partials of every (row,
+ *   block) into one vector per block whose lane l is row l's exact isum. The offset of the unsigned
+ *   weights (8 for Q4_0, 128 for Q8_0) leaves as isum -= offset * sum(q_x): exact integers, so the
+ *   float part below (the staged kernels' operations in their order) gives the same bits.
+ *
+ * AVX2 (Q4_0, Q4_1, Q8_0): the same in 8-row halves, one block per register (see there).
+ *
+ * Scales: the 16 rows' first dword of each block (f16 d, and m for Q4_1) copied by scalar loads, then
+ * widened with vcvtph2ps (exact), as the staging decoders do.
+ */
+#ifndef FASTSERVE_MATMUL_FUSED_H
+#define FASTSERVE_MATMUL_FUSED_H
+
+#define FS_FUSED_MAX_N 4        /* at more rows the staged kernels' weight reuse wins */
+#define FS_FUSED_MAX_N_K 2      /* the same for Q4_K */
+
+/* CALL(R) for the job's n = R (1..4) activation rows, R a constant in each case. */
+#define FS_FUSED_BY_N(CALL)                                              \
+    switch (j->n) {                                                      \
+    case 1: CALL(1); break;                                              \
+    case 2: CALL(2); break;                                              \
+    case 3: CALL(3); break;                                              \
+    default: CALL(4); break;                                             \
+    }
+
+#if defined(FS_HAVE_AVX512VNNI) && defined(FS_HAVE_STAGE_AVX512)
+#define FS_HAVE_FUSED_AVX512 1
+#define FS_FUSED512 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c")))
+
+/* Transpose-reduce steps: a[s] holds row s's partials. */
+FS_FUSED512 FS_INLINE __m512i fs_fold32(__m512i a, __m512i b)
+{
+    /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+    return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+
+FS_FUSED512 FS_INLINE __m512i fs_fold64(__m512i c, __m512i d)
+{
+    /* per 128-bit lane: the 4 rows of c (2) and d (2), each the sum of its lane's 4 dwords */
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(c, d), _mm512_unpackhi_epi64(c, d));
+}
+
+/* e0, e1: 4 rows each per 128-bit lane, lanes [b lo | b hi | b+1 lo | b+1 hi] -> [b: e0's rows |
+ * b+1: e0's | b: e1's | b+1: e1's], the high halves shifted down by 4 bits first when nibble. */
+FS_FUSED512 FS_INLINE __m512i fs_fold128(__m512i e0, __m512i e1, const int nibble)
+{
+    __m512i lo = _mm512_shuffle_i64x2(e0, e1, 0x88), hi = _mm512_shuffle_i64x2(e0, e1, 0xDD);
+    return _mm512_add_epi32(lo, nibble ? _mm512_srai_epi32(hi, 4) : hi);
+}
+
+/* The first dword of block b of 16 rows: f16 d (low half) and, Q4_1, f16 m (high half). */
+FS_FUSED512 FS_INLINE __m512i fs_fused_scales(const uint8_t *const rp[16], int64_t at)
+{
+    uint32_t w[16];
+    for (int l = 0; l < 16; l++)
+        memcpy(&w[l], rp[l] + at, 4);
+    return _mm512_loadu_si512((const void *)w);
+}
+
+/* Q6_K: row p's blocks jj, jj + 1 (jj even) of 256-block sb as unsigned 6-bit values q + 32: the
+ * 64 low-bit bytes of chunk jj / 4 hold both (their low nibbles for jj % 4 = 0, high for 2), and
+ * its 32 high-bit bytes, broadcast to both halves, bits jj % 4 * 2 (and + 2) for each. */
+FS_FUSED512 FS_INLINE __m512i fs_fused_q6k_weights(const uint8_t *p, int64_t sb, int jj)
+{
+    const uint8_t *blk = p + sb * 210;
+    const int c = jj >> 2, t = jj & 3;
+    __m512i ql = _mm512_loadu_si512((const void *)(blk + 64 * c));
+    if (t)
+        ql = _mm512_srli_epi16(ql, 4);
+    __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c)));
+    qh = _mm512_srlv_epi16(qh, _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * t)), _mm256_set1_epi16((short)(2 * t + 2)), 1));
+    return _mm512_or_si512(_mm512_and_si512(ql, _mm512_set1_epi8(15)),
+                           _mm512_slli_epi16(_mm512_and_si512(qh, _mm512_set1_epi8(3)), 4));
+}
+
+/* Row p's weights of blocks b, b1 (b1 = b + 1, or b for an odd last block) as unsigned bytes, laid
+ * out [b: inputs 0..15 | 16..31 | b1: 0..15 | 16..31]; the nibble types' high nibbles stay x16:
+ * Q4_0 / Q4_1 in the second and fourth 128-bit lanes, Q4_K (whose blocks 2c, 2c + 1 are the low
+ * and high nibbles of one 32-byte chunk) in the upper 256 bits. */
+FS_FUSED512 FS_INLINE __m512i fs_fused_weights(const int type, const uint8_t *p, int64_t b, int64_t b1)
+{
+    if (type == FS_T_Q8_0) {
+        __m512i w = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + b * 34 + 2)));
+        w = _mm512_inserti64x4(w, _mm256_loadu_si256((const __m256i *)(p + b1 * 34 + 2)), 1);
+        return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+    }
+    if (type == FS_T_Q6_K)
+        return fs_fused_q6k_weights(p, b >> 3, (int)(b & 7));
+    if (type == FS_T_Q4_K) {
+        const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8((char)0xF0), 1);
+        const __m512i w = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + (b >> 3) * 144 + 16 + 16 * (b & 7))));
+        return _mm512_and_si512(w, nib);
+    }
+    const int bb = type == FS_T_Q4_1 ? 20 : 18, qoff = type == FS_T_Q4_1 ? 4 : 2;
+    const __m512i nib = _mm512_set_epi64((long long)0xF0F0F0F0F0F0F0F0ull, (long long)0xF0F0F0F0F0F0F0F0ull,
+                                         0x0F0F0F0F0F0F0F0Fll, 0x0F0F0F0F0F0F0F0Fll,
+                                         (long long)0xF0F0F0F0F0F0F0F0ull, (long long)0xF0F0F0F0F0F0F0F0ull,
+                                         0x0F0F0F0F0F0F0F0Fll, 0x0F0F0F0F0F0F0F0Fll);
+    __m512i w = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p + b * bb + qoff)));
+    w = _mm512_mask_broadcast_i32x4(w, 0xFF00, _mm_loadu_si128((const __m128i *)(p + b1 * bb + qoff)));
+    return _mm512_and_si512(w, nib);
+}
+
+/* Rows rp[0..3]'s dots of blocks b, b1 with the R activation rows xv, two reduce steps in: e[r],
+ * per 128-bit lane (half a block) the 4 rows' sums. */
+FS_FUSED512 FS_INLINE void fs_fused_quad(const int type, const uint8_t *const *rp, int64_t b, int64_t b1,
+                                         const __m512i *xv, const int R, __m512i *e)
+{
+    __m512i c[2][FS_FUSED_MAX_N];
+#pragma GCC unroll 2
+    for (int t = 0; t < 2; t++) {
+        __m512i a[2][FS_FUSED_MAX_N];
+#pragma GCC unroll 2
+        for (int s = 0; s < 2; s++) {
+            const __m512i w = fs_fused_weights(type, rp[2 * t + s], b, b1);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                a[s][r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv[r]);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            c[t][r] = fs_fold32(a[0][r], a[1][r]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        e[r] = fs_fold64(c[0][r], c[1][r]);
+}
+
+/* The raw integer dots of blocks b, b1 of the 16 rows rp with the R activation rows xv (their 64
+ * quantized inputs of b, b1): is0[r], is1[r], lane l = row l (before the weights' offset). */
+FS_FUSED512 FS_INLINE void fs_fused_isums(const int type, const uint8_t *const rp[16], int64_t b, int64_t b1,
+                                          const __m512i *xv, const int R, __m512i *is0, __m512i *is1)
+{
+    const int lane_nibbles = type == FS_T_Q4_0 || type == FS_T_Q4_1;
+    __m512i e[4][FS_FUSED_MAX_N];
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; u++)
+        fs_fused_quad(type, rp + 4 * u, b, b1, xv, R, e[u]);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        const __m512i f0 = fs_fold128(e[0][r], e[1][r], lane_nibbles), f1 = fs_fold128(e[2][r], e[3][r], lane_nibbles);
+        is0[r] = _mm512_shuffle_i64x2(f0, f1, 0x88);
+        is1[r] = _mm512_shuffle_i64x2(f0, f1, 0xDD);
+        if (type == FS_T_Q4_K)
+            is1[r] = _mm512_srai_epi32(is1[r], 4);
+    }
+}
+
+/* acc += (float)isum * (d * d_x)  [then acc += m * s_x]: block o of the row's activations. */
+FS_FUSED512 FS_INLINE __m512 fs_fused_float(const fs_job *j, __m512 acc, __m512i isum, __m512 d, __m512 m,
+                                            const int has_m, int64_t o)
+{
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(d, _mm512_set1_ps(j->dx[o]))));
+    if (has_m)
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(m, _mm512_set1_ps(j->sx[o])));
+    return acc;
+}
+
+/* The R activation rows' 64 quantized inputs of blocks b, b + 1 (32 when b is the last). */
+FS_FUSED512 FS_INLINE void fs_fused_acts(const fs_job *j, int64_t b, int two, const int R, __m512i *xv)
+{
+    const int64_t K = j->nb * FS_QK;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        xv[r] = _mm512_maskz_loadu_epi8(two ? ~0ull : 0xFFFFFFFFull, j->xq + r * K + b * FS_QK);
+}
+
+/* The 16 rows' addresses (lanes >= valid repeat row 0 and are not stored) and zero sums. */
+FS_FUSED512 FS_INLINE void fs_fused_begin(const fs_job *j, const uint8_t *rows, int64_t row_bytes,
+                                          const uint8_t **rp, __m512 *f, const int R)
+{
+    for (int l = 0; l < 16; l++)
+        rp[l] = rows + (l < j->valid ? l : 0) * row_bytes;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        f[r] = _mm512_setzero_ps();
+}
+
+FS_FUSED512 FS_INLINE void fs_fused_store(const fs_job *j, const __m512 *f, const int R)
+{
+    const __mmask16 msk = (__mmask16)(j->valid >= 16 ? 0xFFFF : (1u << j->valid) - 1u);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        _mm512_mask_storeu_ps(j->y + r * j->ldy, msk, f[r]);
+}
+
+/* Q4_0 / Q4_1 / Q8_0: 16 rows at rows (row_bytes apart; lanes >= valid repeat row 0 and are not
+ * stored) times the job's R activation rows, into y as the staged kernel would; next: the rows to
+ * prefetch meanwhile (16 * row_bytes bytes) or NULL. */
+FS_FUSED512 FS_INLINE void fs_fused_q48_avx512(const fs_job *j, const int type, const uint8_t *rows, int64_t row_bytes,
+                                               const uint8_t *next, const int R)
+{
+    const int64_t nb = j->nb;
+    const int has_m = type == FS_T_Q4_1, bb = type == FS_T_Q8_0 ? 34 : has_m ? 20 : 18;
+    const int32_t offset = type == FS_T_Q8_0 ? 128 : type == FS_T_Q4_0 ? 8 : 0;
+    const uint8_t *rp[16];
+    __m512 f[FS_FUSED_MAX_N];
+    fs_fused_begin(j, rows, row_bytes, rp, f, R);
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int two = b + 1 < nb;
+        const int64_t b1 = two ? b + 1 : b;          /* an odd last block: read twice, kept once */
+        fs_prefetch_range(next, 16 * row_bytes * b / nb, 16 * row_bytes * (b + 2) / nb);
+        __m512i xv[FS_FUSED_MAX_N], is0[FS_FUSED_MAX_N], is1[FS_FUSED_MAX_N];
+        fs_fused_acts(j, b, two, R, xv);
+        fs_fused_isums(type, rp, b, b1, xv, R, is0, is1);
+        const __m512i g0 = fs_fused_scales(rp, b * bb), g1 = fs_fused_scales(rp, b1 * bb);
+        const __m512 d0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g0)), d1 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g1));
+        const __m512 m0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g0, 16)));
+        const __m512 m1 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g1, 16)));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const int64_t o = r * nb + b;
+            if (offset) {
+                is0[r] = _mm512_sub_epi32(is0[r], _mm512_set1_epi32(offset * j->xs[o]));
+                is1[r] = _mm512_sub_epi32(is1[r], _mm512_set1_epi32(offset * j->xs[two ? o + 1 : o]));
+            }
+            f[r] = fs_fused_float(j, f[r], is0[r], d0, m0, has_m, o);
+            if (two)
+                f[r] = fs_fused_float(j, f[r], is1[r], d1, m1, has_m, o + 1);
+        }
+    }
+    fs_fused_store(j, f, R);
+}
+
+/* Q4_K (whole panels: the scales of 16 rows come as the staging decoder reads them). */
+FS_FUSED512 FS_INLINE void fs_fused_q4k_avx512(const fs_job *j, const uint8_t *rows, int64_t row_bytes,
+                                               const uint8_t *next, const int R)
+{
+    const int64_t nb = j->nb;
+    const uint8_t *rp[16];
+    __m512 f[FS_FUSED_MAX_N];
+    fs_fused_begin(j, rows, row_bytes, rp, f, R);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        fs_prefetch_range(next, 16 * row_bytes * sb * 8 / nb, 16 * row_bytes * (sb + 1) * 8 / nb);
+        __m512i h[4];
+        __m512 dsc[8], mneg[8];
+        fs_rows16x4(rows, row_bytes, sb * 144, h);
+        fs_k45_scales(h, dsc, mneg);
+        for (int c = 0; c < 4; c++) {
+            const int64_t b = sb * 8 + 2 * c;
+            __m512i xv[FS_FUSED_MAX_N], is0[FS_FUSED_MAX_N], is1[FS_FUSED_MAX_N];
+            fs_fused_acts(j, b, 1, R, xv);
+            fs_fused_isums(FS_T_Q4_K, rp, b, b + 1, xv, R, is0, is1);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                f[r] = fs_fused_float(j, f[r], is0[r], dsc[2 * c], mneg[2 * c], 1, r * nb + b);
+                f[r] = fs_fused_float(j, f[r], is1[r], dsc[2 * c + 1], mneg[2 * c + 1], 1, r * nb + b + 1);
+            }
+        }
+    }
+    fs_fused_store(j, f, R);
+}
+
+/* Q6_K: 16 rows at rows (lanes >= valid repeat row 0) times R activation rows. Per pair of blocks
+ * the dots of each half block stay apart (two reduce steps, not three), lose the offset 32 *
+ * sum(q_x) of their half, are multiplied by their int8 sub-scales, then summed: isum = s0 * lo16
+ * + s1 * hi16, exactly. */
+FS_FUSED512 FS_INLINE void fs_fused_q6k_avx512(const fs_job *j, const uint8_t *rows, int64_t row_bytes,
+                                               const uint8_t *next, const int R)
+{
+    const int64_t nb = j->nb;
+    const uint8_t *rp[16];
+    __m512 f[FS_FUSED_MAX_N];
+    fs_fused_begin(j, rows, row_bytes, rp, f, R);
+    /* per 128-bit lane k: byte k of each dword (the sub-scale of half k % 2 of block k / 2) */
+    const __m512i to_top = _mm512_set_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        fs_prefetch_range(next, 16 * row_bytes * sb * 8 / nb, 16 * row_bytes * (sb + 1) * 8 / nb);
+        /* d: the block's last two bytes (read as the high half of the dword before them) */
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(fs_fused_scales(rp, sb * 210 + 206), 16)));
+        for (int jj = 0; jj < 8; jj += 2) {
+            const int64_t b = sb * 8 + jj;
+            __m512i xv[FS_FUSED_MAX_N], e[4][FS_FUSED_MAX_N], corr[FS_FUSED_MAX_N];
+            fs_fused_acts(j, b, 1, R, xv);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const int64_t o = r * nb + b;
+                const int32_t h0 = j->xh[o], h1 = j->xh[o + 1];
+                corr[r] = _mm512_set_epi32(32 * (j->xs[o + 1] - h1), 32 * (j->xs[o + 1] - h1), 32 * (j->xs[o + 1] - h1), 32 * (j->xs[o + 1] - h1),
+                                           32 * h1, 32 * h1, 32 * h1, 32 * h1,
+                                           32 * (j->xs[o] - h0), 32 * (j->xs[o] - h0), 32 * (j->xs[o] - h0), 32 * (j->xs[o] - h0),
+                                           32 * h0, 32 * h0, 32 * h0, 32 * h0);
+            }
+            const __m512i sc = fs_fused_scales(rp, sb * 210 + 192 + 2 * jj);     /* s0, s1 of jj, jj + 1 */
+#pragma GCC unroll 4
+            for (int u = 0; u < 4; u++) {
+                fs_fused_quad(FS_T_Q6_K, rp + 4 * u, b, b + 1, xv, R, e[u]);
+                /* rows 4u..4u+3's sub-scales, laid out as e[u]: [s0 jj | s1 jj | s0 jj+1 | s1 jj+1] */
+                const __m512i su = _mm512_srai_epi32(_mm512_sllv_epi32(_mm512_shuffle_i32x4(sc, sc, 0x55 * u), to_top), 24);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++)
+                    e[u][r] = _mm512_mullo_epi32(_mm512_sub_epi32(e[u][r], corr[r]), su);
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const __m512i f0 = fs_fold128(e[0][r], e[1][r], 0), f1 = fs_fold128(e[2][r], e[3][r], 0);
+                f[r] = fs_fused_float(j, f[r], _mm512_shuffle_i64x2(f0, f1, 0x88), d, d, 0, r * nb + b);
+                f[r] = fs_fused_float(j, f[r], _mm512_shuffle_i64x2(f0, f1, 0xDD), d, d, 0, r * nb + b + 1);
+            }
+        }
+    }
+    fs_fused_store(j, f, R);
+}
+
+FS_FUSED512 static void fs_fused_avx512(const fs_job *j, int type, const uint8_t *rows, int64_t row_bytes,
+                                        const uint8_t *next)
+{
+#define FS_Q40(R) fs_fused_q48_avx512(j, FS_T_Q4_0, rows, row_bytes, next, R)
+#define FS_Q41(R) fs_fused_q48_avx512(j, FS_T_Q4_1, rows, row_bytes, next, R)
+#define FS_Q80(R) fs_fused_q48_avx512(j, FS_T_Q8_0, rows, row_bytes, next, R)
+#define FS_Q4K(R) fs_fused_q4k_avx512(j, rows, row_bytes, next, R)
+#define FS_Q6K(R) fs_fused_q6k_avx512(j, rows, row_bytes, next, R)
+    switch (type) {
+    case FS_T_Q4_0: FS_FUSED_BY_N(FS_Q40); break;
+    case FS_T_Q4_1: FS_FUSED_BY_N(FS_Q41); break;
+    case FS_T_Q8_0: FS_FUSED_BY_N(FS_Q80); break;
+    case FS_T_Q4_K: FS_FUSED_BY_N(FS_Q4K); break;
+    case FS_T_Q6_K: FS_FUSED_BY_N(FS_Q6K); break;
+    default: break;
+    }
+#undef FS_Q40
+#undef FS_Q41
+#undef FS_Q80
+#undef FS_Q4K
+#undef FS_Q6K
+}
+#endif /* FS_HAVE_FUSED_AVX512 */
+
+#if defined(FS_HAVE_STAGE_AVX2)
+#define FS_HAVE_FUSED_AVX2 1
+#define FS_FUSED256 __attribute__((target("avx2,f16c")))
+
+/* AVX2 (no VNNI), Q4_0 / Q4_1 / Q8_0: half a panel (8 rows, lanes) at a time, one block per
+ * 256-bit register [inputs 0..15 | 16..31]: nibbles as u8 0..15 (maddubs pairs <= 2 * 15 * 127),
+ * Q8_0 as maddubs(|w|, sign(x, w)) (the staged AVX2 kernel's exact dot), then madd with ones, and
+ * the transpose-reduce of 8 rows' 8 partials: unpack dwords, unpack qwords, swap 128-bit lanes. */
+FS_FUSED256 FS_INLINE __m256i fs_fold32_avx2(__m256i a, __m256i b)
+{
+    return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+}
+
+FS_FUSED256 FS_INLINE __m256i fs_fold64_avx2(__m256i c, __m256i d)
+{
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(c, d), _mm256_unpackhi_epi64(c, d));
+}
+
+/* Row p's dot partials of block b with the activations xv (their 32 inputs of b). */
+FS_FUSED256 FS_INLINE __m256i fs_fused_dot_avx2(const int type, const uint8_t *p, int64_t b, __m256i xv)
+{
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (type == FS_T_Q8_0) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(p + b * 34 + 2));
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)), ones);
+    }
+    const int bb = type == FS_T_Q4_1 ? 20 : 18, qoff = type == FS_T_Q4_1 ? 4 : 2;
+    const __m128i q = _mm_loadu_si128((const __m128i *)(p + b * bb + qoff)), m = _mm_set1_epi8(15);
+    const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
+}
+
+FS_FUSED256 FS_INLINE void fs_fused_half_avx2(const fs_job *j, const int type, const uint8_t *const *rp, int h,
+                                              const uint8_t *next, int64_t next_bytes, const int R)
+{
+    const int64_t nb = j->nb, K = nb * FS_QK;
+    const int has_m = type == FS_T_Q4_1, bb = type == FS_T_Q8_0 ? 34 : has_m ? 20 : 18;
+    const int32_t offset = type == FS_T_Q4_0 ? 8 : 0;
+    __m256 f[FS_FUSED_MAX_N];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        f[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        fs_prefetch_range(next, next_bytes * (2 * b + h) / (2 * nb), next_bytes * (2 * b + h + 1) / (2 * nb));
+        __m256i xv[FS_FUSED_MAX_N], e[2][FS_FUSED_MAX_N];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            xv[r] = _mm256_loadu_si256((const __m256i *)(j->xq + r * K + b * FS_QK));
+#pragma GCC unroll 2
+        for (int u = 0; u < 2; u++) {
+            __m256i c[2][FS_FUSED_MAX_N];
+#pragma GCC unroll 2
+            for (int t = 0; t < 2; t++) {
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++)
+                    c[t][r] = fs_fold32_avx2(fs_fused_dot_avx2(type, rp[4 * u + 2 * t], b, xv[r]),
+                                             fs_fused_dot_avx2(type, rp[4 * u + 2 * t + 1], b, xv[r]));
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                e[u][r] = fs_fold64_avx2(c[0][r], c[1][r]);
+        }
+        uint16_t d16[8], m16[8];
+        for (int l = 0; l < 8; l++) {
+            memcpy(&d16[l], rp[l] + b * bb, 2);
+            memcpy(&m16[l], rp[l] + b * bb + 2, 2);
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d16));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m16));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const int64_t o = r * nb + b;
+            __m256i is = _mm256_add_epi32(_mm256_permute2x128_si256(e[0][r], e[1][r], 0x20),
+                                          _mm256_permute2x128_si256(e[0][r], e[1][r], 0x31));
+            if (offset)
+                is = _mm256_sub_epi32(is, _mm256_set1_epi32(offset * j->xs[o]));
+            f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(d, _mm256_set1_ps(j->dx[o]))));
+            if (has_m)
+                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(m, _mm256_set1_ps(j->sx[o])));
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        fs_store_half_avx2(j, h, r, f[r]);
+}
+
+FS_FUSED256 static void fs_fused_avx2(const fs_job *j, int type, const uint8_t *rows, int64_t row_bytes,
+                                      const uint8_t *next)
+{
+    const uint8_t *rp[16];
+    for (int l = 0; l < 16; l++)
+        rp[l] = rows + (l < j->valid ? l : 0) * row_bytes;
+    for (int h = 0; h < 2 && h * 8 < j->valid; h++) {
+#define FS_HALF(R) fs_fused_half_avx2(j, type, rp + 8 * h, h, next, 16 * row_bytes, R)
+        FS_FUSED_BY_N(FS_HALF);
+#undef FS_HALF
+    }
+}
+#endif /* FS_HAVE_STAGE_AVX2 */
+
+/* Whether the fused kernel computes a panel of valid rows of this type at n activation rows with
+ * this isa (valid < 16: only the 32-input types; Q4_K's last partial panel stages). Q4_K stops at
+ * FS_FUSED_MAX_N_K rows: its staging decoder is cheaper per byte than the 32-input types', so the
+ * fused kernel's per-row reduction wins only below that (measured: 1.34x at n = 1, 1.04x at 2,
+ * 0.87x at 4, 1 thread, 2048x2048). */
+static inline int fs_fused_ok(int isa, int type, int64_t n, int valid)
+{
+#if defined(FS_HAVE_FUSED_AVX512)
+    if (isa == FS_ISA_AVX512VNNI && n >= 1 && n <= FS_FUSED_MAX_N &&
+        (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q8_0 ||
+         (type == FS_T_Q4_K && valid == FS_LANES && n <= FS_FUSED_MAX_N_K) || (type == FS_T_Q6_K && n <= FS_FUSED_MAX_N_K)))
+        return 1;
+#endif
+#if defined(FS_HAVE_FUSED_AVX2)
+    if (isa == FS_ISA_AVX2 && n >= 1 && n <= FS_FUSED_MAX_N &&
+        (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q8_0))
+        return 1;
+#endif
+    (void)isa; (void)type; (void)n; (void)valid;
+    return 0;
+}
+
+/* A panel's product by the fused kernel (fs_fused_ok said yes). */
+static void fs_fused_panel(int isa, int type, const fs_job *j, const uint8_t *rows, int64_t row_bytes,
+                           const uint8_t *next)
+{
+#if defined(FS_HAVE_FUSED_AVX512)
+    if (isa == FS_ISA_AVX512VNNI) {
+        fs_fused_avx512(j, type, rows, row_bytes, next);
+        return;
+    }
+#endif
+#if defined(FS_HAVE_FUSED_AVX2)
+    if (isa == FS_ISA_AVX2) {
+        fs_fused_avx2(j, type, rows, row_bytes, next);
+        return;
+    }
+#endif
+    (void)isa; (void)type; (void)j; (void)rows; (void)row_bytes; (void)next;
+}
+
+#endif /* FASTSERVE_MATMUL_FUSED_H */
