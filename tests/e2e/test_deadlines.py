@@ -58,6 +58,9 @@ def test_deadlines_and_queue(make_server, tmp_path):
         assert _metric(c, "fastserve_deadlines_expired_total", kind="token") == 1
         assert _metric(c, "fastserve_deadlines_expired_total", kind="queue") == 1
         assert wait_until(lambda: c.get("/health").status_code == 200, 3)
+        # the expired stream's cancel counts against --max-queue 1 until the engine's next step drains it
+        assert wait_until(lambda: _metric(c, "fastserve_requests_running") == 0
+                          and _metric(c, "fastserve_requests_waiting") == 0, 5)
         assert c.post("/completion", json={"prompt": "ok", "n_predict": 3}).status_code == 200
     assert srv.stop()[0] == 0
 
