@@ -45,7 +45,7 @@ def _poisoned(cp, shape, dtype):
 
 @pytest.mark.parametrize("storage", ["f16", "bf16"])
 def test_cast_rounds_to_nearest_even(cupy, storage):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     a = (rng.standard_normal(10007) * 10.0 ** rng.integers(-6, 4, 10007)).astype(np.float32)
     a[:4] = [0.0, -0.0, 65504.0, 1e-8]
     dst = _poisoned(cupy, a.shape, _np_storage(storage))
@@ -56,7 +56,7 @@ def test_cast_rounds_to_nearest_even(cupy, storage):
 
 @pytest.mark.parametrize("storage", STORAGES)
 def test_embed_rows(cupy, storage):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     table = rng.standard_normal((300, 72)).astype(np.float32)
     tokens = rng.integers(0, 300, 9).astype(np.int32)
     x = _poisoned(cupy, (12, 72), np.float32)
@@ -67,7 +67,7 @@ def test_embed_rows(cupy, storage):
 @pytest.mark.parametrize("storage", STORAGES)
 @pytest.mark.parametrize("d", [64, 576, 2048, 2050])
 def test_rms_norm(cupy, storage, d):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     x = (rng.standard_normal((7, d)) * 3).astype(np.float32)
     w = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
     want = x / np.sqrt((x.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-5) * w
@@ -83,7 +83,7 @@ def test_rms_norm(cupy, storage, d):
 
 def test_rope_matches_numpy_backend(cupy):
     from fastserve.backends.numpy_backend import apply_rope
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     H, Hkv, D, rope_dim, n_ctx = 6, 2, 32, 24, 100
     n = 11
     qkv = rng.standard_normal((n, (H + 2 * Hkv) * D)).astype(np.float32)
@@ -106,7 +106,7 @@ def test_rope_matches_numpy_backend(cupy):
 
 @pytest.mark.parametrize("storage", STORAGES)
 def test_kv_store(cupy, storage):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     H, Hkv, D, n_slots, n_ctx = 4, 2, 16, 3, 20
     n = 5
     qkv = rng.standard_normal((n, (H + 2 * Hkv) * D)).astype(np.float32)
@@ -167,7 +167,7 @@ _ATTN_TOL = {"f16": 2e-3, "bf16": 1e-2, "f32": 1e-5}
                                                  (32, 4, 64, 2048, 64),      # TinyLlama's heads, 32 splits
                                                  (2, 1, 128, 4200, 16)])     # splits past one combine tile
 def test_attention(cupy, storage, H, Hkv, D, n_ctx, chunk):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     n = 13
     qkv, k, v, slots, pos = _attention_inputs(rng, storage, H, Hkv, D, n_ctx, n)
     pos[:3] = [0, n_ctx - 1, min(chunk, n_ctx - 1)]          # first key only, the whole slot, a split edge
@@ -181,7 +181,7 @@ def test_attention(cupy, storage, H, Hkv, D, n_ctx, chunk):
 def test_attention_every_group_size(cupy, H, Hkv, D):
     """Each G = H / Hkv (1..8, one kernel each) and head_dim class (<= 32, 64, 128, with idle lanes),
     at positions that end mid-step and past most of the 16 splits."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     n, n_ctx, chunk = 7, 400, 25
     qkv, k, v, slots, pos = _attention_inputs(rng, "f16", H, Hkv, D, n_ctx, n)
     pos[:4] = [0, 31, 32, n_ctx - 1]
@@ -195,7 +195,7 @@ def test_attention_token_does_not_depend_on_the_batch(cupy, storage):
     """A token's output is bitwise the same alone and among other tokens (other slots, positions)."""
     if getattr(cupy, "fake_kernels", "") == "numpy":
         pytest.skip("needs the real kernel")
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     H, Hkv, D, n_ctx, chunk, n = 32, 4, 64, 512, 16, 9
     qkv, k, v, slots, pos = _attention_inputs(rng, storage, H, Hkv, D, n_ctx, n)
     pos[4] = 300
@@ -208,7 +208,7 @@ def test_attention_token_does_not_depend_on_the_batch(cupy, storage):
 
 @pytest.mark.parametrize("storage", STORAGES)
 def test_swiglu(cupy, storage):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     n, n_ff = 6, 1536
     gu = (rng.standard_normal((n, 2 * n_ff)) * 4).astype(np.float32)
     g, u = gu[:, :n_ff].astype(np.float64), gu[:, n_ff:].astype(np.float64)
@@ -221,7 +221,7 @@ def test_swiglu(cupy, storage):
 
 @pytest.mark.parametrize("storage", STORAGES)
 def test_rope_store_is_rope_then_kv_store(cupy, storage):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     H, Hkv, D, rope_dim, n_slots, n_ctx, n = 9, 3, 64, 64, 2, 50, 7
     qkv = rng.standard_normal((n, (H + 2 * Hkv) * D)).astype(np.float32)
     slots = rng.integers(0, n_slots, n).astype(np.int32)
@@ -249,7 +249,7 @@ def test_rope_store_is_rope_then_kv_store(cupy, storage):
 def test_gemm(cupy, storage, n, matvec_max_n):
     """cuBLAS (matvec_max_n 0, n > matvec_max_n, or f32) and cuda/matvec.cu (f16 / bf16 otherwise;
     past 32 rows in several block rows)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     k, m = 576, 1003
     x = round_to(rng.standard_normal((n, k)).astype(np.float32), storage)
     w = round_to((rng.standard_normal((m, k)) / np.sqrt(k)).astype(np.float32), storage)
@@ -271,7 +271,7 @@ def test_matvec_rows_do_not_depend_on_the_batch(cupy, storage):
     alone, in any batch size and in any 32-row group."""
     if getattr(cupy, "fake_kernels", "") == "numpy":
         pytest.skip("needs the real kernel (the NumPy emulation's BLAS sums in another order per n)")
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     k, m, most = 2048, 333, 70
     rows = rng.standard_normal((most, k)).astype(np.float32)
     w = _to_storage(cupy, rng.standard_normal((m, k)).astype(np.float32), storage)
@@ -318,7 +318,7 @@ def test_norm_gemm_is_rms_norm_then_gemm(cupy, storage, n, with_rows):
     """cuda/matvec.cu norm_matvec (the matvec path): h as rmsnorm rounded to storage (_fused_h), then
     the product against float64 within gemm's tolerance; with rows, x rows picked by index (the final
     norm of the output rows)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     k, m, eps, n_x = 576, 1003, 1e-5, 40
     x, nw = _norm_inputs(rng, n_x, k)
     w = round_to((rng.standard_normal((m, k)) / np.sqrt(k)).astype(np.float32), storage)
@@ -338,7 +338,7 @@ def test_norm_gemm_is_rms_norm_then_gemm(cupy, storage, n, with_rows):
 def test_norm_gemm_swiglu_is_rms_norm_gemm_swiglu(cupy, storage, n):
     """cuda/matvec.cu norm_matvec_swiglu: silu(g) * u of the gate/up product of h (_fused_h) against
     float64 within swiglu's tolerance, and against the three launches it replaces (rms_norm, gemm, swiglu)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     k, n_ff, eps = 576, 501, 1e-5
     tol = {"f16": 1e-3, "bf16": 8e-3}[storage]
     x, nw = _norm_inputs(rng, n, k)
@@ -369,7 +369,7 @@ def test_fused_products_rows_do_not_depend_on_the_batch(cupy, storage):
     row 5 (in a group of 32, too large to stage h in shared memory, which a row alone does)."""
     if getattr(cupy, "fake_kernels", "") == "numpy":
         pytest.skip("needs the real kernel (the NumPy emulation's BLAS sums in another order per n)")
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     k, m, n_ff, eps, n = 2048, 133, 71, 1e-5, 33
     nw = cupy.asarray((1 + rng.standard_normal(k) * 0.1).astype(np.float32))
     w = _to_storage(cupy, rng.standard_normal((m, k)).astype(np.float32) / np.sqrt(k), storage)
@@ -395,7 +395,7 @@ def test_fused_products_rows_do_not_depend_on_the_batch(cupy, storage):
 
 
 def test_argmax_ties_go_to_the_lowest_id(cupy):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     V = 49152
     logits = rng.standard_normal((5, V)).astype(np.float32)
     logits[1, [7, 70, 40000]] = 50.0               # a three-way tie
