@@ -57,7 +57,7 @@ static inline void fs_relax(void)
 }
 
 /* Spins (unlocked) until *word == 0 or spin_ns pass; returns 1 when it got there. */
-static int fs_spin_until_zero(const int *word, int64_t spin_ns)
+static inline int fs_spin_until_zero(const int *word, int64_t spin_ns)
 {
     int64_t t0 = fs_now_ns();
     for (int i = 1;; i++) {
@@ -69,7 +69,7 @@ static int fs_spin_until_zero(const int *word, int64_t spin_ns)
     }
 }
 
-static int fs_spin_while_gen(const fs_pool *pl, uint64_t seen)
+static inline int fs_spin_while_gen(const fs_pool *pl, uint64_t seen)
 {
     int64_t t0 = fs_now_ns();
     for (int i = 1;; i++) {
@@ -81,13 +81,13 @@ static int fs_spin_while_gen(const fs_pool *pl, uint64_t seen)
     }
 }
 
-static void fs_task_range(const fs_pool *pl, int64_t t, int64_t *b, int64_t *e)
+static inline void fs_task_range(const fs_pool *pl, int64_t t, int64_t *b, int64_t *e)
 {
     *b = t * pl->chunk;
     *e = *b + pl->chunk < pl->n_items ? *b + pl->chunk : pl->n_items;
 }
 
-static void *fs_helper_main(void *arg)
+static inline void *fs_helper_main(void *arg)
 {
     fs_pool *pl = (fs_pool *)arg;
     uint64_t seen = 0;
@@ -121,7 +121,7 @@ static void *fs_helper_main(void *arg)
     return NULL;
 }
 
-static void fs_pool_free(fs_pool *pl)
+static inline void fs_pool_free(fs_pool *pl)
 {
     if (!pl)
         return;
@@ -140,7 +140,7 @@ static void fs_pool_free(fs_pool *pl)
 }
 
 /* A pool of n_threads - 1 helpers (the caller is the n-th thread); NULL when out of resources. */
-static fs_pool *fs_pool_new(int n_threads, int64_t spin_ns)
+static inline fs_pool *fs_pool_new(int n_threads, int64_t spin_ns)
 {
     fs_pool *pl = (fs_pool *)calloc(1, sizeof(fs_pool));
     if (!pl)
@@ -163,7 +163,7 @@ static fs_pool *fs_pool_new(int n_threads, int64_t spin_ns)
 
 /* Runs fn over [0, n_items) in tasks of chunk items on the caller and the pool's helpers (pl may be
  * NULL, or have no helpers: then the caller runs everything, in one call). */
-static void fs_pool_run(fs_pool *pl, fs_task_fn fn, void *ctx, int64_t n_items, int64_t chunk)
+static inline void fs_pool_run(fs_pool *pl, fs_task_fn fn, void *ctx, int64_t n_items, int64_t chunk)
 {
     if (n_items <= 0)
         return;
