@@ -17,8 +17,9 @@ import pytest
 from .conftest import ServerProc
 from .killed_streams import InProcessServer, census, kill_streams, rss_mb
 
-ROUNDS, PER_ROUND = 3, 48
-ROUND_BAR_MB = 1.0
+ROUNDS, PER_ROUND = 5, 160
+ROUND_BAR_MB = 1.0      # a leak grows every round: the median round is judged, so that a one-off
+                        # allocator step (an arena or a page of pytest's own, seen once in CI) is not
 NO_EOG = [[0, False], [2, False]]        # the tiny model's end-of-generation tokens banned: runs to n_predict
 LONG = {"prompt": "once upon a time", "n_predict": 200, "temperature": 0.8, "stream": True, "logit_bias": NO_EOG}
 
@@ -55,23 +56,28 @@ def _rounds(srv, body: dict, how: str, after_s: float) -> list:
     return rows
 
 
+def _median_growth(rows: list) -> float:
+    """The median RssAnon growth of a round after the first (the first settles the allocator)."""
+    growth = sorted(b - a for a, b in zip(rows[1:], rows[2:]))
+    return growth[len(growth) // 2]
+
+
 @pytest.mark.parametrize("how", ["rst", "fin"])
 def test_killed_streams_leave_nothing(srv, how):
     rows = _rounds(srv, LONG, how, after_s=0.05)
-    growth = [b - a for a, b in zip(rows[1:], rows[2:])]
-    assert max(growth) <= ROUND_BAR_MB, f"RssAnon per round {rows} MB"
+    assert _median_growth(rows) <= ROUND_BAR_MB, f"RssAnon per round {rows} MB"
 
 
 def test_requests_cancelled_while_queued_leave_nothing(srv):
     # killed at once: with 2 slots and 8 in flight, 6 of every 8 are still waiting for a slot
     rows = _rounds(srv, LONG, "rst", after_s=0.0)
-    assert max(b - a for a, b in zip(rows[1:], rows[2:])) <= ROUND_BAR_MB, rows
+    assert _median_growth(rows) <= ROUND_BAR_MB, rows
 
 
 def test_requests_ended_by_a_stop_string_leave_nothing(srv):
     body = dict(LONG, stop=[_stop_string(srv)], temperature=0)
     rows = _rounds(srv, body, "read", after_s=0.0)
-    assert max(b - a for a, b in zip(rows[1:], rows[2:])) <= ROUND_BAR_MB, rows
+    assert _median_growth(rows) <= ROUND_BAR_MB, rows
     assert srv.app.metrics.requests_done.values.get(("word",), 0) >= ROUNDS * PER_ROUND
 
 
