@@ -226,6 +226,7 @@ def _force_exit() -> None:
 
 def serve(args) -> int:
     """`fastserve serve`: load the model, start the engine, serve until SIGTERM/SIGINT; returns 0."""
+    from ..cli import engine_config
     from ..engine import Engine, default_threads
     from ..default_model import default_model_path
     from ..model import load_model
@@ -239,11 +240,8 @@ def serve(args) -> int:
     path = args.model or default_model_path()
     model = load_model(path)
     threads = args.threads if args.threads and args.threads > 0 else default_threads()
-    engine = Engine(model, n_parallel=args.parallel, n_ctx=args.ctx_size, n_batch=args.batch_size,
-                    max_queue=args.max_queue, trace=True, cache_ram_mib=args.cache_ram,
-                    slot_prompt_similarity=args.slot_prompt_similarity,
-                    backend=make_backend_factory(args.test_stall_file) or getattr(args, "device", None),
-                    threads=threads, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
+    engine = Engine(model, engine_config(args, threads=threads, trace=True),
+                    backend=make_backend_factory(args.test_stall_file))
     app = App(engine, cfg)
     server = Server(app)
     timer: list = []

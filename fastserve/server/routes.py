@@ -11,7 +11,7 @@ import asyncio
 import time
 
 from .._slots import IDLE
-from ..request import SAMPLING_DEFAULTS
+from ..config import SAMPLING_DEFAULTS
 from . import llama_api, openai_api
 from .errors import LLAMA, HttpError, error_json
 from .fields import parse_object
