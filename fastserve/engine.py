@@ -21,10 +21,10 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from . import _delivery, _faults
-from ._batch import Batch
-from ._delivery import Delivery
-from ._slots import DECODE, IDLE, SlotTable
+import importlib
+
+from . import _batch, _delivery, _faults, _sampling, _slots
+from ._slots import IDLE
 from .backends.host_sampling import HostSampled
 from .config import MAX_LOGIT_BIAS, MAX_PENALTY_WINDOW, EngineConfig, SamplingParams
 from .errors import ConfigError, EngineClosed, RequestError, ServerBusy
@@ -42,6 +42,10 @@ FINISH_STOP, FINISH_LENGTH = _delivery.FINISH_STOP, _delivery.FINISH_LENGTH
 FINISH_CANCELLED, FINISH_ERROR, FINISH_CLOSED = (_delivery.FINISH_CANCELLED, _delivery.FINISH_ERROR,
                                                  _delivery.FINISH_CLOSED)
 IDLE_WAIT_S = 0.05          # an idle decode thread still wakes this often (heartbeat, close)
+# The Cython modules the engine runs, by name, and their pure-Python twins (Engine(twins=...)).
+NATIVE = {"batch": _batch, "slots": _slots, "delivery": _delivery, "sampling": _sampling}
+TWINS = {"batch": "fastserve.ref.batch", "slots": "fastserve.ref.slots", "delivery": "fastserve.ref.delivery",
+         "sampling": "fastserve.ref.sampling"}
 
 
 @dataclass(frozen=True)
@@ -88,10 +92,12 @@ class Engine:
     the host-RAM prompt cache (cache_ram_mib, fastserve/prompt_cache.py) keeps the prefixes of reused slots.
     """
 
-    def __init__(self, model, config: EngineConfig | None = None, *, backend=None, **settings):
+    def __init__(self, model, config: EngineConfig | None = None, *, backend=None, twins=(), **settings):
         """config: an EngineConfig, or its fields as keyword arguments (settings). backend: a device name
         ("cpu", "cuda", "auto": EngineConfig.device), or a backend instance, class or factory
-        factory(model_config, weights, n_slots, n_ctx_slot) (tests, benchmarks)."""
+        factory(model_config, weights, n_slots, n_ctx_slot) (tests, benchmarks). twins: names of
+        NATIVE modules to run as their pure-Python twins (fastserve/ref/; "slots" needs "batch"), or
+        "all" (the parity tests run the whole engine on each)."""
         if isinstance(backend, str):
             settings["device"] = backend
         if settings.get("threads") is None:
@@ -108,12 +114,15 @@ class Engine:
         self.max_queue, self.prefill_chunk = config.max_queue, config.prefill_chunk
         self.cache_type_k, self.cache_type_v = config.cache_type_k, config.cache_type_v
         n_vocab, n_batch = model.config.n_vocab, config.n_batch
+        impl = self._impl = self._modules(twins)
         self.backend = self._make_backend(None if isinstance(backend, str) else backend)
+        if impl["sampling"] is not _sampling and hasattr(self.backend, "init_sampling"):
+            self.backend.init_sampling(self.n_slots, n_vocab, n_batch, impl=impl["sampling"])
         eog = np.zeros(n_vocab, np.uint8)
         eog[list(self.tokenizer.eog_ids)] = 1
-        self.slots = SlotTable(self.n_slots, self.n_ctx_slot, eog)
-        self.batch = Batch(n_batch)
-        self.delivery = Delivery(self.n_slots, Waker())
+        self.slots = impl["slots"].SlotTable(self.n_slots, self.n_ctx_slot, eog)
+        self.batch = impl["batch"].Batch(n_batch)
+        self.delivery = impl["delivery"].Delivery(self.n_slots, Waker())
         self.inbox = Inbox()
         self.tracer = Tracer() if config.trace else None
         # Prefix reuse: a free slot is picked for its cached prefix when that prefix is more than this
@@ -137,6 +146,16 @@ class Engine:
         self.snapshot = self._make_snapshot(0)
         self._thread = threading.Thread(target=self._run, name="fastserve-decode", daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def _modules(twins) -> dict:
+        names = set(TWINS) if twins == "all" else set(twins)
+        unknown = names - set(TWINS)
+        if unknown:
+            raise ValueError(f"no twin for {', '.join(sorted(unknown))}; known: {', '.join(TWINS)}")
+        if "slots" in names and "batch" not in names:
+            raise ValueError("the slots twin fills the batch twin: ask for both")
+        return {n: importlib.import_module(TWINS[n]) if n in names else NATIVE[n] for n in NATIVE}
 
     def _make_backend(self, backend):
         if backend is not None:
@@ -185,7 +204,7 @@ class Engine:
         if len(self._waiting) + len(self.inbox) >= self.max_queue + self._free_slots_hint():
             raise ServerBusy(f"server busy: {self.n_slots} slots running and {self.max_queue} requests waiting")
         reader = TextReader(self.n_ctx_slot, self.tokenizer, stop=list(stop), n_probs=params.n_probs,
-                            prompt_tokens=len(ids))
+                            prompt_tokens=len(ids), impl=self._impl["delivery"])
         job = Job(prompt=ids, sampling=params, max_tokens=max_tokens, buffer=reader.buffer,
                   cache_prompt=bool(cache_prompt), id_slot=id_slot, admission=reader.admission)
         reader._on_cancel = lambda cancel=self.cancel, jid=job.id: cancel(jid)
@@ -324,7 +343,7 @@ class Engine:
             mark = batch.mark()
             try:
                 n_added = self.slots.add_prefill(batch, slot, budget)
-                self._after_fill(slot)
+                _faults.check_fill()        # the fault build can fail a fill here (tests/faults)
             except Exception as exc:       # no turn used: the budget stays for the next slots
                 batch.rollback(mark)
                 log.warning("prompt fill of slot %d failed: %s", slot, exc)
@@ -336,10 +355,6 @@ class Engine:
         if self.tracer is not None:
             self.tracer.lap("build")
         return True
-
-    def _after_fill(self, slot: int) -> None:
-        """Called after a slot added its prompt tokens to the batch; an exception fails only that fill."""
-        _faults.check_fill()
 
     def _deliver(self, out) -> None:
         """The step's tokens into their readers (one pass, fastserve/_delivery.pyx); finished requests end."""

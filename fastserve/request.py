@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .config import SamplingParams
 
@@ -56,3 +56,23 @@ class Completion:
     timings: dict = field(default_factory=dict)   # total_ms, first_token_ms, cache_n, prompt_n (llama.cpp's names)
     tokens_cached: int = 0                 # tokens the slot's KV holds at the end: prompt + generated (llama.cpp)
     id_slot: int = -1                      # the slot that ran it
+
+
+class Outcome(NamedTuple):
+    """What one way of ending means to each API."""
+    stop_type: str          # llama-server's stop_type ("word", "eos", "limit"); "" for a failure
+    openai: str             # OpenAI's finish_reason
+    status: int             # the HTTP status of a failure, 0 for a success
+    message: str = ""       # the failure's message; {error} and {reason} are filled in
+
+
+# How a request can end (TextReader.outcome()), the one table: "word" is a stop string found by the text
+# layer; the others are the engine's finish reasons (fastserve/_delivery.pyx FINISH_REASONS).
+OUTCOMES = {
+    "word": Outcome("word", "stop", 0),
+    "stop": Outcome("eos", "stop", 0),
+    "length": Outcome("limit", "length", 0),
+    "closed": Outcome("", "", 503, "the server is shutting down"),
+    "error": Outcome("", "", 500, "generation failed: {error}"),
+}
+ENDED_EARLY = Outcome("", "", 503, "the request ended early ({reason})")     # cancelled, timeout, ...

@@ -8,6 +8,7 @@ import pytest
 import fastserve
 from fastserve.errors import EngineClosed, RequestError, ServerBusy
 from fastserve.tracer import STEP_SECONDS_BUCKETS
+from fill_failures import FailingFills
 
 
 @pytest.fixture
@@ -208,7 +209,11 @@ class _FailingFill(fastserve.Engine):
     fail = 0
     seen = None
 
-    def _after_fill(self, slot):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.slots = FailingFills(self.slots, self._on_fill)
+
+    def _on_fill(self, slot):
         if self.fail > 0:
             self.fail -= 1
             self.seen = (self.batch.mark(), slot)
