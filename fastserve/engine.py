@@ -31,7 +31,7 @@ from .errors import ConfigError, EngineClosed, RequestError, ServerBusy
 from .inbox import Cancel, Erase, Inbox, Submit
 from .prompt_cache import MIB, PromptCache
 from .reader import Waker
-from .request import Completion, Job
+from .request import Completion, Request
 from .scheduler import pick_slot, slot_prefix
 from .text_reader import TextReader
 from .tracer import Tracer
@@ -132,12 +132,12 @@ class Engine:
         self.prompt_cache = (PromptCache(self.backend, int(config.cache_ram_mib * MIB))
                              if config.cache_ram_mib > 0 else None)
         self._finish = np.zeros(n_batch, np.int8)      # [n_batch] per output row: FINISH_* of its request
-        self._jobs: list[Job | None] = [None] * self.n_slots     # slot -> running job
+        self._jobs: list[Request | None] = [None] * self.n_slots     # slot -> running job
         # erase() of a busy slot: its prefix is dropped when its request ends, before the slot can take
         # another (else, under load, a freed slot is taken again before an erase gets to it). slot -> replies.
         self._erase_on_end: dict[int, list] = {}
         self._erased = [(0, 0)] * self.n_slots                   # slot -> (erasures, tokens the last one dropped)
-        self._waiting: deque[Job] = deque()
+        self._waiting: deque[Request] = deque()
         self._closing = False
         self._closed = False
         self._seq = 0
@@ -205,8 +205,8 @@ class Engine:
             raise ServerBusy(f"server busy: {self.n_slots} slots running and {self.max_queue} requests waiting")
         reader = TextReader(self.n_ctx_slot, self.tokenizer, stop=list(stop), n_probs=params.n_probs,
                             prompt_tokens=len(ids), impl=self._impl["delivery"])
-        job = Job(prompt=ids, sampling=params, max_tokens=max_tokens, buffer=reader.buffer,
-                  cache_prompt=bool(cache_prompt), id_slot=id_slot, admission=reader.admission)
+        job = reader.request = Request(prompt=ids, sampling=params, max_tokens=max_tokens, buffer=reader.buffer,
+                                       cache_prompt=bool(cache_prompt), id_slot=id_slot)
         reader._on_cancel = lambda cancel=self.cancel, jid=job.id: cancel(jid)
         self.inbox.put(Submit(job))
         if self._closed:                    # the decode thread is gone: nobody else will end it
@@ -400,25 +400,22 @@ class Engine:
         if self.tracer is not None:
             self.tracer.lap("admit")
 
-    def _start(self, job: Job, slot: int) -> None:
+    def _start(self, job: Request, slot: int) -> None:
         n_cached = min(slot_prefix(self.slots, slot, job.prompt), len(job.prompt) - 1) if job.cache_prompt else 0
         max_gen = job.max_tokens if job.max_tokens >= 0 else self.n_ctx_slot
-        if max_gen == 0:
-            job.slot, job.n_cached = slot, n_cached
+        if max_gen == 0:                        # nothing to run: the request never holds the slot
             self.delivery.reject(job.buffer, FINISH_LENGTH)
             return
         self.backend.configure(slot, job.sampling, job.prompt)
         if self.prompt_cache is not None:       # it writes the slot's KV: nothing that can fail comes after it
             n_cached = self._swap_prefix(slot, job, n_cached)
-        job.slot, job.n_cached = slot, n_cached
-        if job.admission is not None:
-            job.admission.slot, job.admission.n_cached = slot, n_cached
+        job.slot, job.n_cached = slot, n_cached     # what its reader sees of the admission
         self._seq += 1
         self.slots.start(slot, job.prompt, n_cached, max_gen, self._seq)
         self.delivery.attach(slot, job.buffer)
         self._jobs[slot] = job
 
-    def _swap_prefix(self, slot: int, job: Job, n_cached: int) -> int:
+    def _swap_prefix(self, slot: int, job: Request, n_cached: int) -> int:
         """The host-RAM cache at admission: keep the slot's prefix before the new prompt overwrites it,
         and bring back a longer prefix of the prompt when the cache holds one. Returns the new n_cached.
         Neither copy can fail the request: a refused save is logged, a failed restore computes instead."""

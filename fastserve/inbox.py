@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 @dataclass(frozen=True)
 class Submit:
-    job: Any                    # request.Job
+    job: Any                    # request.Request
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Requests as plain data: what was asked (Job, on the decode thread) and what came out (Completion)."""
+"""Requests as plain data: a Request (submit to finish), what came out (Completion), how it ended (OUTCOMES)."""
 from __future__ import annotations
 
 import enum
@@ -19,9 +19,11 @@ class SlotState(enum.IntEnum):
 
 
 @dataclass(eq=False)
-class Job:
-    """A request as the decode thread sees it. It holds the reader's buffer, never the Reader,
-    so that a Reader nobody holds any more is collected (and cancels itself)."""
+class Request:
+    """One request from submit() to its end: what was asked, and where it ran. The decode thread holds it
+    while the request waits or runs; its reader holds it too (to read slot and n_cached). It holds the
+    reader's buffer, never the Reader, so that a Reader nobody holds any more is collected (and cancels
+    itself). slot and n_cached are written once, by the decode thread, when it admits the request."""
     prompt: Any                 # int32 array of prompt token ids
     sampling: SamplingParams    # checked once, at submit()
     max_tokens: int
@@ -31,16 +33,6 @@ class Job:
     id: int = field(default_factory=lambda: next(_ids))
     slot: int = -1              # set when admitted
     n_cached: int = 0           # prompt tokens whose KV was reused
-    admission: Any = None       # the reader's Admission, filled in when admitted
-
-
-class Admission:
-    """Where a request ran and how much of its prompt came from a cache: written once by the
-    decode thread when it admits the request, read by its reader (a plain object, no lock)."""
-    __slots__ = ("slot", "n_cached")
-
-    def __init__(self):
-        self.slot, self.n_cached = -1, 0
 
 
 @dataclass

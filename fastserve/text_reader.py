@@ -12,12 +12,12 @@ import time
 from typing import Optional
 
 from .reader import Reader
-from .request import Admission, Completion
+from .request import Completion, Request
 from .text import TextStream
 
 
 class TextReader(Reader):
-    __slots__ = ("_text", "_tokens", "_prompt_tokens", "t_submit", "t_first", "t_last", "t_end", "admission")
+    __slots__ = ("_text", "_tokens", "_prompt_tokens", "t_submit", "t_first", "t_last", "t_end", "request")
 
     def __init__(self, capacity: int, tokenizer, stop=(), n_probs: int = 0, on_cancel=None, prompt_tokens: int = 0,
                  impl=None):
@@ -29,7 +29,7 @@ class TextReader(Reader):
         self.t_first: float | None = None  # the first token fed
         self.t_last: float | None = None   # the last batch fed
         self.t_end: float | None = None    # flush(): the text is complete
-        self.admission = Admission()       # slot and cached prompt tokens, set by the engine at admission
+        self.request: Request | None = None   # set by Engine.submit: its slot and n_cached once admitted
 
     # -- the text layer ---------------------------------------------------------------------------
 
@@ -134,7 +134,7 @@ class TextReader(Reader):
         timings = {"total_ms": (time.monotonic() - self.t_submit) * 1e3}
         if self.t_first is not None:
             timings["first_token_ms"] = (self.t_first - self.t_submit) * 1e3
-        adm = self.admission
+        adm = self.request
         if adm.slot >= 0:
             timings["cache_n"] = adm.n_cached
             timings["prompt_n"] = self._prompt_tokens - adm.n_cached

@@ -38,7 +38,7 @@ class Delta(NamedTuple):
 
 
 class Generation:
-    __slots__ = ("app", "reader", "admission", "n_prompt", "n_probs", "limits", "probs", "t_admit",
+    __slots__ = ("app", "reader", "request", "n_prompt", "n_probs", "limits", "probs", "t_admit",
                  "progress_seen", "t_progress", "outcome", "exchange", "_closed", "queued_behind")
 
     def __init__(self, app, exchange, ids: list, *, stop: list, limits: Limits, **submit_kwargs):
@@ -57,7 +57,7 @@ class Generation:
             raise HttpError(503, "the server is shutting down") from None
         except RequestError as exc:
             raise HttpError(400, str(exc)) from None
-        self.admission = self.reader.admission     # slot and cached prompt tokens, set at admission
+        self.request = self.reader.request         # slot and cached prompt tokens, set at admission
         self.app = app
         self.exchange = exchange
         self.n_prompt = len(ids)
@@ -176,7 +176,7 @@ class Generation:
         """Deadlines and admission tracking, from the snapshot only. Returns the failure, if any."""
         reader = self.reader
         if self.t_admit is None:
-            if self.admission.slot >= 0 or reader.count or reader.finished:
+            if self.request.slot >= 0 or reader.count or reader.finished:
                 self._admitted(now)
             elif self.limits.queue and now - reader.t_submit > self.limits.queue:
                 self.app.metrics.deadlines.inc(1, "queue")
@@ -187,7 +187,7 @@ class Generation:
         if self.limits.total and now - reader.t_submit > self.limits.total:
             self.app.metrics.deadlines.inc(1, "total")
             return HttpError(504, f"the request ran past its time limit of {self.limits.total:g} s")
-        slot = self.admission.slot
+        slot = self.request.slot
         progress = (reader.count, snap.slot_past[slot] if 0 <= slot < len(snap.slot_past) else -1)
         if progress != self.progress_seen:
             self.progress_seen = progress
@@ -201,7 +201,7 @@ class Generation:
         return None
 
     def id_slot(self) -> int:
-        return self.admission.slot
+        return self.request.slot
 
     # -- summaries ---------------------------------------------------------------------------
 
@@ -214,11 +214,11 @@ class Generation:
         t1 = reader.t_first if reader.t_first is not None else t_end
         prompt_ms = max(0.0, (t1 - t0) * 1e3)
         n_gen = len(reader.token_ids)
-        n_eval = self.n_prompt - self.admission.n_cached
+        n_eval = self.n_prompt - self.request.n_cached
         predicted_ms = max(0.0, (t_end - t1) * 1e3)
         return {
-            "cache_n": self.admission.n_cached,
-            "prompt_n": self.n_prompt - self.admission.n_cached,
+            "cache_n": self.request.n_cached,
+            "prompt_n": self.n_prompt - self.request.n_cached,
             "prompt_ms": prompt_ms,
             "prompt_per_token_ms": prompt_ms / n_eval if n_eval else 0.0,
             "prompt_per_second": n_eval / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,

@@ -32,7 +32,7 @@ from collections import Counter
 REQUEST_PATH_CLASSES = (
     "HttpProtocol", "Exchange", "ServerConnection", "HttpRequest", "ProtocolFailure", "Connection",  # h11
     "Generation", "TextStream", "Delta", "StreamResponse", "Response",
-    "TextReader", "Reader", "ResultBuffer", "Job", "Admission", "Submit", "Cancel", "Erase",
+    "TextReader", "Reader", "ResultBuffer", "Request", "Submit", "Cancel", "Erase",
     "Task", "Future", "TCPTransport", "_SelectorSocketTransport", "TimerHandle", "Handle",
     "async_generator", "coroutine", "frame", "traceback", "HttpError", "CancelledError",
 )

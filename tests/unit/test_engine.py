@@ -122,7 +122,7 @@ def test_erase_of_a_busy_slot_waits_for_its_request_to_end(tiny_model):
         second = e.submit("the running one", max_tokens=4, temperature=0)     # same prompt: would reuse it
         assert first.result(timeout=10).finish_reason == "length" and len(first.result().token_ids) == 24
         assert second.result(timeout=10).finish_reason == "length"
-        assert second.admission.n_cached == 0           # the erase came between the two
+        assert second.request.n_cached == 0           # the erase came between the two
         assert _slots_free(e)
         assert e.snapshot.slot_erased[0][0] == 1 and e.snapshot.slot_erased[0][1] > 0
         e.erase(0)                            # idle: at once
