@@ -118,11 +118,11 @@ class DeviceSampler:
         """Output rows of the last forward() that asked for probabilities."""
         return self._n_lists
 
-    def sample(self, row_slot, out_ids, probs_ids=None, probs=None) -> None:
+    def sample(self, row_slot, out_ids, probs_ids=None, probs=None, result=None) -> None:
         """The tokens of the last forward() into out_ids[:m]; rows that asked for probabilities get
         probs_ids[r, :n] / probs[r, :n]; then each row's slot state moves on as the host sampler's.
-        Waits for the device (the backend's wait_sample)."""
-        ids, list_ids, list_probs = self.backend.wait_sample()
+        result: what the backend's wait_sample() returned (None: it is called here, waiting for the device)."""
+        ids, list_ids, list_probs = self.backend.wait_sample() if result is None else result
         m, k = self._m, self._n_lists
         rows = self._rows[:m]
         out = out_ids[:m]

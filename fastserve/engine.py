@@ -11,6 +11,7 @@ outward call is the Waker it hands to Delivery.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
@@ -21,8 +22,6 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-import importlib
-
 from . import _batch, _delivery, _faults, _sampling, _slots
 from ._slots import IDLE
 from .backends.host_sampling import HostSampled
@@ -32,7 +31,7 @@ from .inbox import Cancel, Erase, Inbox, Submit
 from .prompt_cache import MIB, PromptCache
 from .reader import Waker
 from .request import Completion, Request
-from .scheduler import pick_slot, slot_prefix
+from .scheduler import StepPlan, pick_slot, slot_prefix
 from .text_reader import TextReader
 from .tracer import Tracer
 
@@ -308,13 +307,14 @@ class Engine:
         if self.tracer is not None:
             self.tracer.begin()
         self._admit()                       # schedule: the inbox, then free slots to waiting requests
-        if not self._build():               # schedule: decode tokens first, then prompt chunks
+        plan = self._build()                # schedule: decode tokens first, then prompt chunks
+        if plan is None:
             self._publish()
             return False
         out = self._backend_step()
         if out is not None:
             self.slots.commit(self.batch, out.ids, self._finish)
-            self._deliver(out)
+            self._deliver(plan, out)
         self._publish()
         if self.tracer is not None:
             self.tracer.lap("publish")
@@ -331,12 +331,14 @@ class Engine:
             self._fail_batch(f"forward pass failed: {type(exc).__name__}: {exc}")
             return None
 
-    def _build(self) -> bool:
-        """Decode tokens first, then prompt chunks; a failed fill is rolled back and fails only its request."""
+    def _build(self) -> StepPlan | None:
+        """Decode tokens first, then prompt chunks into the batch; a failed fill is rolled back and fails
+        only its request. The step's plan, or None when there is nothing to compute."""
         batch = self.batch
         batch.clear()
-        self._n_decode = self.slots.add_decode(batch)
-        budget = batch.free if self._n_decode == 0 else min(batch.free, max(self.prefill_chunk, self._n_decode))
+        n_decode = self.slots.add_decode(batch)
+        chunks = []
+        budget = batch.free if n_decode == 0 else min(batch.free, max(self.prefill_chunk, n_decode))
         for slot in self.slots.prefill_order():
             if budget <= 0:
                 break
@@ -350,13 +352,14 @@ class Engine:
                 self._end(slot, FINISH_ERROR, f"prompt processing failed: {exc}")
                 continue
             budget -= n_added
+            chunks.append((slot, n_added))
         if batch.n == 0:
-            return False
+            return None
         if self.tracer is not None:
             self.tracer.lap("build")
-        return True
+        return StepPlan(n_decode, tuple(chunks))
 
-    def _deliver(self, out) -> None:
+    def _deliver(self, plan: StepPlan, out) -> None:
         """The step's tokens into their readers (one pass, fastserve/_delivery.pyx); finished requests end."""
         row_slot, n_out = self.batch.row_slot, self.batch.n_out
         t0 = time.perf_counter_ns()
@@ -366,7 +369,7 @@ class Engine:
             self.delivery.send_step(row_slot[:n_out], out.ids)
         if self.tracer is not None:
             self.tracer.sends(n_out, time.perf_counter_ns() - t0)
-        self._tokens_prompt += self.batch.n - self._n_decode
+        self._tokens_prompt += plan.n_prompt
         self._tokens_generated += n_out
         finish = self._finish[:n_out]
         for r in np.flatnonzero(finish):
