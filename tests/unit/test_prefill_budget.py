@@ -16,16 +16,17 @@ TARGET_S = 0.1                             # -> about 190 tokens a step at the f
 
 
 class _TimedSteps:
-    """forward() sleeps FIXED_S + PER_TOKEN_S per token; records (tokens per slot, seconds) per step."""
+    """step() sleeps FIXED_S + PER_TOKEN_S per token; records (tokens per slot, seconds) per step."""
 
     def __init__(self, inner):
         self.inner, self.steps = inner, []
 
-    def forward(self, tokens, positions, slots, out_rows):
+    def step(self, batch, lap=None):
         t0 = time.perf_counter()
-        time.sleep(FIXED_S + PER_TOKEN_S * len(tokens))
-        out = self.inner.forward(tokens, positions, slots, out_rows)
-        self.steps.append((np.bincount(np.asarray(slots)), time.perf_counter() - t0))
+        slots = np.array(batch.view()[2])
+        time.sleep(FIXED_S + PER_TOKEN_S * len(slots))
+        out = self.inner.step(batch, lap)
+        self.steps.append((np.bincount(slots), time.perf_counter() - t0))
         return out
 
     def __getattr__(self, name):
