@@ -57,6 +57,10 @@ def main(argv=None) -> int:
     sp.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop implementation")
     sp.add_argument("--log-disable", action="store_true", help="no per-request log lines")
     sp.add_argument("--test-stall-file", help=argparse.SUPPRESS)   # tests: forward() hangs while this file exists
+    _device_arg(sp)
+    from .llama_flags import add_refused, add_taken
+    add_taken(sp)           # llama-server's flags, for its scripts: honoured ...
+    add_refused(sp)         # ... or refused with the reason (fastserve/llama_flags.py, the README's table)
 
     bp = sub.add_parser("bench", help="closed-loop load in-process: tok/s, latency, and where a step's time goes")
     _model_args(bp)

@@ -92,7 +92,7 @@ class App:
         return hmac.compare_digest(hashlib.sha256(given.encode("utf-8", "replace")).digest(), self._key_digest)
 
     def error_response(self, family: str, err: HttpError) -> Response:
-        return Response(err.status, error_json(family, err.status, err.message, err.type), JSON, err.headers)
+        return Response(err.status, error_json(family, err.status, err.message, err.type, err.fields), JSON, err.headers)
 
     def headers(self, ex, content_type: str, extra: list) -> list:
         out = [("content-type", content_type)]
@@ -231,20 +231,34 @@ def serve(args) -> int:
     from ..model import load_model
     from ..resources import rss_bytes, seconds_since_start
 
+    from ..llama_flags import check_gpu_layers, check_sampling, resolve
+
+    llama = resolve(args)                   # llama-server's flags, checked before anything loads
     cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, timeout=args.timeout,
                        stall_limit=args.stall_limit, queue_timeout=args.queue_timeout,
                        request_timeout=args.request_timeout, token_timeout=args.token_timeout,
                        n_predict=args.n_predict, cors_origin=args.cors_origin, body_limit=args.body_limit,
-                       alias=args.alias, log_requests=not args.log_disable)
+                       alias=args.alias, log_requests=llama["log_requests"], metrics=args.metrics,
+                       slots=args.slots, props=args.props, sampling=llama["sampling"])
     path = args.model or default_model_path()
     model = load_model(path)
+    if llama["chat_template"] is not None:
+        model.tokenizer.set_chat_template(llama["chat_template"])
+    device = llama["device"]
+    check_gpu_layers(llama["n_gpu_layers"], device, model.config.n_layer)
     threads = args.threads if args.threads and args.threads > 0 else default_threads()
-    engine = Engine(model, n_parallel=args.parallel, n_ctx=args.ctx_size, n_batch=args.batch_size,
+    engine = Engine(model, n_parallel=args.parallel, n_ctx=args.ctx_size, n_batch=llama["n_batch"],
                     max_queue=args.max_queue, trace=True, cache_ram_mib=args.cache_ram,
                     slot_prompt_similarity=args.slot_prompt_similarity,
-                    backend=make_backend_factory(args.test_stall_file) or getattr(args, "device", None),
+                    backend=make_backend_factory(args.test_stall_file) or device,
                     threads=threads, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
-    app = App(engine, cfg)
+    try:
+        check_sampling(engine, cfg.sampling)
+    except ValueError:
+        engine.close(timeout=1.5)
+        raise
+    log_stream = open(llama["log_file"], "a", encoding="utf-8") if llama["log_file"] else None
+    app = App(engine, cfg, log_stream=log_stream)
     server = Server(app)
     timer: list = []
 
@@ -279,4 +293,6 @@ def serve(args) -> int:
     finally:
         engine.close(timeout=1.5)
         app.log.close()
+        if log_stream is not None:
+            log_stream.close()
     return 0

@@ -25,6 +25,14 @@ class ServerConfig:
     erase_wait: float = 600.0
     tick: float = 0.1                # s: watchdog period (deadlines, stall, dropped clients)
     log_requests: bool = True
+    # llama-server's endpoint switches: /metrics is opt-in (--metrics), /slots opt-out (--no-slots),
+    # POST /props opt-in (--props); a route switched off answers 501 saying which flag turns it on
+    metrics: bool = False
+    slots: bool = True
+    props: bool = False
+    # server-wide sampling defaults (--temp, --top-k, ...; llama.cpp names): what a request that does not
+    # say gets, over fastserve.request.SAMPLING_DEFAULTS; "seed" is the default seed (absent: random)
+    sampling: tuple = ()              # ((name, value), ...): frozen
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:

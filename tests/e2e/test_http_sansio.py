@@ -112,7 +112,7 @@ class _Conn:
 def app(tiny_model):
     import fastserve
     engine = fastserve.Engine(tiny_model, n_parallel=2, n_ctx=512, n_batch=64)
-    a = App(engine, ServerConfig(log_requests=False))
+    a = App(engine, ServerConfig(log_requests=False, metrics=True))
     yield a
     engine.close()
 
