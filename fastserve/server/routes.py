@@ -69,10 +69,14 @@ def props(app, req, ex):
 
 
 def set_props(app, req, ex):
-    """POST /props: llama-server takes it only with --props, and changes nothing yet; nor does fastserve."""
+    """POST /props: llama-server takes it only with --props, and changes nothing (yet); nor can fastserve, so
+    a field asked to change is a 400 rather than a success that did nothing."""
     if not app.config.props:
         raise HttpError(501, "This server does not support changing global properties. Start it with `--props`")
-    parse_object(req.body)
+    body = parse_object(req.body)
+    if body.data:
+        raise HttpError(400, f"properties cannot be changed while the server runs: {', '.join(sorted(body.data))}; "
+                             f"restart it with other flags")
     return json_response({"success": True})
 
 
