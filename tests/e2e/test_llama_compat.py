@@ -58,22 +58,22 @@ def error(r, status: int, type_: str = "invalid_request_error") -> dict:
 def test_prompt_forms(http):
     """Mixed ids and text is one prompt (text gets BOS only when first); a list of prompts answers a list,
     each the same as that prompt alone; streamed, each event says which prompt it belongs to."""
-    a, b = tokens(http, "the cat"), tokens(http, " sat")
-    text_alone = http.post("/completion", json={"prompt": "the cat sat", **GREEDY, "return_tokens": True}).json()
-    mixed = http.post("/completion", json={"prompt": [*a, " sat"], **GREEDY, "return_tokens": True}).json()
+    a, b = tokens(http, "my fox"), tokens(http, " ran")
+    text_alone = http.post("/completion", json={"prompt": "my fox ran", **GREEDY, "return_tokens": True}).json()
+    mixed = http.post("/completion", json={"prompt": [*a, " ran"], **GREEDY, "return_tokens": True}).json()
     ids = http.post("/completion", json={"prompt": a + b, **GREEDY, "return_tokens": True}).json()
     assert mixed["tokens_evaluated"] == len(a) + len(b) and mixed["tokens"] == ids["tokens"]
-    assert text_alone["tokens_evaluated"] == len(tokens(http, "the cat sat", add_special=True))
+    assert text_alone["tokens_evaluated"] == len(tokens(http, "my fox ran", add_special=True))
 
-    prompts = ["the cat sat", [*a, " sat"], a + b, "once upon"]
+    prompts = ["my fox ran", [*a, " ran"], a + b, "far away"]
     many = http.post("/completion", json={"prompt": prompts, **GREEDY, "return_tokens": True}).json()
     assert isinstance(many, list) and [r["index"] for r in many] == [0, 1, 2, 3]
     assert many[0]["content"] == text_alone["content"] and many[1]["tokens"] == mixed["tokens"]
     assert many[2]["tokens"] == ids["tokens"]
-    alone = http.post("/completion", json={"prompt": "once upon", **GREEDY}).json()
-    assert many[3]["content"] == alone["content"] and many[3]["prompt"] == "once upon"
+    alone = http.post("/completion", json={"prompt": "far away", **GREEDY}).json()
+    assert many[3]["content"] == alone["content"] and many[3]["prompt"] == "far away"
 
-    ev = stream_post(http, "/completion", {"prompt": ["the cat sat", "once upon"], **GREEDY})
+    ev = stream_post(http, "/completion", {"prompt": ["my fox ran", "far away"], **GREEDY})
     for i, want in enumerate((text_alone, alone)):
         mine = [e for e in ev if e["index"] == i]
         assert mine[-1]["stop"] is True and all(e["stop"] is False for e in mine[:-1])
@@ -100,7 +100,7 @@ def test_logit_bias_forms(http):
 
 
 def test_stream_equals_non_stream_for_a_seed(http):
-    body = {"prompt": "tell me", "n_predict": 24, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+    body = {"prompt": "zebra song", "n_predict": 24, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
             "seed": 1234, "return_tokens": True, "n_probs": 2}
     whole = http.post("/completion", json=body).json()
     ev = stream_post(http, "/completion", body)
