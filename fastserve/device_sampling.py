@@ -35,8 +35,7 @@ import numpy as np
 
 from .backends import kernels as K
 from .errors import RequestError
-from .ref.sampling import check_config
-from .request import SAMPLING_DEFAULTS
+from .config import SAMPLING_DEFAULTS, check_sampling as check_config
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -73,7 +72,7 @@ class DeviceSampler:
         self._m = 0
 
     def configure(self, slot, *, seed, history=(), **params):
-        """Sampler.configure's parameters (request.SAMPLING_DEFAULTS for those not given) and checks;
+        """Sampler.configure's parameters (config.SAMPLING_DEFAULTS for those not given) and checks;
         the slot's window and bias go to the device."""
         if not 0 <= slot < self.n_slots:
             raise RequestError(f"slot {slot} out of range [0, {self.n_slots})")

@@ -26,12 +26,12 @@ from ._delivery import Delivery
 from ._sampling import Sampler
 from ._slots import DECODE, IDLE, SlotTable
 from .device_sampling import device_sampler_for
+from .config import MAX_N_PROBS, EngineConfig, SamplingParams
 from .errors import ConfigError, EngineClosed, RequestError, ServerBusy
 from .inbox import Inbox
 from .prompt_cache import MIB, PromptCache
 from .reader import Waker
-from .ref.sampling import check_config
-from .request import SAMPLING_DEFAULTS, Completion, Job, random_seed
+from .request import Completion, Job
 from .scheduler import pick_slot, slot_prefix
 from .text_reader import TextReader
 from .tracer import Tracer
@@ -70,38 +70,36 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 class Engine:
-    """Many concurrent requests on one model, decoded together.
+    """Many concurrent requests on one model, decoded together; its settings are an EngineConfig
+    (fastserve/config.py), each request's sampling a SamplingParams made at submit().
 
-    n_parallel slots share n_ctx tokens of KV (n_ctx / n_parallel each, as
-    llama.cpp's -c / -np); a step carries at most n_batch tokens, decode tokens
-    first; at most max_queue requests wait for a slot.
-    Prefix reuse: a request reuses the longest prefix of its prompt already in a slot's KV
-    (cache_prompt); slot_prompt_similarity is the share of the prompt a free slot's prefix must
-    exceed for that slot to be picked (else the least recently used one); cache_ram_mib > 0 keeps
-    the prefixes of reused slots in that much host RAM (fastserve/prompt_cache.py), 0 = off.
-    cache_type_k / cache_type_v: the KV cache's types on the CPU backend ("f16", "f32", "q8_0"; llama-server's
-    --cache-type-k/-v); the CUDA backend keeps its KV in its own dtype and refuses any other.
+    n_parallel slots share n_ctx tokens of KV (n_ctx / n_parallel each, as llama.cpp's -c / -np); a step
+    carries at most n_batch tokens, decode tokens first; at most max_queue requests wait for a slot.
+    Prefix reuse: a request reuses the longest prefix of its prompt already in a slot's KV (cache_prompt);
+    the host-RAM prompt cache (cache_ram_mib, fastserve/prompt_cache.py) keeps the prefixes of reused slots.
     """
 
-    def __init__(self, model, n_parallel: int = 8, n_ctx: int = 8192, n_batch: int = 512,
-                 max_queue: int = 256, backend=None, trace: bool = False, threads: int | None = None,
-                 prefill_chunk: int = 32, cache_ram_mib: float = 0, slot_prompt_similarity: float = 0.1,
-                 cache_type_k: str = "f16", cache_type_v: str = "f16"):
-        if n_parallel < 1 or n_batch < 1 or max_queue < 0:
-            raise ValueError("n_parallel and n_batch must be >= 1, max_queue >= 0")
-        if n_ctx // n_parallel < 2:
-            raise ValueError(f"n_ctx={n_ctx} leaves less than 2 tokens per slot for n_parallel={n_parallel}")
+    def __init__(self, model, config: EngineConfig | None = None, *, backend=None, **settings):
+        """config: an EngineConfig, or its fields as keyword arguments (settings). backend: a device name
+        ("cpu", "cuda", "auto": EngineConfig.device), or a backend instance, class or factory
+        factory(model_config, weights, n_slots, n_ctx_slot) (tests, benchmarks)."""
+        if isinstance(backend, str):
+            settings["device"] = backend
+        if settings.get("threads") is None:
+            settings.pop("threads", None)
+        config = (config or EngineConfig()).replace(**settings) if settings else (config or EngineConfig())
+        self.config = config
         # Threads of the CPU backend's step (products and attention, llama.cpp's -t): every core by
         # default. Its helpers take tasks dynamically, so an event loop that needs a core for a
         # moment delays one task, not the step (see _pool.h).
-        self.threads = max(1, threads or default_threads())
+        self.threads = config.threads or default_threads()
         self.model = model
         self.tokenizer = model.tokenizer
-        self.n_slots, self.n_ctx_slot, self.n_batch = n_parallel, n_ctx // n_parallel, n_batch
-        self.max_queue, self.prefill_chunk = max_queue, max(1, prefill_chunk)
-        self.cache_type_k, self.cache_type_v = cache_type_k, cache_type_v
-        n_vocab = model.config.n_vocab
-        self.backend = self._make_backend(backend)
+        self.n_slots, self.n_ctx_slot, self.n_batch = config.n_parallel, config.n_ctx_slot, config.n_batch
+        self.max_queue, self.prefill_chunk = config.max_queue, config.prefill_chunk
+        self.cache_type_k, self.cache_type_v = config.cache_type_k, config.cache_type_v
+        n_vocab, n_batch = model.config.n_vocab, config.n_batch
+        self.backend = self._make_backend(None if isinstance(backend, str) else backend)
         eog = np.zeros(n_vocab, np.uint8)
         eog[list(self.tokenizer.eog_ids)] = 1
         self.slots = SlotTable(self.n_slots, self.n_ctx_slot, eog)
@@ -109,17 +107,18 @@ class Engine:
         self.sampler = Sampler(self.n_slots, n_vocab)
         self.delivery = Delivery(self.n_slots, Waker())
         self.inbox = Inbox()
-        self.tracer = Tracer() if trace else None
+        self.tracer = Tracer() if config.trace else None
         # Prefix reuse: a free slot is picked for its cached prefix when that prefix is more than this
         # share of the prompt (llama.cpp's --slot-prompt-similarity); the host-RAM cache keeps the
         # prefixes of reused slots (llama.cpp's --cache-ram, MiB, 0 = off), its pool allocated here, once.
-        self.slot_prompt_similarity = float(slot_prompt_similarity)
-        self.prompt_cache = PromptCache(self.backend, int(cache_ram_mib * MIB)) if cache_ram_mib > 0 else None
+        self.slot_prompt_similarity = float(config.slot_prompt_similarity)
+        self.prompt_cache = (PromptCache(self.backend, int(config.cache_ram_mib * MIB))
+                             if config.cache_ram_mib > 0 else None)
         # Step outputs, one row per output row of the batch: [n_batch] and [n_batch, max n_probs].
         self._sampled = np.zeros(n_batch, np.int32)
         self._finish = np.zeros(n_batch, np.int8)
-        self._probs_ids = np.zeros((n_batch, 100), np.int32)
-        self._probs = np.zeros((n_batch, 100), np.float32)
+        self._probs_ids = np.zeros((n_batch, MAX_N_PROBS), np.int32)
+        self._probs = np.zeros((n_batch, MAX_N_PROBS), np.float32)
         # Sampling on the device when the backend has it (only ids and asked-for lists come back);
         # self.sampler still validates and holds each request's configuration.
         self.device_sampler = device_sampler_for(self.backend, self.sampler, n_batch, self._probs.shape[1])
@@ -140,26 +139,25 @@ class Engine:
         self._thread.start()
 
     def _make_backend(self, backend):
-        if backend == "auto":           # CUDA when CuPy sees a GPU, else the CPU
+        if backend is not None:
+            if isinstance(backend, type) or not hasattr(backend, "forward"):   # a class or a factory
+                return backend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot)
+            return backend
+        device = self.config.device
+        if device == "auto":            # CUDA when CuPy sees a GPU, else the CPU
             from .backends.cupy_backend import cuda_status
-            backend = "cuda" if cuda_status()[0] else "cpu"
-        if backend is None or backend in ("cpu", "numpy"):
+            device = "cuda" if cuda_status()[0] else "cpu"
+        if device == "cpu":
             from .backends.numpy_backend import NumpyBackend
             return NumpyBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot,
                                 threads=self.threads, cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v,
                                 max_tokens=self.n_batch, reuse_logits=True)
-        if backend == "cuda":
-            from .backends.cupy_backend import CupyBackend
-            if (self.cache_type_k, self.cache_type_v) != ("f16", "f16"):
-                raise ConfigError(f"the CUDA backend keeps its KV cache in f16; --cache-type-k {self.cache_type_k} / "
-                                 f"--cache-type-v {self.cache_type_v} are for the CPU backend (--device cpu)")
-            return CupyBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot,
-                               max_tokens=self.n_batch)
-        if isinstance(backend, str):
-            raise ValueError(f"unknown backend {backend!r}; known: cpu, cuda, auto")
-        if isinstance(backend, type) or not hasattr(backend, "forward"):   # a class or a factory
-            return backend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot)
-        return backend
+        from .backends.cupy_backend import CupyBackend
+        if (self.cache_type_k, self.cache_type_v) != ("f16", "f16"):
+            raise ConfigError(f"the CUDA backend keeps its KV cache in f16; --cache-type-k {self.cache_type_k} / "
+                              f"--cache-type-v {self.cache_type_v} are for the CPU backend (--device cpu)")
+        return CupyBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot,
+                           max_tokens=self.n_batch)
 
     # -- the caller's side (any thread) ------------------------------------------------------
 
@@ -174,17 +172,9 @@ class Engine:
         if self._closing:
             raise EngineClosed("the engine is closed")
         ids = self._prompt_ids(prompt, add_special, truncate)
-        unknown = set(sampling) - set(SAMPLING_DEFAULTS)
-        if unknown:
-            raise RequestError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
-        params = {**SAMPLING_DEFAULTS, **sampling}
-        params["seed"] = random_seed() if seed is None or seed == -1 else seed
-        if params["n_probs"] and params["n_probs"] > self._probs.shape[1]:
-            raise RequestError(f"n_probs must be at most {self._probs.shape[1]}")
-        cfg = check_config(self.model.config.n_vocab, self.sampler.max_penalty_window,
-                           self.sampler.max_logit_bias, history=(), **params)
-        del cfg["history"]                  # the prompt becomes the penalty history at admission
-        cfg["logit_bias"] = dict(cfg["logit_bias"])
+        params = SamplingParams.make(self.model.config.n_vocab, seed=seed,
+                                     max_penalty_window=self.sampler.max_penalty_window,
+                                     max_logit_bias=self.sampler.max_logit_bias, **sampling)
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(max_tokens, int) or max_tokens < -1:
@@ -193,9 +183,9 @@ class Engine:
             raise RequestError(f"id_slot must be -1 or in [0, {self.n_slots})")
         if len(self._waiting) + len(self.inbox) >= self.max_queue + self._free_slots_hint():
             raise ServerBusy(f"server busy: {self.n_slots} slots running and {self.max_queue} requests waiting")
-        reader = TextReader(self.n_ctx_slot, self.tokenizer, stop=list(stop), n_probs=cfg["n_probs"],
+        reader = TextReader(self.n_ctx_slot, self.tokenizer, stop=list(stop), n_probs=params.n_probs,
                             prompt_tokens=len(ids))
-        job = Job(prompt=ids, sampling=cfg, max_tokens=max_tokens, buffer=reader.buffer,
+        job = Job(prompt=ids, sampling=params, max_tokens=max_tokens, buffer=reader.buffer,
                   cache_prompt=bool(cache_prompt), id_slot=id_slot, admission=reader.admission)
         reader._on_cancel = lambda inbox=self.inbox, jid=job.id: inbox.put("cancel", jid)
         self.inbox.put("submit", job)
@@ -417,9 +407,9 @@ class Engine:
             job.slot, job.n_cached = slot, n_cached
             self.delivery.reject(job.buffer, FINISH_LENGTH)
             return
-        self.sampler.configure(slot, history=job.prompt, **job.sampling)
+        self.sampler.configure(slot, history=job.prompt, **job.sampling.kwargs())
         if self.device_sampler is not None:
-            self.device_sampler.configure(slot, history=job.prompt, **job.sampling)
+            self.device_sampler.configure(slot, history=job.prompt, **job.sampling.kwargs())
         if self.prompt_cache is not None:       # it writes the slot's KV: nothing that can fail comes after it
             n_cached = self._swap_prefix(slot, job, n_cached)
         job.slot, job.n_cached = slot, n_cached
@@ -429,7 +419,7 @@ class Engine:
         self.slots.start(slot, job.prompt, n_cached, max_gen, self._seq)
         self.delivery.attach(slot, job.buffer)
         self._jobs[slot] = job
-        if job.sampling["n_probs"]:
+        if job.sampling.n_probs:
             self._n_probs_slots += 1
 
     def _swap_prefix(self, slot: int, job: Job, n_cached: int) -> int:
@@ -455,7 +445,7 @@ class Engine:
         self.delivery.detach(slot)
         self.slots.release(slot)
         self._jobs[slot] = None
-        if job.sampling["n_probs"]:
+        if job.sampling.n_probs:
             self._n_probs_slots -= 1
         if slot in self._erase_on_end:
             self._forget(slot)

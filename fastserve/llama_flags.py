@@ -254,7 +254,7 @@ def add_taken(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--props", action="store_true", help="take POST /props (501 without it)")
     g.add_argument("--slots", dest="slots", action="store_true", default=True, help="serve /slots (the default)")
     g.add_argument("--no-slots", dest="slots", action="store_false", help="/slots answers 501")
-    # server-wide sampling defaults: absent, fastserve.request.SAMPLING_DEFAULTS (llama-server's own)
+    # server-wide sampling defaults: absent, fastserve.config.SamplingParams' (llama-server's own)
     g.add_argument("--temp", "--temperature", dest="temperature", type=float)
     g.add_argument("--top-k", dest="top_k", type=int)
     g.add_argument("--top-p", dest="top_p", type=float)
@@ -325,12 +325,12 @@ def resolve(args) -> dict:
                 out["n_gpu_layers"] = "all"            # llama.cpp reads a negative count as all
             elif out["n_gpu_layers"] == 0 and out["device"] in ("cuda", "auto"):
                 out["device"] = "cpu"                  # 0 layers in VRAM: the model stays on the CPU
-    sampling = [(name, getattr(args, name)) for name in SAMPLING_FLAGS if getattr(args, name) is not None]
+    out["sampling"] = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    out["seed"] = None
     if args.seed is not None and args.seed != -1:
         if not 0 <= args.seed < 2 ** 64:
             raise ValueError(f"--seed must be -1 (random) or in [0, 2**64), got {args.seed}")
-        sampling.append(("seed", args.seed))
-    out["sampling"] = tuple(sampling)
+        out["seed"] = args.seed
     return out
 
 
@@ -341,15 +341,12 @@ def check_gpu_layers(n_gpu_layers, device, n_layers: int) -> None:
                          f"({n_layers} layers): give 0 (CPU) or all")
 
 
-def check_sampling(engine, sampling: tuple) -> None:
-    """The server-wide sampling defaults, checked at start as a request's would be (ValueError)."""
+def sampling_defaults(n_vocab: int, given: dict):
+    """The server-wide SamplingParams of the sampling flags (resolve()'s "sampling"), checked as a request's
+    fields are (ValueError naming the flag)."""
+    from .config import SamplingParams
     from .errors import RequestError
-    from .ref.sampling import check_config
-    from .request import SAMPLING_DEFAULTS
-    params = {**SAMPLING_DEFAULTS, **dict(sampling)}
-    params.setdefault("seed", 0)
     try:
-        check_config(engine.model.config.n_vocab, engine.sampler.max_penalty_window, engine.sampler.max_logit_bias,
-                     history=(), **params)
+        return SamplingParams.make(n_vocab, seed=0, **given)
     except RequestError as exc:
         raise ValueError(f"sampling flags: {exc}") from None

@@ -2,19 +2,12 @@
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
-# llama.cpp's server defaults, applied where a request says nothing.
-SAMPLING_DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
-                         repeat_last_n=64, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None,
-                         n_probs=0, post_sampling_probs=False)
+from .config import SamplingParams
+
 _ids = itertools.count(1)
-
-
-def random_seed() -> int:
-    return int.from_bytes(os.urandom(8), "little")
 
 
 @dataclass(eq=False)
@@ -22,7 +15,7 @@ class Job:
     """A request as the decode thread sees it. It holds the reader's buffer, never the Reader,
     so that a Reader nobody holds any more is collected (and cancels itself)."""
     prompt: Any                 # int32 array of prompt token ids
-    sampling: dict              # normalized by the sampler's check_config
+    sampling: SamplingParams    # checked once, at submit()
     max_tokens: int
     buffer: Any                 # the reader's ResultBuffer
     cache_prompt: bool = True

@@ -226,37 +226,33 @@ def _force_exit() -> None:
 
 def serve(args) -> int:
     """`fastserve serve`: load the model, start the engine, serve until SIGTERM/SIGINT; returns 0."""
+    from ..cli import engine_config
     from ..engine import Engine, default_threads
     from ..default_model import default_model_path
     from ..model import load_model
     from ..resources import rss_bytes, seconds_since_start
 
-    from ..llama_flags import check_gpu_layers, check_sampling, resolve
+    from ..config import EngineConfig
+    from ..llama_flags import check_gpu_layers, resolve, sampling_defaults
 
     llama = resolve(args)                   # llama-server's flags, checked before anything loads
+    path = args.model or default_model_path()
+    model = load_model(path)
     cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, timeout=args.timeout,
                        stall_limit=args.stall_limit, queue_timeout=args.queue_timeout,
                        request_timeout=args.request_timeout, token_timeout=args.token_timeout,
                        n_predict=args.n_predict, cors_origin=args.cors_origin, body_limit=args.body_limit,
                        alias=args.alias, log_requests=llama["log_requests"], metrics=args.metrics,
-                       slots=args.slots, props=args.props, sampling=llama["sampling"])
-    path = args.model or default_model_path()
-    model = load_model(path)
+                       slots=args.slots, props=args.props, seed=llama["seed"],
+                       sampling=sampling_defaults(model.config.n_vocab, llama["sampling"]))
     if llama["chat_template"] is not None:
         model.tokenizer.set_chat_template(llama["chat_template"])
     device = llama["device"]
     check_gpu_layers(llama["n_gpu_layers"], device, model.config.n_layer)
     threads = args.threads if args.threads and args.threads > 0 else default_threads()
-    engine = Engine(model, n_parallel=args.parallel, n_ctx=args.ctx_size, n_batch=llama["n_batch"],
-                    max_queue=args.max_queue, trace=True, cache_ram_mib=args.cache_ram,
-                    slot_prompt_similarity=args.slot_prompt_similarity,
-                    backend=make_backend_factory(args.test_stall_file) or device,
-                    threads=threads, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
-    try:
-        check_sampling(engine, cfg.sampling)
-    except ValueError:
-        engine.close(timeout=1.5)
-        raise
+    engine = Engine(model, engine_config(args, threads=threads, trace=True, n_batch=llama["n_batch"],
+                                         device=device or EngineConfig.device),
+                    backend=make_backend_factory(args.test_stall_file))
     log_stream = open(llama["log_file"], "a", encoding="utf-8") if llama["log_file"] else None
     app = App(engine, cfg, log_stream=log_stream)
     server = Server(app)

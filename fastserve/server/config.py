@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .http import DEFAULT_BODY_LIMIT
+from ..config import DEFAULT_BODY_LIMIT, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -30,9 +30,10 @@ class ServerConfig:
     metrics: bool = False
     slots: bool = True
     props: bool = False
-    # server-wide sampling defaults (--temp, --top-k, ...; llama.cpp names): what a request that does not
-    # say gets, over fastserve.request.SAMPLING_DEFAULTS; "seed" is the default seed (absent: random)
-    sampling: tuple = ()              # ((name, value), ...): frozen
+    # server-wide sampling defaults (--temp, --top-k, ... --frequency-penalty): what a request gets for a
+    # field it does not give; its seed field is unused: `seed` (--seed) is the seed of requests without one
+    sampling: SamplingParams = SamplingParams()
+    seed: int | None = None          # None: a random seed per request (llama-server's -1)
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:

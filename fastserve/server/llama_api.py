@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import math
 
+from ..config import MAX_N_PROBS
 from . import constraints, sse
 from .errors import LLAMA, HttpError
 from .fanout import interleave, run_all, start_all
 from .fields import Body, parse_object
 from .generation import Generation, Limits
 from .response import StreamResponse, json_response
-from ..request import SAMPLING_DEFAULTS
 
 PROMPT_CHARS_PER_TOKEN = 16     # a prompt longer than 16 characters per slot token cannot fit: refused untokenized
-MAX_N_PROBS = 100
 
 
 # llama-server's samplers that fastserve lacks, each with the value that turns it off: a request that
@@ -31,12 +30,16 @@ MAX_N_PROBS = 100
 ABSENT_SAMPLERS = {"dynatemp_range": 0.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "typical_p": 1.0,
                    "dry_multiplier": 0.0, "mirostat": 0, "adaptive_target": -1.0}
 SAMPLER_CHAIN = ["penalties", "top_k", "top_p", "min_p", "temperature"]      # fastserve's, in llama.cpp's names
+# the SamplingParams fields the server's flags set defaults for (--temp ... --frequency-penalty)
+SERVER_WIDE = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+               "frequency_penalty")
 
 
 def sampling(body: Body, app) -> dict:
     """The sampling fields shared by every generation route (llama.cpp names) over the server-wide defaults
-    (--temp, --top-k, ...); the engine's SAMPLING_DEFAULTS fill the rest. The seed is request_seed's."""
-    out = {k: v for k, v in app.config.sampling if k != "seed"}
+    (ServerConfig.sampling: --temp, --top-k, ...). The seed is request_seed's."""
+    defaults = app.config.sampling
+    out = {name: getattr(defaults, name) for name in SERVER_WIDE}
     for name in ("temperature", "top_p", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty"):
         v = body.number(name)
         if v is not None:
@@ -61,13 +64,15 @@ def request_seed(body: Body, app):
     """The request's seed; absent, the server's --seed (None: a random one)."""
     if body.has("seed"):
         return body.seed()
-    return dict(app.config.sampling).get("seed")
+    return app.config.seed
 
 
 def params_json(app, samp: dict, seed, n_predict: int, **extra) -> dict:
     """llama-server's generation settings object (/props' default_generation_settings.params, and each
     answer's generation_settings): its field names; samplers fastserve lacks show their "off" value."""
-    eff = {**SAMPLING_DEFAULTS, **dict(app.config.sampling), **samp}
+    defaults = app.config.sampling
+    eff = {**{name: getattr(defaults, name) for name in SERVER_WIDE}, "n_probs": defaults.n_probs,
+           "post_sampling_probs": defaults.post_sampling_probs, **samp}
     out = {"seed": -1 if seed is None else seed}
     for name in ("temperature", "top_k", "top_p", "min_p"):
         out[name] = eff[name]

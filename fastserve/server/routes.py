@@ -49,10 +49,9 @@ def props(app, req, ex):
     """llama-server's GET /props fields (those fastserve has a value for)."""
     eng = app.engine
     tok = eng.tokenizer
-    seed = dict(app.config.sampling).get("seed")
     return json_response({
         "default_generation_settings": {"n_ctx": eng.n_ctx_slot, "params": llama_api.params_json(
-            app, {}, seed, app.config.n_predict)},
+            app, {}, app.config.seed, app.config.n_predict)},
         "total_slots": eng.n_slots,
         "model_alias": app.model_alias,
         "model_path": str(getattr(eng.model, "path", "")),
