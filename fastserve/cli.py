@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     sp.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     sp.add_argument("--port", type=int, default=8080, help="port (0: any free port, printed at start)")
     sp.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or X-Api-Key) on every route "
-                                      "but /health")
+                                      "but /health, /models and /v1/models (as llama-server)")
     sp.add_argument("-to", "--timeout", type=float, default=600.0,
                     help="seconds a client may read (or send) nothing before it is dropped")
     sp.add_argument("--stall-limit", type=float, default=30.0,

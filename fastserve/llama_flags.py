@@ -18,6 +18,9 @@ SAME, DIFFERS, REFUSED = "same", "differs", "refused"
 # (flags as llama-server spells them, status, note). Grouped as llama-server's --help groups them.
 FLAGS: list[tuple[str, str, str]] = [
     # -- common ------------------------------------------------------------------------------------
+    ("-h, --help", SAME, "fastserve's own help (`fastserve serve --help`)"),
+    ("--usage, --version, -cl, --cache-list, --completion-bash", REFUSED, "no such commands (`pip show fastserve` "
+                                                                          "gives the version)"),
     ("-t, --threads N", SAME, "threads of the decode step (default: every core the process may use)"),
     ("-tb, --threads-batch N", REFUSED, "one thread pool does prompts and decoding; use -t"),
     ("-C, --cpu-mask, -Cr, --cpu-range, --cpu-strict, -Cb, --cpu-mask-batch, -Crb, --cpu-range-batch, "
@@ -89,7 +92,7 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--top-k N", SAME, "server-wide default (40)"),
     ("--top-p N", SAME, "server-wide default (0.95)"),
     ("--min-p N", SAME, "server-wide default (0.05)"),
-    ("--top-nsigma, --xtc-probability, --xtc-threshold, --typical, --dry-*, --adaptive-*, --dynatemp-*, "
+    ("--top-nsigma, --top-n-sigma, --xtc-probability, --xtc-threshold, --typical, --typical-p, --dry-*, --adaptive-*, --dynatemp-*, "
      "--mirostat*", REFUSED, "fastserve has no such sampler (a request that turns one on gets a 400)"),
     ("--repeat-last-n N", SAME, "server-wide default (64)"),
     ("--repeat-penalty N", SAME, "server-wide default (1.0)"),
@@ -121,7 +124,8 @@ FLAGS: list[tuple[str, str, str]] = [
     ("-np, --parallel N", DIFFERS, "slots (default 8; llama-server's -1, auto, is not taken)"),
     ("-cb, --cont-batching, -nocb, --no-cont-batching", DIFFERS, "batching is always continuous: -cb is taken, "
                                                                  "-nocb refused"),
-    ("-mm, --mmproj, -mmu, --mmproj-url, --mmproj-auto, --no-mmproj, --mmproj-offload, --image-min-tokens, "
+    ("-mm, --mmproj, -mmu, --mmproj-url, --mmproj-auto, --no-mmproj, --no-mmproj-auto, --mmproj-offload, "
+     "--no-mmproj-offload, --image-min-tokens, "
      "--image-max-tokens, --mtmd-batch-max-tokens, --media-path", REFUSED, "text only: no multimodal models"),
     ("-a, --alias STRING", DIFFERS, "one model name (a comma-separated list is taken as one name)"),
     ("--tags STRING", REFUSED, "no model tags"),
@@ -134,7 +138,8 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--cors-methods, --cors-headers, --cors-credentials, --no-cors-credentials", REFUSED,
      "fixed: GET, POST, OPTIONS; authorization, content-type, x-api-key; no credentials"),
     ("--api-prefix PREFIX", REFUSED, "routes are served at the root"),
-    ("--ui-config, --webui-config, --ui-config-file, --webui-config-file, --ui-mcp-proxy, --tools, "
+    ("--ui-config, --webui-config, --ui-config-file, --webui-config-file, --ui-mcp-proxy, --webui-mcp-proxy, "
+     "--no-ui-mcp-proxy, --no-webui-mcp-proxy, --tools, "
      "--tools-runtime, --mcp-*, -ag, --agent", REFUSED, "no agent tools, MCP proxy or UI settings"),
     ("--ui, --webui, --no-ui, --no-webui", DIFFERS, "see the web page issue (#16)"),
     ("--api-key KEY", DIFFERS, "one key (a comma-separated list is taken as one key); /health, /models and "
@@ -201,21 +206,10 @@ _REFUSED_OPTIONS: list[tuple[tuple[str, ...], int | str | None]] = [
 ]
 
 
-def row_for(option: str) -> tuple[str, str, str]:
-    """The table row that names option (as written in its flags column)."""
-    for row in FLAGS:
-        names = [n.strip().split(" ")[0] for n in row[0].replace(";", ",").split(",")]
-        if option in names:
-            return row
-    raise KeyError(option)
-
-
 class _Refuse(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
-        try:
-            why = row_for(self.option_strings[-1])[2]
-        except KeyError:
-            why = "not supported"
+        row = covers(self.option_strings[-1])
+        why = row[2] if row is not None else "not supported"
         parser.error(f"{option_string} (llama-server's) is not supported by fastserve: {why}")
 
 
@@ -350,3 +344,31 @@ def sampling_defaults(n_vocab: int, given: dict):
         return SamplingParams.make(n_vocab, seed=0, **given)
     except RequestError as exc:
         raise ValueError(f"sampling flags: {exc}") from None
+
+
+def _names(flags: str) -> list[str]:
+    """The option names a table row's first column spells ("-c, --ctx-size N; -ctv, ..." -> -c, --ctx-size, -ctv)."""
+    out = []
+    for part in flags.replace(";", ",").replace("(", ",").replace(")", ",").split(","):
+        word = part.strip().split(" ")[0]
+        if word.startswith("-"):
+            out.append(word)
+    return out
+
+
+def covers(option: str) -> tuple[str, str, str] | None:
+    """The row that speaks for option (a row's name may be a pattern: --dry-*), or None."""
+    from fnmatch import fnmatchcase
+    for row in FLAGS:
+        if any(n == option or ("*" in n and fnmatchcase(option, n)) for n in _names(row[0])):
+            return row
+    return None
+
+
+def markdown_table() -> str:
+    """The README's table of llama-server's flags (generated: tests/unit/test_llama_flags.py compares)."""
+    label = {SAME: "same", DIFFERS: "differs", REFUSED: "refused"}
+    lines = ["| llama-server flag | fastserve | how, or why not |", "| --- | --- | --- |"]
+    for flags, status, note in FLAGS:
+        lines.append(f"| `{flags}` | {label[status]} | {note} |")
+    return "\n".join(lines)

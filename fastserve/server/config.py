@@ -10,7 +10,7 @@ from ..config import DEFAULT_BODY_LIMIT, SamplingParams
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080                 # 0: any free port (the log line says which)
-    api_key: str | None = None       # required on every route but /health when set
+    api_key: str | None = None       # required on every route but server/routes.PUBLIC when set
     timeout: float = 600.0           # s: a client that reads nothing (or sends nothing) this long is dropped
     stall_limit: float = 30.0        # s: work pending and no decode step this long → /health 503, requests fail
     queue_timeout: float = 600.0     # s: most time a request may wait for a slot (0: no limit)

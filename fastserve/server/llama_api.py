@@ -25,11 +25,34 @@ from .response import StreamResponse, json_response
 PROMPT_CHARS_PER_TOKEN = 16     # a prompt longer than 16 characters per slot token cannot fit: refused untokenized
 
 
-# llama-server's samplers that fastserve lacks, each with the value that turns it off: a request that
-# turns one on is refused (400), never answered as if it had been applied.
-ABSENT_SAMPLERS = {"dynatemp_range": 0.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "typical_p": 1.0,
-                   "dry_multiplier": 0.0, "mirostat": 0, "adaptive_target": -1.0}
+# llama-server's request fields that fastserve has no such thing for, each with the test of its "off"
+# value and why: a request that turns one on is refused (400), never answered as if it had been applied.
+# (Their companions - dry_base, mirostat_tau, xtc_threshold, dynatemp_exponent ... - do nothing while
+# these are off, in llama-server too.)
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+NOT_SUPPORTED = {
+    "dynatemp_range": (lambda v: _num(v) and v == 0, "no dynamic temperature"),
+    "top_n_sigma": (lambda v: _num(v) and v <= 0, "no top-n-sigma sampler"),
+    "xtc_probability": (lambda v: _num(v) and v == 0, "no XTC sampler"),
+    "typical_p": (lambda v: _num(v) and v >= 1, "no locally typical sampler"),
+    "dry_multiplier": (lambda v: _num(v) and v == 0, "no DRY sampler"),
+    "mirostat": (lambda v: _num(v) and v == 0, "no Mirostat"),
+    "adaptive_target": (lambda v: _num(v) and v < 0, "no adaptive-p sampler"),
+    "min_keep": (lambda v: _num(v) and v == 0, "no minimum of kept candidates"),
+    "ignore_eos": (lambda v: v is False, "not yet: generation ends at the end-of-generation token"),
+    "n_cmpl": (lambda v: _num(v) and v == 1, "one completion per prompt (send the prompt several times, or use "
+                                 "/v1/chat/completions' n)"),
+    "n_indent": (lambda v: _num(v) and v == 0, "no indentation rule"),
+    "t_max_predict_ms": (lambda v: _num(v) and v <= 0, "no prediction time limit: see request_timeout"),
+    "n_cache_reuse": (lambda v: _num(v) and v == 0, "no KV shifting: a slot's common prefix is reused"),
+    "return_progress": (lambda v: v is False, "no prompt progress events"),
+    "lora": (lambda v: v == [], "no LoRA adapters"),
+}
 SAMPLER_CHAIN = ["penalties", "top_k", "top_p", "min_p", "temperature"]      # fastserve's, in llama.cpp's names
+_OFF_SAMPLERS = ("dry", "top_n_sigma", "typ_p", "xtc", "adaptive_p")         # llama.cpp's, all off in fastserve
 # the SamplingParams fields the server's flags set defaults for (--temp ... --frequency-penalty)
 SERVER_WIDE = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
                "frequency_penalty")
@@ -48,12 +71,15 @@ def sampling(body: Body, app) -> dict:
         v = body.int(name, lo=-1 if name == "repeat_last_n" else None)
         if v is not None:
             out[name] = v
-    for name, off in ABSENT_SAMPLERS.items():
-        v = body.number(name)
-        if v is not None and v != off and not (name == "top_n_sigma" and v <= 0) \
-                and not (name == "adaptive_target" and v < 0):
-            raise HttpError(400, f"'{name}' = {v:g} is not supported: fastserve has no such sampler "
-                                 f"(its chain: {', '.join(SAMPLER_CHAIN)}); leave it out or set {off}")
+    for name, (off, why) in NOT_SUPPORTED.items():
+        v = body.raw(name)
+        if v is not None and not off(v):
+            raise HttpError(400, f"'{name}' = {v!r} is not supported by fastserve: {why}; leave it out")
+    chain = body.raw("samplers")
+    if chain is not None and (not isinstance(chain, list) or [x for x in chain if x not in _OFF_SAMPLERS]
+                              != SAMPLER_CHAIN):
+        raise HttpError(400, f"'samplers' must be fastserve's chain {SAMPLER_CHAIN} (in that order; samplers that "
+                             f"are off may be named too), got {chain!r}")
     bias = body.logit_bias("logit_bias", app.engine.tokenizer)
     if bias:
         out["logit_bias"] = bias
@@ -76,8 +102,7 @@ def params_json(app, samp: dict, seed, n_predict: int, **extra) -> dict:
     out = {"seed": -1 if seed is None else seed}
     for name in ("temperature", "top_k", "top_p", "min_p"):
         out[name] = eff[name]
-    out.update({k: v for k, v in ABSENT_SAMPLERS.items() if k in ("dynatemp_range", "top_n_sigma",
-                                                                   "xtc_probability", "typical_p")})
+    out.update({"dynatemp_range": 0.0, "top_n_sigma": -1.0, "xtc_probability": 0.0, "typical_p": 1.0})
     for name in ("repeat_last_n", "repeat_penalty", "presence_penalty", "frequency_penalty"):
         out[name] = eff[name]
     out.update({"dry_multiplier": 0.0, "mirostat": 0, "max_tokens": n_predict, "n_predict": n_predict, "n_keep": 0,

@@ -135,8 +135,13 @@ def test_constraints_are_refused_until_they_are_applied(http, oai):
     with pytest.raises(openai.BadRequestError):
         oai.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}],
                                     response_format={"type": "json_object"})
-    msg = error(http.post("/completion", json={"prompt": "a", "mirostat": 2}), 400)["message"]
-    assert "mirostat" in msg
+    for field, value in (("mirostat", 2), ("dry_multiplier", 0.5), ("n_cmpl", 2), ("ignore_eos", True),
+                         ("typical_p", 0.5), ("samplers", ["top_k", "temperature"]), ("lora", [{"id": 0}])):
+        msg = error(http.post("/completion", json={"prompt": "a", field: value}), 400)["message"]
+        assert field in msg and "not supported" in msg or "chain" in msg, msg
+    neutral = {"mirostat": 0, "dry_multiplier": 0.0, "n_cmpl": 1, "ignore_eos": False, "typical_p": 1.0,
+               "samplers": ["penalties", "dry", "top_k", "top_p", "min_p", "temperature"], "lora": [], "n_keep": 4}
+    assert http.post("/completion", json={"prompt": "a", "n_predict": 1, **neutral}).status_code == 200
 
 
 def test_exceed_context_size_error(http):
