@@ -4,8 +4,9 @@ Request fields: prompt (text, token ids, a mix, or a list of such prompts: then 
 and a stream's events carry each prompt's index), n_predict (or max_tokens), temperature, top_k,
 top_p, min_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, seed, stop,
 stream, cache_prompt, n_probs, post_sampling_probs, id_slot, return_tokens, logit_bias (every form
-llama-server takes), timings_per_token, response_fields, and fastserve's per-request limits queue_timeout / request_timeout / token_timeout (seconds, may
-only shorten the server's).
+llama-server takes), timings_per_token, response_fields, and fastserve's per-request limits
+queue_timeout / request_timeout / token_timeout (seconds, may only shorten the server's). Fields of
+llama-server that fastserve cannot honour are refused (NOT_SUPPORTED; grammars: constraints.py).
 Response: content, tokens, id_slot, stop, model, tokens_predicted, tokens_evaluated,
 generation_settings, prompt, has_new_line, truncated, stop_type, stopping_word, tokens_cached,
 timings, completion_probabilities (when n_probs > 0).
@@ -25,14 +26,14 @@ from .response import StreamResponse, json_response
 PROMPT_CHARS_PER_TOKEN = 16     # a prompt longer than 16 characters per slot token cannot fit: refused untokenized
 
 
-# llama-server's request fields that fastserve has no such thing for, each with the test of its "off"
-# value and why: a request that turns one on is refused (400), never answered as if it had been applied.
-# (Their companions - dry_base, mirostat_tau, xtc_threshold, dynatemp_exponent ... - do nothing while
-# these are off, in llama-server too.)
 def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+# llama-server's request fields that fastserve has no such thing for, each with the test of its "off"
+# value and why: a request that turns one on is refused (400), never answered as if it had been applied.
+# (Their companions - dry_base, mirostat_tau, xtc_threshold, dynatemp_exponent ... - do nothing while
+# these are off, in llama-server too.)
 NOT_SUPPORTED = {
     "dynatemp_range": (lambda v: _num(v) and v == 0, "no dynamic temperature"),
     "top_n_sigma": (lambda v: _num(v) and v <= 0, "no top-n-sigma sampler"),
@@ -43,8 +44,8 @@ NOT_SUPPORTED = {
     "adaptive_target": (lambda v: _num(v) and v < 0, "no adaptive-p sampler"),
     "min_keep": (lambda v: _num(v) and v == 0, "no minimum of kept candidates"),
     "ignore_eos": (lambda v: v is False, "not yet: generation ends at the end-of-generation token"),
-    "n_cmpl": (lambda v: _num(v) and v == 1, "one completion per prompt (send the prompt several times, or use "
-                                 "/v1/chat/completions' n)"),
+    "n_cmpl": (lambda v: _num(v) and v == 1, "one completion per prompt (send the prompt several times, or "
+                                             "use /v1/chat/completions' n)"),
     "n_indent": (lambda v: _num(v) and v == 0, "no indentation rule"),
     "t_max_predict_ms": (lambda v: _num(v) and v <= 0, "no prediction time limit: see request_timeout"),
     "n_cache_reuse": (lambda v: _num(v) and v == 0, "no KV shifting: a slot's common prefix is reused"),
@@ -133,18 +134,19 @@ MAX_PROMPTS = 16               # prompts in one /completion request (each takes 
 def prompt_list(app, value, name: str = "prompt") -> list[list[int]]:
     """Every prompt of a request as token ids. As llama-server reads it: an array holding a number is
     one prompt (ids, or ids mixed with text); any other array is a list of prompts."""
-    if isinstance(value, list) and value and not any(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                                     for x in value):
+    if isinstance(value, list) and value and not any(_num(x) for x in value):
         if len(value) > MAX_PROMPTS:
             raise HttpError(400, f"'{name}' holds {len(value)} prompts; at most {MAX_PROMPTS} are taken at once")
         return [prompt_ids(app, p, f"{name}[{i}]") for i, p in enumerate(value)]
     return [prompt_ids(app, value, name)]
 
 
-def prompt_ids(app, value, name: str = "prompt") -> list[int]:
+def prompt_ids(app, value, name: str = "prompt", limit: int | None = None) -> list[int]:
     """One prompt as token ids: text, token ids, or llama.cpp's mix of both ([1, "text", 2, ...]); text
-    gets the BOS token when it comes first. Refuses a prompt its slot cannot hold (check_context)."""
+    gets the BOS token when it comes first. Refuses a prompt its slot cannot hold (check_context), or,
+    given a limit (/tokenize), more than limit tokens."""
     tok = app.engine.tokenizer
+    cap = app.engine.n_ctx_slot if limit is None else limit
     if value is None:
         raise HttpError(400, f"'{name}' is required")
     if isinstance(value, str):
@@ -163,13 +165,16 @@ def prompt_ids(app, value, name: str = "prompt") -> list[int]:
                 raise HttpError(400, f"'{name}' token ids must be in [0, {tok.n_vocab}), got {x}")
             else:
                 ids.append(x)
-            if len(ids) > app.engine.n_ctx_slot:
+            if len(ids) > cap:
                 break                          # already too long (and refused below): tokenize no more
     else:
         raise HttpError(400, f"'{name}' must be a string or an array of token ids")
     if not ids:
         raise HttpError(400, f"'{name}' is empty")
-    check_context(app, len(ids))
+    if limit is None:
+        check_context(app, len(ids))
+    elif len(ids) > limit:
+        raise HttpError(400, f"'{name}' has more than {limit} tokens; at most {limit} are tokenized at once")
     return ids
 
 
@@ -229,8 +234,8 @@ async def completion(app, req, ex):
     settings = params_json(app, {k: v for k, v in samp.items() if k != "logit_bias"}, seed, n_predict,
                            stream=stream, n_probs=n_probs, post_sampling_probs=post, timings_per_token=per_token,
                            stop=stop, cache_prompt=cache_prompt)
-    texts = [raw if isinstance(raw, str) else engine.tokenizer.decode(ids) for ids in prompts] \
-        if len(prompts) == 1 else [engine.tokenizer.decode(ids) for ids in prompts]
+    raws = raw if len(prompts) > 1 else [raw]
+    texts = [r if isinstance(r, str) else engine.tokenizer.decode(ids) for r, ids in zip(raws, prompts)]
 
     def final(i: int, content: str, tokens: list) -> dict:
         return _select(_final(app, gens[i], i, settings, texts[i], content, tokens), fields)

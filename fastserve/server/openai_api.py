@@ -18,7 +18,7 @@ from . import constraints, sse
 from .errors import OPENAI, HttpError
 from .fields import Body, parse_object
 from .fanout import interleave, run_all, start_all
-from .llama_api import _log, check_context, check_prompt_length, limits, prompt_ids, request_seed, sampling
+from .llama_api import _log, check_context, check_prompt_length, limits, prompt_list, request_seed, sampling
 from .response import StreamResponse, json_response
 
 MAX_TOP_LOGPROBS = 20
@@ -76,7 +76,11 @@ async def completions(app, req, ex):
         raise HttpError(400, "'best_of' > 1 is not supported")
     if body.str("suffix"):
         raise HttpError(400, "'suffix' is not supported")
-    ids = prompt_ids(app, body.raw("prompt"))
+    prompts = prompt_list(app, body.raw("prompt"))
+    if len(prompts) > 1:
+        raise HttpError(400, f"'prompt' holds {len(prompts)} prompts; /v1/completions takes one per request "
+                             f"(llama.cpp's /completion takes a list)")
+    ids = prompts[0]
     logprobs = body.int("logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     n_probs = 0 if logprobs is None else max(LOGPROB_POOL, logprobs)
     gen = app.start_generation(ex, ids, stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens,

@@ -97,7 +97,7 @@ def tokenize(app, req, ex):
             raise HttpError(400, f"'content' has {len(content)} characters; at most {cap} are tokenized at once")
         ids = tok.encode(content, add_special=body.bool("add_special"), parse_special=body.bool("parse_special", True))
     else:
-        ids = llama_api.prompt_ids(app, content, "content")
+        ids = llama_api.prompt_ids(app, content, "content", limit=app.engine.n_ctx_slot * app.engine.n_slots)
     if body.bool("with_pieces"):
         out = []
         for t in ids:

@@ -79,6 +79,8 @@ def test_prompt_forms(http):
         assert mine[-1]["stop"] is True and all(e["stop"] is False for e in mine[:-1])
         assert "".join(e["content"] for e in mine) == want["content"]
     assert {e["index"] for e in ev} == {0, 1}
+    r = http.post("/v1/completions", json={"prompt": ["my fox ran", "far away"], "max_tokens": 2})
+    assert "one per request" in error(r, 400)["message"]      # never the two prompts glued together
 
 
 def test_logit_bias_forms(http):
@@ -299,6 +301,7 @@ def test_flags_server_wide_defaults_and_endpoints(make_server, tmp_path):
     (["--keep", "-2"], "--keep"),
     (["--seed", "-5"], "--seed"),
     (["--temp", "nan"], "temperature"),
+    (["--device", "cuda", "-ngl", "1"], "split"),     # the tiny model has 2 layers: all or nothing on a GPU
 ])
 def test_refused_flags_exit_with_the_reason(tiny_model_path, flags, needle):
     env = {"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"}
