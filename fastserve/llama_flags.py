@@ -276,6 +276,12 @@ def resolve(args) -> dict:
     None), n_gpu_layers (None, "all" or an int: check_gpu_layers() needs the model's depth)."""
     out = {"n_batch": args.batch_size, "device": getattr(args, "device", None), "log_file": args.log_file,
            "log_requests": not args.log_disable, "chat_template": None, "n_gpu_layers": None}
+    if args.host.endswith(".sock"):
+        raise ValueError(f"--host {args.host}: fastserve does not serve on a UNIX socket; give an address")
+    if args.ctx_size == 0:
+        raise ValueError("-c 0 (llama-server: the model's own context size) is not taken; give a size")
+    if args.parallel == -1:
+        raise ValueError("-np -1 (llama-server: auto) is not taken; give a number of slots")
     if args.ubatch_size is not None:
         if args.ubatch_size < 1:
             raise ValueError(f"--ubatch-size must be >= 1, got {args.ubatch_size}")

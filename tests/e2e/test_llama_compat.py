@@ -301,7 +301,9 @@ def test_flags_server_wide_defaults_and_endpoints(make_server, tmp_path):
     (["--keep", "-2"], "--keep"),
     (["--seed", "-5"], "--seed"),
     (["--temp", "nan"], "temperature"),
-    (["--device", "cuda", "-ngl", "1"], "split"),     # the tiny model has 2 layers: all or nothing on a GPU
+    (["--device", "cuda", "-ngl", "1"], "split"),
+    (["--host", "/tmp/fastserve.sock"], "UNIX socket"),
+    (["-c", "0"], "give a size"),     # the tiny model has 2 layers: all or nothing on a GPU
 ])
 def test_refused_flags_exit_with_the_reason(tiny_model_path, flags, needle):
     env = {"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"}
