@@ -44,7 +44,7 @@ def main(argv=None) -> int:
                     help="seconds a request may take in all (0: no limit)")
     sp.add_argument("--token-timeout", type=float, default=60.0,
                     help="seconds a running request may go without a token (0: no limit)")
-    sp.add_argument("-n", "--n-predict", type=int, default=-1,
+    sp.add_argument("-n", "--n-predict", "--predict", type=int, default=-1,
                     help="tokens to generate when a request does not say (-1: until the slot is full)")
     sp.add_argument("--max-queue", type=int, default=EngineConfig.max_queue,
                     help="requests that may wait for a slot; more get 503")

@@ -53,8 +53,8 @@ FLAGS: list[tuple[str, str, str]] = [
                                    "file's memory-mapped blocks"),
     ("-dio, --direct-io, -ndio, --no-direct-io, -lm, --load-mode", REFUSED, "the model is always memory-mapped"),
     ("--numa TYPE", REFUSED, "no NUMA placement"),
-    ("-dev, --device LIST", DIFFERS, "fastserve's --device is cpu, cuda or auto (one device), not a list of "
-                                     "llama.cpp devices"),
+    ("-dev, --device LIST", DIFFERS, "fastserve's --device is cpu, cuda or auto (one device); a list of llama.cpp "
+                                     "devices (CUDA0, ...) and -dev are refused"),
     ("--list-devices", REFUSED, "no device list; --device auto uses the GPU when CuPy sees one"),
     ("-ot, --override-tensor, -cmoe, --cpu-moe, -ncmoe, --n-cpu-moe", REFUSED, "no per-tensor placement, no MoE"),
     ("-ngl, --gpu-layers, --n-gpu-layers N", DIFFERS, "all or nothing: 0 keeps the model on the CPU, all/auto or "
@@ -101,8 +101,8 @@ FLAGS: list[tuple[str, str, str]] = [
     ("-l, --logit-bias", REFUSED, "not as a flag; a request's logit_bias takes every llama-server form"),
     ("--grammar, --grammar-file, -j, --json-schema, -jf, --json-schema-file", REFUSED,
      "no constrained generation yet (a request with grammar or json_schema gets a 400)"),
-    ("-bs, --backend-sampling", DIFFERS, "sampling runs where the model runs (on the GPU with --device cuda), "
-                                         "always; the flag is refused"),
+    ("-bs, --backend-sampling", REFUSED, "no switch: sampling always runs where the model runs (on the GPU with "
+                                         "--device cuda)"),
     # -- speculative -------------------------------------------------------------------------------
     ("speculative decoding (-md, --model-draft, --draft-*, --spec-*, ...)", REFUSED, "no speculative decoding"),
     # -- server ------------------------------------------------------------------------------------
@@ -133,7 +133,7 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--port PORT", SAME, "0 picks a free port (printed at start)"),
     ("--reuse-port", REFUSED, "one process serves one port"),
     ("--path PATH", REFUSED, "no static files"),
-    ("--cors-origins ORIGINS", DIFFERS, "fastserve's --cors-origin takes one origin or *; default: no CORS "
+    ("--cors-origins ORIGINS", REFUSED, "use fastserve's --cors-origin: one origin or *; default: no CORS "
                                         "(llama-server: *)"),
     ("--cors-methods, --cors-headers, --cors-credentials, --no-cors-credentials", REFUSED,
      "fixed: GET, POST, OPTIONS; authorization, content-type, x-api-key; no credentials"),
@@ -141,7 +141,7 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--ui-config, --webui-config, --ui-config-file, --webui-config-file, --ui-mcp-proxy, --webui-mcp-proxy, "
      "--no-ui-mcp-proxy, --no-webui-mcp-proxy, --tools, "
      "--tools-runtime, --mcp-*, -ag, --agent", REFUSED, "no agent tools, MCP proxy or UI settings"),
-    ("--ui, --webui, --no-ui, --no-webui", DIFFERS, "see the web page issue (#16)"),
+    ("--ui, --webui, --no-ui, --no-webui", REFUSED, "no web page yet: the web page issue (#16) owns these flags"),
     ("--api-key KEY", DIFFERS, "one key (a comma-separated list is taken as one key); /health, /models and "
                                "/v1/models stay public, as in llama-server"),
     ("--api-key-file FNAME", REFUSED, "not yet; give --api-key"),

@@ -86,3 +86,33 @@ def test_a_refused_flag_exits_with_its_reason(capsys):
     assert e.value.code == 2
     assert "--mlock (llama-server's) is not supported by fastserve: the model is not locked in RAM" in \
         capsys.readouterr().err
+
+
+def test_rows_that_say_taken_are_taken():
+    """A flag of a row that says same (or differs, unless its note says it is refused) is accepted by
+    `fastserve serve`'s parser, not refused and not unknown."""
+    from fastserve import cli
+    captured = {}
+
+    def keep(self, argv=None, namespace=None):
+        captured["parser"] = self
+        raise SystemExit(0)
+
+    orig = argparse.ArgumentParser.parse_args
+    argparse.ArgumentParser.parse_args = keep
+    try:
+        with pytest.raises(SystemExit):
+            cli.main(["serve"])
+    finally:
+        argparse.ArgumentParser.parse_args = orig
+    sub = next(a for a in captured["parser"]._actions if isinstance(a, argparse._SubParsersAction))
+    options = {o: a for a in sub.choices["serve"]._actions for o in a.option_strings}
+    for flags, status, note in FLAGS:
+        for name in llama_flags._names(flags):
+            if "*" in name or status == REFUSED:
+                continue
+            action = options.get(name)
+            if status == SAME:
+                assert action is not None and not isinstance(action, llama_flags._Refuse), name
+            elif action is None or isinstance(action, llama_flags._Refuse):
+                assert "refused" in note, (name, note)
