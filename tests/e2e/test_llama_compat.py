@@ -282,11 +282,19 @@ def test_flags_server_wide_defaults_and_endpoints(make_server, tmp_path):
     rc, _ = srv.stop()
     assert rc == 0 and '"POST /completion" 200' in log_file.read_text()
 
-    srv = make_server("-c", "256", "-np", "1", "--props")
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}>")
+    srv = make_server("-c", "256", "-np", "1", "--props", "--chat-template-file", str(template), "-lv", "1")
     with httpx.Client(base_url=srv.url, timeout=20) as c:
         assert c.post("/props", json={}).json() == {"success": True}
         assert "n_predict" in error(c.post("/props", json={"n_predict": 3}), 400)["message"]
-        assert c.get("/props").json()["endpoint_props"] is True
+        props = c.get("/props").json()
+        assert props["endpoint_props"] is True and props["chat_template"] == template.read_text()
+        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                    "max_tokens": 1}).json()
+        assert chat["usage"]["prompt_tokens"] == len(tokens(c, "[user] hi\n>", add_special=True))
+    srv.stop()
+    assert "POST /v1/chat/completions" not in srv.log()                 # -lv 1: no request log lines
 
 
 @pytest.mark.parametrize("flags, needle", [
@@ -303,7 +311,9 @@ def test_flags_server_wide_defaults_and_endpoints(make_server, tmp_path):
     (["--temp", "nan"], "temperature"),
     (["--device", "cuda", "-ngl", "1"], "split"),
     (["--host", "/tmp/fastserve.sock"], "UNIX socket"),
-    (["-c", "0"], "give a size"),     # the tiny model has 2 layers: all or nothing on a GPU
+    (["-c", "0"], "give a size"),
+    (["-ub", "0"], "--ubatch-size"),
+    (["--chat-template-file", "/nonexistent/t.jinja"], "--chat-template-file"),     # the tiny model has 2 layers: all or nothing on a GPU
 ])
 def test_refused_flags_exit_with_the_reason(tiny_model_path, flags, needle):
     env = {"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"}

@@ -88,9 +88,8 @@ def test_a_refused_flag_exits_with_its_reason(capsys):
         capsys.readouterr().err
 
 
-def test_rows_that_say_taken_are_taken():
-    """A flag of a row that says same (or differs, unless its note says it is refused) is accepted by
-    `fastserve serve`'s parser, not refused and not unknown."""
+def _fastserve_serve_parser() -> argparse.ArgumentParser:
+    """`fastserve serve`'s own parser, as cli.main builds it (caught at parse time)."""
     from fastserve import cli
     captured = {}
 
@@ -106,7 +105,13 @@ def test_rows_that_say_taken_are_taken():
     finally:
         argparse.ArgumentParser.parse_args = orig
     sub = next(a for a in captured["parser"]._actions if isinstance(a, argparse._SubParsersAction))
-    options = {o: a for a in sub.choices["serve"]._actions for o in a.option_strings}
+    return sub.choices["serve"]
+
+
+def test_rows_that_say_taken_are_taken():
+    """A flag of a row that says same (or differs, unless its note says it is refused) is accepted by
+    `fastserve serve`'s parser, not refused and not unknown."""
+    options = {o: a for a in _fastserve_serve_parser()._actions for o in a.option_strings}
     for flags, status, note in FLAGS:
         for name in llama_flags._names(flags):
             if "*" in name or status == REFUSED:
@@ -116,3 +121,19 @@ def test_rows_that_say_taken_are_taken():
                 assert action is not None and not isinstance(action, llama_flags._Refuse), name
             elif action is None or isinstance(action, llama_flags._Refuse):
                 assert "refused" in note, (name, note)
+
+
+def test_resolve_maps_the_flags():
+    parse = _fastserve_serve_parser().parse_args
+    r = llama_flags.resolve(parse(["-b", "256", "-ub", "64", "--temp", "0", "--top-k", "5", "-s", "9",
+                                   "--device", "cuda", "-ngl", "0", "-lv", "2"]))
+    assert r["n_batch"] == 64 and r["device"] == "cpu" and r["seed"] == 9 and not r["log_requests"]
+    assert r["sampling"] == {"temperature": 0.0, "top_k": 5}
+    r = llama_flags.resolve(parse(["-ub", "1024", "-ngl", "all", "--seed", "-1", "-v"]))
+    assert r["n_batch"] == 512 and r["n_gpu_layers"] == "all" and r["seed"] is None and r["log_requests"]
+    assert llama_flags.resolve(parse(["--chat-template", "chatml"]))["chat_template"] == \
+        llama_flags.BUILTIN_TEMPLATES["chatml"]
+    with pytest.raises(ValueError, match="split"):
+        llama_flags.check_gpu_layers(3, "cuda", 30)
+    llama_flags.check_gpu_layers(30, "cuda", 30)
+    llama_flags.check_gpu_layers(3, "cpu", 30)          # a maximum: no layer in VRAM on the CPU
