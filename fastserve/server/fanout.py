@@ -11,17 +11,36 @@ import asyncio
 from .generation import Generation
 
 
+class Generations(list):
+    """The generations of one exchange, standing for them as exchange.generation: whoever ends the
+    exchange (a disconnect, a deadline, shutdown, the protocol's last word) closes them all, even when
+    its response never started to iterate them; the request log counts them together."""
+
+    def close(self) -> None:
+        for g in self:
+            g.close()
+
+    @property
+    def n_prompt(self) -> int:
+        return sum(g.n_prompt for g in self)
+
+    @property
+    def ids(self) -> list:
+        return [t for g in self for t in g.ids]
+
+
 def start_all(app, ex, prompts: list, per_choice, **kwargs) -> list[Generation]:
     """One Generation per prompt; per_choice(i) -> kwargs overriding kwargs for the i-th one.
     If one cannot start (queue full, bad request), those already started are closed."""
-    gens: list[Generation] = []
+    gens = Generations()
     try:
         for i, ids in enumerate(prompts):
             gens.append(app.start_generation(ex, ids, **{**kwargs, **per_choice(i)}))
     except BaseException:
-        for g in gens:
-            g.close()
+        gens.close()
         raise
+    if len(gens) > 1:
+        ex.generation = gens
     return gens
 
 
