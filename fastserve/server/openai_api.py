@@ -2,10 +2,10 @@
 
 Streams are SSE ending with `data: [DONE]`; usage comes in the response (and, when
 stream_options.include_usage is set, in a last chunk with no choices). A chat stream's first
-chunk of each choice carries the role with `content: null`, as OpenAI's server sends it. Chat
-takes n > 1 (the choices are generated together, streamed interleaved by index). Fields OpenAI
-defines that fastserve cannot honour (n > 1 on /v1/completions, best_of > 1, echo, tools,
-non-text response formats) are refused with a 400 that says so; llama.cpp's extra
+chunk of each choice carries the role with `content: null`, as OpenAI's server sends it. Both
+take n > 1, and /v1/completions a list of prompts (as llama-server): the choices are generated
+together, streamed interleaved by index. Fields OpenAI defines that fastserve cannot honour
+(best_of > 1, echo, suffix, tools, non-text response formats) are refused with a 400 that says so; llama.cpp's extra
 sampling fields (top_k, min_p, repeat_penalty, ...) are accepted as llama-server does.
 """
 from __future__ import annotations
@@ -49,10 +49,10 @@ def _common(body: Body, app):
     return max_tokens, body.bool("stream"), include_usage
 
 
-def _usage(gens) -> dict:
-    """One Generation, or the choices of one prompt (its tokens counted once, as OpenAI does)."""
-    gens = gens if isinstance(gens, list) else [gens]
-    n_prompt, n_gen = gens[0].n_prompt, sum(len(g.ids) for g in gens)
+def _usage(per_prompt: list) -> dict:
+    """per_prompt: for each prompt, the generations of its choices; a prompt's tokens count once (as OpenAI)."""
+    n_prompt = sum(gens[0].n_prompt for gens in per_prompt)
+    n_gen = sum(len(g.ids) for gens in per_prompt for g in gens)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
 
 
@@ -63,13 +63,11 @@ def _new_id(prefix: str) -> str:
 # -- /v1/completions -----------------------------------------------------------------------------
 
 async def completions(app, req, ex):
+    """OpenAI's legacy completions: a prompt or a list of prompts (as llama-server), n choices of each;
+    choice index = prompt index * n + choice."""
     body = parse_object(req.body)
     max_tokens, stream, include_usage = _common(body, app)
     constraints.check_completion(body)
-    n = body.int("n", 1, lo=1)
-    if n > 1:
-        raise HttpError(400, f"'n' = {n} is not supported on /v1/completions: it returns one choice per "
-                             f"request (send {n} requests, or use /v1/chat/completions, which takes n)")
     if body.bool("echo"):
         raise HttpError(400, "'echo' is not supported")
     if body.int("best_of", 1, lo=1) > 1:
@@ -77,41 +75,49 @@ async def completions(app, req, ex):
     if body.str("suffix"):
         raise HttpError(400, "'suffix' is not supported")
     prompts = prompt_list(app, body.raw("prompt"))
-    if len(prompts) > 1:
-        raise HttpError(400, f"'prompt' holds {len(prompts)} prompts; /v1/completions takes one per request "
-                             f"(llama.cpp's /completion takes a list)")
-    ids = prompts[0]
+    n = body.int("n", 1, lo=1, hi=MAX_CHOICES)
+    if len(prompts) * n > MAX_CHOICES:
+        raise HttpError(400, f"{len(prompts)} prompts x n = {n} make {len(prompts) * n} choices; at most "
+                             f"{MAX_CHOICES} are generated per request")
     logprobs = body.int("logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     n_probs = 0 if logprobs is None else max(LOGPROB_POOL, logprobs)
-    gen = app.start_generation(ex, ids, stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens,
-                               seed=request_seed(body, app), n_probs=n_probs, **sampling(body, app))
+    seed = request_seed(body, app)
+    gens = start_all(app, ex, [ids for ids in prompts for _ in range(n)],
+                     lambda i: {"seed": None if seed is None else (seed + i % n) % 2 ** 64},
+                     stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens, n_probs=n_probs,
+                     **sampling(body, app))
     rid, created = _new_id("cmpl-"), int(time.time())
     tok = app.engine.tokenizer
 
-    def choice(text, ids, probs, offset, finish):
+    def choice(i, text, ids, probs, offset, finish):
         lp = None
         if logprobs is not None:
             lp = _legacy_logprobs(tok, ids, probs or [], logprobs, offset)
-        return {"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}
+        return {"text": text, "index": i, "logprobs": lp, "finish_reason": finish}
 
     def envelope(choices, **extra):
         return {"id": rid, "object": "text_completion", "created": created, "model": app.model_alias,
                 "system_fingerprint": app.fingerprint, "choices": choices, **extra}
 
+    def usage():
+        return _usage([gens[k * n: (k + 1) * n] for k in range(len(prompts))])
+
     if stream:
         async def events():
-            offset = 0
-            async for d in gen.deltas():
-                yield sse.event(envelope([choice(d.text, d.ids, d.probs, offset, None)]))
-                offset += len(d.text)
-            yield sse.event(envelope([choice("", [], [], offset, gen.openai_finish_reason)]))
+            offset = [0] * len(gens)
+            async for i, d in interleave([g.deltas() for g in gens], gens):
+                if d is None:
+                    yield sse.event(envelope([choice(i, "", [], [], offset[i], gens[i].openai_finish_reason)]))
+                else:
+                    yield sse.event(envelope([choice(i, d.text, d.ids, d.probs, offset[i], None)]))
+                    offset[i] += len(d.text)
             if include_usage:
-                yield sse.event(envelope([], usage=_usage(gen)))
+                yield sse.event(envelope([], usage=usage()))
             yield sse.DONE
         return StreamResponse(events(), on_error=lambda err: sse.error_event(err.payload(OPENAI)))
-    await gen.run()
-    return json_response(envelope([choice(gen.text.text, gen.ids, gen.probs, 0, gen.openai_finish_reason)],
-                                  usage=_usage(gen), timings=gen.timings()))
+    await run_all(gens)
+    return json_response(envelope([choice(i, g.text.text, g.ids, g.probs, 0, g.openai_finish_reason)
+                                   for i, g in enumerate(gens)], usage=usage(), timings=gens[0].timings()))
 
 
 def _legacy_logprobs(tok, ids, probs, k: int, offset: int) -> dict:
@@ -219,14 +225,14 @@ async def chat_completions(app, req, ex):
                 elif d.text or want_lp:
                     yield chunk(i, {"content": d.text}, logprobs(d.ids, d.probs))
             if include_usage:
-                yield sse.event(envelope("chat.completion.chunk", [], usage=_usage(gens)))
+                yield sse.event(envelope("chat.completion.chunk", [], usage=_usage([gens])))
             yield sse.DONE
         return StreamResponse(events(), on_error=lambda err: sse.error_event(err.payload(OPENAI)))
     await run_all(gens)
     return json_response(envelope("chat.completion", [{
         "index": i, "message": {"role": "assistant", "content": g.text.text},
         "logprobs": logprobs(g.ids, g.probs), "finish_reason": g.openai_finish_reason} for i, g in enumerate(gens)],
-        usage=_usage(gens), timings=gens[0].timings()))
+        usage=_usage([gens]), timings=gens[0].timings()))
 
 
 def _chat_logprobs(tok, ids, probs, k: int) -> list:

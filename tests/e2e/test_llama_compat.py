@@ -79,8 +79,25 @@ def test_prompt_forms(http):
         assert mine[-1]["stop"] is True and all(e["stop"] is False for e in mine[:-1])
         assert "".join(e["content"] for e in mine) == want["content"]
     assert {e["index"] for e in ev} == {0, 1}
-    r = http.post("/v1/completions", json={"prompt": ["my fox ran", "far away"], "max_tokens": 2})
-    assert "one per request" in error(r, 400)["message"]      # never the two prompts glued together
+
+
+
+def test_openai_completions_prompt_list_and_n(oai):
+    """As llama-server: a list of prompts, n choices of each (index = prompt * n + choice), streamed or not."""
+    alone = [oai.completions.create(model="x", prompt=p, max_tokens=6, temperature=0).choices[0].text
+             for p in ("my fox ran", "far away")]
+    r = oai.completions.create(model="x", prompt=["my fox ran", "far away"], n=2, max_tokens=6, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == [alone[0], alone[0], alone[1], alone[1]]     # greedy: n equal choices
+    one = oai.completions.create(model="x", prompt="my fox ran", max_tokens=6, temperature=0)
+    two = oai.completions.create(model="x", prompt="far away", max_tokens=6, temperature=0)
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens + two.usage.prompt_tokens
+    chunks = list(oai.completions.create(model="x", prompt=["my fox ran", "far away"], n=2, max_tokens=6,
+                                         temperature=0, stream=True))
+    for i in range(4):
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices[0].index == i) == r.choices[i].text
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model="x", prompt=["a"] * 9, n=2, max_tokens=1)        # 18 choices > 16
 
 
 def test_logit_bias_forms(http):
