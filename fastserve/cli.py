@@ -59,7 +59,6 @@ def main(argv=None) -> int:
                     help="threads of the decode step: products and attention (default 0: every core)")
     sp.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop implementation")
     sp.add_argument("--log-disable", action="store_true", help="no per-request log lines")
-    sp.add_argument("--test-stall-file", help=argparse.SUPPRESS)   # tests: forward() hangs while this file exists
     _device_arg(sp)
     from .llama_flags import add_refused, add_taken
     add_taken(sp)           # llama-server's flags, for its scripts: honoured ...

@@ -1,4 +1,4 @@
-"""Sampling on the device: the engine's sample phase when the backend can run it (CupyBackend).
+"""Sampling on the device: the sampler of CupyBackend's step (it owns one DeviceSampler).
 
 The chain and its rules are the host sampler's (fastserve/ref/sampling.py); cuda/sampling.cu applies
 them to the logits where they are, so that a step copies back only the token ids and the probability
@@ -10,9 +10,9 @@ packs each step's rows:
   state; its prompt's tail the slot's penalty window (a ring) and its logit bias a list, both written
   into the backend's slot table and copied to the device once.
 - forward(): the records of the step's output rows, gathered from their slots' records in one take,
-  are written into the backend's pinned buffer that travels with the batch's inputs; the backend runs
-  the pass and the chain and waits once.
-- sample(): what the host sampler does to its state after a row, vectorized over the rows: a row that
+  are written into the backend's pinned buffer that travels with the batch's inputs; the backend queues
+  the pass and the chain (submit_sample).
+- sample(): the one wait (wait_sample), then what the host sampler does to its state after a row, vectorized over the rows: a row that
   drew (not greedy, some candidate) moves its slot's splitmix64 state one step; each row's token goes
   into its slot's window ring (the kernel wrote the same token into the device's copy).
 
@@ -25,7 +25,8 @@ only when the draw lands on that unit (odds about 2**-47) and a probability only
 float32 rounding (about 2**-23).
 
 Preconditions, as the engine's steps satisfy them: each slot has at most one output row per step, and
-every step fits the backend's buffers (n <= max_tokens, m <= max_out; device_sampler_for checks).
+every step fits the backend's buffers (n <= max_tokens, m <= max_out; the engine makes its CupyBackend
+with max_tokens = n_batch, and max_out is at least min(n_slots, max_tokens)).
 """
 from __future__ import annotations
 
@@ -38,19 +39,6 @@ from .errors import RequestError
 from .config import SAMPLING_DEFAULTS, check_sampling as check_config
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def device_sampler_for(backend, sampler, n_batch: int, max_n_probs: int):
-    """A DeviceSampler when `backend` samples on the device and holds every step the engine can build
-    (n_batch tokens, at most one output row per slot) with the host sampler's capacities; else None."""
-    if not getattr(backend, "samples_on_device", False):
-        return None
-    if (backend.max_tokens < n_batch or backend.max_out < min(sampler.n_slots, n_batch)
-            or backend.sample_window < sampler.max_penalty_window or backend.sample_bias < sampler.max_logit_bias
-            or backend.sample_probs < max_n_probs):
-        return None
-    return DeviceSampler(backend, sampler.n_slots, sampler.n_vocab, sampler.max_penalty_window,
-                         sampler.max_logit_bias)
 
 
 class DeviceSampler:
@@ -123,12 +111,18 @@ class DeviceSampler:
             self._ask_rows[:n_lists] = asked
             rows["probs_row"][asked] = np.arange(n_lists)
         self._m, self._n_lists = m, n_lists
-        self._result = self.backend.forward_sample(tokens, positions, slots, out_rows, n_lists)
+        self.backend.submit_sample(tokens, positions, slots, out_rows, n_lists)
+
+    @property
+    def n_lists(self) -> int:
+        """Output rows of the last forward() that asked for probabilities."""
+        return self._n_lists
 
     def sample(self, row_slot, out_ids, probs_ids=None, probs=None) -> None:
         """The tokens of the last forward() into out_ids[:m]; rows that asked for probabilities get
-        probs_ids[r, :n] / probs[r, :n]; then each row's slot state moves on as the host sampler's."""
-        ids, list_ids, list_probs = self._result
+        probs_ids[r, :n] / probs[r, :n]; then each row's slot state moves on as the host sampler's.
+        Waits for the device (the backend's wait_sample)."""
+        ids, list_ids, list_probs = self.backend.wait_sample()
         m, k = self._m, self._n_lists
         rows = self._rows[:m]
         out = out_ids[:m]

@@ -17,18 +17,18 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 import numpy as np
 
 from . import _delivery, _faults
 from ._batch import Batch
 from ._delivery import Delivery
-from ._sampling import Sampler
 from ._slots import DECODE, IDLE, SlotTable
-from .device_sampling import device_sampler_for
-from .config import MAX_N_PROBS, EngineConfig, SamplingParams
+from .backends.host_sampling import HostSampled
+from .config import MAX_LOGIT_BIAS, MAX_PENALTY_WINDOW, EngineConfig, SamplingParams
 from .errors import ConfigError, EngineClosed, RequestError, ServerBusy
-from .inbox import Inbox
+from .inbox import Cancel, Erase, Inbox, Submit
 from .prompt_cache import MIB, PromptCache
 from .reader import Waker
 from .request import Completion, Job
@@ -60,6 +60,15 @@ class Snapshot:
     tokens_prompt: int          # prompt tokens computed since start
     slot_erased: tuple = ()     # per slot: (times its cached prefix was erased, tokens the last erase dropped)
 
+
+
+class EngineStats(NamedTuple):
+    """Engine.stats(): n_inbox, messages not yet seen by the decode thread; with tracing on, the tracer's
+    totals: steps, ns per phase (tracer.PHASES), and (steps per bucket, seconds) of whole-step times."""
+    n_inbox: int
+    trace_steps: int = 0
+    trace_ns: Optional[dict] = None
+    step_histogram: Optional[tuple] = None
 
 
 def default_threads() -> int:
@@ -104,7 +113,6 @@ class Engine:
         eog[list(self.tokenizer.eog_ids)] = 1
         self.slots = SlotTable(self.n_slots, self.n_ctx_slot, eog)
         self.batch = Batch(n_batch)
-        self.sampler = Sampler(self.n_slots, n_vocab)
         self.delivery = Delivery(self.n_slots, Waker())
         self.inbox = Inbox()
         self.tracer = Tracer() if config.trace else None
@@ -114,24 +122,16 @@ class Engine:
         self.slot_prompt_similarity = float(config.slot_prompt_similarity)
         self.prompt_cache = (PromptCache(self.backend, int(config.cache_ram_mib * MIB))
                              if config.cache_ram_mib > 0 else None)
-        # Step outputs, one row per output row of the batch: [n_batch] and [n_batch, max n_probs].
-        self._sampled = np.zeros(n_batch, np.int32)
-        self._finish = np.zeros(n_batch, np.int8)
-        self._probs_ids = np.zeros((n_batch, MAX_N_PROBS), np.int32)
-        self._probs = np.zeros((n_batch, MAX_N_PROBS), np.float32)
-        # Sampling on the device when the backend has it (only ids and asked-for lists come back);
-        # self.sampler still validates and holds each request's configuration.
-        self.device_sampler = device_sampler_for(self.backend, self.sampler, n_batch, self._probs.shape[1])
+        self._finish = np.zeros(n_batch, np.int8)      # [n_batch] per output row: FINISH_* of its request
         self._jobs: list[Job | None] = [None] * self.n_slots     # slot -> running job
-        # erase_idle_slot() on a busy slot: its prefix is dropped when its request ends, before the slot can
-        # take another (else, under load, a freed slot is taken again before an erase gets to it).
-        self._erase_on_end: set[int] = set()
+        # erase() of a busy slot: its prefix is dropped when its request ends, before the slot can take
+        # another (else, under load, a freed slot is taken again before an erase gets to it). slot -> replies.
+        self._erase_on_end: dict[int, list] = {}
         self._erased = [(0, 0)] * self.n_slots                   # slot -> (erasures, tokens the last one dropped)
         self._waiting: deque[Job] = deque()
         self._closing = False
         self._closed = False
         self._seq = 0
-        self._n_probs_slots = 0
         self._tokens_generated = 0
         self._tokens_prompt = 0
         self.snapshot = self._make_snapshot(0)
@@ -141,8 +141,10 @@ class Engine:
     def _make_backend(self, backend):
         if backend is not None:
             if isinstance(backend, type) or not hasattr(backend, "forward"):   # a class or a factory
-                return backend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot)
-            return backend
+                backend = backend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot)
+            # A model pass whose class has forward() alone (a test double, a wrapper that delegates the
+            # rest, a benchmark's fixed logits): the host sampler over its forward().
+            return backend if hasattr(type(backend), "step") else HostSampled(backend, self.n_batch)
         device = self.config.device
         if device == "auto":            # CUDA when CuPy sees a GPU, else the CPU
             from .backends.cupy_backend import cuda_status
@@ -172,9 +174,8 @@ class Engine:
         if self._closing:
             raise EngineClosed("the engine is closed")
         ids = self._prompt_ids(prompt, add_special, truncate)
-        params = SamplingParams.make(self.model.config.n_vocab, seed=seed,
-                                     max_penalty_window=self.sampler.max_penalty_window,
-                                     max_logit_bias=self.sampler.max_logit_bias, **sampling)
+        params = SamplingParams.make(self.model.config.n_vocab, seed=seed, max_penalty_window=MAX_PENALTY_WINDOW,
+                                     max_logit_bias=MAX_LOGIT_BIAS, **sampling)
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(max_tokens, int) or max_tokens < -1:
@@ -187,8 +188,8 @@ class Engine:
                             prompt_tokens=len(ids))
         job = Job(prompt=ids, sampling=params, max_tokens=max_tokens, buffer=reader.buffer,
                   cache_prompt=bool(cache_prompt), id_slot=id_slot, admission=reader.admission)
-        reader._on_cancel = lambda inbox=self.inbox, jid=job.id: inbox.put("cancel", jid)
-        self.inbox.put("submit", job)
+        reader._on_cancel = lambda cancel=self.cancel, jid=job.id: cancel(jid)
+        self.inbox.put(Submit(job))
         if self._closed:                    # the decode thread is gone: nobody else will end it
             self.delivery.reject(job.buffer, FINISH_CLOSED)
             self.delivery.wake()
@@ -206,19 +207,25 @@ class Engine:
         finally:
             reader.cancel()
 
-    def erase_slot(self, slot: int) -> None:
-        """Drop slot's cached prefix (its running request, if any, is cancelled)."""
-        if not 0 <= slot < self.n_slots:
-            raise RequestError(f"slot must be in [0, {self.n_slots})")
-        self.inbox.put("erase", slot)
+    def cancel(self, job_id: int) -> None:
+        """Stop request job_id (its reader ends 'cancelled' within a step; nothing happens if it ended)."""
+        self.inbox.put(Cancel(job_id))
 
-    def erase_idle_slot(self, slot: int) -> None:
+    def erase(self, slot: int, reply=None) -> None:
         """Drop slot's cached prefix without cutting a request: at once when the slot is idle when the
         decode thread gets to it, else as soon as its request ends, before the slot takes another.
+        reply(n_erased), if given, is called once from the decode thread then: it must not block.
         snapshot.slot_erased[slot] counts the erasures (and the tokens the last one dropped)."""
         if not 0 <= slot < self.n_slots:
             raise RequestError(f"slot must be in [0, {self.n_slots})")
-        self.inbox.put("erase_idle", slot)
+        self.inbox.put(Erase(slot, reply))
+
+    def stats(self) -> EngineStats:
+        """What the snapshot cannot say, read now from any thread without waiting for the decode thread."""
+        tr = self.tracer
+        if tr is None:
+            return EngineStats(len(self.inbox))
+        return EngineStats(len(self.inbox), tr.steps, dict(tr.ns), tr.step_histogram())
 
     def trace_summary(self) -> dict:
         if self.tracer is None:
@@ -277,56 +284,33 @@ class Engine:
             self._shutdown()
 
     def _step(self) -> bool:
-        """One step: admit → build → forward → sample → commit → deliver. False when there was nothing to do."""
-        tr = self.tracer
-        if tr is not None:
-            tr.begin()
-        self._admit()
-        if tr is not None:
-            tr.lap("admit")
-        batch = self.batch
-        if not self._build():
+        """One step: schedule → step (the backend's forward, sync, sample) → commit → deliver.
+        False when there was nothing to do. The tracer, when on, times each phase."""
+        if self.tracer is not None:
+            self.tracer.begin()
+        self._admit()                       # schedule: the inbox, then free slots to waiting requests
+        if not self._build():               # schedule: decode tokens first, then prompt chunks
             self._publish()
             return False
-        if tr is not None:
-            tr.lap("build")
+        out = self._backend_step()
+        if out is not None:
+            self.slots.commit(self.batch, out.ids, self._finish)
+            self._deliver(out)
+        self._publish()
+        if self.tracer is not None:
+            self.tracer.lap("publish")
+            self.tracer.end()
+        return True
+
+    def _backend_step(self):
+        """The backend's step over the batch; None when it failed (only the batch's requests fail then)."""
         _faults.check_step()
-        tokens, positions, slots, out_rows, row_slot = batch.view()
-        ds = self.device_sampler
         try:
-            if ds is not None:      # forward and sampling on the device; the ids are on the host after it
-                ds.forward(tokens, positions, slots, out_rows, row_slot)
-            else:
-                logits = self.backend.forward(tokens, positions, slots, out_rows)
-            if tr is not None:
-                tr.lap("forward")
-            sync = getattr(self.backend, "sync", None)
-            if sync is not None:
-                sync()
-        except Exception as exc:   # contained: only this batch's requests fail
+            return self.backend.step(self.batch, None if self.tracer is None else self.tracer.lap)
+        except Exception as exc:
             log.exception("forward pass failed")
             self._fail_batch(f"forward pass failed: {type(exc).__name__}: {exc}")
-            self._publish()
-            return True
-        if tr is not None:
-            tr.lap("sync")
-        n_out = batch.n_out
-        sampled = self._sampled[:n_out]
-        if ds is not None:
-            ds.sample(row_slot, sampled, self._probs_ids, self._probs)
-        else:
-            self.sampler.sample(logits, row_slot, sampled, self._probs_ids, self._probs)
-        if tr is not None:
-            tr.lap("sample")
-        self.slots.commit(batch, self._sampled, self._finish)
-        self._deliver(row_slot, sampled, n_out)
-        self._tokens_prompt += batch.n - self._n_decode
-        self._tokens_generated += n_out
-        self._publish()
-        if tr is not None:
-            tr.lap("publish")
-            tr.end()
-        return True
+            return None
 
     def _build(self) -> bool:
         """Decode tokens first, then prompt chunks; a failed fill is rolled back and fails only its request."""
@@ -347,37 +331,35 @@ class Engine:
                 self._end(slot, FINISH_ERROR, f"prompt processing failed: {exc}")
                 continue
             budget -= n_added
-        return batch.n > 0
+        if batch.n == 0:
+            return False
+        if self.tracer is not None:
+            self.tracer.lap("build")
+        return True
 
     def _after_fill(self, slot: int) -> None:
         """Called after a slot added its prompt tokens to the batch; an exception fails only that fill."""
         _faults.check_fill()
 
-    def _deliver(self, row_slot, sampled, n_out: int) -> None:
+    def _deliver(self, out) -> None:
+        """The step's tokens into their readers (one pass, fastserve/_delivery.pyx); finished requests end."""
+        row_slot, n_out = self.batch.row_slot, self.batch.n_out
         t0 = time.perf_counter_ns()
-        if self._n_probs_slots:
-            self.delivery.send_step(row_slot, sampled, self._probs_ids[:n_out], self._probs[:n_out])
+        if out.probs is not None:
+            self.delivery.send_step(row_slot[:n_out], out.ids, out.probs_ids, out.probs)
         else:
-            self.delivery.send_step(row_slot, sampled)
+            self.delivery.send_step(row_slot[:n_out], out.ids)
         if self.tracer is not None:
             self.tracer.sends(n_out, time.perf_counter_ns() - t0)
+        self._tokens_prompt += self.batch.n - self._n_decode
+        self._tokens_generated += n_out
         finish = self._finish[:n_out]
         for r in np.flatnonzero(finish):
             self._end(int(row_slot[r]), int(finish[r]))
 
     def _admit(self) -> None:
         for msg in self.inbox.drain():
-            if msg.kind == "submit":
-                self._waiting.append(msg.payload)
-            elif msg.kind == "cancel":
-                self._cancel(msg.payload)
-            elif msg.kind == "erase":
-                self._erase(msg.payload)
-            elif msg.kind == "erase_idle":          # erase_idle_slot(): never cuts a running request
-                if self._jobs[msg.payload] is None:
-                    self._forget(msg.payload)
-                else:
-                    self._erase_on_end.add(msg.payload)
+            self._on_message[type(msg)](self, msg)
         while self._waiting and not self._closing:
             job = self._waiting[0]
             slot = pick_slot(self.slots, job.prompt, id_slot=job.id_slot, cache_prompt=job.cache_prompt,
@@ -398,7 +380,10 @@ class Engine:
                     self._end(slot, FINISH_ERROR, f"admission failed: {exc}")
                 else:
                     self.slots.release(slot)
+                    self.backend.release(slot)
                     self.delivery.reject(job.buffer, FINISH_ERROR, f"admission failed: {exc}")
+        if self.tracer is not None:
+            self.tracer.lap("admit")
 
     def _start(self, job: Job, slot: int) -> None:
         n_cached = min(slot_prefix(self.slots, slot, job.prompt), len(job.prompt) - 1) if job.cache_prompt else 0
@@ -407,9 +392,7 @@ class Engine:
             job.slot, job.n_cached = slot, n_cached
             self.delivery.reject(job.buffer, FINISH_LENGTH)
             return
-        self.sampler.configure(slot, history=job.prompt, **job.sampling.kwargs())
-        if self.device_sampler is not None:
-            self.device_sampler.configure(slot, history=job.prompt, **job.sampling.kwargs())
+        self.backend.configure(slot, job.sampling, job.prompt)
         if self.prompt_cache is not None:       # it writes the slot's KV: nothing that can fail comes after it
             n_cached = self._swap_prefix(slot, job, n_cached)
         job.slot, job.n_cached = slot, n_cached
@@ -419,8 +402,6 @@ class Engine:
         self.slots.start(slot, job.prompt, n_cached, max_gen, self._seq)
         self.delivery.attach(slot, job.buffer)
         self._jobs[slot] = job
-        if job.sampling.n_probs:
-            self._n_probs_slots += 1
 
     def _swap_prefix(self, slot: int, job: Job, n_cached: int) -> int:
         """The host-RAM cache at admission: keep the slot's prefix before the new prompt overwrites it,
@@ -444,11 +425,10 @@ class Engine:
         self.delivery.finish(slot, code, error)
         self.delivery.detach(slot)
         self.slots.release(slot)
+        self.backend.release(slot)
         self._jobs[slot] = None
-        if job.sampling.n_probs:
-            self._n_probs_slots -= 1
         if slot in self._erase_on_end:
-            self._forget(slot)
+            self._forget(slot, self._erase_on_end.pop(slot))
 
     def _cancel(self, job_id: int) -> None:
         for slot, job in enumerate(self._jobs):
@@ -461,16 +441,28 @@ class Engine:
                 self.delivery.reject(job.buffer, FINISH_CANCELLED)
                 return
 
-    def _erase(self, slot: int) -> None:
-        if self._jobs[slot] is not None:
-            self._end(slot, FINISH_CANCELLED)
-        self._forget(slot)
+    def _on_submit(self, msg: Submit) -> None:
+        self._waiting.append(msg.job)
 
-    def _forget(self, slot: int) -> None:
-        """Drop an idle slot's cached prefix; counted in snapshot.slot_erased."""
-        self._erase_on_end.discard(slot)
-        self._erased[slot] = (self._erased[slot][0] + 1, int(self.slots.n_tokens[slot]))
+    def _on_cancel(self, msg: Cancel) -> None:
+        self._cancel(msg.job_id)
+
+    def _on_erase(self, msg: Erase) -> None:
+        if self._jobs[msg.slot] is None:
+            self._forget(msg.slot, [msg.reply])
+        else:
+            self._erase_on_end.setdefault(msg.slot, []).append(msg.reply)
+
+    _on_message = {Submit: _on_submit, Cancel: _on_cancel, Erase: _on_erase}
+
+    def _forget(self, slot: int, replies) -> None:
+        """Drop an idle slot's cached prefix; counted in snapshot.slot_erased; each reply gets the tokens dropped."""
+        n_erased = int(self.slots.n_tokens[slot])
+        self._erased[slot] = (self._erased[slot][0] + 1, n_erased)
         self.slots.forget(slot)
+        for reply in replies:
+            if reply is not None:
+                reply(n_erased)
 
     def _fail_batch(self, error: str) -> None:
         for slot in sorted(set(self.batch.view()[2].tolist())):
@@ -496,8 +488,8 @@ class Engine:
         """Decode thread exit: every reader, running, waiting or still in the inbox, ends 'closed'."""
         self._closing = True
         for msg in self.inbox.drain():
-            if msg.kind == "submit":
-                self._waiting.append(msg.payload)
+            if type(msg) is Submit:
+                self._waiting.append(msg.job)
         for job in self._waiting:
             self.delivery.reject(job.buffer, FINISH_CLOSED)
         self._waiting.clear()

@@ -1,6 +1,7 @@
 """Requests as plain data: what was asked (Job, on the decode thread) and what came out (Completion)."""
 from __future__ import annotations
 
+import enum
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -8,6 +9,13 @@ from typing import Any
 from .config import SamplingParams
 
 _ids = itertools.count(1)
+
+
+class SlotState(enum.IntEnum):
+    """A slot's state in Snapshot.slot_state (fastserve/_slots.pyx's S_* codes; a test checks they agree)."""
+    IDLE = 0
+    PREFILL = 1
+    DECODE = 2
 
 
 @dataclass(eq=False)

@@ -81,10 +81,9 @@ class Generation:
     async def deltas(self):
         """Async iterator of Delta until the request ends; raises HttpError when it failed."""
         reader = self.reader
-        buf = reader.buffer
         try:
             while True:
-                done = buf.finished
+                done = reader.finished
                 if self.n_probs:
                     ids, top_ids, top_probs = reader.read_available_probs()
                 else:
@@ -177,21 +176,21 @@ class Generation:
 
     def check(self, now: float, snap) -> HttpError | None:
         """Deadlines and admission tracking, from the snapshot only. Returns the failure, if any."""
-        buf = self.reader.buffer
+        reader = self.reader
         if self.t_admit is None:
-            if self.admission.slot >= 0 or buf.count or buf.finished:
+            if self.admission.slot >= 0 or reader.count or reader.finished:
                 self._admitted(now)
             elif self.limits.queue and now - self.t_submit > self.limits.queue:
                 self.app.metrics.deadlines.inc(1, "queue")
                 return HttpError(503, f"no slot became free within the queue limit of {self.limits.queue:g} s "
                                       f"({snap.n_running} running, {snap.n_waiting} waiting)")
-        if buf.finished:
+        if reader.finished:
             return None
         if self.limits.total and now - self.t_submit > self.limits.total:
             self.app.metrics.deadlines.inc(1, "total")
             return HttpError(504, f"the request ran past its time limit of {self.limits.total:g} s")
         slot = self.admission.slot
-        progress = (buf.count, snap.slot_past[slot] if 0 <= slot < len(snap.slot_past) else -1)
+        progress = (reader.count, snap.slot_past[slot] if 0 <= slot < len(snap.slot_past) else -1)
         if progress != self.progress_seen:
             self.progress_seen = progress
             self.t_progress = now

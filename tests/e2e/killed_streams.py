@@ -195,7 +195,7 @@ class InProcessServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             snap = self.engine.snapshot
-            if not (snap.busy or self.app.inflight or self.app.connections or len(self.engine.inbox)):
+            if not (snap.busy or self.app.inflight or self.app.connections or self.engine.stats().n_inbox):
                 return True
             time.sleep(0.02)
         return False
