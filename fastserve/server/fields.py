@@ -15,6 +15,8 @@ from .errors import HttpError
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_TIMEOUT_S = 86400.0
+MAX_BIAS_ENTRIES = 1024          # logit_bias pairs in one request (the sampler takes at most 256 tokens)
+MAX_BIAS_TEXT = 256              # characters of one logit_bias text (tokenized on the event loop)
 _MISSING = object()
 
 
@@ -140,6 +142,8 @@ class Body:
             pairs = [tuple(item) for item in v]
         else:
             raise HttpError(400, f"'{name}' must be an object {{token_id or text: bias}} or an array of pairs")
+        if len(pairs) > MAX_BIAS_ENTRIES:
+            raise HttpError(400, f"'{name}' has {len(pairs)} entries; at most {MAX_BIAS_ENTRIES}")
         n_vocab = tokenizer.n_vocab
         out = {}
         for key, b in pairs:
@@ -148,6 +152,8 @@ class Body:
             elif isinstance(b, bool) or not isinstance(b, (int, float)) or math.isnan(b):
                 raise HttpError(400, f"'{name}' biases must be numbers (or false), got {_kind(b)} for {key!r}")
             if isinstance(key, str):
+                if len(key) > MAX_BIAS_TEXT:
+                    raise HttpError(400, f"'{name}' texts may have at most {MAX_BIAS_TEXT} characters")
                 ids = tokenizer.encode(key, add_special=False) if key else []
                 if not ids:
                     raise HttpError(400, f"'{name}' text {key!r} has no tokens")

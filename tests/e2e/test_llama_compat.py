@@ -114,7 +114,7 @@ def test_logit_bias_forms(http):
     first = gen(None)[0]
     for bias in ([[first, False]], {str(first): False}, [[tq, 1000], ["q", False]], {str(tq): 1000, "q": False}):
         assert first not in gen(bias) if "q" not in json.dumps(bias) else tq not in gen(bias), bias
-    for bad in ({"7": "x"}, [[7]], [["", 1]], {"99999": 1}, 5):
+    for bad in ({"7": "x"}, [[7]], [["", 1]], {"99999": 1}, 5, {"x" * 300: 1}, [[7, 1]] * 1025):
         error(http.post("/completion", json={"prompt": "abc", "logit_bias": bad}), 400)
 
 
