@@ -402,6 +402,10 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._template.source
 
+    def set_chat_template(self, source: str) -> None:
+        """Use source (Jinja) instead of the model's template (llama-server's --chat-template)."""
+        self._template = ChatTemplate(source, self._template.bos_token, self._template.eos_token)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render the model's chat template (sandboxed jinja2). Raises RequestError when the model has
         no template or the template refuses the messages."""

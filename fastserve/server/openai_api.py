@@ -1,9 +1,11 @@
 """OpenAI-compatible API: GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
 
 Streams are SSE ending with `data: [DONE]`; usage comes in the response (and, when
-stream_options.include_usage is set, in a last chunk with no choices). Fields
-OpenAI defines that fastserve cannot honour (n > 1, best_of > 1, echo, tools,
-non-text response formats) are refused with a 400 that says so; llama.cpp's extra
+stream_options.include_usage is set, in a last chunk with no choices). A chat stream's first
+chunk of each choice carries the role with `content: null`, as OpenAI's server sends it. Both
+take n > 1, and /v1/completions a list of prompts (as llama-server): the choices are generated
+together, streamed interleaved by index. Fields OpenAI defines that fastserve cannot honour
+(best_of > 1, echo, suffix, tools, non-text response formats) are refused with a 400 that says so; llama.cpp's extra
 sampling fields (top_k, min_p, repeat_penalty, ...) are accepted as llama-server does.
 """
 from __future__ import annotations
@@ -12,11 +14,11 @@ import os
 import time
 
 from ..errors import RequestError
-from . import sse
+from . import constraints, sse
 from .errors import OPENAI, HttpError
 from .fields import Body, parse_object
-from .generation import Generation
-from .llama_api import _log, check_prompt_length, limits, prompt_ids, sampling
+from .fanout import interleave, run_all, start_all
+from .llama_api import _log, check_context, check_prompt_length, limits, prompt_list, request_seed, sampling
 from .response import StreamResponse, json_response
 
 MAX_TOP_LOGPROBS = 20
@@ -33,11 +35,10 @@ def models(app, req, ex):
                  "n_slots": app.engine.n_slots}}]})
 
 
+MAX_CHOICES = 16        # chat choices per request (each takes a slot)
+
+
 def _common(body: Body, app):
-    n = body.int("n", 1, lo=1)
-    if n > 1:
-        raise HttpError(400, f"'n' = {n} is not supported: fastserve returns one choice per request; "
-                             f"send {n} requests instead")
     max_tokens = body.int("max_completion_tokens", None, lo=-1)
     if max_tokens is None:
         max_tokens = body.int("max_tokens", app.config.n_predict, lo=-1)
@@ -48,9 +49,11 @@ def _common(body: Body, app):
     return max_tokens, body.bool("stream"), include_usage
 
 
-def _usage(gen: Generation) -> dict:
-    return {"prompt_tokens": gen.n_prompt, "completion_tokens": len(gen.ids),
-            "total_tokens": gen.n_prompt + len(gen.ids)}
+def _usage(per_prompt: list) -> dict:
+    """per_prompt: for each prompt, the generations of its choices; a prompt's tokens count once (as OpenAI)."""
+    n_prompt = sum(gens[0].n_prompt for gens in per_prompt)
+    n_gen = sum(len(g.ids) for gens in per_prompt for g in gens)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
 
 
 def _new_id(prefix: str) -> str:
@@ -60,46 +63,61 @@ def _new_id(prefix: str) -> str:
 # -- /v1/completions -----------------------------------------------------------------------------
 
 async def completions(app, req, ex):
+    """OpenAI's legacy completions: a prompt or a list of prompts (as llama-server), n choices of each;
+    choice index = prompt index * n + choice."""
     body = parse_object(req.body)
     max_tokens, stream, include_usage = _common(body, app)
+    constraints.check_completion(body)
     if body.bool("echo"):
         raise HttpError(400, "'echo' is not supported")
     if body.int("best_of", 1, lo=1) > 1:
         raise HttpError(400, "'best_of' > 1 is not supported")
     if body.str("suffix"):
         raise HttpError(400, "'suffix' is not supported")
-    ids = prompt_ids(app, body.raw("prompt"))
+    prompts = prompt_list(app, body.raw("prompt"))
+    n = body.int("n", 1, lo=1, hi=MAX_CHOICES)
+    if len(prompts) * n > MAX_CHOICES:
+        raise HttpError(400, f"{len(prompts)} prompts x n = {n} make {len(prompts) * n} choices; at most "
+                             f"{MAX_CHOICES} are generated per request")
     logprobs = body.int("logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     n_probs = 0 if logprobs is None else max(LOGPROB_POOL, logprobs)
-    gen = app.start_generation(ex, ids, stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens,
-                               seed=body.seed(), n_probs=n_probs, **sampling(body, app.engine.tokenizer.n_vocab))
+    seed = request_seed(body, app)
+    gens = start_all(app, ex, [ids for ids in prompts for _ in range(n)],
+                     lambda i: {"seed": None if seed is None else (seed + i % n) % 2 ** 64},
+                     stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens, n_probs=n_probs,
+                     **sampling(body, app))
     rid, created = _new_id("cmpl-"), int(time.time())
     tok = app.engine.tokenizer
 
-    def choice(text, ids, probs, offset, finish):
+    def choice(i, text, ids, probs, offset, finish):
         lp = None
         if logprobs is not None:
             lp = _legacy_logprobs(tok, ids, probs or [], logprobs, offset)
-        return {"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}
+        return {"text": text, "index": i, "logprobs": lp, "finish_reason": finish}
 
     def envelope(choices, **extra):
         return {"id": rid, "object": "text_completion", "created": created, "model": app.model_alias,
                 "system_fingerprint": app.fingerprint, "choices": choices, **extra}
 
+    def usage():
+        return _usage([gens[k * n: (k + 1) * n] for k in range(len(prompts))])
+
     if stream:
         async def events():
-            offset = 0
-            async for d in gen.deltas():
-                yield sse.event(envelope([choice(d.text, d.ids, d.probs, offset, None)]))
-                offset += len(d.text)
-            yield sse.event(envelope([choice("", [], [], offset, gen.openai_finish_reason)]))
+            offset = [0] * len(gens)
+            async for i, d in interleave([g.deltas() for g in gens], gens):
+                if d is None:
+                    yield sse.event(envelope([choice(i, "", [], [], offset[i], gens[i].openai_finish_reason)]))
+                else:
+                    yield sse.event(envelope([choice(i, d.text, d.ids, d.probs, offset[i], None)]))
+                    offset[i] += len(d.text)
             if include_usage:
-                yield sse.event(envelope([], usage=_usage(gen)))
+                yield sse.event(envelope([], usage=usage()))
             yield sse.DONE
         return StreamResponse(events(), on_error=lambda err: sse.error_event(err.payload(OPENAI)))
-    await gen.run()
-    return json_response(envelope([choice(gen.text.text, gen.ids, gen.probs, 0, gen.openai_finish_reason)],
-                                  usage=_usage(gen), timings=gen.timings()))
+    await run_all(gens)
+    return json_response(envelope([choice(i, g.text.text, g.ids, g.probs, 0, g.openai_finish_reason)
+                                   for i, g in enumerate(gens)], usage=usage(), timings=gens[0].timings()))
 
 
 def _legacy_logprobs(tok, ids, probs, k: int, offset: int) -> dict:
@@ -117,18 +135,24 @@ def _legacy_logprobs(tok, ids, probs, k: int, offset: int) -> dict:
 # -- /v1/chat/completions ------------------------------------------------------------------------
 
 def chat_messages(value) -> list[dict]:
-    """Validate OpenAI messages; content parts of type text are joined into one string."""
+    """Validate OpenAI messages; content parts of type text are joined into one string. Refused (400):
+    a message that is not an object, without a known role, with content of a wrong type, without
+    content (only an assistant's may be null), tool calls, a tool message without its tool_call_id."""
     if not isinstance(value, list) or not value:
         raise HttpError(400, "'messages' must be a non-empty array of {\"role\": ..., \"content\": ...} objects")
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             raise HttpError(400, f"messages[{i}] must be an object")
-        role = m.get("role")
+        if "role" not in m:
+            raise HttpError(400, f"messages[{i}] has no 'role' (one of {', '.join(ROLES)})")
+        role = m["role"]
         if role not in ROLES:
             raise HttpError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
         content = m.get("content")
         if content is None:
+            if role != "assistant":
+                raise HttpError(400, f"messages[{i}] ({role}) has no 'content'")
             content = ""
         elif isinstance(content, list):
             parts = []
@@ -142,6 +166,8 @@ def chat_messages(value) -> list[dict]:
             raise HttpError(400, f"messages[{i}].content must be a string or an array of text parts")
         if m.get("tool_calls"):
             raise HttpError(400, f"messages[{i}].tool_calls: tool calls are not supported")
+        if role == "tool" and not (isinstance(m.get("tool_call_id"), str) and m["tool_call_id"]):
+            raise HttpError(400, f"messages[{i}] (tool) needs the 'tool_call_id' of the call it answers")
         out.append({"role": role, "content": content})
     return out
 
@@ -149,11 +175,10 @@ def chat_messages(value) -> list[dict]:
 async def chat_completions(app, req, ex):
     body = parse_object(req.body)
     max_tokens, stream, include_usage = _common(body, app)
+    n = body.int("n", 1, lo=1, hi=MAX_CHOICES)
     if body.raw("tools") or body.raw("functions"):
         raise HttpError(400, "tools and function calling are not supported")
-    fmt = body.raw("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-        raise HttpError(400, "'response_format' other than {\"type\": \"text\"} is not supported")
+    constraints.check_chat(body)
     messages = chat_messages(body.raw("messages"))
     tok = app.engine.tokenizer
     total = sum(len(m["content"]) for m in messages)
@@ -166,13 +191,17 @@ async def chat_completions(app, req, ex):
     ids = tok.encode(text, add_special=True)
     if not ids:
         raise HttpError(400, "the conversation is empty")
+    check_context(app, len(ids))
     want_lp = body.bool("logprobs")
     top_lp = body.int("top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     if top_lp is not None and not want_lp:
         raise HttpError(400, "'top_logprobs' needs 'logprobs': true")
     n_probs = max(LOGPROB_POOL, top_lp or 0) if want_lp else 0
-    gen = app.start_generation(ex, ids, stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens,
-                               seed=body.seed(), n_probs=n_probs, **sampling(body, tok.n_vocab))
+    seed = request_seed(body, app)
+    # n choices of one prompt: a given seed seeds the i-th choice with seed + i, so that they differ
+    gens = start_all(app, ex, [ids] * n, lambda i: {"seed": None if seed is None else (seed + i) % 2 ** 64},
+                     stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens, n_probs=n_probs,
+                     **sampling(body, app))
     rid, created = _new_id("chatcmpl-"), int(time.time())
 
     def logprobs(ids, probs):
@@ -182,27 +211,28 @@ async def chat_completions(app, req, ex):
         return {"id": rid, "object": obj, "created": created, "model": app.model_alias,
                 "system_fingerprint": app.fingerprint, "choices": choices, **extra}
 
+    def chunk(i: int, delta: dict, lp=None, finish=None, **extra) -> bytes:
+        return sse.event(envelope("chat.completion.chunk", [
+            {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}], **extra))
+
     if stream:
         async def events():
-            yield sse.event(envelope("chat.completion.chunk", [
-                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
-            async for d in gen.deltas():
-                if d.text or want_lp:
-                    yield sse.event(envelope("chat.completion.chunk", [
-                        {"index": 0, "delta": {"content": d.text}, "logprobs": logprobs(d.ids, d.probs),
-                         "finish_reason": None}]))
-            yield sse.event(envelope("chat.completion.chunk", [
-                {"index": 0, "delta": {}, "logprobs": None, "finish_reason": gen.openai_finish_reason}],
-                timings=gen.timings()))
+            for i in range(n):
+                yield chunk(i, {"role": "assistant", "content": None})
+            async for i, d in interleave([g.deltas() for g in gens], gens):
+                if d is None:
+                    yield chunk(i, {}, finish=gens[i].openai_finish_reason, timings=gens[i].timings())
+                elif d.text or want_lp:
+                    yield chunk(i, {"content": d.text}, logprobs(d.ids, d.probs))
             if include_usage:
-                yield sse.event(envelope("chat.completion.chunk", [], usage=_usage(gen)))
+                yield sse.event(envelope("chat.completion.chunk", [], usage=_usage([gens])))
             yield sse.DONE
         return StreamResponse(events(), on_error=lambda err: sse.error_event(err.payload(OPENAI)))
-    await gen.run()
+    await run_all(gens)
     return json_response(envelope("chat.completion", [{
-        "index": 0, "message": {"role": "assistant", "content": gen.text.text},
-        "logprobs": logprobs(gen.ids, gen.probs), "finish_reason": gen.openai_finish_reason}],
-        usage=_usage(gen), timings=gen.timings()))
+        "index": i, "message": {"role": "assistant", "content": g.text.text},
+        "logprobs": logprobs(g.ids, g.probs), "finish_reason": g.openai_finish_reason} for i, g in enumerate(gens)],
+        usage=_usage([gens]), timings=gens[0].timings()))
 
 
 def _chat_logprobs(tok, ids, probs, k: int) -> list:
