@@ -56,6 +56,7 @@ def main(argv=None) -> int:
                     help="threads of the decode step: products and attention (default 0: every core)")
     sp.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop implementation")
     sp.add_argument("--log-disable", action="store_true", help="no per-request log lines")
+    sp.add_argument("--no-webui", action="store_true", help="do not serve the chat page at / (404 there)")
     sp.add_argument("--test-stall-file", help=argparse.SUPPRESS)   # tests: forward() hangs while this file exists
 
     bp = sub.add_parser("bench", help="closed-loop load in-process: tok/s, latency, and where a step's time goes")

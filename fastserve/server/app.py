@@ -235,7 +235,8 @@ def serve(args) -> int:
                        stall_limit=args.stall_limit, queue_timeout=args.queue_timeout,
                        request_timeout=args.request_timeout, token_timeout=args.token_timeout,
                        n_predict=args.n_predict, cors_origin=args.cors_origin, body_limit=args.body_limit,
-                       alias=args.alias, log_requests=not args.log_disable)
+                       alias=args.alias, log_requests=not args.log_disable,
+                       webui=not args.no_webui)
     path = args.model or default_model_path()
     model = load_model(path)
     threads = args.threads if args.threads and args.threads > 0 else default_threads()

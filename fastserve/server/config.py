@@ -25,6 +25,7 @@ class ServerConfig:
     erase_wait: float = 600.0
     tick: float = 0.1                # s: watchdog period (deadlines, stall, dropped clients)
     log_requests: bool = True
+    webui: bool = True               # GET / serves the chat page (--no-webui: 404)
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:

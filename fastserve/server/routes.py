@@ -12,7 +12,7 @@ import time
 
 from .._slots import IDLE
 from ..request import SAMPLING_DEFAULTS
-from . import llama_api, openai_api
+from . import llama_api, openai_api, webui
 from .errors import LLAMA, HttpError, error_json
 from .fields import parse_object
 from .response import PROMETHEUS, Response, json_response
@@ -138,6 +138,7 @@ def not_supported(app, req, ex):
 
 # path -> {method: route}; the family picks the error format.
 ROUTES = {
+    "/": {"GET": webui.index, "HEAD": webui.index},
     "/health": {"GET": health},
     "/v1/health": {"GET": health},
     "/slots": {"GET": slots},
@@ -157,7 +158,7 @@ ROUTES = {
     "/v1/embeddings": {"POST": not_supported},
     "/infill": {"POST": not_supported},
 }
-PUBLIC = frozenset({"/health", "/v1/health"})
+PUBLIC = frozenset({"/", "/health", "/v1/health"})     # "/": the page asks for the key itself
 OPENAI_PATHS = frozenset({"/v1/models", "/models", "/v1/completions", "/v1/chat/completions", "/chat/completions",
                           "/v1/embeddings", "/v1/health"})
 
