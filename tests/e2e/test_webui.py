@@ -1,0 +1,143 @@
+"""The chat page at /: served (GET, HEAD), self-contained, public under --api-key, off with --no-webui;
+and driven in a real headless Chromium on the default model (typing, streaming, Stop, the API key
+prompt, localStorage), with a screenshot kept as a test artifact (build/test-artifacts/webui.png).
+
+The browser is Debian's `chromium` driven by Playwright's Python package (`make test` installs the
+browser where it can; without it the browser test skips, saying why).
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import time
+
+import httpx
+import pytest
+
+from ..artifacts import artifact_dir, image_spread
+from .conftest import ServerProc, wait_until
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+KEY = "webui-test-key"
+
+
+def test_page_is_served_whole_and_self_contained(server):
+    r = httpx.get(server.url + "/")
+    assert r.status_code == 200 and r.headers["content-type"] == "text/html; charset=utf-8"
+    page = r.text
+    assert "<title>fastserve chat</title>" in page and "/v1/chat/completions" in page
+    # Offline: nothing is loaded from elsewhere, and the browser is told so.
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", page, re.I)
+    assert "@import" not in page and "url(" not in page
+    csp = r.headers["content-security-policy"]
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp
+    # Model and user text only ever goes in as text.
+    assert "innerHTML" not in page and "insertAdjacentHTML" not in page and "document.write" not in page
+    head = httpx.head(server.url + "/")
+    assert head.status_code == 200 and head.content == b""
+    assert int(head.headers["content-length"]) == len(r.content)
+
+
+def test_no_webui_is_404_and_the_page_is_public_under_an_api_key(make_server):
+    off = make_server("--no-webui", "--api-key", KEY)
+    r = httpx.get(off.url + "/")
+    assert r.status_code == 404 and "--no-webui" in r.json()["error"]["message"]
+    assert httpx.get(off.url + "/v1/models").status_code == 401          # the key still guards the API
+
+
+def _metrics(url: str) -> dict:
+    """The unlabelled samples of /metrics: name (without _total) -> value."""
+    text = httpx.get(url + "/metrics", headers={"authorization": f"Bearer {KEY}"}).text
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r"^(fastserve_[a-z_]+?)(?:_total)? ([0-9.e+-]+)$", text, re.M)}
+
+
+@pytest.mark.model
+def test_chat_in_a_real_browser(default_model_file, tmp_path):
+    if CHROMIUM is None:
+        pytest.skip("no chromium on PATH: `apt-get install chromium` (make test does it where it can)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright (the test extra) is not installed")
+    srv = ServerProc(default_model_file, tmp_path / "server.log", "-np", "2", "-c", "4096", "--api-key", KEY)
+    try:
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1100, "height": 720})
+            errors = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(srv.url + "/")
+
+            # The server has a key: the page asks for it (its first call got a 401), then shows the model.
+            page.wait_for_selector("#key-dialog[open]", timeout=10_000)
+            page.fill("#api-key", KEY)
+            page.click("#key-save")
+            page.locator("#model", has_text="SmolLM2").wait_for(timeout=10_000)
+
+            page.fill("#system", "You are a storyteller who writes long stories.")
+            page.fill("#max_tokens", "-1")
+            page.fill("#temperature", "0")
+            page.type("#prompt", "Tell me a long story about a lighthouse keeper.")
+            page.keyboard.press("Enter")
+
+            # Streamed: the reply grows piece by piece while it runs.
+            text = page.locator(".msg.assistant .text").last
+            seen = set()
+            deadline = time.monotonic() + 20
+            while len(seen) < 3 and time.monotonic() < deadline:
+                n = len(text.text_content())
+                if n:
+                    seen.add(n)
+                time.sleep(0.03)
+            assert len(seen) >= 3, f"the reply did not stream: lengths seen {sorted(seen)}"
+            assert page.locator(".msg.assistant").last.get_attribute("data-done") is None   # still running
+
+            # Stop mid-reply: the fetch is aborted, the server sees the connection go and frees the slot.
+            before = _metrics(srv.url)
+            assert before["fastserve_slots_busy"] == 1
+            page.click("#stop")
+            t_stop = time.monotonic()
+            scrapes = []
+            while time.monotonic() < t_stop + 5 and (not scrapes or scrapes[-1]["fastserve_slots_busy"]):
+                scrapes.append(_metrics(srv.url))
+            freed_ms = (time.monotonic() - t_stop) * 1e3
+            assert scrapes[-1]["fastserve_slots_busy"] == 0, "the slot is still busy 5 s after Stop"
+            # From the server seeing the connection go to the slot being free: the step in flight, then the
+            # one that drains the cancel (DESIGN.md contract 7).
+            gone = next(m for m in scrapes if m["fastserve_client_disconnects"] > before["fastserve_client_disconnects"])
+            steps = scrapes[-1]["fastserve_decode_steps"] - gone["fastserve_decode_steps"]
+            assert steps <= 2, f"the slot was freed {steps:.0f} steps after the server saw the page go"
+            assert freed_ms < 2000, f"the slot was freed {freed_ms:.0f} ms after the click on Stop"
+            page.wait_for_selector(".msg.assistant[data-done='stopped']", timeout=5_000)
+            stopped_text = text.text_content()
+            stats = page.locator(".msg.assistant .stats").last.text_content()
+            assert "stopped" in stats and "tokens/s" in stats and "first token" in stats, stats
+            time.sleep(0.2)
+            assert text.text_content() == stopped_text                   # nothing arrives after Stop
+            assert page.is_enabled("#send") and not page.is_enabled("#stop")
+
+            # A second turn that runs to its end; markup in the user's text stays text.
+            page.fill("#max_tokens", "12")
+            page.type("#prompt", "Say <b>hello</b> & <img src=x onerror=alert(1)>")
+            page.keyboard.press("Enter")
+            page.locator(".msg.assistant[data-done]").nth(1).wait_for(timeout=20_000)
+            assert page.locator("#messages b, #messages img").count() == 0
+            assert "<b>hello</b>" in page.locator(".msg.user").last.text_content()
+            last_stats = page.locator(".msg.assistant .stats").last.text_content()
+            assert re.search(r"\d+ tokens · [0-9.]+ tokens/s · first token \d+ ms", last_stats), last_stats
+
+            shot = artifact_dir() / "webui.png"
+            page.screenshot(path=str(shot))
+            spread, colours = image_spread(shot)
+            assert spread > 10 and colours > 50, f"the screenshot looks blank ({spread=:.1f}, {colours=})"
+
+            # (Playwright's wait_for_function would need eval, which the page's CSP forbids: locators wait.)
+            # Kept in localStorage: a reload shows the same conversation, key remembered (no dialog).
+            page.reload()
+            page.locator(".msg").nth(3).wait_for(timeout=10_000)
+            assert page.locator(".msg").count() == 4
+            assert page.locator(".msg.assistant .text").first.text_content() == stopped_text
+            assert page.locator("#key-dialog[open]").count() == 0
+            assert page.input_value("#system").startswith("You are a storyteller")
+            assert not errors, errors
+            browser.close()
+    finally:
+        srv.stop()
