@@ -100,11 +100,13 @@ def test_chat_in_a_real_browser(default_model_file, tmp_path):
                 scrapes.append(_metrics(srv.url))
             freed_ms = (time.monotonic() - t_stop) * 1e3
             assert scrapes[-1]["fastserve_slots_busy"] == 0, "the slot is still busy 5 s after Stop"
-            # From the server seeing the connection go to the slot being free: the step in flight, then the
-            # one that drains the cancel (DESIGN.md contract 7).
+            # Within one step of the server seeing the connection go (DESIGN.md contract 7): a scrape that
+            # counts the disconnect comes after the cancel was queued, so at most the step in flight computes
+            # one more token for it (the only request running).
             gone = next(m for m in scrapes if m["fastserve_client_disconnects"] > before["fastserve_client_disconnects"])
+            late = scrapes[-1]["fastserve_generated_tokens"] - gone["fastserve_generated_tokens"]
             steps = scrapes[-1]["fastserve_decode_steps"] - gone["fastserve_decode_steps"]
-            assert steps <= 2, f"the slot was freed {steps:.0f} steps after the server saw the page go"
+            assert late <= 1, f"{late:.0f} tokens ({steps:.0f} steps) came after the server saw the page go"
             assert freed_ms < 2000, f"the slot was freed {freed_ms:.0f} ms after the click on Stop"
             page.wait_for_selector(".msg.assistant[data-done='stopped']", timeout=5_000)
             stopped_text = text.text_content()
