@@ -79,14 +79,19 @@ class ChatWindow:
         prompt = self.entry.get().strip()
         if not prompt or self.reader is not None:
             return
+        messages = self.history + [{"role": "user", "content": prompt}]
+        try:
+            # submit() returns at once: the request is queued for the decode thread.
+            self.reader = self.engine.submit(self.tokenizer.apply_chat_template(messages),
+                                             max_tokens=int(self.max_tokens.get()),
+                                             temperature=float(self.temperature.get()))
+        except (ValueError, fastserve.FastserveError) as exc:     # bad settings, prompt too long, busy
+            self.status.configure(text=f"not sent: {exc}")
+            return
         self.entry.delete(0, "end")
-        self.history.append({"role": "user", "content": prompt})
+        self.history = messages
         self._show(f"You: {prompt}\n", "user")
         self._show("Model: ")
-        # submit() returns at once: the request is queued for the decode thread.
-        self.reader = self.engine.submit(self.tokenizer.apply_chat_template(self.history),
-                                         max_tokens=int(self.max_tokens.get()),
-                                         temperature=float(self.temperature.get()))
         self.reply = []
         threading.Thread(target=self._read, args=(self.reader, self.pieces), daemon=True).start()
         self.send_button.state(["disabled"])

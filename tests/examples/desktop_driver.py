@@ -136,6 +136,13 @@ def run(model_path: str, shot: str) -> dict:
         yield lambda: root.winfo_viewable()
         out["window"] = [root.winfo_width(), root.winfo_height()]
 
+        # 0. A bad setting is refused in the window's status line, nothing sent, nothing lost.
+        set_spin(win.max_tokens, "lots")
+        win.entry.insert(0, "hello")
+        win.send_button.invoke()
+        out["refused"] = win.status.cget("text") if win.reader is None and win.entry.get() == "hello" else None
+        win.entry.delete(0, "end")
+
         # 1. A 128-token greedy reply, typed into the entry; the heartbeat runs from the Return key on.
         set_spin(win.temperature, 0)
         set_spin(win.max_tokens, 128)

@@ -47,6 +47,7 @@ def test_desktop_chat_under_xvfb(default_model_file):
         out = _drive(default_model_file, shot)
         out["long_gaps"] = f"{out['long_gaps']} (a first run under load stalled {first:.0f} ms)"
 
+    assert out["refused"] and out["refused"].startswith("not sent: "), out["refused"]
     # The typed prompt got a streamed reply of 128 tokens, and the window said how fast.
     assert out["reply"].strip(), out
     assert out["stats"].startswith("128 tokens · ") and "tokens/s" in out["stats"], out["stats"]
