@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install build build-faults ui-tools serve test bench clean
+.PHONY: install build build-faults ui-tools test-ui serve test bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -43,6 +43,12 @@ ui-tools:
 	      >/dev/null || echo "make: apt-get failed: the browser and desktop tests will skip"; \
 	  else echo "make: missing$$missing (not root, or no apt-get): the browser and desktop tests will skip"; fi; \
 	fi
+
+# The chat page in headless Chromium and the desktop example under Xvfb; their screenshots go to
+# build/test-artifacts/ (webui.png, desktop_chat.png).
+test-ui: build ui-tools
+	$(BIN)/python -m pytest -q tests/e2e/test_webui.py tests/examples
+	@ls -l build/test-artifacts/*.png
 
 # The whole suite on the normal build; tests/faults/ also on the fault build.
 test: build build-faults ui-tools

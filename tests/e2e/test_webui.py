@@ -1,6 +1,7 @@
 """The chat page at /: served (GET, HEAD), self-contained, public under --api-key, off with --no-webui;
-and driven in a real headless Chromium on the default model (typing, streaming, Stop, the API key
-prompt, localStorage), with a screenshot kept as a test artifact (build/test-artifacts/webui.png).
+and driven in a real headless Chromium on the default model (the API key prompt, typing, streaming,
+Stop, markup kept as text, localStorage, conversations, closing the tab), with a screenshot kept as a
+test artifact (build/test-artifacts/webui.png; `make test-ui` runs it with the desktop window's test).
 
 The browser is Debian's `chromium` driven by Playwright's Python package (`make test` installs the
 browser where it can; without it the browser test skips, saying why).
@@ -52,6 +53,41 @@ def _metrics(url: str) -> dict:
             for m in re.finditer(r"^(fastserve_[a-z_]+?)(?:_total)? ([0-9.e+-]+)$", text, re.M)}
 
 
+def _slot_freed(url: str, abandon) -> None:
+    """Call abandon() (Stop, or closing the tab) while one reply streams; the slot must be free soon after,
+    and within one step of the server seeing the connection go (DESIGN.md contract 7): a scrape that counts
+    the disconnect comes after the cancel was queued, so at most the step in flight computes one more token
+    for it (the only request running)."""
+    before = _metrics(url)
+    assert before["fastserve_slots_busy"] == 1
+    abandon()
+    t0 = time.monotonic()
+    scrapes = []
+    while time.monotonic() < t0 + 5 and (not scrapes or scrapes[-1]["fastserve_slots_busy"]):
+        scrapes.append(_metrics(url))
+    freed_ms = (time.monotonic() - t0) * 1e3
+    assert scrapes[-1]["fastserve_slots_busy"] == 0, "the slot is still busy 5 s after the page let go"
+    gone = next(m for m in scrapes if m["fastserve_client_disconnects"] > before["fastserve_client_disconnects"])
+    late = scrapes[-1]["fastserve_generated_tokens"] - gone["fastserve_generated_tokens"]
+    steps = scrapes[-1]["fastserve_decode_steps"] - gone["fastserve_decode_steps"]
+    assert late <= 1, f"{late:.0f} tokens ({steps:.0f} steps) came after the server saw the page go"
+    assert freed_ms < 2000, f"the slot was freed {freed_ms:.0f} ms after the page let go"
+
+
+def _wait_streaming(page) -> None:
+    """Until the last reply has grown three times while still running (streamed, not all at once)."""
+    text = page.locator(".msg.assistant .text").last
+    seen = set()
+    deadline = time.monotonic() + 20
+    while len(seen) < 3 and time.monotonic() < deadline:
+        n = len(text.text_content())
+        if n:
+            seen.add(n)
+        time.sleep(0.03)
+    assert len(seen) >= 3, f"the reply did not stream: lengths seen {sorted(seen)}"
+    assert page.locator(".msg.assistant").last.get_attribute("data-done") is None   # still running
+
+
 @pytest.mark.model
 def test_chat_in_a_real_browser(default_model_file, tmp_path):
     if CHROMIUM is None:
@@ -78,36 +114,11 @@ def test_chat_in_a_real_browser(default_model_file, tmp_path):
             page.type("#prompt", "Tell me a long story about a lighthouse keeper.")
             page.keyboard.press("Enter")
 
-            # Streamed: the reply grows piece by piece while it runs.
+            _wait_streaming(page)
             text = page.locator(".msg.assistant .text").last
-            seen = set()
-            deadline = time.monotonic() + 20
-            while len(seen) < 3 and time.monotonic() < deadline:
-                n = len(text.text_content())
-                if n:
-                    seen.add(n)
-                time.sleep(0.03)
-            assert len(seen) >= 3, f"the reply did not stream: lengths seen {sorted(seen)}"
-            assert page.locator(".msg.assistant").last.get_attribute("data-done") is None   # still running
 
             # Stop mid-reply: the fetch is aborted, the server sees the connection go and frees the slot.
-            before = _metrics(srv.url)
-            assert before["fastserve_slots_busy"] == 1
-            page.click("#stop")
-            t_stop = time.monotonic()
-            scrapes = []
-            while time.monotonic() < t_stop + 5 and (not scrapes or scrapes[-1]["fastserve_slots_busy"]):
-                scrapes.append(_metrics(srv.url))
-            freed_ms = (time.monotonic() - t_stop) * 1e3
-            assert scrapes[-1]["fastserve_slots_busy"] == 0, "the slot is still busy 5 s after Stop"
-            # Within one step of the server seeing the connection go (DESIGN.md contract 7): a scrape that
-            # counts the disconnect comes after the cancel was queued, so at most the step in flight computes
-            # one more token for it (the only request running).
-            gone = next(m for m in scrapes if m["fastserve_client_disconnects"] > before["fastserve_client_disconnects"])
-            late = scrapes[-1]["fastserve_generated_tokens"] - gone["fastserve_generated_tokens"]
-            steps = scrapes[-1]["fastserve_decode_steps"] - gone["fastserve_decode_steps"]
-            assert late <= 1, f"{late:.0f} tokens ({steps:.0f} steps) came after the server saw the page go"
-            assert freed_ms < 2000, f"the slot was freed {freed_ms:.0f} ms after the click on Stop"
+            _slot_freed(srv.url, lambda: page.click("#stop"))
             page.wait_for_selector(".msg.assistant[data-done='stopped']", timeout=5_000)
             stopped_text = text.text_content()
             stats = page.locator(".msg.assistant .stats").last.text_content()
@@ -139,6 +150,18 @@ def test_chat_in_a_real_browser(default_model_file, tmp_path):
             assert page.locator(".msg.assistant .text").first.text_content() == stopped_text
             assert page.locator("#key-dialog[open]").count() == 0
             assert page.input_value("#system").startswith("You are a storyteller")
+
+            # Conversations: a new one starts empty, the old one is a click away; then close the tab mid-reply.
+            page.click("#new-chat")
+            assert page.locator(".msg").count() == 0 and page.locator("#conversations li").count() == 2
+            page.locator("#conversations li button.open").nth(1).click()
+            assert page.locator(".msg").count() == 4
+            page.click("#new-chat")
+            page.fill("#max_tokens", "-1")
+            page.type("#prompt", "Tell me about the moon.")
+            page.keyboard.press("Enter")
+            _wait_streaming(page)
+            _slot_freed(srv.url, page.close)
             assert not errors, errors
             browser.close()
     finally:
