@@ -43,7 +43,7 @@ def test_no_webui_is_404_and_the_page_is_public_under_an_api_key(make_server):
     off = make_server("--no-webui", "--api-key", KEY)
     r = httpx.get(off.url + "/")
     assert r.status_code == 404 and "--no-webui" in r.json()["error"]["message"]
-    assert httpx.get(off.url + "/v1/models").status_code == 401          # the key still guards the API
+    assert httpx.get(off.url + "/props").status_code == 401              # the key still guards the API
 
 
 def _metrics(url: str) -> dict:
