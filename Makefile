@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install build build-faults serve test bench clean
+.PHONY: install build build-faults ui-tools test-ui serve test bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,8 +31,27 @@ serve: build
 	$(BIN)/fastserve pull
 	$(BIN)/fastserve serve --host 127.0.0.1 --port 8080
 
+# The UI tests' programs (tests/e2e/test_webui.py: Debian's chromium; tests/examples/test_desktop_chat.py:
+# xvfb-run, xdotool): installed with apt-get where missing and possible (root); else those tests skip, saying why.
+UI_TOOLS := chromium xvfb-run xauth xdotool
+ui-tools:
+	@missing=""; for t in $(UI_TOOLS); do command -v $$t >/dev/null || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "make: installing the UI tests' programs (missing:$$missing)"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium xvfb xauth xdotool) \
+	      >/dev/null || echo "make: apt-get failed: the browser and desktop tests will skip"; \
+	  else echo "make: missing$$missing (not root, or no apt-get): the browser and desktop tests will skip"; fi; \
+	fi
+
+# The chat page in headless Chromium and the desktop example under Xvfb; their screenshots go to
+# build/test-artifacts/ (webui.png, desktop_chat.png).
+test-ui: build ui-tools
+	$(BIN)/python -m pytest -q tests/e2e/test_webui.py tests/examples
+	@ls -l build/test-artifacts/*.png
+
 # The whole suite on the normal build; tests/faults/ also on the fault build.
-test: build build-faults
+test: build build-faults ui-tools
 	FASTSERVE_FAULTS_LIB=$(FAULTS_LIB) $(BIN)/python -m pytest -q tests
 
 bench: build

@@ -59,6 +59,9 @@ def main(argv=None) -> int:
                     help="threads of the decode step: products and attention (default 0: every core)")
     sp.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop implementation")
     sp.add_argument("--log-disable", action="store_true", help="no per-request log lines")
+    sp.add_argument("--no-webui", "--no-ui", dest="no_webui", action="store_true",
+                    help="do not serve the chat page at / (404 there)")
+    sp.add_argument("--webui", "--ui", dest="no_webui", action="store_false", help="serve the chat page at / (the default)")
     _device_arg(sp)
     from .llama_flags import add_refused, add_taken
     add_taken(sp)           # llama-server's flags, for its scripts: honoured ...

@@ -141,7 +141,7 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--ui-config, --webui-config, --ui-config-file, --webui-config-file, --ui-mcp-proxy, --webui-mcp-proxy, "
      "--no-ui-mcp-proxy, --no-webui-mcp-proxy, --tools, "
      "--tools-runtime, --mcp-*, -ag, --agent", REFUSED, "no agent tools, MCP proxy or UI settings"),
-    ("--ui, --webui, --no-ui, --no-webui", REFUSED, "no web page yet: the web page issue (#16) owns these flags"),
+    ("--ui, --webui, --no-ui, --no-webui", SAME, "the chat page at / (on by default); --no-webui: 404 there"),
     ("--api-key KEY", DIFFERS, "one key (a comma-separated list is taken as one key); /health, /models and "
                                "/v1/models stay public, as in llama-server"),
     ("--api-key-file FNAME", REFUSED, "not yet; give --api-key"),

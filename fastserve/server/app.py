@@ -232,7 +232,8 @@ def serve(args, backend=None) -> int:
                        n_predict=args.n_predict, cors_origin=args.cors_origin, body_limit=args.body_limit,
                        alias=args.alias, log_requests=llama["log_requests"], metrics=args.metrics,
                        slots=args.slots, props=args.props, seed=llama["seed"],
-                       sampling=sampling_defaults(model.config.n_vocab, llama["sampling"]))
+                       sampling=sampling_defaults(model.config.n_vocab, llama["sampling"]),
+                       webui=not args.no_webui)
     if llama["chat_template"] is not None:
         model.tokenizer.set_chat_template(llama["chat_template"])
     device = llama["device"]

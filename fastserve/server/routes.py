@@ -11,7 +11,7 @@ import asyncio
 import time
 
 from ..request import SlotState
-from . import llama_api, openai_api
+from . import llama_api, openai_api, webui
 from .errors import LLAMA, HttpError, error_json
 from .fields import parse_object
 from .response import PROMETHEUS, Response, json_response
@@ -173,6 +173,7 @@ def not_supported(app, req, ex):
 
 # path -> {method: route}; the family picks the error format.
 ROUTES = {
+    "/": {"GET": webui.index, "HEAD": webui.index},
     "/health": {"GET": health},
     "/v1/health": {"GET": health},
     "/slots": {"GET": slots},
@@ -192,7 +193,8 @@ ROUTES = {
     "/v1/embeddings": {"POST": not_supported},
     "/infill": {"POST": not_supported},
 }
-PUBLIC = frozenset({"/health", "/v1/health", "/models", "/v1/models"})   # no API key asked (as llama-server)
+# no API key asked: as llama-server, and "/" (the page holds no secret; it asks for the key itself)
+PUBLIC = frozenset({"/", "/health", "/v1/health", "/models", "/v1/models"})
 OPENAI_PATHS = frozenset({"/v1/models", "/models", "/v1/completions", "/v1/chat/completions", "/chat/completions",
                           "/v1/embeddings", "/v1/health"})
 
