@@ -298,9 +298,9 @@ class Engine:
         if not self._build():
             self._publish()
             return False
+        _faults.check_step()        # a test stall is host time: the tracer counts it in build, not forward
         if tr is not None:
             tr.lap("build")
-        _faults.check_step()
         tokens, positions, slots, out_rows, row_slot = batch.view()
         ds = self.device_sampler
         try:

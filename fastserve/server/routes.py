@@ -1,4 +1,4 @@
-"""The route table and the routes that read state: /health, /slots, /metrics, /props, /tokenize, /detokenize.
+"""The route table and the routes that read state: /health, /slots, /metrics, /props, /trace, /tokenize, /detokenize.
 
 Every route is a plain function `route(app, req, ex)` returning a Response (or,
 for the ones that wait, a coroutine). The monitoring routes read only the
@@ -40,6 +40,14 @@ def slots(app, req, ex):
 
 def metrics(app, req, ex):
     return Response(200, app.metrics.render(), PROMETHEUS)
+
+
+def trace(app, req, ex):
+    """GET /trace: the tracer's running totals (tracer.Tracer.totals); a client diffs two readings."""
+    tracer = app.engine.tracer
+    if tracer is None:
+        raise HttpError(404, "tracing is off in this server")
+    return json_response(tracer.totals())
 
 
 def props(app, req, ex):
@@ -142,6 +150,7 @@ ROUTES = {
     "/v1/health": {"GET": health},
     "/slots": {"GET": slots},
     "/metrics": {"GET": metrics},
+    "/trace": {"GET": trace},
     "/props": {"GET": props},
     "/tokenize": {"POST": tokenize},
     "/detokenize": {"POST": detokenize},
