@@ -1,9 +1,12 @@
 """A level's figures from what its clients saw: throughput, TTFT, TPOT, ITL, e2e, errors, probes, RSS.
 
 Window accounting: tokens that arrived in the window; TTFT of the requests whose first token came in
-it; inter-token gaps that ended in it (a gap over k tokens counts as k gaps of 1/k, as a client that
-got them in one piece saw them); e2e and TPOT of the requests that finished in it; errors of the
+it; inter-token gaps that ended in it; e2e and TPOT of the requests that finished in it; errors of the
 requests that failed in it. Missing figures are None (JSON null), never NaN.
+
+An inter-token gap is the time between two arrivals of one stream, whole, however many tokens the
+later one carried (as vLLM's and SGLang's benchmarks count ITL): a stall followed by a burst is one
+long gap, not spread thin over the burst. TPOT is the per-token average, (last - first) / (n - 1).
 """
 from __future__ import annotations
 
@@ -30,9 +33,9 @@ def itl_series(run: LevelRun) -> list[tuple[float, float]]:
     """[(seconds since the window opened, gap seconds)] of every inter-token gap that ended in the window."""
     out = []
     for r in run.records:
-        for (ta, _), (tb, k) in zip(r.arrivals, r.arrivals[1:]):
+        for (ta, _), (tb, _) in zip(r.arrivals, r.arrivals[1:]):
             if run.t0 <= tb <= run.t1:
-                out.extend([(tb - run.t0, (tb - ta) / k)] * k)
+                out.append((tb - run.t0, tb - ta))
     return out
 
 

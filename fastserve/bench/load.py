@@ -98,10 +98,9 @@ class Prober:
     def __init__(self, url: str, path: str, every: float = 0.1):
         fd, self._out = tempfile.mkstemp(prefix="fastserve-probe-", suffix=".json")
         os.close(fd)
-        self.proc = subprocess.Popen([sys.executable, "-m", "fastserve.bench.probe", url, path, str(every), self._out],
-                                     env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                         filter(None, [str(Path(__file__).resolve().parents[2]),
-                                                       os.environ.get("PYTHONPATH")]))})
+        # run by path, not -m: importing the fastserve package (numpy, the extensions) would delay the first probe
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("probe.py")), url, path, str(every),
+                                      self._out])
 
     def stop(self, timeout: float = 40.0) -> list:
         self.proc.send_signal(signal.SIGTERM)

@@ -28,6 +28,7 @@ def write_plots(result: dict, runs: list, out_dir: str | Path) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -46,6 +47,7 @@ def write_plots(result: dict, runs: list, out_dir: str | Path) -> list[str]:
             if pts:
                 ax.scatter([t for t, _ in pts], [g * 1e3 for _, g in pts], s=3, alpha=0.5, label=str(run.level))
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.set_ylabel("inter-token gap, ms")
         ax.set_title(name, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)

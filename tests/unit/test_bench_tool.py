@@ -32,9 +32,9 @@ def test_window_accounting_and_percentiles():
     assert f["tokens"] == 4 + 1 + 1 and f["tok_s"] == pytest.approx(0.6)
     assert f["requests_finished"] == 2 and f["errors"] == {"http 503": 1}
     assert f["ttft_ms"]["n"] == 2 and f["ttft_ms"]["max"] == pytest.approx(500.0)     # a and d; b's first was before
-    # gaps ending in the window: a's 100, then 50 + 50 (2 tokens in one piece), b's 600; not d's past t1
-    assert f["itl_ms"]["n"] == 4 and f["itl_ms"]["max"] == pytest.approx(600.0)
-    assert f["itl_ms"]["p50"] == pytest.approx(75.0)
+    # gaps ending in the window, one per arrival: a's 100 and 100 (2 tokens in one piece), b's 600; not d's past t1
+    assert f["itl_ms"]["n"] == 3 and f["itl_ms"]["max"] == pytest.approx(600.0)
+    assert f["itl_ms"]["p50"] == pytest.approx(100.0)
     assert f["tpot_ms"]["n"] == 2            # a (0.2 s over 3 gaps) and b
     assert f["tpot_ms"]["p50"] == pytest.approx((200 / 3 + 600) / 2)
     assert f["e2e_ms"]["max"] == pytest.approx(1200.0)
@@ -110,7 +110,7 @@ def test_inprocess_run_json_round_trips_and_plots_are_pngs(tiny_model_path, tmp_
     from fastserve.bench.plots import SIZE
     out = tmp_path / "out"
     p = subprocess.run([sys.executable, "-m", "fastserve", "bench", "-m", tiny_model_path, "--clients", "1,3",
-                        "--duration", "1", "--warmup", "0.3", "-n", "16", "--prompt-tokens", "8-16",
+                        "--duration", "0.6", "--warmup", "0.2", "-n", "16", "--prompt-tokens", "8-16",
                         "--json", str(out / "r.json"), "--plot", str(out), "--no-progress"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
