@@ -2,7 +2,7 @@
 
 itl_over_time.png   every inter-token gap against time in the window, a panel per target and a
                     colour per level (the first repeat): a host stall is a column of dots far above
-                    the band (log scale)
+                    the band (log scale), gaps over STALL_FACTOR x the median marked in red
 concurrency.png     tokens/s and TTFT p50 against the level, a line per target
 phases.png          the tracer's ms per step by phase, stacked, a bar per target and level (targets
                     with a tracer only: in-process and fastserve servers)
@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from ..tracer import PHASES
 from .figures import itl_series, median_of
 from .load import level_label
 
 SIZE = (1200, 700)      # pixels: (width, height)
+STALL_FACTOR = 4.0      # inter-token gaps this many times the panel's median are marked
 DPI = 100
 
 
@@ -28,7 +31,7 @@ def write_plots(result: dict, runs: list, out_dir: str | Path) -> list[str]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -37,7 +40,7 @@ def write_plots(result: dict, runs: list, out_dir: str | Path) -> list[str]:
 
     fig, axes = _figure(plt, len(names), 1, sharex=True)
     for ax, name in zip(axes[:, 0], names):
-        seen = set()
+        seen, stalls = set(), []
         for run in runs:
             key = (run.level.kind, run.level.value)
             if run.target.name != name or key in seen:
@@ -46,8 +49,16 @@ def write_plots(result: dict, runs: list, out_dir: str | Path) -> list[str]:
             pts = itl_series(run)
             if pts:
                 ax.scatter([t for t, _ in pts], [g * 1e3 for _, g in pts], s=3, alpha=0.5, label=str(run.level))
+                stalls.extend(pts)
+        if stalls:      # gaps far above the body of every stream: where a host stall would show
+            cut = STALL_FACTOR * float(np.median([g for _, g in stalls]))
+            far = [(t, g) for t, g in stalls if g > cut]
+            if far:
+                ax.scatter([t for t, _ in far], [g * 1e3 for _, g in far], s=30, marker="x", color="red",
+                           label=f"gap > {STALL_FACTOR:g}x the median ({len(far)})")
         ax.set_yscale("log")
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_ylabel("inter-token gap, ms")
         ax.set_title(name, fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
@@ -75,6 +86,8 @@ def write_plots(result: dict, runs: list, out_dir: str | Path) -> list[str]:
         ax.legend(fontsize=8)
         if len(xs) > 1 and min(xs) > 0 and max(xs) / min(xs) >= 8:
             ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [f"{x:g}" for x in xs])
+        ax.minorticks_off()
     fig.suptitle("Throughput and TTFT against load (median of the repeats)")
     paths.append(_save(fig, plt, out / "concurrency.png"))
 

@@ -123,7 +123,7 @@ def main(args) -> int:
         result = {"command": command, "argv": sys.argv[1:], "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                                                          time.gmtime()),
                   "machine": machine_facts(), "versions": software_versions(),
-                  "targets": [{"name": t.name, "url": t.url, "api": t.api, "pid": t.pid, **v}
+                  "targets": [{**v, "name": t.name, "url": t.url, "api": t.api, "pid": t.pid}
                               for t, v in zip(targets, versions)],
                   "settings": {"n_predict": args.n_predict, "temperature": args.temp, "ignore_eos": args.ignore_eos,
                                "seed": args.seed, "warmup_s": args.warmup, "duration_s": args.duration,
@@ -158,22 +158,24 @@ async def _run_all(args, targets, levels, prompts, params, engine, limits, resul
     from .figures import level_figures
     runs = []
     timeout = httpx.Timeout(args.timeout, connect=10.0)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        for lv in levels:
-            for rep in range(args.repeats):
-                for t in targets:
+    for lv in levels:
+        for rep in range(args.repeats):
+            for t in targets:
+                # a fresh connection pool per run: a kept-alive connection left idle while the other target ran
+                # may have been closed by its server (llama-server's keep-alive timeout), and a POST on it fails
+                async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
                     with tqdm(total=args.warmup + args.duration, unit="s", file=sys.stderr, leave=False,
                               desc=f"{t.name} {lv} #{rep + 1}", disable=True if args.no_progress else None,
                               bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s {postfix}") as bar:
                         run = await run_level(t, lv, prompts, params, args.warmup, args.duration, client=client,
                                               engine=engine, probe_paths=_probe_paths(args) if t.url else (),
                                               probe_every=args.probe_every, progress=bar, seed=args.seed + rep)
-                    runs.append(run)
-                    result["runs"].append({"target": t.name, "level": {"kind": lv.kind, "value": lv.value},
-                                           "repeat": rep, "figures": level_figures(run)})
-                    f = result["runs"][-1]["figures"]
-                    print(f"  {t.name} {lv} #{rep + 1}: {f['tok_s']:.1f} tok/s, {f['requests_finished']} requests, "
-                          f"{sum(f['errors'].values())} errors", file=sys.stderr, flush=True)
+                runs.append(run)
+                result["runs"].append({"target": t.name, "level": {"kind": lv.kind, "value": lv.value},
+                                       "repeat": rep, "figures": level_figures(run)})
+                f = result["runs"][-1]["figures"]
+                print(f"  {t.name} {lv} #{rep + 1}: {f['tok_s']:.1f} tok/s, {f['requests_finished']} requests, "
+                      f"{sum(f['errors'].values())} errors", file=sys.stderr, flush=True)
     return runs
 
 

@@ -136,3 +136,22 @@ def test_bad_flags_are_clear_errors():
     p = subprocess.run([sys.executable, "-m", "fastserve", "bench", "--url", "localhost:8080"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "http://" in p.stderr
+
+
+def test_open_loop_poisson_arrivals_in_process(tiny_model):
+    """--rate R: arrivals at about R/s whatever the server does, on an in-process Engine."""
+    import asyncio
+
+    import fastserve
+    from fastserve.bench.client import Params
+    from fastserve.bench.load import run_level
+    prompts = [Prompt("the cat sat on the mat", "english")] * 4
+    with fastserve.Engine(tiny_model, n_parallel=4, n_ctx=1024, trace=True) as engine:
+        run = asyncio.run(run_level(Target("in-process", None, "inprocess"), Level("rate", 40.0), prompts,
+                                    Params(n_predict=8), 0.2, 1.5, engine=engine, seed=3))
+    f = level_figures(run)
+    sent = f["requests_sent"]
+    assert 40 * 1.5 * 0.5 <= sent <= 40 * 1.5 * 1.6, sent        # Poisson: 60 expected, sd ~8
+    assert f["requests_finished"] >= sent * 0.8 and f["tok_s"] > 0 and f["phases"]["steps"] > 0
+    gaps = sorted(b.t_sent - a.t_sent for a, b in zip(run.records, run.records[1:]))
+    assert gaps[len(gaps) // 2] < 1 / 40 < gaps[-1]        # exponential: the median below the mean, a long tail
