@@ -31,7 +31,7 @@ def test_periodic_stall_shows_in_the_bench(fault_build, tiny_model_path, tmp_pat
         assert port, (tmp_path / "server.log").read_text()
         out = tmp_path / "out"
         p = subprocess.run([sys.executable, "-m", "fastserve", "bench", "--url", f"http://127.0.0.1:{port}",
-                            "--pid", str(server.pid), "--clients", "4", "--duration", "3", "--warmup", "0.5",
+                            "--pid", str(server.pid), "--clients", "4", "--duration", "2", "--warmup", "0.5",
                             "-n", "128", "--prompt-tokens", "8-16", "--probes", "/health", "--plot", str(out),
                             "--json", str(out / "r.json"), "--no-progress"],
                            cwd=REPO, capture_output=True, text=True, timeout=90)
