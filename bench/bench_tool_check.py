@@ -33,7 +33,8 @@ from fastserve.bench.prompts import Prompt  # noqa: E402
 
 async def tool(url, prompts, clients, n_predict, warmup, seconds) -> tuple[float, float]:
     import httpx
-    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as client:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)     # as fastserve bench: no reuse
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         run = await run_level(Target("t", url), Level("clients", clients), prompts, Params(n_predict), warmup, seconds,
                               client=client)
     return level_figures(run)["tok_s"], run.client_cpu_s

@@ -69,6 +69,31 @@ def rss_of(pid: int) -> int:
     return 0
 
 
+def pid_listening_on(port: int) -> int | None:
+    """The process listening on this machine's TCP `port` (Linux /proc; None when not found or not ours to see):
+    how a local server's RSS is sampled without --pid."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    cols = line.split()
+                    if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:     # 0A: LISTEN
+                        inodes.add(f"socket:[{cols[9]}]")
+        except (OSError, StopIteration, IndexError, ValueError):
+            continue
+    if not inodes:
+        return None
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
+                return int(pid)
+        except OSError:
+            continue
+    return None
+
+
 class RssSampler:
     """Samples a process's RSS every `every` seconds on a daemon thread: samples = [(t, bytes)]."""
 

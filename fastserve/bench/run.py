@@ -32,8 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--vs-api", choices=sorted(APIS), help="what --vs speaks (default: --api)")
     g.add_argument("--name", help="target A's name in tables and plots (default: from its /props, or its URL)")
     g.add_argument("--vs-name", help="target B's name")
-    g.add_argument("--pid", type=int, help="process id of --url's server, to sample its RSS (in-process: this one)")
-    g.add_argument("--vs-pid", type=int, help="process id of --vs's server, to sample its RSS")
+    g.add_argument("--pid", type=int, help="process id of --url's server, to sample its RSS (default: the process "
+                                           "listening on its port, when it runs on this machine; in-process: this one)")
+    g.add_argument("--vs-pid", type=int, help="process id of --vs's server, to sample its RSS (default: as --pid)")
     g.add_argument("--model-name", default="default", help="the 'model' field of OpenAI requests")
     g = p.add_argument_group("load")
     g.add_argument("--clients", default="1,8,32", help="closed loop: comma-separated concurrency levels "
@@ -85,6 +86,7 @@ def _check(args) -> None:
             or args.probe_every <= 0:
         raise ValueError("--duration, --timeout and --probe-every must be > 0, --warmup >= 0, --repeats and "
                          "--n-prompts >= 1")
+    parse_lengths(args.prompt_tokens)
     for flag in ("url", "vs"):
         u = getattr(args, flag)
         if u and not u.startswith(("http://", "https://")):
@@ -107,12 +109,12 @@ def main(args) -> int:
     engine = model = None
     targets = []
     if args.url:
-        targets.append(Target(args.name or "", args.url, args.api, args.pid))
+        targets.append(Target(args.name or "", args.url, args.api, args.pid or _local_pid(args.url)))
     else:
         model, engine = _inprocess(args, levels)
         targets.append(Target(args.name or "in-process", None, "inprocess", os.getpid()))
     if args.vs:
-        targets.append(Target(args.vs_name or "", args.vs, args.vs_api or args.api, args.vs_pid))
+        targets.append(Target(args.vs_name or "", args.vs, args.vs_api or args.api, args.vs_pid or _local_pid(args.vs)))
     try:
         versions = [_describe(t, model) for t in targets]
         targets = [t if t.name else Target(v["name"], t.url, t.api, t.pid) for t, v in zip(targets, versions)]
@@ -131,7 +133,9 @@ def main(args) -> int:
                                "api_note": ", ".join(t.name if t.url is None else f"{t.name} via {t.api}"
                                                      for t in targets)},
                   "levels": [{"kind": lv.kind, "value": lv.value} for lv in levels], "runs": []}
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        # a connection per request, as vLLM's benchmark client does: llama-server (34af94cd) at times closes a
+        # kept-alive connection after a streamed response without saying so, and the next POST on it fails
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
         runs = asyncio.run(_run_all(args, targets, levels, prompts, params, engine, limits, result))
     finally:
         if engine is not None:
@@ -161,8 +165,6 @@ async def _run_all(args, targets, levels, prompts, params, engine, limits, resul
     for lv in levels:
         for rep in range(args.repeats):
             for t in targets:
-                # a fresh connection pool per run: a kept-alive connection left idle while the other target ran
-                # may have been closed by its server (llama-server's keep-alive timeout), and a POST on it fails
                 async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
                     with tqdm(total=args.warmup + args.duration, unit="s", file=sys.stderr, leave=False,
                               desc=f"{t.name} {lv} #{rep + 1}", disable=True if args.no_progress else None,
@@ -177,6 +179,16 @@ async def _run_all(args, targets, levels, prompts, params, engine, limits, resul
                 print(f"  {t.name} {lv} #{rep + 1}: {f['tok_s']:.1f} tok/s, {f['requests_finished']} requests, "
                       f"{sum(f['errors'].values())} errors", file=sys.stderr, flush=True)
     return runs
+
+
+def _local_pid(url: str) -> int | None:
+    """The PID of a server on this machine (loopback or localhost URL), for its RSS; None elsewhere."""
+    from urllib.parse import urlsplit
+    from .load import pid_listening_on
+    u = urlsplit(url)
+    if u.hostname not in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
+        return None
+    return pid_listening_on(u.port or (443 if u.scheme == "https" else 80))
 
 
 def _probe_paths(args) -> list[str]:

@@ -129,13 +129,14 @@ def test_inprocess_run_json_round_trips_and_plots_are_pngs(tiny_model_path, tmp_
         assert len(data) > 10_000     # drawn, not blank
 
 
-def test_bad_flags_are_clear_errors():
-    p = subprocess.run([sys.executable, "-m", "fastserve", "bench", "--clients", "0", "--url", "http://x"],
-                       capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and "--clients '0'" in p.stderr and "Traceback" not in p.stderr
-    p = subprocess.run([sys.executable, "-m", "fastserve", "bench", "--url", "localhost:8080"],
-                       capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and "http://" in p.stderr
+def test_bad_flags_are_clear_errors(capsys):
+    from fastserve.cli import main
+    assert main(["bench", "--clients", "0", "--url", "http://x"]) == 2
+    assert "--clients '0'" in capsys.readouterr().err
+    assert main(["bench", "--url", "localhost:8080"]) == 2
+    assert "http://" in capsys.readouterr().err
+    assert main(["bench", "--url", "http://x", "--prompt-tokens", "9-3"]) == 2
+    assert "LO <= HI" in capsys.readouterr().err
 
 
 def test_open_loop_poisson_arrivals_in_process(tiny_model):
@@ -155,3 +156,17 @@ def test_open_loop_poisson_arrivals_in_process(tiny_model):
     assert f["requests_finished"] >= sent * 0.8 and f["tok_s"] > 0 and f["phases"]["steps"] > 0
     gaps = sorted(b.t_sent - a.t_sent for a, b in zip(run.records, run.records[1:]))
     assert gaps[len(gaps) // 2] < 1 / 40 < gaps[-1]        # exponential: the median below the mean, a long tail
+
+
+def test_a_local_servers_pid_is_found_by_its_port():
+    import os
+    import socket
+
+    from fastserve.bench.load import pid_listening_on
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert pid_listening_on(s.getsockname()[1]) == os.getpid()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))          # bound, not listening: not a server
+        assert pid_listening_on(s.getsockname()[1]) is None
