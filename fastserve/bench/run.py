@@ -105,7 +105,7 @@ def main(args) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise ValueError("--plot needs matplotlib: pip install 'fastserve[bench]'") from None
-    command = shlex.join([os.path.basename(sys.argv[0]) or "fastserve", *sys.argv[1:]])
+    command = shlex.join(["fastserve", *sys.argv[1:]])      # argv[0] may be __main__.py (python -m fastserve)
     engine = model = None
     targets = []
     if args.url:
@@ -296,7 +296,24 @@ def software_versions() -> dict:
             out[name] = version(name)
         except PackageNotFoundError:
             out[name] = None
+    out["fastserve_commit"] = _checkout_commit()
     return out
+
+
+def _checkout_commit() -> str | None:
+    """The git commit of the fastserve checkout this runs from (None for an installed wheel)."""
+    import subprocess
+    from pathlib import Path
+    try:
+        p = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "rev-parse", "HEAD"],
+                           capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if p.returncode != 0:
+        return None
+    dirty = subprocess.run(["git", "-C", str(Path(__file__).resolve().parent), "status", "--porcelain",
+                            "--untracked-files=no"], capture_output=True, text=True, timeout=10).stdout.strip()
+    return p.stdout.strip() + ("-dirty" if dirty else "")
 
 
 def client_overhead(result: dict) -> str | None:

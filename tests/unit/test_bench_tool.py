@@ -118,7 +118,8 @@ def test_inprocess_run_json_round_trips_and_plots_are_pngs(tiny_model_path, tmp_
     text = (out / "r.json").read_text()
     r = json.loads(text)
     assert json.dumps(r, indent=1, allow_nan=False) == text
-    assert r["command"].endswith("--no-progress") and r["machine"]["cpus"] >= 1
+    assert r["command"].startswith("fastserve bench -m ") and r["command"].endswith("--no-progress")
+    assert r["machine"]["cpus"] >= 1 and r["versions"]["httpx"]
     assert [lv["value"] for lv in r["levels"]] == [1, 3]
     assert all(run["figures"]["tok_s"] > 0 and run["figures"]["phases"]["steps"] > 0 for run in r["runs"])
     assert r["runs"][1]["figures"]["rss_mib"]["peak"] > 10
