@@ -6,6 +6,9 @@
 - stream_completion: one streaming /completion, with the arrival time of each token.
 - closed_loop: N clients that send the next request as soon as one ends, /health probed beside them
   from a child process (Prober).
+RSS sampling and the probe child are `fastserve bench`'s own (fastserve.bench.load). These raw-socket
+clients stay apart from the tool's httpx clients on purpose: tests/e2e/test_bench_tool.py checks the
+tool's tokens/s against them, an independent client on the same load.
 
 The clients are raw asyncio sockets (uvloop where installed) in the calling process, to keep the
 load generator light: it shares the machine's cores with the server. Times: time.perf_counter().
@@ -19,8 +22,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from fastserve.bench import LoadResult  # noqa: E402
+from fastserve.bench.load import Prober as LoadProber, RssSampler, rss_of as rss_bytes  # noqa: E402,F401
 
 MIB = 1024 * 1024
 
@@ -43,18 +45,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident set size of a process (VmRSS), bytes; 0 once it is gone."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except (FileNotFoundError, ProcessLookupError):
-        pass
-    return 0
 
 
 def fastserve_command(model: str, port: int, n_parallel: int, n_ctx: int, threads: int | None,
@@ -123,29 +113,6 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait(10)
         self._log.close()
-
-
-class RssSampler:
-    """Samples a process's RSS every `every` seconds on a daemon thread: samples = [(t, bytes)]."""
-
-    def __init__(self, pid: int, every: float = 0.2):
-        self.pid, self.every = pid, every
-        self.samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.perf_counter(), rss_bytes(self.pid)))
-            self._stop.wait(self.every)
-
-    def peak(self, t_from: float = 0.0, t_to: float = float("inf")) -> int:
-        return max((b for t, b in self.samples if t_from <= t <= t_to), default=0)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 # -- HTTP/1.1 on asyncio streams -------------------------------------------------------------
@@ -279,27 +246,10 @@ async def stream_completion(port: int, body: dict, out: Stream | None = None, pa
 
 # -- closed-loop load ------------------------------------------------------------------------
 
-class Prober:
-    """GET `path` every `every` s from a child process (bench/health_probe.py), so that this process's busy
-    event loop adds nothing to the latencies; stop() -> [(t_sent perf_counter, seconds, status 0 = failed)]."""
-
-    def __init__(self, port: int, path: str, every: float = 0.1):
-        self._out = tempfile.NamedTemporaryFile(prefix="probe-", suffix=".json", delete=False).name
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("health_probe.py")), str(port),
-                                      path, str(every), self._out])
-
-    def stop(self, timeout: float = 40.0) -> list:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise RuntimeError(f"the probe did not stop within {timeout:g} s of SIGTERM: a GET hung")
-        try:
-            return [tuple(x) for x in orjson.loads(Path(self._out).read_bytes())]
-        finally:
-            os.unlink(self._out)
+def Prober(port: int, path: str, every: float = 0.1) -> LoadProber:
+    """GET `path` on 127.0.0.1:port every `every` s from a child process (fastserve.bench.probe); its stop() gives
+    [(t_sent perf_counter, seconds, status 0 = failed)]."""
+    return LoadProber(f"http://127.0.0.1:{port}", path, every)
 
 
 @dataclass

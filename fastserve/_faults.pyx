@@ -21,6 +21,7 @@ cdef extern from *:
     #include <time.h>
     static long long fsf_copies_left = 0, fsf_fills_left = 0;   /* 64 bits everywhere (a long is 32 on Windows) */
     static double fsf_stall_s = 0.0;
+    static long long fsf_stall_every = 0, fsf_steps = 0;
     static long long fsf_env_count(const char *name) {
         const char *s = getenv(name);
         long long n = s ? strtoll(s, NULL, 10) : 0;
@@ -32,6 +33,7 @@ cdef extern from *:
         fsf_fills_left = fsf_env_count("FASTSERVE_TEST_FAIL_PROMPT_FILLS");
         fsf_stall_s = s ? strtod(s, NULL) : 0.0;
         if (!(fsf_stall_s > 0.0)) fsf_stall_s = 0.0;
+        fsf_stall_every = fsf_env_count("FASTSERVE_TEST_STALL_EVERY_STEPS");
     }
     static const char *fsf_copy(void) {
         if (fsf_copies_left <= 0) return NULL;
@@ -44,7 +46,10 @@ cdef extern from *:
         return "test fault: the prompt fill failed after adding its tokens";
     }
     static double fsf_take_stall(void) {
+        /* every Nth step stalls when an interval is set (a periodic host stall), else only the next one */
         double s = fsf_stall_s;
+        if (fsf_stall_every > 0)
+            return (++fsf_steps % fsf_stall_every == 0) ? s : 0.0;
         fsf_stall_s = 0.0;
         return s;
     }
@@ -55,8 +60,8 @@ cdef extern from *:
         while (nanosleep(&ts, &ts) != 0) {}
     }
     static PyObject *fsf_settings(void) {
-        return Py_BuildValue("{s:L,s:L,s:d}", "copies", fsf_copies_left, "fills", fsf_fills_left,
-                             "stall_s", fsf_stall_s);
+        return Py_BuildValue("{s:L,s:L,s:d,s:L}", "copies", fsf_copies_left, "fills", fsf_fills_left,
+                             "stall_s", fsf_stall_s, "stall_every", fsf_stall_every);
     }
     #define FSF_ENABLED 1
     #else

@@ -67,13 +67,15 @@ def main(argv=None) -> int:
     add_taken(sp)           # llama-server's flags, for its scripts: honoured ...
     add_refused(sp)         # ... or refused with the reason (fastserve/llama_flags.py, the README's table)
 
-    bp = sub.add_parser("bench", help="closed-loop load in-process: tok/s, latency, and where a step's time goes")
+    bp = sub.add_parser("bench", help="load a server (or an in-process engine): tok/s, TTFT, TPOT, inter-token "
+                                      "gaps, probes, and where a step's time goes",
+                        description="Host-stall benchmark for any LLM server (llama.cpp's /completion, OpenAI's "
+                                    "/v1/completions or /v1/chat/completions) or an in-process Engine on -m: "
+                                    "closed or open loop, figures per level, A/B side by side (--vs), JSON and plots.")
     _model_args(bp)
-    bp.add_argument("--clients", default="1,8,32", help="comma-separated concurrency levels")
-    bp.add_argument("--seconds", type=float, default=30.0, help="measured seconds per level (after a warm-up)")
-    bp.add_argument("-n", "--n-predict", type=int, default=128)
-    bp.add_argument("-t", "--threads", type=int, default=0, help="threads of the decode step (0: every core)")
     _device_arg(bp)
+    from .bench.run import add_arguments
+    add_arguments(bp)
 
     args = p.parse_args(argv)
     from .errors import FastserveError
@@ -165,22 +167,12 @@ def _interactive():
 
 
 def _bench(args) -> int:
-    from .bench import closed_loop, format_rows, make_prompts
-    from .engine import Engine
-    from .tracer import format_summary
-    model = _load(args)
-    prompts = make_prompts(model.tokenizer, 64)
-    rows = []
-    for clients in (int(c) for c in args.clients.split(",")):
-        n_parallel = max(1, clients)               # a slot per client, as llama-server -np N
-        with Engine(model, engine_config(args, n_parallel=n_parallel, n_ctx=max(args.ctx_size, 512 * n_parallel),
-                                         trace=True)) as engine:
-            closed_loop(engine, prompts, clients, 3.0, n_predict=args.n_predict)     # warm-up
-            engine.tracer.reset()
-            rows.append(closed_loop(engine, prompts, clients, args.seconds, n_predict=args.n_predict).row())
-            print(f"\n{clients} clients, {n_parallel} slots:\n{format_summary(engine.trace_summary())}")
-    print("\n" + format_rows(rows))
-    return 0
+    from .bench.run import main
+    try:
+        return main(args)
+    except ValueError as exc:       # bad flag values, a bad --prompts file
+        print(f"fastserve: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _serve(args) -> int:

@@ -63,21 +63,40 @@ class Tracer:
     def idle(self, ns: int) -> None:
         self.idle_ns += ns
 
+    def totals(self) -> dict:
+        """The raw running totals (ns, counts): what GET /trace serves; two of them give a window (delta)."""
+        return {"steps": self.steps, "ns": dict(self.ns), "idle_ns": self.idle_ns, "sent_tokens": self.sent_tokens,
+                "send_ns": self.send_ns, "step_ns": self.step_ns, "step_counts": list(self.step_counts)}
+
     def summary(self) -> dict:
-        """ms per step for each phase, µs per delivered token, host share of the step, idle time."""
-        steps = max(self.steps, 1)
-        total = sum(self.ns.values())
-        host = total - sum(self.ns[p] for p in DEVICE_PHASES)
-        return {
-            "steps": self.steps,
-            "ms_per_step": {p: self.ns[p] / steps / 1e6 for p in PHASES},
-            "step_ms": total / steps / 1e6,
-            "host_ms_per_step": host / steps / 1e6,
-            "host_share": host / total if total else 0.0,
-            "send_us_per_token": self.send_ns / self.sent_tokens / 1e3 if self.sent_tokens else 0.0,
-            "tokens_sent": self.sent_tokens,
-            "idle_s": self.idle_ns / 1e9,
-        }
+        return summarize(self.totals())
+
+
+def delta(later: dict, earlier: dict) -> dict:
+    """Totals of the steps between two totals() readings."""
+    out = {k: later[k] - earlier[k] for k in ("steps", "idle_ns", "sent_tokens", "send_ns", "step_ns")}
+    out["ns"] = {p: later["ns"][p] - earlier["ns"].get(p, 0) for p in later["ns"]}
+    out["step_counts"] = [a - b for a, b in zip(later["step_counts"], earlier["step_counts"])]
+    return out
+
+
+def summarize(t: dict) -> dict:
+    """ms per step for each phase, µs per delivered token, host and device shares of the step, idle time."""
+    steps = max(t["steps"], 1)
+    total = sum(t["ns"].values())
+    host = total - sum(t["ns"].get(p, 0) for p in DEVICE_PHASES)
+    return {
+        "steps": t["steps"],
+        "ms_per_step": {p: t["ns"].get(p, 0) / steps / 1e6 for p in PHASES},
+        "step_ms": total / steps / 1e6,
+        "host_ms_per_step": host / steps / 1e6,
+        "host_share": host / total if total else 0.0,
+        "device_share": (total - host) / total if total else 0.0,
+        "send_us_per_token": t["send_ns"] / t["sent_tokens"] / 1e3 if t["sent_tokens"] else 0.0,
+        "tokens_sent": t["sent_tokens"],
+        "idle_s": t["idle_ns"] / 1e9,
+        "busy_s": total / 1e9,
+    }
 
 
 def format_summary(s: dict) -> str:
@@ -90,4 +109,7 @@ def format_summary(s: dict) -> str:
     lines.append(f"host work {s['host_ms_per_step']:.3f} ms/step ({s['host_share']:.1%} of the step); "
                  f"send {s['send_us_per_token']:.3f} µs/token over {s['tokens_sent']} tokens; "
                  f"{s['steps']} steps; idle {s['idle_s']:.2f} s")
+    if "device_share" in s:
+        lines.append(f"device (forward + sync) busy {s['device_share']:.1%} of the step; the decode thread idle "
+                     f"{s['idle_s']:.2f} s of {s['idle_s'] + s['busy_s']:.2f} s (neither side working)")
     return "\n".join(lines)

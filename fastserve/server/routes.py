@@ -1,4 +1,4 @@
-"""The route table and the routes that read state: /health, /slots, /metrics, /props, /tokenize, /detokenize.
+"""The route table and the routes that read state: /health, /slots, /metrics, /props, /trace, /tokenize, /detokenize.
 
 Every route is a plain function `route(app, req, ex)` returning a Response (or,
 for the ones that wait, a coroutine). The monitoring routes read only the
@@ -43,6 +43,14 @@ def metrics(app, req, ex):
     if not app.config.metrics:
         raise HttpError(501, "This server does not support metrics endpoint. Start it with `--metrics`")
     return Response(200, app.metrics.render(), PROMETHEUS, app.metrics.headers())
+
+
+def trace(app, req, ex):
+    """GET /trace: the tracer's running totals (tracer.Tracer.totals); a client diffs two readings."""
+    tracer = app.engine.tracer
+    if tracer is None:
+        raise HttpError(404, "tracing is off in this server")
+    return json_response(tracer.totals())
 
 
 def props(app, req, ex):
@@ -178,6 +186,7 @@ ROUTES = {
     "/v1/health": {"GET": health},
     "/slots": {"GET": slots},
     "/metrics": {"GET": metrics},
+    "/trace": {"GET": trace},
     "/props": {"GET": props, "POST": set_props},
     "/tokenize": {"POST": tokenize},
     "/detokenize": {"POST": detokenize},

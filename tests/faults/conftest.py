@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-FAULT_ENV = ("FASTSERVE_TEST_FAIL_CACHE_COPIES", "FASTSERVE_TEST_FAIL_PROMPT_FILLS", "FASTSERVE_TEST_STALL_STEP_S")
+FAULT_ENV = ("FASTSERVE_TEST_FAIL_CACHE_COPIES", "FASTSERVE_TEST_FAIL_PROMPT_FILLS", "FASTSERVE_TEST_STALL_STEP_S",
+             "FASTSERVE_TEST_STALL_EVERY_STEPS")
 
 
 def child_env(lib: str | None, **faults) -> dict:

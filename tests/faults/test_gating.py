@@ -14,6 +14,7 @@ import fastserve
 from .conftest import REPO, run_scenario
 
 NEEDLES = [b"FASTSERVE_TEST_FAIL_CACHE_COPIES", b"FASTSERVE_TEST_FAIL_PROMPT_FILLS", b"FASTSERVE_TEST_STALL_STEP_S",
+           b"FASTSERVE_TEST_STALL_EVERY_STEPS",
            b"FASTSERVE_TEST_FAIL", b"FASTSERVE_TEST_STALL", b"test fault", b"fsf_copy", b"fsf_fill", b"fsf_load"]
 PACKAGE = Path(fastserve.__file__).parent
 

@@ -23,7 +23,8 @@ def test_missing_model_is_a_clear_error(tmp_path):
 
 
 def test_bench_prints_the_phase_table(tiny_model_path):
-    p = _run("bench", "-m", tiny_model_path, "--clients", "2", "--seconds", "1", "-n", "8")
+    p = _run("bench", "-m", tiny_model_path, "--clients", "2", "--seconds", "1", "--warmup", "0.3", "-n", "8",
+             "--no-progress")
     assert p.returncode == 0, p.stderr
     assert "forward" in p.stdout and "host work" in p.stdout and "tok/s" in p.stdout
 

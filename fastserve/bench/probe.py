@@ -1,11 +1,11 @@
 """GET a path every few ms on one kept-alive connection until SIGTERM; write [(t_sent, seconds, status)] as JSON.
 
-Started by bench/httpload.py's Prober as a child process, so that the load generator's own event
-loop (busy parsing 32 streams) adds nothing to the latencies measured. Standard library only (a
-quick start). t_sent is time.perf_counter(), CLOCK_MONOTONIC on Linux: the parent's clock too.
-A failed GET records status 0 and opens a new connection.
+Run as a child process (load.Prober starts it), so that the load generator's own busy event loop
+adds nothing to the latencies measured. Standard library only (a quick start). t_sent is
+time.perf_counter(), CLOCK_MONOTONIC on Linux: the parent's clock too. A failed GET records status 0
+and opens a new connection.
 
-Run: python bench/health_probe.py PORT PATH EVERY_S OUT.json
+Run: python -m fastserve.bench.probe URL PATH EVERY_S OUT.json    (URL: http://host:port)
 """
 from __future__ import annotations
 
@@ -14,16 +14,18 @@ import json
 import signal
 import sys
 import time
+from urllib.parse import urlsplit
 
 
-def main(port: int, path: str, every: float, out_path: str) -> int:
+def main(url: str, path: str, every: float, out_path: str) -> int:
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    u = urlsplit(url if "://" in url else f"http://127.0.0.1:{url}")
     out, conn = [], None
     while not stop:
         t0 = time.perf_counter()
         try:
-            conn = conn or http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn = conn or http.client.HTTPConnection(u.hostname, u.port or 80, timeout=30)
             conn.request("GET", path)
             r = conn.getresponse()
             r.read()
@@ -40,4 +42,4 @@ def main(port: int, path: str, every: float, out_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4]))
+    sys.exit(main(sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]))

@@ -1,7 +1,6 @@
-"""Closed-loop load in-process: N clients, each submitting the next request as soon as one ends.
-
-Measures aggregate tokens/s, time to first token, inter-token gaps, and the
-tracer's phase table. Used by `fastserve bench` and bench/bench_http.py (the in-process load beside HTTP).
+"""The older in-process closed loop on threads (bench/bench_http.py and bench/gpu_check.py use it):
+N clients, each submitting the next request as soon as one ends; tokens/s, TTFT, inter-token gaps.
+`fastserve bench` itself drives an in-process Engine through load.py, like any other target.
 """
 from __future__ import annotations
 
@@ -10,32 +9,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-
-SENTENCES = [
-    "The history of computing is a story of steadily shrinking machines and steadily growing ambitions.",
-    "In the small village at the edge of the forest, the baker rose every morning before the sun.",
-    "Researchers have long debated whether language models understand the text they produce.",
-    "A good cup of coffee depends on the beans, the grind, the water temperature and patience.",
-    "The river wound through the valley, carrying snowmelt from the mountains to the distant sea.",
-    "Write a short poem about the ocean at night, the moon, and a lighthouse keeper who cannot sleep.",
-    "Explain to a ten year old why the sky is blue and why sunsets are often red or orange.",
-    "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n    middle = len(items) // 2\n",
-    "Dear committee, I am writing to apply for the position of research assistant in your laboratory.",
-    "Once upon a time there was a clockmaker who built a clock that could run backwards in time.",
-]
-
-
-def make_prompts(tokenizer, n: int, lo: int = 60, hi: int = 100, seed: int = 0) -> list[list[int]]:
-    """n prompts of lo..hi tokens, each a different shuffle of natural sentences."""
-    rng = np.random.default_rng(seed)
-    prompts = []
-    for _ in range(n):
-        target = int(rng.integers(lo, hi + 1))
-        ids: list[int] = []
-        while len(ids) < target:
-            ids += tokenizer.encode(" " + SENTENCES[int(rng.integers(len(SENTENCES)))], add_special=False)
-        prompts.append(ids[:target])
-    return prompts
 
 
 @dataclass
