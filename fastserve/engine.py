@@ -141,8 +141,8 @@ class Engine:
 
     def _make_backend(self, backend):
         if backend == "auto":           # CUDA when CuPy sees a GPU, else the CPU
-            from .backends.cupy_backend import cuda_status
-            backend = "cuda" if cuda_status()[0] else "cpu"
+            from .backends.cupy_backend import cuda_status, unsupported_features
+            backend = "cuda" if cuda_status()[0] and not unsupported_features(self.model.config) else "cpu"
         if backend is None or backend in ("cpu", "numpy"):
             from .backends.numpy_backend import NumpyBackend
             return NumpyBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot,

@@ -1,4 +1,4 @@
-"""The llama forward pass on an NVIDIA GPU: fastserve's kernels (cuda/*.cu) plus cuBLAS, through CuPy.
+"""The transformer forward pass on an NVIDIA GPU: fastserve's kernels (cuda/*.cu) plus cuBLAS, through CuPy.
 
 Same contract as NumpyBackend (fastserve/backends/base.py); same math, in this order per layer:
     h = rmsnorm(x) -> qkv = h Wqkv^T -> RoPE(q, k) -> K, V into the cache -> attention -> x += a Wo^T
@@ -34,6 +34,10 @@ One host synchronisation per forward (the logits, or only the ids with forward_g
 asked-for probabilities with forward_sample: the host sampler's chain on the device, cuda/sampling.cu);
 CuPy's stream synchronisation releases the GIL while it waits.
 
+It reads the same description as the CPU backend (ModelConfig and its architecture row,
+models/architecture.py); what a row asks for that these kernels do not run yet (unsupported_features)
+is refused at construction, naming it, and `auto` picks the CPU for such a model.
+
 Importing this module needs no CuPy; building a CupyBackend does.
 """
 from __future__ import annotations
@@ -44,7 +48,7 @@ import numpy as np
 
 from . import kernels as K
 from ..errors import FastserveError
-from ..models.llama import LlamaConfig, LlamaWeights
+from ..models.transformer import ModelConfig, ModelWeights
 
 DTYPES = ("f16", "bf16")
 DEFAULT_ATTN_CHUNK = 256
@@ -74,6 +78,16 @@ def cuda_status() -> tuple[bool, str]:
     return True, name
 
 
+def unsupported_features(cfg: ModelConfig) -> list[str]:
+    """What cfg's architecture row asks for that the CUDA kernels do not run yet (empty: all of it runs)."""
+    a = cfg.arch
+    wanted = [(cfg.rope_neox, "NeoX RoPE"), (cfg.ffn_gelu, "GeGLU"), (a.qkv_bias, "q/k/v biases"),
+              (a.qk_norm, "per-head q/k RMSNorm"), (a.sandwich_norms, "norms after attention and FFN"),
+              (cfg.embd_scale != 1.0, "a scaled embedding"), (any(cfg.local_layers), "sliding-window layers"),
+              (cfg.logit_softcap > 0, "logit soft-capping")]
+    return [name for needed, name in wanted if needed]
+
+
 def _bucket(n: int) -> int:
     b = 1
     while b < n:
@@ -99,12 +113,16 @@ class CupyBackend:
 
     samples_on_device = True        # forward_sample: fastserve/device_sampling.py drives it
 
-    def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, n_slots: int, n_ctx_slot: int, *,
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, n_slots: int, n_ctx_slot: int, *,
                  dtype: str = "f16", max_tokens: int = 512, max_out: int | None = None, graphs: bool = True,
                  attn_chunk: int | None = None, matvec_max_n: int = K.MATVEC_MAX_N, device: int | None = None,
                  max_penalty_window: int = 256, max_logit_bias: int = 256, max_n_probs: int = 100):
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+        missing = unsupported_features(cfg)
+        if missing:
+            raise DeviceUnavailable(f"the CUDA backend does not run {', '.join(missing)} yet, which the "
+                                    f"{cfg.arch.name!r} architecture needs; run it on the CPU (--device cpu)")
         ok, why = cuda_status()
         if not ok:
             raise DeviceUnavailable(f"the CUDA backend cannot start: {why}; run on the CPU (--device cpu, or "
@@ -129,7 +147,7 @@ class CupyBackend:
         c = cfg
         self.q_dim, self.kv_dim = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
         self.qkv_dim = self.q_dim + 2 * self.kv_dim
-        self.scale = float(1.0 / np.sqrt(c.head_dim))
+        self.scale = cfg.attn_scale
         if attn_chunk is None:      # ~128 blocks a decode token (splits x KV heads, <= 32 splits), >= 64 keys each
             per_split = -(-n_ctx_slot // min(32, -(-128 // c.n_head_kv)))
             attn_chunk = max(64, -(-per_split // 64) * 64)
@@ -168,7 +186,7 @@ class CupyBackend:
         del src
         return dst
 
-    def _upload_weights(self, w: LlamaWeights) -> None:
+    def _upload_weights(self, w: ModelWeights) -> None:
         dt = self.dtype
         self.layers = []
         for lw in w.layers:

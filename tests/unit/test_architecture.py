@@ -1,0 +1,111 @@
+"""The architecture table (fastserve/models/architecture.py): what each row reads, the errors for what no
+row knows, and the forward pass's per-row steps checked against plain NumPy written from the formulas."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fastserve
+from fastserve.backends.cupy_backend import unsupported_features
+from fastserve.backends.numpy_backend import apply_rope, geglu, rope_tables
+from fastserve.errors import ModelLoadError
+from fastserve.models.architecture import ARCHITECTURES
+from fastserve.models.synthetic import write_llama_gguf
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """One small model per row (random weights), with head_dim decoupled from n_embd / n_head."""
+    d = tmp_path_factory.mktemp("arch")
+    out = {}
+    for name in ARCHITECTURES:
+        out[name] = fastserve.load_model(write_llama_gguf(
+            d / f"{name}.gguf", architecture=name, n_layer=7 if name == "gemma3" else 2, head_dim=24,
+            sliding_window=8 if name == "gemma3" else 0, tied=name == "gemma3"))
+    return out
+
+
+def test_every_row_loads_and_reads_what_it_adds(models):
+    llama, qwen2, qwen3, gemma3 = (models[n] for n in ("llama", "qwen2", "qwen3", "gemma3"))
+    assert all(m.config.head_dim == 24 and m.config.attn_scale == pytest.approx(24 ** -0.5) for m in models.values())
+    assert qwen2.weights.layers[0].qkv_bias.shape == ((4 + 2 * 2) * 24,)
+    assert llama.weights.layers[0].qkv_bias is None and llama.weights.layers[0].q_norm is None
+    assert qwen3.weights.layers[0].q_norm.shape == (24,) and qwen3.weights.layers[0].post_attn_norm is None
+    assert qwen2.config.rope_neox and not llama.config.rope_neox
+    g = gemma3.config
+    assert g.ffn_gelu and g.embd_scale == pytest.approx(8.0) and g.sliding_window == 8
+    # llama.cpp's default pattern for gemma3: of each 6 layers the last is global
+    assert g.local_layers == (True, True, True, True, True, False, True)
+    assert g.rope_base_local == 10000.0 and gemma3.weights.output is gemma3.weights.tok_embd
+    assert gemma3.weights.layers[3].post_ffn_norm.shape == (64,)
+
+
+def test_rows_change_the_logits(models):
+    """Each family computes something of its own from the same ids (the rows are not ignored)."""
+    ids = [5, 17, 99, 3, 250, 42]
+    logits = {n: m.logits(ids) for n, m in models.items()}
+    assert all(np.isfinite(v).all() for v in logits.values())
+    names = list(logits)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert not np.allclose(logits[a], logits[b]), (a, b)
+
+
+def test_unknown_architecture_names_it_and_lists_the_table(tmp_path):
+    path = write_llama_gguf(tmp_path / "m.gguf", architecture="mamba")
+    with pytest.raises(ModelLoadError) as err:
+        fastserve.load_model(path)
+    msg = str(err.value)
+    assert "'mamba'" in msg and all(name in msg for name in ARCHITECTURES)
+
+
+def test_a_tensor_the_row_does_not_know_is_refused(tmp_path):
+    path = write_llama_gguf(tmp_path / "m.gguf", extra_tensors=("blk.0.attn_sinks.weight",))
+    with pytest.raises(ModelLoadError, match=r"tensor blk\.0\.attn_sinks\.weight is not one the 'llama' "
+                                             r"architecture reads; it reads .*attn_q\.weight"):
+        fastserve.load_model(path)
+
+
+def test_a_tensor_another_row_needs_is_refused_too(tmp_path):
+    """A llama file with q/k norms (a qwen3 model mislabelled) would silently lose them: refused."""
+    path = write_llama_gguf(tmp_path / "m.gguf", extra_tensors=("blk.1.post_ffw_norm.weight",))
+    with pytest.raises(ModelLoadError, match=r"blk\.1\.post_ffw_norm\.weight is not one the 'llama'"):
+        fastserve.load_model(path)
+
+
+def test_a_missing_tensor_of_the_row_is_named(tmp_path):
+    """A llama model's tensors labelled qwen3: its q/k norms are missing."""
+    path3 = write_llama_gguf(tmp_path / "q3.gguf", architecture="llama")
+    data = open(path3, "rb").read().replace(b"llama", b"qwen3")
+    open(path3, "wb").write(data)
+    with pytest.raises(ModelLoadError, match=r"missing tensors .*attn_q_norm.*'qwen3' architecture"):
+        fastserve.load_model(path3)
+
+
+def test_neox_rope_rotates_halves(models):
+    cfg = models["qwen2"].config
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 2, cfg.head_dim)).astype(np.float32)
+    cos, sin = rope_tables(cfg, 3, None)
+    want = x.astype(np.float64).copy()
+    h = cfg.rope_dim // 2
+    a, b = x[..., :h].astype(np.float64), x[..., h:cfg.rope_dim].astype(np.float64)
+    c, s = cos[:, None, :], sin[:, None, :]
+    want[..., :h], want[..., h:cfg.rope_dim] = a * c - b * s, a * s + b * c
+    apply_rope(x, cos, sin, cfg.rope_dim, neox=True)
+    np.testing.assert_allclose(x, want, rtol=1e-6, atol=1e-6)
+
+
+def test_geglu_is_tanh_gelu_times_up():
+    rng = np.random.default_rng(1)
+    g, u = (rng.standard_normal((4, 32)).astype(np.float32) * 3 for _ in range(2))
+    gd = g.astype(np.float64)
+    want = 0.5 * gd * (1 + np.tanh(np.sqrt(2 / np.pi) * (gd + 0.044715 * gd ** 3))) * u
+    np.testing.assert_allclose(geglu(g, u, np.empty_like(g)), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_gpu_backend_reads_the_same_rows(models):
+    """What a row needs that the CUDA kernels do not run is named (and `auto` then picks the CPU)."""
+    assert unsupported_features(models["llama"].config) == []
+    assert "q/k/v biases" in unsupported_features(models["qwen2"].config)
+    assert {"GeGLU", "sliding-window layers"} <= set(unsupported_features(models["gemma3"].config))
