@@ -33,6 +33,7 @@ cdef extern from "_attention_kernels.h" nogil:
         FS_ATTN_SCALAR
         FS_ATTN_AVX2
         FS_ATTN_AVX512
+        FS_ATTN_NEON
     ctypedef struct fs_attn_isa:
         int rb
     ctypedef struct fs_attn_job:
@@ -45,6 +46,7 @@ cdef extern from "_attention_kernels.h" nogil:
         const int64_t *tile_len
         float *out
         int64_t n_tiles_q, H, Hkv, D, Dp, G, n_ctx, n_ktiles
+        int64_t window
         int type_k, type_v
         float c
         uint8_t *scratch
@@ -68,7 +70,7 @@ cdef extern from "_attention_kernels.h" nogil:
 
 KT = FS_KT
 KV_TYPES = {"f32": FS_KV_F32, "f16": FS_KV_F16, "q8_0": FS_KV_Q8_0}
-ISA_NAMES = {FS_ATTN_SCALAR: "scalar", FS_ATTN_AVX2: "avx2", FS_ATTN_AVX512: "avx512"}
+ISA_NAMES = {FS_ATTN_SCALAR: "scalar", FS_ATTN_AVX2: "avx2", FS_ATTN_AVX512: "avx512", FS_ATTN_NEON: "neon"}
 _ISA_IDS = {v: k for k, v in ISA_NAMES.items()}
 MAX_HEAD_DIM = 1024
 
@@ -212,7 +214,7 @@ def move_rows(str type_k, str type_v, uint8_t[:, :, :, ::1] k_cache, uint8_t[:, 
 
 
 cdef class Attention:
-    """attn(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale).
+    """attn(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window=0).
 
     pool: the step's helper threads (fastserve._pool.Pool; None: the caller alone); the work is
     split over (token tile, KV head) items, each computed whole by one thread. isa: "auto" or a
@@ -268,12 +270,17 @@ cdef class Attention:
 
     def __call__(self, const float[:, :, ::1] q, const uint8_t[:, :, :, ::1] k_cache,
                  const uint8_t[:, :, :, ::1] v_cache, str type_k, str type_v, const int64_t[::1] slots,
-                 const int64_t[::1] positions, float[:, ::1] out, float scale):
-        """q float32 [n, H, D]; slots, positions int64 [n]; out float32 [>= n, H * D] (rows < n written)."""
+                 const int64_t[::1] positions, float[:, ::1] out, float scale, int64_t window=0):
+        """q float32 [n, H, D]; slots, positions int64 [n]; out float32 [>= n, H * D] (rows < n written).
+
+        window: 0 for causal attention (a query at q sees every key at p <= q); w > 0 for a sliding
+        window of w keys (it sees p with q - w < p <= q, its own included)."""
         cdef int64_t n = q.shape[0], H = q.shape[1], D = q.shape[2], Hkv = k_cache.shape[2]
         cdef int tk = kv_type_id(type_k, D), tv = kv_type_id(type_v, D)
         if Hkv < 1 or H % Hkv or H // Hkv > FS_ROWS:
             raise ValueError(f"{H} query heads cannot share {Hkv} KV heads (a multiple, at most {FS_ROWS} each)")
+        if window < 0:
+            raise ValueError(f"window must be 0 (causal) or a count of keys > 0, got {window}")
         if out.shape[0] < n or out.shape[1] != H * D:
             raise ValueError(f"out {np.shape(out)} does not fit {n} rows of {H} x {D}")
         _check_cache(k_cache, v_cache, tk, tv, D)
@@ -294,7 +301,7 @@ cdef class Attention:
         job.tile_start, job.tile_len = &self.tile_start[0], &self.tile_len[0]
         job.out = &out[0, 0]
         job.n_tiles_q, job.H, job.Hkv, job.D, job.Dp, job.G = nq, H, Hkv, D, Dp, G
-        job.n_ctx, job.n_ktiles = v_cache.shape[1], k_cache.shape[1]
+        job.n_ctx, job.n_ktiles, job.window = v_cache.shape[1], k_cache.shape[1], window
         job.type_k, job.type_v = tk, tv
         job.c = scale * FS_LOG2E
         job.scratch, job.scratch_busy, job.n_scratch, job.scratch_bytes = self.scratch, self.busy, self.n_scratch, self.scratch_bytes

@@ -14,10 +14,14 @@
  *      tile transposed so that one dimension d of the tile's 64 keys is contiguous, the layout the
  *      score product reads: f32/f16 [D][KT]; q8_0 the scales fp16 [D/32][KT], then q int8 [D][KT].
  *
+ * Visible keys: a query at position pos sees the keys at positions lo .. pos, lo = 0 (window = 0: causal
+ * attention) or lo = max(0, pos - window + 1) (a sliding window of `window` keys, the query's own
+ * included: key p is visible iff pos - window < p <= pos).
+ *
  * Numbers (the contract fastserve/ref/attention.py restates in NumPy): for each batch row t and head h
  * (KV head h / G), with c = float(scale) * float(log2 e) and qs[d] = q[t, h, d] * c,
- *   m = -inf, l = 0, acc[d] = 0; for key tiles k0 = 0, KT, 2 KT, ... <= pos, IN THAT ORDER, over the
- *   tile's keys j = k0 .. min(k0 + KT - 1, pos):
+ *   m = -inf, l = 0, acc[d] = 0; for the key tiles k0 = 0, KT, 2 KT, ... with lo < k0 + KT and k0 <= pos,
+ *   IN THAT ORDER, over the tile's visible keys j = max(k0, lo) .. min(k0 + KT - 1, pos):
  *     s_j   = 0; s_j = s_j + qs[d] * k_j[d] for d = 0, 1, ..., D-1 in that order;
  *     m'    = max(m, max_j s_j);  alpha = exp2(m - m');  p_j = exp2(s_j - m');
  *     l     = l * alpha;  acc[d] = acc[d] * alpha;
@@ -40,6 +44,10 @@
 #define FS_ATTN_X86 1
 #include <immintrin.h>
 #endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#define FS_ATTN_NEON_BUILD 1
+#include <arm_neon.h>
+#endif
 
 #define FS_KT 64                  /* keys per tile */
 #define FS_QB 32                  /* values per q8_0 block */
@@ -47,7 +55,7 @@
 #define FS_ROWS 64                /* most query rows (tokens x heads of a KV head) in one work item */
 
 enum { FS_KV_F32 = 0, FS_KV_F16 = 1, FS_KV_Q8_0 = 2 };
-enum { FS_ATTN_SCALAR = 0, FS_ATTN_AVX2 = 1, FS_ATTN_AVX512 = 2 };
+enum { FS_ATTN_SCALAR = 0, FS_ATTN_AVX2 = 1, FS_ATTN_AVX512 = 2, FS_ATTN_NEON = 3 };
 
 /* ---- half precision and q8_0 ----------------------------------------------------------------- */
 
@@ -232,6 +240,7 @@ typedef struct {
     const int64_t *tile_start, *tile_len;   /* token tiles: batch rows [start, start + len), one slot */
     float *out;                   /* [n, H * D] */
     int64_t n_tiles_q, H, Hkv, D, Dp, G, n_ctx, n_ktiles;
+    int64_t window;               /* 0: causal; else keys pos - window < p <= pos */
     int type_k, type_v;
     float c;                      /* scale * log2(e) */
     uint8_t *scratch;             /* n_scratch areas of scratch_bytes */
@@ -278,6 +287,23 @@ static inline void fs_attn_pv(const fs_attn_isa *isa, float *const *a, const flo
         isa->pv(a, p, l, j0, j1, vt, Dp);
 }
 
+/* One row's keys j0..j1-1 (nothing when j1 <= j0): a block whose other rows write into the sinks. */
+static inline void fs_attn_pv_row(const fs_attn_isa *isa, float *a, const float *p, float *l, int64_t j0, int64_t j1,
+                                  const uint8_t *vdirect, int64_t ldv, const float *vt, int64_t Dp,
+                                  float *acc_sink, float *l_sink)
+{
+    if (j1 <= j0)
+        return;
+    float *a1[8], *l1[8];
+    const float *p1[8];
+    for (int z = 0; z < isa->rb; z++) {
+        a1[z] = z == 0 ? a : acc_sink;
+        p1[z] = p;
+        l1[z] = z == 0 ? l : l_sink;
+    }
+    fs_attn_pv(isa, a1, p1, l1, j0, j1, vdirect, ldv, vt, Dp);
+}
+
 static void fs_attn_item(const fs_attn_job *jb, int64_t item, float *sc)
 {
     const fs_attn_isa *isa = jb->isa;
@@ -290,9 +316,12 @@ static void fs_attn_item(const fs_attn_job *jb, int64_t item, float *sc)
     float *m = s + (rows_cap + 1) * FS_KT, *l = m + rows_cap + 1, *ktbuf = l + rows_cap + 1;
     float *vt = ktbuf + D * FS_KT;
     float *acc_sink = acc + rows_cap * Dp, *s_sink = s + rows_cap * FS_KT;
-    int64_t slot = jb->slots[b0], maxpos = 0;
-    for (int64_t t = 0; t < nt; t++)
-        maxpos = jb->pos[b0 + t] > maxpos ? jb->pos[b0 + t] : maxpos;
+    int64_t slot = jb->slots[b0], maxpos = 0, minlo = INT64_MAX, W = jb->window;
+    for (int64_t t = 0; t < nt; t++) {
+        int64_t p = jb->pos[b0 + t], lo = W > 0 && p - W + 1 > 0 ? p - W + 1 : 0;
+        maxpos = p > maxpos ? p : maxpos;
+        minlo = lo < minlo ? lo : minlo;
+    }
     for (int64_t t = 0; t < nt; t++)
         for (int64_t g = 0; g < G; g++) {
             int64_t r = t * G + g;
@@ -307,16 +336,16 @@ static void fs_attn_item(const fs_attn_job *jb, int64_t item, float *sc)
     const float *qp[FS_ROWS + 8];
     float *sp[FS_ROWS + 8], *ap[FS_ROWS + 8], *lp[FS_ROWS + 8], *mp[FS_ROWS + 8];
     const float *pp[FS_ROWS + 8];
-    int64_t nk_row[FS_ROWS + 8];
+    int64_t nk_row[FS_ROWS + 8], lo_row[FS_ROWS + 8];
     int rb = isa->rb;
-    for (int64_t kt = 0; kt * FS_KT <= maxpos; kt++) {
+    for (int64_t kt = minlo / FS_KT; kt * FS_KT <= maxpos; kt++) {
         int64_t k0 = kt * FS_KT;
         int64_t nk = maxpos - k0 + 1 < FS_KT ? maxpos - k0 + 1 : FS_KT;    /* keys any row needs */
-        /* Active rows: tokens at or past this tile's first key, each with its own count of keys. */
+        /* Active rows: tokens that see a key of this tile, each with its own keys lo_row .. nk_row - 1. */
         int64_t na = 0;
         for (int64_t t = 0; t < nt; t++) {
-            int64_t p = jb->pos[b0 + t];
-            if (p < k0)
+            int64_t p = jb->pos[b0 + t], lo = W > 0 && p - W + 1 > 0 ? p - W + 1 : 0;
+            if (p < k0 || lo >= k0 + FS_KT)
                 continue;
             for (int64_t g = 0; g < G; g++) {
                 int64_t r = t * G + g;
@@ -327,6 +356,7 @@ static void fs_attn_item(const fs_attn_job *jb, int64_t item, float *sc)
                 mp[na] = m + r;
                 pp[na] = sp[na];
                 nk_row[na] = p - k0 + 1 < FS_KT ? p - k0 + 1 : FS_KT;
+                lo_row[na] = lo > k0 ? lo - k0 : 0;
                 na++;
             }
         }
@@ -339,6 +369,7 @@ static void fs_attn_item(const fs_attn_job *jb, int64_t item, float *sc)
             mp[i] = m + rows_cap;
             pp[i] = pp[0];
             nk_row[i] = nk_row[0];
+            lo_row[i] = lo_row[0];
         }
         /* One block of rows (a decode step's G heads): the products read the fp16 cache as they go;
          * more rows share one conversion of the tile to float32. The values are the same. */
@@ -355,26 +386,32 @@ static void fs_attn_item(const fs_attn_job *jb, int64_t item, float *sc)
             else
                 isa->qk(qp + i, ktile, D, sp + i);
         }
-        for (int64_t i = 0; i < na; i++)
+        for (int64_t i = 0; i < na; i++) {
+            for (int64_t j = 0; j < lo_row[i]; j++)     /* keys before the window: out of the max, p = 0 */
+                sp[i][j] = -INFINITY;
             isa->probs(sp[i], nk_row[i], mp[i], lp[i], ap[i], Dp);
+        }
+        const uint8_t *vd = v_direct ? vsrc : NULL;
         for (int64_t i = 0; i < napad; i += rb) {
-            int64_t nmin = nk_row[i];
-            for (int k = 1; k < rb; k++)
+            int64_t lmax = lo_row[i], nmin = nk_row[i];
+            for (int k = 1; k < rb; k++) {
+                lmax = lo_row[i + k] > lmax ? lo_row[i + k] : lmax;
                 nmin = nk_row[i + k] < nmin ? nk_row[i + k] : nmin;
-            /* keys every row of the block has, then each row's own */
-            fs_attn_pv(isa, ap + i, pp + i, lp + i, 0, nmin, v_direct ? vsrc : NULL, Hkv * D, vt, Dp);
+            }
+            if (lmax >= nmin) {                         /* no key common to the block: row by row */
+                for (int k = 0; k < rb && i + k < na; k++)
+                    fs_attn_pv_row(isa, ap[i + k], pp[i + k], lp[i + k], lo_row[i + k], nk_row[i + k], vd, Hkv * D,
+                                   vt, Dp, acc_sink, l + rows_cap);
+                continue;
+            }
+            /* keys in order: each row's own before the common ones, those of every row, each row's own after */
             for (int k = 0; k < rb && i + k < na; k++)
-                if (nk_row[i + k] > nmin) {
-                    float *a1[8];
-                    const float *p1[8];
-                    float *l1[8];
-                    for (int z = 0; z < rb; z++) {
-                        a1[z] = z == 0 ? ap[i + k] : acc_sink;
-                        p1[z] = pp[i + k];
-                        l1[z] = z == 0 ? lp[i + k] : l + rows_cap;
-                    }
-                    fs_attn_pv(isa, a1, p1, l1, nmin, nk_row[i + k], v_direct ? vsrc : NULL, Hkv * D, vt, Dp);
-                }
+                fs_attn_pv_row(isa, ap[i + k], pp[i + k], lp[i + k], lo_row[i + k], lmax, vd, Hkv * D, vt, Dp,
+                               acc_sink, l + rows_cap);
+            fs_attn_pv(isa, ap + i, pp + i, lp + i, lmax, nmin, vd, Hkv * D, vt, Dp);
+            for (int k = 0; k < rb && i + k < na; k++)
+                fs_attn_pv_row(isa, ap[i + k], pp[i + k], lp[i + k], nmin, nk_row[i + k], vd, Hkv * D, vt, Dp,
+                               acc_sink, l + rows_cap);
         }
     }
     for (int64_t t = 0; t < nt; t++)
@@ -414,10 +451,20 @@ static void fs_attn_task(void *ctx, int64_t begin, int64_t end)
 #define FS_ATTN_HAVE_X86_KERNELS 1
 #endif
 
+#if defined(FS_ATTN_NEON_BUILD)
+#define FS_SIMD_NEON 1
+#include "_attention_simd.h"
+#undef FS_SIMD_NEON
+#endif
+
 static int fs_attn_isa_supported(int isa)
 {
     if (isa == FS_ATTN_SCALAR)
         return 1;
+#if defined(FS_ATTN_NEON_BUILD)
+    if (isa == FS_ATTN_NEON)
+        return 1;                     /* Advanced SIMD is part of every AArch64 core */
+#endif
 #if defined(FS_ATTN_HAVE_X86_KERNELS)
     __builtin_cpu_init();
     if (isa == FS_ATTN_AVX2)
@@ -430,6 +477,9 @@ static int fs_attn_isa_supported(int isa)
 
 static int fs_attn_best_isa(void)
 {
+#if defined(FS_ATTN_NEON_BUILD)
+    return FS_ATTN_NEON;
+#endif
     return fs_attn_isa_supported(FS_ATTN_AVX512) ? FS_ATTN_AVX512
          : fs_attn_isa_supported(FS_ATTN_AVX2) ? FS_ATTN_AVX2 : FS_ATTN_SCALAR;
 }
@@ -441,6 +491,10 @@ static const fs_attn_isa *fs_attn_isa_for(int isa)
         return &fs_attn_avx512;
     if (isa == FS_ATTN_AVX2)
         return &fs_attn_avx2;
+#endif
+#if defined(FS_ATTN_NEON_BUILD)
+    if (isa == FS_ATTN_NEON)
+        return &fs_attn_neon;
 #endif
     (void)isa;
     return &fs_attn_scalar;

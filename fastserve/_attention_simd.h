@@ -1,5 +1,5 @@
 /* The attention kernel pieces, written once and included by _attention_kernels.h once per ISA
- * (FS_SIMD_SCALAR, FS_SIMD_AVX2, FS_SIMD_AVX512 defined around the #include). Every piece does, per
+ * (FS_SIMD_SCALAR, FS_SIMD_AVX2, FS_SIMD_AVX512, FS_SIMD_NEON defined around the #include). Every piece does, per
  * lane, exactly the float32 operations of the contract at the top of _attention_kernels.h; the ISAs
  * differ only in how many keys (qk) or dimensions (pv) one instruction covers. */
 
@@ -76,6 +76,48 @@ FS_ATTR static inline float fs_hmax_avx2(__m256 v)
 #define VSUB(a, b) _mm512_sub_ps((a), (b))
 #define VPOW2I(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
 #define VZERO_BELOW(x, t, r) _mm512_maskz_mov_ps((__mmask16)~_mm512_cmp_ps_mask((x), _mm512_set1_ps(t), _CMP_LT_OQ), (r))
+
+#elif defined(FS_SIMD_NEON)
+/* AArch64 Advanced SIMD (baseline there: no target attribute). max / min as the scalar and x86
+ * macros pick (a > b ? a : b), not vmaxq's NaN rule; int8 loads read exactly VL bytes. */
+#define FS_S(name) name##_neon
+#define FS_ATTR
+#define VL 4
+#define NV 4
+#define RB 4
+#define VF float32x4_t
+#define VLOAD(p) vld1q_f32(p)
+#define VSTORE(p, v) vst1q_f32((p), (v))
+#define VSET1(x) vdupq_n_f32(x)
+#define VMUL(a, b) vmulq_f32((a), (b))
+#define VADD(a, b) vaddq_f32((a), (b))
+#define VDIV(a, b) vdivq_f32((a), (b))
+#define VMAXF(a, b) fs_vmax_neon((a), (b))
+static inline float32x4_t fs_vmax_neon(float32x4_t a, float32x4_t b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
+static inline float32x4_t fs_vmin_neon(float32x4_t a, float32x4_t b) { return vbslq_f32(vcltq_f32(a, b), a, b); }
+static inline float fs_hmax_neon(float32x4_t v)
+{
+    float x[4];
+    vst1q_f32(x, v);
+    float m = x[0];
+    for (int i = 1; i < 4; i++)
+        m = x[i] > m ? x[i] : m;
+    return m;
+}
+static inline float32x4_t fs_load_i8_neon(const int8_t *p)
+{
+    int32_t w;
+    memcpy(&w, p, 4);
+    int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(w)));
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
+}
+#define VHMAX(v) fs_hmax_neon(v)
+#define VLOAD_F16(p) vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)(p))))
+#define VLOAD_I8(p) fs_load_i8_neon((const int8_t *)(p))
+#define VMINF(a, b) fs_vmin_neon((a), (b))
+#define VSUB(a, b) vsubq_f32((a), (b))
+#define VPOW2I(n) vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23))
+#define VZERO_BELOW(x, t, r) vbslq_f32(vcltq_f32((x), vdupq_n_f32(t)), vdupq_n_f32(0.0f), (r))
 #endif
 
 /* fs_exp2 (_attention_kernels.h) lane by lane. */

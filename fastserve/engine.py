@@ -32,7 +32,7 @@ from .prompt_cache import MIB, PromptCache
 from .reader import Waker
 from .ref.sampling import check_config
 from .request import SAMPLING_DEFAULTS, Completion, Job, random_seed
-from .scheduler import pick_slot, slot_prefix
+from .scheduler import STEP_COST_WEIGHT, STEP_TARGET_S, pick_slot, prefill_budget, slot_prefix
 from .text_reader import TextReader
 from .tracer import Tracer
 
@@ -99,6 +99,9 @@ class Engine:
         self.tokenizer = model.tokenizer
         self.n_slots, self.n_ctx_slot, self.n_batch = n_parallel, n_ctx // n_parallel, n_batch
         self.max_queue, self.prefill_chunk = max_queue, max(1, prefill_chunk)
+        # Prompt chunks beside decode rows are sized to keep a step near step_target_s (scheduler.prefill_budget);
+        # _s_per_token: measured seconds of a step per token it carried (0: nothing measured yet).
+        self.step_target_s, self._s_per_token = STEP_TARGET_S, 0.0
         self.cache_type_k, self.cache_type_v = cache_type_k, cache_type_v
         n_vocab = model.config.n_vocab
         self.backend = self._make_backend(backend)
@@ -295,6 +298,7 @@ class Engine:
         if tr is not None:
             tr.lap("admit")
         batch = self.batch
+        t_build = time.perf_counter()
         if not self._build():
             self._publish()
             return False
@@ -332,6 +336,8 @@ class Engine:
         self._deliver(row_slot, sampled, n_out)
         self._tokens_prompt += batch.n - self._n_decode
         self._tokens_generated += n_out
+        cost = (time.perf_counter() - t_build) / batch.n         # seconds per token of this step
+        self._s_per_token = cost if not self._s_per_token else self._s_per_token + STEP_COST_WEIGHT * (cost - self._s_per_token)
         self._publish()
         if tr is not None:
             tr.lap("publish")
@@ -343,7 +349,7 @@ class Engine:
         batch = self.batch
         batch.clear()
         self._n_decode = self.slots.add_decode(batch)
-        budget = batch.free if self._n_decode == 0 else min(batch.free, max(self.prefill_chunk, self._n_decode))
+        budget = prefill_budget(batch.free, self._n_decode, self.prefill_chunk, self._s_per_token, self.step_target_s)
         for slot in self.slots.prefill_order():
             if budget <= 0:
                 break

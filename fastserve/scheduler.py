@@ -40,3 +40,28 @@ def pick_slot(slots, prompt: np.ndarray, *, id_slot: int, cache_prompt: bool, si
         if best >= 0 and best_len > similarity * len(prompt):
             return best
     return int(free[np.argmin(slots.admit_seq[free])])
+
+
+# A step that computes prompt tokens while other slots decode delays their next token by the whole
+# step: this is the longest that step should take (other streams' inter-token gap while a prompt
+# arrives; llama.cpp's is the whole prompt's time).
+STEP_TARGET_S = 0.5
+# Weight of the newest step in the measured seconds per token (an exponential moving average).
+STEP_COST_WEIGHT = 0.25
+
+
+def prefill_budget(free: int, n_decode: int, min_chunk: int, s_per_token: float, target_s: float) -> int:
+    """Prompt tokens the step may carry after its n_decode decode rows (free: room left in the batch).
+
+    Nobody decoding: the whole batch, so a lone long prompt runs in big chunks. Else as many as fit
+    in target_s at s_per_token (seconds of a whole step / its tokens, measured on recent steps),
+    never fewer than min_chunk (a prompt always advances). That per-token figure carries the step's
+    fixed cost, so it overestimates big steps: from below, the step grows towards target_s
+    (n' = target * n / (a + b n) for a step of a + b n seconds; its fixed point is a + b n = target).
+    Before any step was measured: min_chunk, or one token per decode row if there are more rows.
+    """
+    if n_decode == 0:
+        return free
+    if s_per_token <= 0.0:
+        return min(free, max(min_chunk, n_decode))
+    return min(free, max(min_chunk, int(target_s / s_per_token) - n_decode))

@@ -168,9 +168,12 @@ def cache_values(type_k, type_v, k_cache, v_cache, head_dim):
     return K, V
 
 
-def attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale):
+def attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window=0):
     """q float32 [n, H, D]; out [>= n, H * D]: rows < n written. The online softmax over key tiles,
-    all rows at once, each row's operations those of the C kernel."""
+    all rows at once, each row's operations those of the C kernel. window: 0 causal; w > 0 a query
+    at q sees the keys at q - w < p <= q."""
+    if window < 0:
+        raise ValueError(f"window must be 0 (causal) or a count of keys > 0, got {window}")
     n, H, D = q.shape
     Hkv = k_cache.shape[2]
     G = H // Hkv
@@ -181,12 +184,14 @@ def attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale):
     slot_r = np.repeat(np.asarray(slots[:n], np.int64), H)
     pos_r = np.repeat(np.asarray(positions[:n], np.int64), H)
     kvh_r = np.tile(np.arange(H) // G, n)
+    lo_r = np.maximum(pos_r - window + 1, 0) if window > 0 else np.zeros_like(pos_r)     # first visible key
     m = np.full(n * H, -np.inf, F32)
     l = np.zeros(n * H, F32)
     acc = np.zeros((n * H, D), F32)
-    for k0 in range(0, int(pos_r.max()) + 1, KT):
-        a = np.flatnonzero(pos_r >= k0)
-        valid = np.arange(KT)[None, :] < np.minimum(KT, pos_r[a] - k0 + 1)[:, None]
+    for k0 in range(int(lo_r.min()) // KT * KT, int(pos_r.max()) + 1, KT):
+        a = np.flatnonzero((pos_r >= k0) & (lo_r < k0 + KT))
+        col = np.arange(KT)[None, :]
+        valid = (col < np.minimum(KT, pos_r[a] - k0 + 1)[:, None]) & (col >= (lo_r[a] - k0)[:, None])
         kg = K[slot_r[a], k0:k0 + KT, kvh_r[a]]                      # [Ra, KT, D]
         vg = V[slot_r[a], k0:k0 + KT, kvh_r[a]]
         s = np.zeros((len(a), KT), F32)
@@ -199,7 +204,7 @@ def attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale):
         for j in range(KT):
             vj = valid[:, j]
             if not vj.any():
-                break
+                continue
             aa = np.where(vj[:, None], aa + p[:, j, None] * vg[:, j, :], aa)
             la = np.where(vj, la + p[:, j], la)
         m[a], l[a], acc[a] = mnew, la, aa
@@ -215,5 +220,5 @@ class Attention:
             raise ValueError(f"this machine cannot run the {isa} attention kernel; it can: scalar")
         self.pool, self.isa = pool, "scalar"
 
-    def __call__(self, q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale):
-        return attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale)
+    def __call__(self, q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window=0):
+        return attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window)

@@ -94,16 +94,28 @@ def test_greedy_is_batch_invariant_on_the_default_model(default_model, reference
 
 
 def test_long_prompt_greedy_is_the_same_whatever_the_prefill_chunk(default_model):
-    """A 1,100-token prompt prefilled 512 tokens a step or 96, in an f16 and a q8_0 cache: the same
-    greedy continuation (attention's key tiles sit at fixed positions, whatever the chunk)."""
+    """A 1,100-token prompt prefilled 512 tokens a step or 96 in a q8_0 cache: the same greedy
+    continuation (attention's key tiles sit at fixed positions, whatever the chunk). The f16 cache,
+    the default, is checked on a 4k-token prompt below."""
     text = "\n".join(p.read_text(errors="replace") for p in sorted(Path(fastserve.__file__).parent.glob("*.py")))
     ids = default_model.tokenizer.encode(text, add_special=False)[:1100]
     outs = {}
-    for cache_type in ("f16", "q8_0"):
-        for n_batch in (512, 96):
-            with fastserve.Engine(default_model, n_parallel=1, n_ctx=2048, n_batch=n_batch, cache_type_k=cache_type,
-                                  cache_type_v=cache_type) as engine:
-                outs[cache_type, n_batch] = engine.generate(ids, max_tokens=8, temperature=0,
-                                                            cache_prompt=False).token_ids
-    assert outs["f16", 512] == outs["f16", 96] and len(outs["f16", 512]) == 8
-    assert outs["q8_0", 512] == outs["q8_0", 96]
+    for n_batch in (512, 96):
+        with fastserve.Engine(default_model, n_parallel=1, n_ctx=2048, n_batch=n_batch, cache_type_k="q8_0",
+                              cache_type_v="q8_0") as engine:
+            outs[n_batch] = engine.generate(ids, max_tokens=8, temperature=0, cache_prompt=False).token_ids
+    assert outs[512] == outs[96] and len(outs[512]) == 8
+
+
+@pytest.mark.model
+def test_4k_prompt_greedy_is_the_same_whatever_the_prefill_chunk(default_model):
+    """A 4,000-token prompt (issue 19) prefilled 512 tokens a step or 131 (no multiple of the key
+    tiles' 64): the same greedy continuation. About 2 x 4k prompt tokens: the slowest golden test."""
+    text = "\n".join(p.read_text(errors="replace") for p in sorted(Path(fastserve.__file__).parent.rglob("*.py")))
+    ids = default_model.tokenizer.encode(text, add_special=False)[:4000]
+    assert len(ids) == 4000
+    outs = {}
+    for n_batch in (512, 131):
+        with fastserve.Engine(default_model, n_parallel=1, n_ctx=4096 + 64, n_batch=n_batch) as engine:
+            outs[n_batch] = engine.generate(ids, max_tokens=8, temperature=0, cache_prompt=False).token_ids
+    assert outs[512] == outs[131] and len(outs[512]) == 8

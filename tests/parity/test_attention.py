@@ -1,6 +1,12 @@
 """fastserve._attention against its NumPy twin fastserve.ref.attention: cache bytes and outputs bit for
 bit, every cache type and kernel; outputs independent of batch, chunking and threads; close to exact
 softmax attention in float64."""
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
 import numpy as np
 import pytest
 
@@ -31,9 +37,9 @@ def _filled(type_k, type_v, n_slots, n_ctx, Hkv, D, seed):
     return kc, vc
 
 
-def _run(attn, q, kc, vc, tk, tv, slots, pos, scale):
+def _run(attn, q, kc, vc, tk, tv, slots, pos, scale, window=0):
     out = np.full((len(q), q.shape[1] * q.shape[2]), np.nan, np.float32)
-    attn(q, kc, vc, tk, tv, np.asarray(slots, np.int64), np.asarray(pos, np.int64), out, scale)
+    attn(q, kc, vc, tk, tv, np.asarray(slots, np.int64), np.asarray(pos, np.int64), out, scale, window=window)
     return out
 
 
@@ -106,7 +112,22 @@ def test_store_and_move_rows_match_twin(tk, tv):
 
 CASES = [  # D, Hkv, G, n_slots, n_ctx
     (64, 3, 3, 2, 300), (32, 2, 1, 3, 200), (128, 2, 4, 2, 200), (48, 1, 3, 2, 150), (256, 1, 2, 1, 130),
+    (64, 1, 8, 2, 200), (32, 2, 5, 1, 150), (48, 2, 6, 1, 140), (128, 1, 7, 1, 140), (256, 2, 8, 1, 100),
 ]
+
+
+def _mixed_batch(tk, tv, D, Hkv, G, n_slots, n_ctx, n, seed):
+    """Filled caches and n query rows of random slots and positions (0, the last, 63 among them) with a
+    prefill-like run of 10 across a tile edge: (k_cache, v_cache, q [n, Hkv * G, D], slots, positions, scale)."""
+    kc, vc = _filled(tk, tv, n_slots, n_ctx, Hkv, D, seed=seed + 1)
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((n, Hkv * G, D)).astype(np.float32)
+    slots = rng.integers(0, n_slots, n)
+    pos = rng.integers(0, n_ctx, n)
+    pos[:3] = [0, n_ctx - 1, 63]
+    slots[10:20] = 0
+    pos[10:20] = np.arange(60, 70)
+    return kc, vc, q, slots, pos, float(1 / np.sqrt(D))
 
 
 @pytest.mark.parametrize("tk,tv", [(t, t) for t in TYPES] + [("f16", "q8_0")])
@@ -116,19 +137,63 @@ def test_attend_matches_twin_every_kernel(tk, tv, D, Hkv, G, n_slots, n_ctx):
         with pytest.raises(ValueError, match="multiple of 32"):
             C.kv_type_id("q8_0", D)
         return
-    kc, vc = _filled(tk, tv, n_slots, n_ctx, Hkv, D, seed=D + G)
-    rng = np.random.default_rng(D * G)
-    n = 37
-    q = rng.standard_normal((n, Hkv * G, D)).astype(np.float32)
-    slots = rng.integers(0, n_slots, n)
-    pos = rng.integers(0, n_ctx, n)
-    pos[:3] = [0, n_ctx - 1, 63]
-    slots[10:20] = 0
-    pos[10:20] = np.arange(60, 70)           # a prefill-like run across a tile edge
-    scale = float(1 / np.sqrt(D))
+    kc, vc, q, slots, pos, scale = _mixed_batch(tk, tv, D, Hkv, G, n_slots, n_ctx, 37, seed=D * G)
     want = _run(R.Attention(), q, kc, vc, tk, tv, slots, pos, scale)
     for isa in C.isas():
         _same_bits(_run(C.Attention(isa=isa), q, kc, vc, tk, tv, slots, pos, scale), want)
+
+
+WINDOWS = (1, 17, 64, 100, 1000)        # 1000 > every position here: the same as causal
+
+
+@pytest.mark.parametrize("tk,tv", [("f16", "f16"), ("q8_0", "f32")])
+@pytest.mark.parametrize("D,Hkv,G,n_slots,n_ctx", CASES[::2] + [CASES[-1]])
+def test_sliding_window_matches_twin_every_kernel(tk, tv, D, Hkv, G, n_slots, n_ctx):
+    if "q8_0" in (tk, tv) and D % 32:
+        return
+    kc, vc, q, slots, pos, scale = _mixed_batch(tk, tv, D, Hkv, G, n_slots, n_ctx, 31, seed=D * G + 1)
+    causal = _run(C.Attention(), q, kc, vc, tk, tv, slots, pos, scale)
+    for window in WINDOWS:
+        want = _run(R.Attention(), q, kc, vc, tk, tv, slots, pos, scale, window)
+        for isa in C.isas():
+            _same_bits(_run(C.Attention(isa=isa), q, kc, vc, tk, tv, slots, pos, scale, window), want)
+        if window > n_ctx:
+            _same_bits(want, causal)
+
+
+def test_sliding_window_is_close_to_exact_softmax_over_the_window():
+    D, Hkv, G, n_ctx = 64, 2, 4, 500
+    kc, vc = _filled("f32", "f32", 1, n_ctx, Hkv, D, seed=15)
+    K, V = R.cache_values("f32", "f32", kc, vc, D)
+    rng = np.random.default_rng(16)
+    pos = np.array([0, 5, 63, 64, 65, 130, 499])
+    q = rng.standard_normal((len(pos), Hkv * G, D)).astype(np.float32)
+    for window in (1, 6, 64, 65, 200):
+        out = _run(C.Attention(), q, kc, vc, "f32", "f32", np.zeros(len(pos)), pos, 0.125, window)
+        for t, p in enumerate(pos):
+            lo = max(0, p - window + 1)
+            for h in range(Hkv * G):
+                k, v = K[0, lo:p + 1, h // G].astype(np.float64), V[0, lo:p + 1, h // G].astype(np.float64)
+                s = k @ q[t, h].astype(np.float64) * 0.125
+                w = np.exp(s - s.max())
+                np.testing.assert_allclose(out[t, h * D:(h + 1) * D], w @ v / w.sum(), rtol=0, atol=2e-5)
+        if window == 1:                      # a window of one key: the query's own value, exactly
+            _same_bits(out.reshape(len(pos), Hkv, G, D), np.repeat(V[0, pos][:, :, None, :], G, axis=2))
+
+
+def test_sliding_window_ignores_keys_outside_it():
+    """Keys before the window may hold anything, NaN included: the output does not change."""
+    D, Hkv, G, n_ctx, window = 64, 1, 8, 300, 70
+    kc, vc = _filled("f16", "f16", 1, n_ctx, Hkv, D, seed=17)
+    rng = np.random.default_rng(18)
+    pos = np.arange(200, 260)
+    q = rng.standard_normal((len(pos), Hkv * G, D)).astype(np.float32)
+    want = _run(C.Attention(), q, kc, vc, "f16", "f16", np.zeros(len(pos)), pos, 0.125, window)
+    kx = np.full((130, Hkv, D), np.nan, np.float32)
+    C.store("f16", "f16", kc, vc, kx, kx, np.zeros(130, np.int64), np.arange(130, dtype=np.int64))
+    for isa in C.isas():
+        _same_bits(_run(C.Attention(isa=isa), q, kc, vc, "f16", "f16", np.zeros(len(pos)), pos, 0.125, window), want)
+    _same_bits(_run(R.Attention(), q, kc, vc, "f16", "f16", np.zeros(len(pos)), pos, 0.125, window), want)
 
 
 def test_attend_is_close_to_exact_softmax():
@@ -148,20 +213,21 @@ def test_attend_is_close_to_exact_softmax():
             np.testing.assert_allclose(out[t, h * D:(h + 1) * D], ref, rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("tk", TYPES)
-def test_long_context_positions_match_twin(tk):
-    D, Hkv, G, n_ctx = 64, 1, 4, 8192
+@pytest.mark.parametrize("tk,G,window", [(t, 4, 0) for t in TYPES] + [("f16", 8, 0), ("f16", 8, 1024), ("q8_0", 6, 4096)])
+def test_long_context_positions_match_twin(tk, G, window):
+    D, Hkv, n_ctx = 64, 1, 8192
     kc, vc = _filled(tk, tk, 1, n_ctx, Hkv, D, seed=7)
     rng = np.random.default_rng(8)
     pos = np.sort(rng.integers(0, n_ctx, 6))
     pos[-1] = n_ctx - 1
     q = rng.standard_normal((6, Hkv * G, D)).astype(np.float32)
-    want = _run(R.Attention(), q, kc, vc, tk, tk, np.zeros(6), pos, 0.125)
-    _same_bits(_run(C.Attention(), q, kc, vc, tk, tk, np.zeros(6), pos, 0.125), want)
+    want = _run(R.Attention(), q, kc, vc, tk, tk, np.zeros(6), pos, 0.125, window)
+    for isa in C.isas():
+        _same_bits(_run(C.Attention(isa=isa), q, kc, vc, tk, tk, np.zeros(6), pos, 0.125, window), want)
 
 
-@pytest.mark.parametrize("tk", TYPES)
-def test_batch_chunking_and_threads_change_no_bit(tk):
+@pytest.mark.parametrize("tk,window", [(t, 0) for t in TYPES] + [("f16", 50), ("q8_0", 129)])
+def test_batch_chunking_and_threads_change_no_bit(tk, window):
     """A prefill of 300 tokens in one call, in chunks of 7, one row at a time (decode), mixed with
     other slots' rows, on 1 and 2 threads and every kernel: the same bits for every row."""
     D, Hkv, G, n_ctx = 64, 3, 3, 320
@@ -171,22 +237,24 @@ def test_batch_chunking_and_threads_change_no_bit(tk):
     q = rng.standard_normal((n, Hkv * G, D)).astype(np.float32)
     pos = np.arange(n)
     slots = np.ones(n)
-    whole = _run(C.Attention(), q, kc, vc, tk, tk, slots, pos, 0.125)
+    whole = _run(C.Attention(), q, kc, vc, tk, tk, slots, pos, 0.125, window)
+    if window:
+        _same_bits(_run(R.Attention(), q, kc, vc, tk, tk, slots, pos, 0.125, window), whole)
     for isa in C.isas():
         for threads in (1, 2, 3):
             attn = C.Attention(Pool(threads) if threads > 1 else None, isa=isa)
-            _same_bits(_run(attn, q, kc, vc, tk, tk, slots, pos, 0.125), whole)
-            chunks = np.concatenate([_run(attn, q[i:i + 7], kc, vc, tk, tk, slots[i:i + 7], pos[i:i + 7], 0.125)
+            _same_bits(_run(attn, q, kc, vc, tk, tk, slots, pos, 0.125, window), whole)
+            chunks = np.concatenate([_run(attn, q[i:i + 7], kc, vc, tk, tk, slots[i:i + 7], pos[i:i + 7], 0.125, window)
                                      for i in range(0, n, 7)])
             _same_bits(chunks, whole)
     attn = C.Attention(Pool(2))
     for i in rng.choice(n, 12, replace=False):
-        _same_bits(_run(attn, q[i:i + 1], kc, vc, tk, tk, slots[i:i + 1], pos[i:i + 1], 0.125), whole[i:i + 1])
+        _same_bits(_run(attn, q[i:i + 1], kc, vc, tk, tk, slots[i:i + 1], pos[i:i + 1], 0.125, window), whole[i:i + 1])
         # the same row among rows of other slots, before and after it
         qq = np.concatenate([q[:5], q[i:i + 1], q[:4]])
         ss = np.array([0, 2, 0, 2, 2, 1, 0, 0, 2, 2])
         pp = np.array([5, 100, 6, 7, 8, pos[i], 300, 301, 1, 2])
-        _same_bits(_run(attn, qq, kc, vc, tk, tk, ss, pp, 0.125)[5:6], whole[i:i + 1])
+        _same_bits(_run(attn, qq, kc, vc, tk, tk, ss, pp, 0.125, window)[5:6], whole[i:i + 1])
 
 
 def test_bad_input_is_refused():
@@ -203,5 +271,115 @@ def test_bad_input_is_refused():
         _run(attn, np.zeros((2, 3, 64), np.float32), kc, vc, "f16", "f16", [0, 1], [0, 1], 0.1)
     with pytest.raises(ValueError, match="unknown KV cache type"):
         _run(attn, q, kc, vc, "bf16", "f16", [0, 1], [0, 1], 0.1)
+    with pytest.raises(ValueError, match="window must be 0"):
+        _run(attn, q, kc, vc, "f16", "f16", [0, 1], [0, 1], 0.1, window=-1)
+    with pytest.raises(ValueError, match="window must be 0"):
+        _run(R.Attention(), q, kc, vc, "f16", "f16", [0, 1], [0, 1], 0.1, window=-1)
     with pytest.raises(ValueError, match="unknown isa"):
         C.Attention(isa="avx1024")
+
+
+# -- the C header alone: every kernel against the scalar one, here and on aarch64 (NEON) ------------
+
+HARNESS = r"""
+#include "_attention_kernels.h"
+#include <stdio.h>
+static uint32_t rs = 12345;
+static uint32_t rnd(void) { rs = rs * 1664525u + 1013904223u; return rs >> 8; }
+static float frnd(void) { return ((float)(rnd() % 20001) - 10000.0f) / 3000.0f; }
+static void run(int isa, const float *q, const uint8_t *k, const uint8_t *v, const int64_t *slots, const int64_t *pos,
+                int64_t n, int64_t H, int64_t Hkv, int64_t D, int64_t n_ctx, int tk, int tv, int64_t window, float *out) {
+    int64_t G = H / Hkv, Dp = (D + 15) / 16 * 16, per = fs_attn_tokens_per_item(G), nq = 0;
+    int64_t ts[64], tl[64];
+    for (int64_t i = 0; i < n; i++)           /* token tiles as _attention.pyx makes them */
+        if (nq > 0 && slots[i] == slots[ts[nq - 1]] && tl[nq - 1] < per) tl[nq - 1]++;
+        else { ts[nq] = i; tl[nq] = 1; nq++; }
+    int64_t sb = (fs_attn_scratch_floats(D, Dp, per * G) * 4 + 63) / 64 * 64;
+    int busy = 0;
+    fs_attn_job jb = {q, k, v, slots, pos, ts, tl, out, nq, H, Hkv, D, Dp, G, n_ctx, (n_ctx + FS_KT - 1) / FS_KT,
+                      window, tk, tv, 0.125f * FS_LOG2E, malloc(sb), &busy, 1, sb, fs_attn_isa_for(isa)};
+    fs_attn_task(&jb, 0, nq * Hkv);
+    free(jb.scratch);
+}
+int main(void) {
+    const int64_t Ds[] = {32, 48, 64, 128, 256}, Gs[] = {1, 8}, windows[] = {0, 1, 17, 100};
+    uint64_t hash = 1469598103934665603ull;
+    int fails = 0, checks = 0;
+    for (int isa = 0; isa <= 3; isa++) printf("isa %d supported %d\n", isa, fs_attn_isa_supported(isa));
+    for (int di = 0; di < 5; di++) for (int gi = 0; gi < 2; gi++) for (int t = 0; t < 3; t++) {
+        int64_t D = Ds[di], G = Gs[gi], Hkv = 1 + (di + gi) % 2, H = Hkv * G, n_slots = 2, n_ctx = 150, n = 24;
+        int tk = t, tv = (t + di) % 3;
+        if ((tk == FS_KV_Q8_0 || tv == FS_KV_Q8_0) && D % FS_QB) continue;
+        int64_t ntile = (n_ctx + FS_KT - 1) / FS_KT, kb = fs_k_tile_bytes(tk, D), vb = fs_kv_row_bytes(tv, D);
+        uint8_t *kc = calloc(n_slots * ntile * Hkv, kb), *vc = calloc(n_slots * n_ctx * Hkv, vb), row[2048];
+        float x[256];
+        for (int64_t s = 0; s < n_slots; s++) for (int64_t p = 0; p < n_ctx; p++) for (int64_t h = 0; h < Hkv; h++) {
+            for (int64_t d = 0; d < D; d++) x[d] = frnd();
+            fs_kv_encode(tk, x, 1, D, row);
+            fs_k_tile_move(tk, kc + ((s * ntile + p / FS_KT) * Hkv + h) * kb, D, p % FS_KT, row, 1);
+            for (int64_t d = 0; d < D; d++) x[d] = frnd() / 3;
+            fs_kv_encode(tv, x, 1, D, vc + ((s * n_ctx + p) * Hkv + h) * vb);
+        }
+        float *q = malloc(n * H * D * 4), *o0 = malloc(n * H * D * 4), *o1 = malloc(n * H * D * 4);
+        int64_t slots[24], pos[24];
+        for (int64_t i = 0; i < n * H * D; i++) q[i] = frnd() / 4;
+        for (int64_t i = 0; i < n; i++) { slots[i] = rnd() % n_slots; pos[i] = rnd() % n_ctx; }
+        for (int64_t i = 8; i < 16; i++) { slots[i] = 0; pos[i] = 58 + i; }   /* a run across a tile edge */
+        pos[0] = 0; pos[1] = n_ctx - 1;
+        for (int w = 0; w < 4; w++) {
+            run(FS_ATTN_SCALAR, q, kc, vc, slots, pos, n, H, Hkv, D, n_ctx, tk, tv, windows[w], o0);
+            const uint8_t *b = (const uint8_t *)o0;
+            for (int64_t i = 0; i < n * H * D * 4; i++) hash = (hash ^ b[i]) * 1099511628211ull;
+            for (int isa = 1; isa <= 3; isa++) {
+                if (!fs_attn_isa_supported(isa)) continue;
+                memset(o1, 0xff, n * H * D * 4);
+                run(isa, q, kc, vc, slots, pos, n, H, Hkv, D, n_ctx, tk, tv, windows[w], o1);
+                checks++;
+                if (memcmp(o0, o1, n * H * D * 4)) { fails++; printf("MISMATCH isa %d D %ld G %ld types %d %d window %ld\n", isa, (long)D, (long)G, tk, tv, (long)windows[w]); }
+            }
+        }
+        free(kc); free(vc); free(q); free(o0); free(o1);
+    }
+    printf("scalar hash %016llx\n", (unsigned long long)hash);
+    printf("%d checks, %d mismatches\n", checks, fails);
+    return fails != 0;
+}
+"""
+HEADER_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "fastserve")
+CFLAGS = ["-O2", "-ffp-contract=off", "-Wall", "-Wextra", "-Werror", "-Wno-unused-function",
+          "-Wno-missing-field-initializers"]
+
+
+def _harness(tmp_path, cc, run_prefix=()) -> str:
+    src, exe = tmp_path / "attn_harness.c", tmp_path / "attn_harness"
+    src.write_text(HARNESS)
+    built = subprocess.run([*cc, *CFLAGS, "-I", HEADER_DIR, str(src), "-o", str(exe), "-lm"], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    ran = subprocess.run([*run_prefix, str(exe)], capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0 and " 0 mismatches" in ran.stdout, ran.stdout + ran.stderr
+    return ran.stdout
+
+
+def _native_cc():
+    cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()
+    if not shutil.which(cc[0]):
+        pytest.skip(f"no C compiler {cc[0]!r}")
+    return cc
+
+
+def test_c_kernels_agree_natively(tmp_path):
+    out = _harness(tmp_path, _native_cc())
+    assert int(out.split(" checks")[0].split()[-1]) > 0 or C.isas() == ("scalar",), out
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="cross-checks run on Linux")
+def test_neon_kernel_agrees_on_aarch64(tmp_path):
+    """The NEON kernel, built with the cross compiler and run under qemu: the same bits as the scalar
+    kernel there, whose outputs hash as the native scalar kernel's (so NEON = the twin too)."""
+    if not (shutil.which("aarch64-linux-gnu-gcc") and shutil.which("qemu-aarch64")):
+        pytest.skip("needs aarch64-linux-gnu-gcc and qemu-aarch64 (apt: gcc-aarch64-linux-gnu qemu-user)")
+    arm = _harness(tmp_path, ["aarch64-linux-gnu-gcc", "-march=armv8-a"], ["qemu-aarch64", "-L", "/usr/aarch64-linux-gnu"])
+    assert "isa 3 supported 1" in arm and "isa 1 supported 0" in arm, arm
+    assert int(arm.split(" checks")[0].split()[-1]) > 0, arm
+    native = _harness(tmp_path, _native_cc())
+    assert arm.split("scalar hash ")[1].split()[0] == native.split("scalar hash ")[1].split()[0]
