@@ -220,7 +220,9 @@ class NumpyBackend:
             apply_rope(q, cos, sin, cfg.rope_dim, rope_tmp, cfg.rope_neox)
             apply_rope(k, cos, sin, cfg.rope_dim, rope_tmp, cfg.rope_neox)
             self.kv.store(li, k, v, slots, positions)
-            self._attend(li, q, slots, positions, attn, cfg.sliding_window if local else 0)
+            # a local layer's query at q sees keys q - window < p <= q (llama.cpp's is_masked_swa, standard)
+            self._attn(q, self.kv.k[li], self.kv.v[li], self.kv.type_k, self.kv.type_v, slots, positions, attn,
+                       self.scale, window=cfg.sliding_window if local else 0)
             self._mm(attn, lw.wo, y)
             if lw.post_attn_norm is not None:
                 rms_norm(y, lw.post_attn_norm, cfg.norm_eps, out=y, ms=ms)
@@ -248,9 +250,3 @@ class NumpyBackend:
             np.tanh(logits, out=logits)
             logits *= c
         return logits
-
-    def _attend(self, li: int, q, slots, positions, out, window: int) -> None:
-        """Attention of layer li's queries q [n, H, D] into out [n, H*D]; window > 0: a query at p sees
-        keys p - window + 1 .. p only (llama.cpp's is_masked_swa, standard type)."""
-        self._attn(q, self.kv.k[li], self.kv.v[li], self.kv.type_k, self.kv.type_v,
-                   slots, positions, out, self.scale)

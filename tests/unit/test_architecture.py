@@ -109,3 +109,65 @@ def test_the_gpu_backend_reads_the_same_rows(models):
     assert unsupported_features(models["llama"].config) == []
     assert "q/k/v biases" in unsupported_features(models["qwen2"].config)
     assert {"GeGLU", "sliding-window layers"} <= set(unsupported_features(models["gemma3"].config))
+
+
+def _reference_logits(model, ids) -> np.ndarray:
+    """The forward pass written out from the formulas in float64, one row's steps at a time, with
+    explicit masks (causal; local layers: q - window < p <= q): what the backend must compute."""
+    cfg, w = model.config, model.weights
+    n, H, Hkv, D, d = len(ids), cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_embd
+
+    def norm(x, g):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * g
+
+    def rope(x, base):
+        half = cfg.rope_dim // 2
+        theta = np.arange(n)[:, None] * base ** (-np.arange(half) * 2.0 / cfg.rope_dim)
+        if w.rope_freqs is not None:
+            theta = theta / w.rope_freqs[:half]
+        c, s = np.cos(theta)[:, None], np.sin(theta)[:, None]
+        i0, i1 = (np.arange(half), np.arange(half, 2 * half)) if cfg.rope_neox else (np.arange(0, 2 * half, 2),
+                                                                                  np.arange(1, 2 * half, 2))
+        out = x.copy()
+        out[..., i0], out[..., i1] = x[..., i0] * c - x[..., i1] * s, x[..., i0] * s + x[..., i1] * c
+        return out
+
+    x = w.tok_embd.to_float().astype(np.float64)[ids] * cfg.embd_scale
+    qpos, kpos = np.arange(n)[:, None], np.arange(n)[None, :]
+    for li, lw in enumerate(w.layers):
+        qkv = norm(x, lw.attn_norm) @ lw.wqkv.to_float().T + (lw.qkv_bias if lw.qkv_bias is not None else 0)
+        q = qkv[:, :H * D].reshape(n, H, D)
+        k = qkv[:, H * D:(H + Hkv) * D].reshape(n, Hkv, D)
+        v = qkv[:, (H + Hkv) * D:].reshape(n, Hkv, D)
+        if lw.q_norm is not None:
+            q, k = norm(q, lw.q_norm), norm(k, lw.k_norm)
+        base = cfg.rope_base_local if cfg.local_layers[li] else cfg.rope_base
+        q, k = rope(q, base), rope(k, base)
+        visible = kpos <= qpos
+        if cfg.local_layers[li]:
+            visible &= qpos - cfg.sliding_window < kpos
+        k, v = np.repeat(k, H // Hkv, axis=1), np.repeat(v, H // Hkv, axis=1)
+        s = np.einsum("qhd,khd->hqk", q, k) * cfg.attn_scale
+        s = np.where(visible, s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        a = np.einsum("hqk,khd->qhd", p, v).reshape(n, H * D) @ lw.wo.to_float().T
+        x = x + (norm(a, lw.post_attn_norm) if lw.post_attn_norm is not None else a)
+        gu = norm(x, lw.ffn_norm) @ lw.w_gate_up.to_float().T
+        g, u = gu[:, :cfg.n_ff], gu[:, cfg.n_ff:]
+        act = (0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) if cfg.ffn_gelu
+               else g / (1 + np.exp(-g)))
+        f = (act * u) @ lw.w_down.to_float().T
+        x = x + (norm(f, lw.post_ffn_norm) if lw.post_ffn_norm is not None else f)
+    return norm(x, w.out_norm) @ w.output.to_float().T
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_the_forward_pass_is_the_formulas(models, name):
+    """Every row's pass (F32 weights, f32 cache) against the formulas, over 20 positions: past gemma3's
+    window of 8 on its local layers."""
+    model = models[name]
+    ids = list(np.random.default_rng(2).integers(0, model.config.n_vocab, 20))
+    got = model.logits(ids, "f32", "f32")
+    want = _reference_logits(model, ids)
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
