@@ -84,7 +84,10 @@ def unsupported_features(cfg: ModelConfig) -> list[str]:
     wanted = [(cfg.rope_neox, "NeoX RoPE"), (cfg.ffn_gelu, "GeGLU"), (a.qkv_bias, "q/k/v biases"),
               (a.qk_norm, "per-head q/k RMSNorm"), (a.sandwich_norms, "norms after attention and FFN"),
               (cfg.embd_scale != 1.0, "a scaled embedding"), (any(cfg.local_layers), "sliding-window layers"),
-              (cfg.logit_softcap > 0, "logit soft-capping")]
+              (cfg.logit_softcap > 0, "logit soft-capping"),
+              (cfg.head_dim > K.ATTN_HEAD_DIMS[-1] or cfg.head_dim % 8,
+               f"head_dim {cfg.head_dim} (cuda/attention.cu: multiples of 8 up to {K.ATTN_HEAD_DIMS[-1]})"),
+              (cfg.n_head // cfg.n_head_kv > 8, f"{cfg.n_head // cfg.n_head_kv} query heads per KV head (at most 8)")]
     return [name for needed, name in wanted if needed]
 
 
