@@ -171,3 +171,21 @@ def test_the_forward_pass_is_the_formulas(models, name):
     got = model.logits(ids, "f32", "f32")
     want = _reference_logits(model, ids)
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_prefix_reuse_and_the_host_cache_keep_every_row_greedy_output(models, name):
+    """A reused prefix (in the slot, or restored from host RAM) continues as a cold prefill does, for
+    every row; gemma3's prompt is longer than its window (the cache keeps every position, so a local
+    layer's reused prefix is as good as a recomputed one)."""
+    rng = np.random.default_rng(3)
+    a, b = (list(rng.integers(3, 500, 30)) for _ in range(2))
+    greedy = dict(max_tokens=6, temperature=0)
+    with fastserve.Engine(models[name], n_parallel=1, n_ctx=128, cache_ram_mib=1) as e:
+        cold = e.generate(a, cache_prompt=False, **greedy)
+        first = e.generate(a, **greedy)
+        warm = e.generate(a, **greedy)                  # the slot's own prefix
+        e.generate(b, **greedy)                         # a's prefix saved to host RAM ...
+        restored = e.generate(a, **greedy)              # ... and restored
+    assert warm.timings["cache_n"] == 29 and restored.timings["cache_n"] == 29
+    assert cold.token_ids == first.token_ids == warm.token_ids == restored.token_ids
