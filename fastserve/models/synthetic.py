@@ -54,7 +54,7 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
     llama tensors plus what the row adds (biases, q/k norms, sandwich norms); head_dim: when not
     n_embd / n_head (written as key_length); sliding_window: for a row with local layers;
     extra_tensors: names of further [n_embd] tensors (a tensor no row knows, for error tests).
-    weight_type: F32, F16, a type gguf.quants can quantize, weight_type: F32, F16, a type gguf.quants can quantize,
+    weight_type: F32, F16, a type gguf.quants can quantize,
     Q4_K, Q5_K, Q6_K (fastserve.ref.blocks' encoder; rows of a multiple of 256 inputs), or "Q4_K_M"
     (llama.cpp's mix: attn_v and ffn_down in Q6_K, the other matrices in Q4_K)."""
     import gguf
