@@ -31,15 +31,16 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = 
     return out
 
 
-def rope_tables(cfg: ModelConfig, n_pos: int, freq_factors: np.ndarray | None, base: float | None = None):
-    """cos, sin [n_pos, rope_dim/2] in float32: angle pos * base^(-2i/rope_dim) (/ factor i), the same
-    for llama.cpp's adjacent-pair and NeoX layouts. base: cfg.rope_base unless given (local layers)."""
+def rope_tables(cfg: ModelConfig, n_pos: int, freq_factors: np.ndarray | None, local: bool = False):
+    """cos, sin [n_pos, rope_dim/2] in float32: angle (pos / scale) * base^(-2i/rope_dim) (/ factor i), the
+    same for llama.cpp's adjacent-pair and NeoX layouts. local: the local layers' table (their own base,
+    and no position scaling: llama.cpp's rope_freq_scale_train_swa is 1)."""
     half = cfg.rope_dim // 2
-    base = cfg.rope_base if base is None else base
+    base, scale = (cfg.rope_base_local, 1.0) if local else (cfg.rope_base, cfg.rope_scale)
     inv_freq = base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rope_dim)
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors[:half].astype(np.float64)
-    pos = np.arange(n_pos, dtype=np.float64) / cfg.rope_scale
+    pos = np.arange(n_pos, dtype=np.float64) / scale
     theta = np.outer(pos, inv_freq)
     return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
 
@@ -158,7 +159,7 @@ class NumpyBackend:
         self._attn = Attention(self.pool)
         self.cos, self.sin = rope_tables(cfg, n_ctx_slot, weights.rope_freqs)
         # local layers' own RoPE base (gemma3: 10k beside the global layers' 1M)
-        self.cos_local, self.sin_local = (rope_tables(cfg, n_ctx_slot, weights.rope_freqs, cfg.rope_base_local)
+        self.cos_local, self.sin_local = (rope_tables(cfg, n_ctx_slot, weights.rope_freqs, local=True)
                                           if any(cfg.local_layers) else (self.cos, self.sin))
         self.scale = cfg.attn_scale
 

@@ -49,11 +49,12 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
                      n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 512, n_ctx: int = 2048,
                      weight_type: str = "F32", tied: bool = False, seed: int = 0,
                      architecture: str = "llama", head_dim: int | None = None, sliding_window: int = 0,
-                     extra_tensors: tuple[str, ...] = ()) -> str:
+                     extra_tensors: tuple[str, ...] = (), rope_scale: float = 1.0) -> str:
     """Write a GGUF of one architecture of the table (models/architecture.py) with random weights: the
     llama tensors plus what the row adds (biases, q/k norms, sandwich norms); head_dim: when not
     n_embd / n_head (written as key_length); sliding_window: for a row with local layers;
-    extra_tensors: names of further [n_embd] tensors (a tensor no row knows, for error tests).
+    extra_tensors: names of further [n_embd] tensors (a tensor no row knows, for error tests);
+    rope_scale: linear RoPE position scaling (rope.scaling.type linear) when not 1.
     weight_type: F32, F16, a type gguf.quants can quantize,
     Q4_K, Q5_K, Q6_K (fastserve.ref.blocks' encoder; rows of a multiple of 256 inputs), or "Q4_K_M"
     (llama.cpp's mix: attn_v and ffn_down in Q6_K, the other matrices in Q4_K)."""
@@ -69,6 +70,9 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
     head_dim = head_dim or n_embd // n_head
     if sliding_window:
         w.add_sliding_window(sliding_window)
+    if rope_scale != 1.0:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope_scale)
     w.add_block_count(n_layer)
     w.add_context_length(n_ctx)
     w.add_embedding_length(n_embd)

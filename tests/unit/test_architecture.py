@@ -21,7 +21,8 @@ def models(tmp_path_factory):
     for name in ARCHITECTURES:
         out[name] = fastserve.load_model(write_llama_gguf(
             d / f"{name}.gguf", architecture=name, n_layer=7 if name == "gemma3" else 2, head_dim=24,
-            sliding_window=8 if name == "gemma3" else 0, tied=name == "gemma3"))
+            sliding_window=8 if name == "gemma3" else 0, tied=name == "gemma3",
+            rope_scale=4.0 if name == "gemma3" else 1.0))
     return out
 
 
@@ -36,7 +37,7 @@ def test_every_row_loads_and_reads_what_it_adds(models):
     assert g.ffn_gelu and g.embd_scale == pytest.approx(8.0) and g.sliding_window == 8
     # llama.cpp's default pattern for gemma3: of each 6 layers the last is global
     assert g.local_layers == (True, True, True, True, True, False, True)
-    assert g.rope_base_local == 10000.0 and gemma3.weights.output is gemma3.weights.tok_embd
+    assert g.rope_base_local == 10000.0 and g.rope_scale == 4.0 and gemma3.weights.output is gemma3.weights.tok_embd
     assert gemma3.weights.layers[3].post_ffn_norm.shape == (64,)
 
 
@@ -120,9 +121,9 @@ def _reference_logits(model, ids) -> np.ndarray:
     def norm(x, g):
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * g
 
-    def rope(x, base):
+    def rope(x, base, scale):
         half = cfg.rope_dim // 2
-        theta = np.arange(n)[:, None] * base ** (-np.arange(half) * 2.0 / cfg.rope_dim)
+        theta = np.arange(n)[:, None] / scale * base ** (-np.arange(half) * 2.0 / cfg.rope_dim)
         if w.rope_freqs is not None:
             theta = theta / w.rope_freqs[:half]
         c, s = np.cos(theta)[:, None], np.sin(theta)[:, None]
@@ -141,8 +142,9 @@ def _reference_logits(model, ids) -> np.ndarray:
         v = qkv[:, (H + Hkv) * D:].reshape(n, Hkv, D)
         if lw.q_norm is not None:
             q, k = norm(q, lw.q_norm), norm(k, lw.k_norm)
-        base = cfg.rope_base_local if cfg.local_layers[li] else cfg.rope_base
-        q, k = rope(q, base), rope(k, base)
+        # local layers: their own base, no position scaling (llama.cpp's rope_freq_scale_train_swa = 1)
+        base, scale = (cfg.rope_base_local, 1.0) if cfg.local_layers[li] else (cfg.rope_base, cfg.rope_scale)
+        q, k = rope(q, base, scale), rope(k, base, scale)
         visible = kpos <= qpos
         if cfg.local_layers[li]:
             visible &= qpos - cfg.sliding_window < kpos
