@@ -191,3 +191,16 @@ def test_prefix_reuse_and_the_host_cache_keep_every_row_greedy_output(models, na
         restored = e.generate(a, **greedy)              # ... and restored
     assert warm.timings["cache_n"] == 29 and restored.timings["cache_n"] == 29
     assert cold.token_ids == first.token_ids == warm.token_ids == restored.token_ids
+
+
+def test_local_layers_are_the_same_whatever_the_prefill_chunk(models):
+    """gemma3 (window 8): a 60-token prompt prefilled 64, 7 or 3 tokens a step, alone or beside another
+    request: the same greedy tokens (chunks straddle the window's edge)."""
+    ids = list(np.random.default_rng(4).integers(3, 500, 60))
+    outs = []
+    for n_batch in (64, 7, 3):
+        with fastserve.Engine(models["gemma3"], n_parallel=2, n_ctx=2 * 128, n_batch=n_batch) as e:
+            other = e.submit(ids[::-1], max_tokens=8, temperature=0, cache_prompt=False)
+            outs.append(e.generate(ids, max_tokens=8, temperature=0, cache_prompt=False).token_ids)
+            other.result()
+    assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 8
