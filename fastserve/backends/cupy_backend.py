@@ -1,7 +1,8 @@
 """The transformer forward pass on an NVIDIA GPU: fastserve's kernels (cuda/*.cu) plus cuBLAS, through CuPy.
 
 Same contract as NumpyBackend (fastserve/backends/base.py); same math, in this order per layer:
-    h = rmsnorm(x) -> qkv = h Wqkv^T -> RoPE(q, k) -> K, V into the cache -> attention -> x += a Wo^T
+    h = rmsnorm(x) -> qkv = h Wqkv^T -> [+ bias, per-head q/k RMSNorm: qk_prep] -> RoPE(q, k)
+      -> K, V into the cache -> attention -> x += a Wo^T
     h = rmsnorm(x) -> gu = h Wgu^T -> s = silu(g) * u -> x += s Wdown^T
 then the final norm on the output rows only, logits = h Wout^T. Products of up to matvec_max_n rows
 (decode) form h as they read it and gate/up's warp writes s: h and gu are then never stored.
@@ -81,14 +82,22 @@ def cuda_status() -> tuple[bool, str]:
 def unsupported_features(cfg: ModelConfig) -> list[str]:
     """What cfg's architecture row asks for that the CUDA kernels do not run yet (empty: all of it runs)."""
     a = cfg.arch
-    wanted = [(cfg.rope_neox, "NeoX RoPE"), (cfg.ffn_gelu, "GeGLU"), (a.qkv_bias, "q/k/v biases"),
-              (a.qk_norm, "per-head q/k RMSNorm"), (a.sandwich_norms, "norms after attention and FFN"),
+    wanted = [(cfg.ffn_gelu, "GeGLU"), (a.sandwich_norms, "norms after attention and FFN"),
               (cfg.embd_scale != 1.0, "a scaled embedding"), (any(cfg.local_layers), "sliding-window layers"),
               (cfg.logit_softcap > 0, "logit soft-capping"),
               (cfg.head_dim > K.ATTN_HEAD_DIMS[-1] or cfg.head_dim % 8,
                f"head_dim {cfg.head_dim} (cuda/attention.cu: multiples of 8 up to {K.ATTN_HEAD_DIMS[-1]})"),
               (cfg.n_head // cfg.n_head_kv > 8, f"{cfg.n_head // cfg.n_head_kv} query heads per KV head (at most 8)")]
     return [name for needed, name in wanted if needed]
+
+
+def neox_order(cfg: ModelConfig) -> np.ndarray:
+    """Within a head, the order of dimensions that makes NeoX RoPE (pairs i, i + rope_dim/2) the adjacent
+    pairs (2i, 2i+1) the kernels rotate: new dimension 2i is old i, 2i+1 is old i + rope_dim/2. Q and K
+    rows (and their biases and norm weights) are uploaded in this order; q . k is the same in any common
+    order, and V is not touched, so attention is unchanged (convert_hf_to_gguf permutes llama's the same way)."""
+    half, j = cfg.rope_dim // 2, np.arange(cfg.head_dim)
+    return np.where(j < cfg.rope_dim, j // 2 + (j % 2) * half, j)
 
 
 def _bucket(n: int) -> int:
@@ -190,13 +199,25 @@ class CupyBackend:
         return dst
 
     def _upload_weights(self, w: ModelWeights) -> None:
-        dt = self.dtype
+        dt, c = self.dtype, self.cfg
+        # rows of Q and K heads in neox_order (NeoX RoPE as the kernels' adjacent pairs), V rows as they are
+        order = np.arange(self.qkv_dim)
+        if c.rope_neox:
+            heads = np.arange(c.n_head + c.n_head_kv)[:, None] * c.head_dim
+            order[:self.q_dim + self.kv_dim] = (heads + neox_order(c)[None, :]).reshape(-1)
+        qk = neox_order(c) if c.rope_neox else np.arange(c.head_dim)     # one head's norm weights
+
+        def opt(v, idx):
+            return None if v is None else self._to_device(np.ascontiguousarray(v[idx]), "f32")
+
         self.layers = []
         for lw in w.layers:
             self.layers.append(dict(
-                attn_norm=self._to_device(lw.attn_norm, "f32"), wqkv=self._to_device(lw.wqkv, dt),
+                attn_norm=self._to_device(lw.attn_norm, "f32"),
+                wqkv=self._to_device(lw.wqkv.to_float()[order] if c.rope_neox else lw.wqkv, dt),
                 wo=self._to_device(lw.wo, dt), ffn_norm=self._to_device(lw.ffn_norm, "f32"),
-                w_gate_up=self._to_device(lw.w_gate_up, dt), w_down=self._to_device(lw.w_down, dt)))
+                w_gate_up=self._to_device(lw.w_gate_up, dt), w_down=self._to_device(lw.w_down, dt),
+                qkv_bias=opt(lw.qkv_bias, order), q_norm=opt(lw.q_norm, qk), k_norm=opt(lw.k_norm, qk)))
         self.tok_embd = self._to_device(w.tok_embd, dt)
         self.output = self.tok_embd if w.output is w.tok_embd else self._to_device(w.output, dt)
         self.out_norm = self._to_device(w.out_norm, "f32")
@@ -455,6 +476,9 @@ class CupyBackend:
         for li, lw in enumerate(self.layers):
             kc, vc = self.k_cache[li], self.v_cache[li]
             K.norm_gemm(self.x, lw["attn_norm"], lw["wqkv"], self.qkv, self.h, n, c.norm_eps, matvec_max_n=mv)
+            if lw["qkv_bias"] is not None or lw["q_norm"] is not None:
+                K.qk_prep(self.qkv, lw["qkv_bias"], lw["q_norm"], lw["k_norm"], n, c.n_head, c.n_head_kv,
+                          c.head_dim, c.norm_eps)
             K.rope_store(self.qkv, self.cos, self.sin, kc, vc, self.slots_d, self.positions_d, n, c.n_head, c.rope_dim)
             K.attention(self.qkv, kc, vc, self.slots_d, self.positions_d, self.part_o, self.part_ml, self.attn,
                         n, c.n_head, self.attn_chunk, self.scale)

@@ -108,7 +108,7 @@ def test_geglu_is_tanh_gelu_times_up():
 def test_the_gpu_backend_reads_the_same_rows(models):
     """What a row needs that the CUDA kernels do not run is named (and `auto` then picks the CPU)."""
     assert unsupported_features(models["llama"].config) == []
-    assert "q/k/v biases" in unsupported_features(models["qwen2"].config)
+    assert unsupported_features(models["qwen2"].config) == unsupported_features(models["qwen3"].config) == []
     assert {"GeGLU", "sliding-window layers"} <= set(unsupported_features(models["gemma3"].config))
 
 
