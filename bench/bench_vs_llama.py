@@ -10,7 +10,8 @@ at 10 Hz beside the load, all measured by the client. The levels are interleaved
 llama-server at each level) so that both see the same machine noise; ratios are fastserve /
 llama-server of one run. It names the llama.cpp commit measured against.
 
-Run: python bench/bench_vs_llama.py --llama-server PATH [--quick] [--json out.json]
+Run: python bench/bench_vs_llama.py --llama-server PATH [-m MODEL] [-np 32] [-c 16384] [--clients 1,8,32]
+     [--quick] [--json out.json]
      (or LLAMA_SERVER=PATH in the environment); without a binary it says why and exits 0.
 llama-server is built from source for the benchmark only (never committed). When its --version
 says "commit unknown" (a source tree without .git), pass --llama-commit, else the bench looks for
@@ -216,6 +217,7 @@ def report(out: dict) -> str:
 
 
 def main(argv=None) -> int:
+    global N_PARALLEL, N_CTX            # -np / -c: what both commands and the report read
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
                     help="llama-server binary (default: $LLAMA_SERVER)")
@@ -224,8 +226,11 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="10 s warm-up + 30 s per level instead of 30 + 90")
     ap.add_argument("--starts", type=int, help="starts of each server timed (default: 1 with --quick, else 3)")
     ap.add_argument("--clients", default=",".join(map(str, LEVELS)))
+    ap.add_argument("-np", "--parallel", type=int, default=N_PARALLEL, help="slots of both servers")
+    ap.add_argument("-c", "--ctx-size", type=int, default=N_CTX, help="context of both servers (all slots)")
     ap.add_argument("--json", default="bench_vs_llama.json", help="where the figures go (JSON)")
     a = ap.parse_args(argv)
+    N_PARALLEL, N_CTX = a.parallel, a.ctx_size
     if not a.llama_server:
         print("bench_vs_llama: skipped: no llama-server binary given (--llama-server PATH or LLAMA_SERVER=PATH); "
               "build llama.cpp's llama-server from source for it (never committed). Without one, "

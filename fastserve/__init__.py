@@ -1,4 +1,4 @@
-"""fastserve: single-process LLM inference for llama-family GGUF models.
+"""fastserve: single-process LLM inference for GGUF models (llama, Qwen 2/3, Gemma 3 families).
 
     import fastserve
     model = fastserve.load_model(fastserve.default_model_path())

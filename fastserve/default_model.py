@@ -33,20 +33,22 @@ def sha256_of(path: str) -> str:
     return h.hexdigest()
 
 
-def _verified(path: str) -> bool:
-    """True when path holds the expected file. The hash is checked once; a stamp remembers size+mtime."""
-    if not os.path.isfile(path) or os.path.getsize(path) != SIZE:
+def _verified(path: str, sha256: str | None = None, size: int | None = None) -> bool:
+    """True when path holds the expected file (the default model's, unless sha256 and size are given).
+    The hash is checked once; a stamp remembers size+mtime."""
+    sha256 = sha256 or SHA256
+    if not os.path.isfile(path) or os.path.getsize(path) != (size or SIZE):
         return False
     stamp = path + ".verified"
     st = os.stat(path)
-    key = f"{SHA256} {st.st_size} {st.st_mtime_ns}"
+    key = f"{sha256} {st.st_size} {st.st_mtime_ns}"
     try:
         with open(stamp) as f:
             if f.read() == key:
                 return True
     except OSError:
         pass
-    if sha256_of(path) != SHA256:
+    if sha256_of(path) != sha256:
         return False
     with open(stamp, "w") as f:
         f.write(key)

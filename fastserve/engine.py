@@ -167,9 +167,9 @@ class Engine:
             # rest, a benchmark's fixed logits): the host sampler over its forward().
             return backend if hasattr(type(backend), "step") else HostSampled(backend, self.n_batch)
         device = self.config.device
-        if device == "auto":            # CUDA when CuPy sees a GPU, else the CPU
-            from .backends.cupy_backend import cuda_status
-            device = "cuda" if cuda_status()[0] else "cpu"
+        if device == "auto":            # CUDA when CuPy sees a GPU and runs the model's family, else the CPU
+            from .backends.cupy_backend import cuda_status, unsupported_features
+            device = "cuda" if cuda_status()[0] and not unsupported_features(self.model.config) else "cpu"
         if device == "cpu":
             from .backends.numpy_backend import NumpyBackend
             return NumpyBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot,

@@ -1,4 +1,4 @@
-"""Model: a loaded GGUF llama model — config, weights, tokenizer — and teacher-forced logits."""
+"""Model: a loaded GGUF model of a family of the architecture table — config, weights, tokenizer — and teacher-forced logits."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ import numpy as np
 from .errors import ModelLoadError
 from .hugepages import no_huge_page_advice
 from .models.gguf_file import GGUFFile
-from .models.llama import LlamaConfig, load_weights
+from .models.transformer import ModelConfig, load_weights
 from .tokenizer import Tokenizer
 
 
@@ -23,7 +23,7 @@ class Model:
         t1 = time.perf_counter()
         self.tokenizer = Tokenizer.from_metadata(gf.metadata)
         t2 = time.perf_counter()
-        self.config = LlamaConfig.from_metadata(gf.metadata, n_vocab=self.tokenizer.n_vocab)
+        self.config = ModelConfig.from_metadata(gf.metadata, n_vocab=self.tokenizer.n_vocab)
         if self.config.n_layer > len(gf.tensors):     # before anything is sized by it
             raise ModelLoadError(f"{gf.path}: the metadata says {self.config.n_layer} layers (block_count) but the "
                                  f"file holds {len(gf.tensors)} tensors; the file is corrupt")
@@ -59,5 +59,6 @@ class Model:
 
 
 def load_model(path: str | os.PathLike) -> Model:
-    """Load a llama-family GGUF model (memory-mapped; the products run on its blocks as stored)."""
+    """Load a GGUF model of a supported architecture (models/architecture.py: llama, qwen2, qwen3, gemma3),
+    memory-mapped; the products run on its blocks as stored."""
     return Model(path)

@@ -1,7 +1,8 @@
-"""The llama forward pass on an NVIDIA GPU: fastserve's kernels (cuda/*.cu) plus cuBLAS, through CuPy.
+"""The transformer forward pass on an NVIDIA GPU: fastserve's kernels (cuda/*.cu) plus cuBLAS, through CuPy.
 
 Same contract as NumpyBackend (fastserve/backends/base.py); same math, in this order per layer:
-    h = rmsnorm(x) -> qkv = h Wqkv^T -> RoPE(q, k) -> K, V into the cache -> attention -> x += a Wo^T
+    h = rmsnorm(x) -> qkv = h Wqkv^T -> [+ bias, per-head q/k RMSNorm: qk_prep] -> RoPE(q, k)
+      -> K, V into the cache -> attention -> x += a Wo^T
     h = rmsnorm(x) -> gu = h Wgu^T -> s = silu(g) * u -> x += s Wdown^T
 then the final norm on the output rows only, logits = h Wout^T. Products of up to matvec_max_n rows
 (decode) form h as they read it and gate/up's warp writes s: h and gu are then never stored.
@@ -34,6 +35,10 @@ One host synchronisation per forward (the logits, or only the ids with forward_g
 asked-for probabilities with forward_sample: the host sampler's chain on the device, cuda/sampling.cu);
 CuPy's stream synchronisation releases the GIL while it waits.
 
+It reads the same description as the CPU backend (ModelConfig and its architecture row,
+models/architecture.py); what a row asks for that these kernels do not run yet (unsupported_features)
+is refused at construction, naming it, and `auto` picks the CPU for such a model.
+
 Importing this module needs no CuPy; building a CupyBackend does.
 """
 from __future__ import annotations
@@ -45,7 +50,7 @@ import numpy as np
 from . import kernels as K
 from ..config import MAX_LOGIT_BIAS, MAX_N_PROBS, MAX_PENALTY_WINDOW, SamplingParams
 from ..errors import FastserveError
-from ..models.llama import LlamaConfig, LlamaWeights
+from ..models.transformer import ModelConfig, ModelWeights
 from .base import StepOutput
 
 DTYPES = ("f16", "bf16")
@@ -76,6 +81,27 @@ def cuda_status() -> tuple[bool, str]:
     return True, name
 
 
+def unsupported_features(cfg: ModelConfig) -> list[str]:
+    """What cfg's architecture row asks for that the CUDA kernels do not run yet (empty: all of it runs)."""
+    a = cfg.arch
+    wanted = [(cfg.ffn_gelu, "GeGLU"), (a.sandwich_norms, "norms after attention and FFN"),
+              (cfg.embd_scale != 1.0, "a scaled embedding"), (any(cfg.local_layers), "sliding-window layers"),
+              (cfg.logit_softcap > 0, "logit soft-capping"),
+              (cfg.head_dim > K.ATTN_HEAD_DIMS[-1] or cfg.head_dim % 8,
+               f"head_dim {cfg.head_dim} (cuda/attention.cu: multiples of 8 up to {K.ATTN_HEAD_DIMS[-1]})"),
+              (cfg.n_head // cfg.n_head_kv > 8, f"{cfg.n_head // cfg.n_head_kv} query heads per KV head (at most 8)")]
+    return [name for needed, name in wanted if needed]
+
+
+def neox_order(cfg: ModelConfig) -> np.ndarray:
+    """Within a head, the order of dimensions that makes NeoX RoPE (pairs i, i + rope_dim/2) the adjacent
+    pairs (2i, 2i+1) the kernels rotate: new dimension 2i is old i, 2i+1 is old i + rope_dim/2. Q and K
+    rows (and their biases and norm weights) are uploaded in this order; q . k is the same in any common
+    order, and V is not touched, so attention is unchanged (convert_hf_to_gguf permutes llama's the same way)."""
+    half, j = cfg.rope_dim // 2, np.arange(cfg.head_dim)
+    return np.where(j < cfg.rope_dim, j // 2 + (j % 2) * half, j)
+
+
 def _bucket(n: int) -> int:
     b = 1
     while b < n:
@@ -101,13 +127,17 @@ class CupyBackend:
 
     samples_on_device = True        # step(): fastserve/device_sampling.py drives forward_sample
 
-    def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, n_slots: int, n_ctx_slot: int, *,
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, n_slots: int, n_ctx_slot: int, *,
                  dtype: str = "f16", max_tokens: int = 512, max_out: int | None = None, graphs: bool = True,
                  attn_chunk: int | None = None, matvec_max_n: int = K.MATVEC_MAX_N, device: int | None = None,
                  max_penalty_window: int = MAX_PENALTY_WINDOW, max_logit_bias: int = MAX_LOGIT_BIAS,
                  max_n_probs: int = MAX_N_PROBS):
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+        missing = unsupported_features(cfg)
+        if missing:
+            raise DeviceUnavailable(f"the CUDA backend does not run {', '.join(missing)} yet, which the "
+                                    f"{cfg.arch.name!r} architecture needs; run it on the CPU (--device cpu)")
         ok, why = cuda_status()
         if not ok:
             raise DeviceUnavailable(f"the CUDA backend cannot start: {why}; run on the CPU (--device cpu, or "
@@ -132,7 +162,7 @@ class CupyBackend:
         c = cfg
         self.q_dim, self.kv_dim = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
         self.qkv_dim = self.q_dim + 2 * self.kv_dim
-        self.scale = float(1.0 / np.sqrt(c.head_dim))
+        self.scale = cfg.attn_scale
         if attn_chunk is None:      # ~128 blocks a decode token (splits x KV heads, <= 32 splits), >= 64 keys each
             per_split = -(-n_ctx_slot // min(32, -(-128 // c.n_head_kv)))
             attn_chunk = max(64, -(-per_split // 64) * 64)
@@ -178,14 +208,26 @@ class CupyBackend:
         del src
         return dst
 
-    def _upload_weights(self, w: LlamaWeights) -> None:
-        dt = self.dtype
+    def _upload_weights(self, w: ModelWeights) -> None:
+        dt, c = self.dtype, self.cfg
+        # rows of Q and K heads in neox_order (NeoX RoPE as the kernels' adjacent pairs), V rows as they are
+        order = np.arange(self.qkv_dim)
+        if c.rope_neox:
+            heads = np.arange(c.n_head + c.n_head_kv)[:, None] * c.head_dim
+            order[:self.q_dim + self.kv_dim] = (heads + neox_order(c)[None, :]).reshape(-1)
+        qk = neox_order(c) if c.rope_neox else np.arange(c.head_dim)     # one head's norm weights
+
+        def opt(v, idx):
+            return None if v is None else self._to_device(np.ascontiguousarray(v[idx]), "f32")
+
         self.layers = []
         for lw in w.layers:
             self.layers.append(dict(
-                attn_norm=self._to_device(lw.attn_norm, "f32"), wqkv=self._to_device(lw.wqkv, dt),
+                attn_norm=self._to_device(lw.attn_norm, "f32"),
+                wqkv=self._to_device(lw.wqkv.to_float()[order] if c.rope_neox else lw.wqkv, dt),
                 wo=self._to_device(lw.wo, dt), ffn_norm=self._to_device(lw.ffn_norm, "f32"),
-                w_gate_up=self._to_device(lw.w_gate_up, dt), w_down=self._to_device(lw.w_down, dt)))
+                w_gate_up=self._to_device(lw.w_gate_up, dt), w_down=self._to_device(lw.w_down, dt),
+                qkv_bias=opt(lw.qkv_bias, order), q_norm=opt(lw.q_norm, qk), k_norm=opt(lw.k_norm, qk)))
         self.tok_embd = self._to_device(w.tok_embd, dt)
         self.output = self.tok_embd if w.output is w.tok_embd else self._to_device(w.output, dt)
         self.out_norm = self._to_device(w.out_norm, "f32")
@@ -490,6 +532,9 @@ class CupyBackend:
         for li, lw in enumerate(self.layers):
             kc, vc = self.k_cache[li], self.v_cache[li]
             K.norm_gemm(self.x, lw["attn_norm"], lw["wqkv"], self.qkv, self.h, n, c.norm_eps, matvec_max_n=mv)
+            if lw["qkv_bias"] is not None or lw["q_norm"] is not None:
+                K.qk_prep(self.qkv, lw["qkv_bias"], lw["q_norm"], lw["k_norm"], n, c.n_head, c.n_head_kv,
+                          c.head_dim, c.norm_eps)
             K.rope_store(self.qkv, self.cos, self.sin, kc, vc, self.slots_d, self.positions_d, n, c.n_head, c.rope_dim)
             K.attention(self.qkv, kc, vc, self.slots_d, self.positions_d, self.part_o, self.part_ml, self.attn,
                         n, c.n_head, self.attn_chunk, self.scale)

@@ -56,6 +56,7 @@ KERNELS = {
     "kv_cache": [f"kv_store_{s}" for s in _S3] + [f"rope_store_{s}" for s in _S3],
     "matvec": [f"{kind}_{s}_n{n}" for kind in ("matvec", "norm_matvec", "norm_matvec_swiglu")
                for s in ("f16", "bf16") for n in MATVEC_ROWS],
+    "qk_prep": ["qk_prep_f32"],
     "rms_norm": [f"rms_norm_{s}" for s in _S3],
     "rope": ["rope_qk_f32"],
     "sampling": ["argmax_rows_f32", "sample_chain_f32"],
@@ -252,6 +253,27 @@ def rope_qk(qkv, cos, sin, positions, n: int, n_head: int, n_head_kv: int, head_
         function("rope", "rope_qk_f32")(
             (n,), (_threads(n_rot * rope_dim // 2, 256),),
             (qkv, cos, sin, positions, _i32(stride), _i32(n_rot), _i32(head_dim), _i32(rope_dim)))
+
+
+def qk_prep(qkv, bias, q_norm, k_norm, n: int, n_head: int, n_head_kv: int, head_dim: int, eps: float) -> None:
+    """In place, before RoPE: qkv f32 [>=n, (n_head + 2 n_head_kv) head_dim] += bias f32 [that width]
+    (None: no bias); then each Q head RMS-normed with q_norm f32 [head_dim] and each K head with k_norm
+    (both None: no norms)."""
+    stride = (n_head + 2 * n_head_kv) * head_dim
+    _check("qkv", qkv, np.float32, (None, stride), min_rows=n)
+    if bias is not None:
+        _check("bias", bias, np.float32, (stride,))
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm come together")
+    if q_norm is not None:
+        _check("q_norm", q_norm, np.float32, (head_dim,))
+        _check("k_norm", k_norm, np.float32, (head_dim,))
+    if n and (bias is not None or q_norm is not None):
+        function("qk_prep", "qk_prep_f32")(
+            (n,), (_threads(max(head_dim, 32), 256),),
+            (qkv, _NULL if bias is None else bias, _NULL if q_norm is None else q_norm,
+             _NULL if k_norm is None else k_norm, _i32(stride), _i32(n_head), _i32(n_head_kv), _i32(head_dim),
+             _f32(eps)))
 
 
 def _check_kv(qkv, k_cache, v_cache, slots, positions, n: int, n_head: int) -> tuple:

@@ -1,4 +1,6 @@
-"""The llama forward pass in NumPy (float32): the CPU backend and the reference for the GPU one.
+"""The transformer forward pass in NumPy (float32): the CPU backend and the reference for the GPU one.
+It reads what a family adds (biases, q/k norms, sandwich norms, GeGLU, NeoX RoPE, local layers)
+from cfg (models/architecture.py: one row per architecture), never from the architecture's name.
 
 The matrix products run on the GGUF file's own blocks (fastserve._matmul: memory-mapped, decoded
 panel by panel as they are read, batch-invariant by construction). Everything else is float32.
@@ -13,7 +15,7 @@ import numpy as np
 from .._attention import Attention
 from .._pool import Pool
 from .._matmul import Matmul
-from ..models.llama import LlamaConfig, LlamaWeights
+from ..models.transformer import ModelConfig, ModelWeights
 from .host_sampling import HostSampling
 from .kv_cache import DEFAULT_CACHE_TYPE, KVCache
 
@@ -30,31 +32,36 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = 
     return out
 
 
-def rope_tables(cfg: LlamaConfig, n_pos: int, freq_factors: np.ndarray | None):
-    """cos, sin [n_pos, rope_dim/2] in float32, for llama.cpp's 'normal' (adjacent pair) RoPE."""
+def rope_tables(cfg: ModelConfig, n_pos: int, freq_factors: np.ndarray | None, local: bool = False):
+    """cos, sin [n_pos, rope_dim/2] in float32: angle (pos / scale) * base^(-2i/rope_dim) (/ factor i), the
+    same for llama.cpp's adjacent-pair and NeoX layouts. local: the local layers' table (their own base,
+    and no position scaling: llama.cpp's rope_freq_scale_train_swa is 1)."""
     half = cfg.rope_dim // 2
-    inv_freq = cfg.rope_base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rope_dim)
+    base, scale = (cfg.rope_base_local, 1.0) if local else (cfg.rope_base, cfg.rope_scale)
+    inv_freq = base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rope_dim)
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors[:half].astype(np.float64)
-    pos = np.arange(n_pos, dtype=np.float64) / cfg.rope_scale
+    pos = np.arange(n_pos, dtype=np.float64) / scale
     theta = np.outer(pos, inv_freq)
     return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
 
 
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, tmp=None) -> None:
-    """In place. x [n, heads, D]; cos/sin [n, rope_dim/2]; rotates pairs (2i, 2i+1) of the first rope_dim.
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, tmp=None, neox: bool = False) -> None:
+    """In place. x [n, heads, D]; cos/sin [n, rope_dim/2]; rotates pairs (2i, 2i+1) of the first rope_dim
+    (llama.cpp's "normal" RoPE), or (i, i + rope_dim/2) when neox.
     tmp: three float32 scratch arrays of at least [n, heads, rope_dim/2] (allocated when None)."""
     n, heads, half = x.shape[0], x.shape[1], rope_dim // 2
     if tmp is None:
         tmp = [np.empty((n, heads, half), np.float32) for _ in range(3)]
     x0, t, u = (a[:n, :heads] for a in tmp)
-    x1 = x[:, :, 1:rope_dim:2]
+    first, second = (slice(0, half), slice(half, rope_dim)) if neox else (slice(0, rope_dim, 2), slice(1, rope_dim, 2))
+    x1 = x[:, :, second]
     c, s = cos[:, None, :], sin[:, None, :]
-    np.copyto(x0, x[:, :, 0:rope_dim:2])
+    np.copyto(x0, x[:, :, first])
     np.multiply(x0, c, out=t)
     np.multiply(x1, s, out=u)
     np.multiply(x0, s, out=x0)                 # x0 * s, before x1 is overwritten
-    np.subtract(t, u, out=x[:, :, 0:rope_dim:2])
+    np.subtract(t, u, out=x[:, :, first])
     np.multiply(x1, c, out=u)
     np.add(x0, u, out=x1)
 
@@ -69,17 +76,43 @@ def swiglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
+_SQRT_2_OVER_PI = np.float32(np.sqrt(2.0 / np.pi))
+
+
+def geglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """out = gelu(gate) * up in float32, written into out; GELU's tanh form, as llama.cpp's ggml_gelu:
+    0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2))). (llama.cpp's CPU backend reads it from an f16
+    table; emulating that rounding changed neither agreement nor |dp| on Gemma 3 270M.)"""
+    np.multiply(gate, gate, out=out)
+    out *= np.float32(0.044715)
+    out += np.float32(1.0)
+    out *= gate
+    out *= _SQRT_2_OVER_PI
+    np.tanh(out, out=out)
+    out += np.float32(1.0)
+    out *= gate
+    out *= np.float32(0.5)
+    out *= up
+    return out
+
+
+def head_norm(x: np.ndarray, w: np.ndarray, eps: float, ms: np.ndarray) -> None:
+    """In place: RMSNorm of each head of x [n, heads, D] with w [D]; ms: scratch of >= n * heads."""
+    flat = x.reshape(-1, x.shape[2])
+    rms_norm(flat, w, eps, out=flat, ms=ms[:len(flat)])
+
+
 class Activations:
     """The forward pass's buffers, allocated once for `rows` tokens (grown, never shrunk, if a
     step brings more): a step uses their first n rows and allocates nothing else of its size."""
 
-    def __init__(self, cfg: LlamaConfig, rows: int):
+    def __init__(self, cfg: ModelConfig, rows: int):
         q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
         self.rows = rows
         self.x = np.zeros((rows, cfg.n_embd), np.float32)            # the residual stream
         self.h = np.zeros((rows, cfg.n_embd), np.float32)            # normed input of a product
         self.y = np.zeros((rows, cfg.n_embd), np.float32)            # a product into the stream
-        self.ms = np.zeros(rows, np.float32)                         # RMSNorm's mean squares
+        self.ms = np.zeros(rows * cfg.n_head, np.float32)            # RMSNorm's mean squares (rows, or heads)
         self.qkv = np.zeros((rows, q_dim + 2 * kv_dim), np.float32)
         self.q = np.zeros((rows, cfg.n_head, cfg.head_dim), np.float32)
         self.k = np.zeros((rows, cfg.n_head_kv, cfg.head_dim), np.float32)
@@ -90,6 +123,8 @@ class Activations:
         half = cfg.rope_dim // 2
         self.cos = np.zeros((rows, half), np.float32)
         self.sin = np.zeros((rows, half), np.float32)
+        self.cos_local = np.zeros((rows, half), np.float32)        # the local layers' (their own base)
+        self.sin_local = np.zeros((rows, half), np.float32)
         # RoPE's temporaries: [rows, heads, rope_dim/2] for the widest (query) heads.
         self.r0 = np.zeros((rows, cfg.n_head, half), np.float32)
         self.r1 = np.zeros((rows, cfg.n_head, half), np.float32)
@@ -109,7 +144,7 @@ class NumpyBackend(HostSampling):
     the batch or the threads.
     """
 
-    def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, n_slots: int, n_ctx_slot: int,
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, n_slots: int, n_ctx_slot: int,
                  threads: int = 1, cache_type_k: str = DEFAULT_CACHE_TYPE,
                  cache_type_v: str = DEFAULT_CACHE_TYPE, max_tokens: int = 512, reuse_logits: bool = False):
         self.cfg, self.w = cfg, weights
@@ -124,7 +159,10 @@ class NumpyBackend(HostSampling):
         self.kv = KVCache(cfg.n_layer, n_slots, n_ctx_slot, cfg.n_head_kv, cfg.head_dim, cache_type_k, cache_type_v)
         self._attn = Attention(self.pool)
         self.cos, self.sin = rope_tables(cfg, n_ctx_slot, weights.rope_freqs)
-        self.scale = float(1.0 / np.sqrt(cfg.head_dim))
+        # local layers' own RoPE base (gemma3: 10k beside the global layers' 1M)
+        self.cos_local, self.sin_local = (rope_tables(cfg, n_ctx_slot, weights.rope_freqs, local=True)
+                                          if any(cfg.local_layers) else (self.cos, self.sin))
+        self.scale = cfg.attn_scale
         self.init_sampling(n_slots, cfg.n_vocab, max_tokens)    # the step's sampler: backends/host_sampling.py
 
     def kv_bytes_per_token(self) -> int:
@@ -155,29 +193,50 @@ class NumpyBackend(HostSampling):
         q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
         x, h, y, ms, qkv = a.x[:n], a.h[:n], a.y[:n], a.ms[:n], a.qkv[:n]
         q, k, v, attn, gu, act = a.q[:n], a.k[:n], a.v[:n], a.attn[:n], a.gu[:n], a.act[:n]
-        cos, sin, rope_tmp = a.cos[:n], a.sin[:n], (a.r0, a.r1, a.r2)
+        rope_tmp = (a.r0, a.r1, a.r2)
         if n and (positions.min() < 0 or positions.max() >= self.n_ctx_slot):
             raise ValueError(f"positions must be in [0, {self.n_ctx_slot}), got {positions.min()}..{positions.max()}")
         # mode="clip": take's default ("raise") copies through a temporary; positions are checked above.
-        np.take(self.cos, positions, axis=0, out=cos, mode="clip")
-        np.take(self.sin, positions, axis=0, out=sin, mode="clip")
+        ropes = {}
+        for local, (ct, st, cos, sin) in {False: (self.cos, self.sin, a.cos, a.sin),
+                                          True: (self.cos_local, self.sin_local, a.cos_local, a.sin_local)}.items():
+            if local in cfg.local_layers:
+                ropes[local] = (np.take(ct, positions, axis=0, out=cos[:n], mode="clip"),
+                                np.take(st, positions, axis=0, out=sin[:n], mode="clip"))
         w.tok_embd.get_rows(np.asarray(tokens, dtype=np.int64), out=x)
+        if cfg.embd_scale != 1.0:
+            x *= np.float32(cfg.embd_scale)
+        act_fn = geglu if cfg.ffn_gelu else swiglu
         for li, lw in enumerate(w.layers):
+            local = cfg.local_layers[li]
             rms_norm(x, lw.attn_norm, cfg.norm_eps, out=h, ms=ms)
             self._mm(h, lw.wqkv, qkv)
+            if lw.qkv_bias is not None:
+                qkv += lw.qkv_bias
             np.copyto(q, qkv[:, :q_dim].reshape(n, cfg.n_head, cfg.head_dim))
             np.copyto(k, qkv[:, q_dim:q_dim + kv_dim].reshape(n, cfg.n_head_kv, cfg.head_dim))
             np.copyto(v, qkv[:, q_dim + kv_dim:].reshape(n, cfg.n_head_kv, cfg.head_dim))
-            apply_rope(q, cos, sin, cfg.rope_dim, rope_tmp)
-            apply_rope(k, cos, sin, cfg.rope_dim, rope_tmp)
+            if lw.q_norm is not None:
+                head_norm(q, lw.q_norm, cfg.norm_eps, a.ms)
+                head_norm(k, lw.k_norm, cfg.norm_eps, a.ms)
+            cos, sin = ropes[local]
+            apply_rope(q, cos, sin, cfg.rope_dim, rope_tmp, cfg.rope_neox)
+            apply_rope(k, cos, sin, cfg.rope_dim, rope_tmp, cfg.rope_neox)
             self.kv.store(li, k, v, slots, positions)
-            self._attn(q, self.kv.k[li], self.kv.v[li], self.kv.type_k, self.kv.type_v,
-                       slots, positions, attn, self.scale)
-            x += self._mm(attn, lw.wo, y)
+            # a local layer's query at q sees keys q - window < p <= q (llama.cpp's is_masked_swa, standard)
+            self._attn(q, self.kv.k[li], self.kv.v[li], self.kv.type_k, self.kv.type_v, slots, positions, attn,
+                       self.scale, window=cfg.sliding_window if local else 0)
+            self._mm(attn, lw.wo, y)
+            if lw.post_attn_norm is not None:
+                rms_norm(y, lw.post_attn_norm, cfg.norm_eps, out=y, ms=ms)
+            x += y
             rms_norm(x, lw.ffn_norm, cfg.norm_eps, out=h, ms=ms)
             self._mm(h, lw.w_gate_up, gu)
-            swiglu(gu[:, :cfg.n_ff], gu[:, cfg.n_ff:], act)
-            x += self._mm(act, lw.w_down, y)
+            act_fn(gu[:, :cfg.n_ff], gu[:, cfg.n_ff:], act)
+            self._mm(act, lw.w_down, y)
+            if lw.post_ffn_norm is not None:
+                rms_norm(y, lw.post_ffn_norm, cfg.norm_eps, out=y, ms=ms)
+            x += y
         rows = np.asarray(out_rows, dtype=np.int64)
         m = len(rows)
         if m and (rows.min() < 0 or rows.max() >= n):
@@ -185,5 +244,12 @@ class NumpyBackend(HostSampling):
         np.take(x, rows, axis=0, out=y[:m], mode="clip")
         rms_norm(y[:m], w.out_norm, cfg.norm_eps, out=h[:m], ms=ms[:m])
         if not self.reuse_logits or m > len(self._logits):
-            return self._mm(h[:m], w.output, np.empty((m, cfg.n_vocab), np.float32))
-        return self._mm(h[:m], w.output, self._logits[:m])
+            logits = self._mm(h[:m], w.output, np.empty((m, cfg.n_vocab), np.float32))
+        else:
+            logits = self._mm(h[:m], w.output, self._logits[:m])
+        if cfg.logit_softcap > 0:
+            c = np.float32(cfg.logit_softcap)
+            logits /= c
+            np.tanh(logits, out=logits)
+            logits *= c
+        return logits

@@ -48,15 +48,31 @@ def tiny_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
 def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
                      n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 512, n_ctx: int = 2048,
                      weight_type: str = "F32", tied: bool = False, seed: int = 0,
-                     architecture: str = "llama") -> str:
-    """Write a llama GGUF with random weights. weight_type: F32, F16, a type gguf.quants can quantize,
+                     architecture: str = "llama", head_dim: int | None = None, sliding_window: int = 0,
+                     extra_tensors: tuple[str, ...] = (), rope_scale: float = 1.0) -> str:
+    """Write a GGUF of one architecture of the table (models/architecture.py) with random weights: the
+    llama tensors plus what the row adds (biases, q/k norms, sandwich norms); head_dim: when not
+    n_embd / n_head (written as key_length); sliding_window: for a row with local layers;
+    extra_tensors: names of further [n_embd] tensors (a tensor no row knows, for error tests);
+    rope_scale: linear RoPE position scaling (rope.scaling.type linear) when not 1.
+    weight_type: F32, F16, a type gguf.quants can quantize,
     Q4_K, Q5_K, Q6_K (fastserve.ref.blocks' encoder; rows of a multiple of 256 inputs), or "Q4_K_M"
     (llama.cpp's mix: attn_v and ffn_down in Q6_K, the other matrices in Q4_K)."""
     import gguf
 
+    from .architecture import ARCHITECTURES
+
     rng = np.random.default_rng(seed)
-    head_dim = n_embd // n_head
     w = gguf.GGUFWriter(os.fspath(path), architecture)
+    if head_dim is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    head_dim = head_dim or n_embd // n_head
+    if sliding_window:
+        w.add_sliding_window(sliding_window)
+    if rope_scale != 1.0:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope_scale)
     w.add_block_count(n_layer)
     w.add_context_length(n_ctx)
     w.add_embedding_length(n_embd)
@@ -99,6 +115,15 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
         mat(b + "ffn_gate.weight", n_ff, n_embd, n_embd ** -0.5)
         mat(b + "ffn_up.weight", n_ff, n_embd, n_embd ** -0.5)
         mat(b + "ffn_down.weight", n_embd, n_ff, n_ff ** -0.5)
+        row = ARCHITECTURES.get(architecture)
+        sizes = {"attn_q.bias": n_head * head_dim, "attn_k.bias": n_head_kv * head_dim,
+                 "attn_v.bias": n_head_kv * head_dim, "attn_q_norm.weight": head_dim, "attn_k_norm.weight": head_dim,
+                 "post_attention_norm.weight": n_embd, "post_ffw_norm.weight": n_embd}
+        for name in (row.layer_tensors() if row else ()):
+            if name in sizes:
+                vec(b + name, sizes[name])
+    for name in extra_tensors:
+        vec(name, n_embd)
     vec("output_norm.weight", n_embd)
     if not tied:
         mat("output.weight", n_vocab, n_embd, n_embd ** -0.5)

@@ -8,7 +8,7 @@ import pytest
 
 from fastserve.tokenizer import Tokenizer
 
-from tests.reference_data import load_reference
+from tests.reference_data import GOLDEN_DATA, load_reference
 
 _CASES = load_reference()
 
@@ -113,3 +113,19 @@ def test_vocabulary_built_in_bulk_equals_token_by_token(tok, model_metadata):
     assert tok._pieces == [tok._piece(i) for i in range(tok.n_vocab)]
     merges = model_metadata["tokenizer.ggml.merges"]
     assert _merge_pairs(merges, tok._id) == _merge_pairs_loop(merges, tok._id)
+
+
+_PRE_CASES = load_reference(GOLDEN_DATA / "pretokenizer_cases.json")["cases"]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("pre", sorted(_PRE_CASES))
+def test_pre_tokenizer_split_as_llama_cpp(model_metadata, pre):
+    """qwen2 (Qwen 2/2.5/3) and llama-bpe (Llama 3) pre-tokenizers on SmolLM2's vocabulary: llama.cpp's ids
+    (recorded on the synthetic models of shared/reference, which carry this vocabulary under that pre)."""
+    tok = Tokenizer.from_metadata({**model_metadata, "tokenizer.ggml.pre": pre})
+    bad = [(c["name"], key) for c in _PRE_CASES[pre]
+           for key, kw in (("ids_add_special_false", {"add_special": False}), ("ids_add_special_true", {}),
+                           ("ids_parse_special_false", {"add_special": False, "parse_special": False}))
+           if tok.encode(c["text"], **kw) != c[key]]
+    assert not bad, bad

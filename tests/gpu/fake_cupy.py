@@ -182,6 +182,20 @@ def _k_rope_qk(grid, args):
     x[:, :, 1:rope_dim:2] = x0 * s + x1 * c
 
 
+def _k_qk_prep(grid, args):
+    qkv, bias, q_norm, k_norm, stride, n_head, n_head_kv, head_dim, eps = args
+    n, H, Hkv, D = _rows_of(grid), int(n_head), int(n_head_kv), int(head_dim)
+    x = np.asarray(qkv)[:n]
+    if isinstance(bias, ndarray):
+        x += bias
+    if isinstance(q_norm, ndarray):
+        for lo, hi, w in ((0, H, q_norm), (H, H + Hkv, k_norm)):
+            heads = x[:, lo * D:hi * D].reshape(n, hi - lo, D)
+            ms = np.einsum("thd,thd->th", heads, heads) / np.float32(D)
+            x[:, lo * D:hi * D] = (heads * (np.float32(1.0) / np.sqrt(ms + np.float32(eps)))[..., None]
+                                   * np.asarray(w)).reshape(n, -1)
+
+
 def _k_kv_store(grid, args):
     qkv, kc, vc, slots, positions, stride, n_head, n_head_kv, head_dim, n_ctx = args
     n = _rows_of(grid)
@@ -315,7 +329,7 @@ def _k_sample_chain(grid, args):
 
 
 _EMULATIONS = [("embed_rows_", _k_embed_rows), ("rms_norm_", _k_rms_norm), ("rope_qk_", _k_rope_qk),
-               ("kv_store_", _k_kv_store), ("rope_store_", _k_rope_store), ("matvec_", _k_matvec),
+               ("kv_store_", _k_kv_store), ("rope_store_", _k_rope_store), ("qk_prep_", _k_qk_prep), ("matvec_", _k_matvec),
                ("norm_matvec_swiglu_", _k_norm_matvec_swiglu), ("norm_matvec_", _k_norm_matvec),
                ("attention_split_", _k_attention_split),
                ("attention_combine_", _k_attention_combine), ("swiglu_", _k_swiglu), ("cast_f32_", _k_cast),

@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 
 from fastserve._matmul import BlockMatrix
-from fastserve.models.llama import LlamaWeights
+from fastserve.models.transformer import ModelWeights
 
 
 def rel_err(got, want) -> float:
@@ -32,7 +32,7 @@ def round_to(a: np.ndarray, dtype: str) -> np.ndarray:
     raise ValueError(dtype)
 
 
-def rounded_weights(w: LlamaWeights, dtype: str) -> LlamaWeights:
+def rounded_weights(w: ModelWeights, dtype: str) -> ModelWeights:
     """The weights as CupyBackend holds them: matrices and the embedding rounded to dtype (as F32
     BlockMatrix, which the NumPy backend multiplies in float32), norms float32."""
     def rounded(m):
@@ -43,4 +43,4 @@ def rounded_weights(w: LlamaWeights, dtype: str) -> LlamaWeights:
               for lw in w.layers]
     tok = rounded(w.tok_embd)
     out = tok if w.output is w.tok_embd else rounded(w.output)
-    return LlamaWeights(tok_embd=tok, layers=layers, out_norm=w.out_norm, output=out, rope_freqs=w.rope_freqs)
+    return ModelWeights(tok_embd=tok, layers=layers, out_norm=w.out_norm, output=out, rope_freqs=w.rope_freqs)

@@ -183,3 +183,23 @@ def test_engine_runs_on_the_backend(fake, tiny_model):
                           backend=lambda cfg, w, ns, nc: _numpy_backend(cfg, rounded_weights(w, "f16"), ns, nc)) as e:
         want = [r.result().token_ids for r in [e.submit(p, max_tokens=8, temperature=0) for p in prompts]]
     assert got == want
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_other_rows_match_numpy_backend(fake, tmp_path, arch):
+    """The rows the kernels run besides llama's: NeoX RoPE (Q/K rows uploaded in neox_order), q/k/v biases
+    and per-head q/k RMSNorm (cuda/qk_prep.cu), head_dim decoupled from n_embd / n_head."""
+    import fastserve
+    from fastserve.backends.cupy_backend import CupyBackend, unsupported_features
+    from fastserve.models.synthetic import write_llama_gguf
+    model = fastserve.load_model(write_llama_gguf(tmp_path / f"{arch}.gguf", architecture=arch, head_dim=24))
+    cfg, w = model.config, model.weights
+    assert unsupported_features(cfg) == []
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, cfg.n_vocab, n).astype(np.int32) for n in (7, 3, 12)]
+    gpu = CupyBackend(cfg, w, n_slots=4, n_ctx_slot=64, dtype="f16", attn_chunk=4)
+    ref = _numpy_backend(cfg, rounded_weights(w, "f16"), 4, 64)
+    got = _prefill_then_decode(gpu, prompts, 6, rng)
+    want = _prefill_then_decode(ref, prompts, 6, rng)
+    worst = max(rel_err(g, r) for g, r in zip(got, want))
+    assert worst <= 1e-2, f"{arch}: worst per-step relative error {worst:.2e}"

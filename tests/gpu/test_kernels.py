@@ -219,6 +219,31 @@ def test_swiglu(cupy, storage):
     assert rel_err(_from_storage(out, storage)[:n], want) <= tol
 
 
+@pytest.mark.parametrize("bias, norms", [(True, False), (False, True), (True, True)])
+def test_qk_prep_is_bias_then_head_norms(cupy, bias, norms):
+    """qwen2's q/k/v bias and qwen3's per-head q/k RMSNorm, as numpy_backend computes them."""
+    from fastserve.backends.numpy_backend import head_norm
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
+    H, Hkv, D, n, eps = 4, 2, 48, 5, 1e-6
+    qkv = rng.standard_normal((n, (H + 2 * Hkv) * D)).astype(np.float32)
+    b = rng.standard_normal(qkv.shape[1]).astype(np.float32)
+    qn, kn = (rng.standard_normal(D).astype(np.float32) for _ in range(2))
+    want = qkv + b if bias else qkv.copy()
+    if norms:
+        ms = np.zeros(n * H, np.float32)
+        for lo, hi, w in ((0, H, qn), (H, H + Hkv, kn)):
+            heads = np.ascontiguousarray(want[:, lo * D:hi * D]).reshape(n, hi - lo, D)
+            head_norm(heads, w, eps, ms)
+            want[:, lo * D:hi * D] = heads.reshape(n, -1)
+    dev = cupy.asarray(qkv)
+    K.qk_prep(dev, cupy.asarray(b) if bias else None, cupy.asarray(qn) if norms else None,
+              cupy.asarray(kn) if norms else None, n, H, Hkv, D, eps)
+    got = dev.get()
+    assert rel_err(got, want) <= 1e-6
+    if not bias:
+        np.testing.assert_array_equal(got[:, (H + Hkv) * D:], qkv[:, (H + Hkv) * D:])     # V untouched
+
+
 @pytest.mark.parametrize("storage", STORAGES)
 def test_rope_store_is_rope_then_kv_store(cupy, storage):
     rng = np.random.default_rng(1234)   # fixed: a failure must reproduce

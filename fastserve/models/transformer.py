@@ -1,14 +1,12 @@
-"""Llama-family hyperparameters and weights, read from a GGUF file.
-
-Covers SmolLM2, TinyLlama, Llama 2/3, Mistral-style models: RMSNorm, RoPE
-(llama.cpp's "normal" pair layout, since convert_hf_to_gguf permutes Q and K for
-it), grouped-query attention, SwiGLU, tied or separate output matrix.
+"""Transformer hyperparameters and weights, read from a GGUF file, for every family of the
+architecture table (models/architecture.py: llama, qwen2, qwen3, gemma3): RMSNorm, RoPE,
+grouped-query attention, a gated FFN, tied or separate output matrix, and what the row adds.
 
 The matrices stay as the file stores them (memory-mapped): fastserve._matmul.BlockMatrix views of the
 tensors' blocks, on which the CPU products run directly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
 Q6_K, F32, F16, BF16); a tensor of any other type is repacked once at load into Q8_0 blocks (logged).
-Only the norm vectors are decoded to float32. The GPU backend decodes one matrix at a time while
-uploading (LlamaWeights.float_tensors, BlockMatrix.to_float).
+Only the norm vectors and biases are decoded to float32. The GPU backend decodes one matrix at a time
+while uploading (BlockMatrix.to_float).
 Matrix orientation: numpy shape (out_features, in_features), so y = x @ W.T.
 """
 from __future__ import annotations
@@ -20,11 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ModelLoadError
+from .architecture import GELU, NEOX, Architecture, architecture, check_tensors
 from .gguf_file import GGUFFile
 
 log = logging.getLogger("fastserve.models")
 
-SUPPORTED_ARCHITECTURES = ("llama",)
 # Types gguf.quants can dequantize (checked at import time of gguf; listed for error messages).
 PLAIN_TYPES = ("F32", "F16", "BF16", "F64")
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -34,7 +32,9 @@ SUPPORTED_TENSOR_TYPES = PLAIN_TYPES + QUANT_TYPES
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
+class ModelConfig:
+    """Everything the forward pass needs to know about a model, the family's row included."""
+    arch: Architecture
     n_layer: int
     n_embd: int
     n_head: int
@@ -42,21 +42,33 @@ class LlamaConfig:
     n_ff: int
     n_vocab: int
     n_ctx_train: int
-    head_dim: int
+    head_dim: int           # key and value head size (need not be n_embd / n_head)
     rope_dim: int
     rope_base: float
     rope_scale: float       # linear position scaling (1.0 = none)
     norm_eps: float
+    attn_scale: float       # the query scale of attention's scores
+    embd_scale: float       # the embedding rows' scale (1.0 = none)
+    sliding_window: int     # keys a local layer's query sees, itself included (0: no local layers)
+    local_layers: tuple[bool, ...]  # [n_layer]: True for a sliding-window layer
+    rope_base_local: float  # the local layers' RoPE base
+    logit_softcap: float    # logits = c * tanh(logits / c) when > 0
+
+    @property
+    def rope_neox(self) -> bool:
+        return self.arch.rope == NEOX
+
+    @property
+    def ffn_gelu(self) -> bool:
+        return self.arch.ffn_act == GELU
 
     @classmethod
-    def from_metadata(cls, md: dict, n_vocab: int) -> "LlamaConfig":
-        arch = md.get("general.architecture", "<missing>")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(f"unsupported model architecture {arch!r}; supported: "
-                                 f"{', '.join(SUPPORTED_ARCHITECTURES)} (SmolLM2, TinyLlama, Llama 2/3, Mistral-style)")
+    def from_metadata(cls, md: dict, n_vocab: int) -> "ModelConfig":
+        name = md.get("general.architecture", "<missing>")
+        arch = architecture(name)
 
         def value(key, default, kinds, ok):
-            full = f"{arch}.{key}"
+            full = f"{name}.{key}"
             v = md.get(full, default)
             if v is None:
                 raise ModelLoadError(f"GGUF metadata lacks {full!r}; the file is incomplete")
@@ -71,16 +83,29 @@ class LlamaConfig:
             return float(value(key, default, (int, float, np.number), lambda v: bool(np.isfinite(v))))
 
         n_embd = count("embedding_length")
+        n_layer = count("block_count")
         n_head = count("attention.head_count")
         n_head_kv = count("attention.head_count_kv", n_head)
         if n_head % n_head_kv:
             raise ModelLoadError(f"GGUF metadata: {n_head} attention heads do not split into groups of "
                                  f"{n_head_kv} KV heads; the file is corrupt")
         head_dim = count("attention.key_length", n_embd // n_head)
-        scaling = md.get(f"{arch}.rope.scaling.type", "none")
+        if count("attention.value_length", head_dim) != head_dim:
+            raise ModelLoadError(f"GGUF metadata: {name}.attention.value_length differs from key_length "
+                                 f"({head_dim}); fastserve runs models whose K and V heads have one size")
+        scaling = md.get(f"{name}.rope.scaling.type", "none")
         factor = number("rope.scaling.factor", 1.0) or 1.0
+        window, local = 0, (False,) * n_layer
+        if arch.sliding_window:
+            window = int(value("attention.sliding_window", 0, (int, np.integer), lambda v: 0 <= v < 2**31))
+            period = count("attention.sliding_window_pattern", arch.swa_period) if window else 0
+            # llama.cpp's set_swa_pattern: of each `period` layers the last is global
+            local = tuple(bool(window) and i % period < period - 1 for i in range(n_layer))
+        # gemma3's 27B scales queries by n_embd / n_head, the others by head_dim (llama.cpp's gemma3.cpp)
+        q_size = n_embd // n_head if name == "gemma3" and n_layer == 62 else head_dim
         return cls(
-            n_layer=count("block_count"),
+            arch=arch,
+            n_layer=n_layer,
             n_embd=n_embd,
             n_head=n_head,
             n_head_kv=n_head_kv,
@@ -92,6 +117,12 @@ class LlamaConfig:
             rope_base=number("rope.freq_base", 10000.0),
             rope_scale=factor if scaling == "linear" else 1.0,
             norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),
+            attn_scale=float(1.0 / np.sqrt(q_size)),
+            embd_scale=float(np.sqrt(np.float32(n_embd))) if arch.embd_scale_sqrt else 1.0,
+            sliding_window=window,
+            local_layers=local,
+            rope_base_local=number("rope.freq_base_swa", arch.swa_rope_base) if window else 0.0,
+            logit_softcap=number("final_logit_softcapping", 0.0) if arch.logit_softcap else 0.0,
         )
 
 
@@ -105,10 +136,16 @@ class LayerWeights:
     ffn_norm: np.ndarray    # [n_embd]
     w_gate_up: object       # [2*n_ff, n_embd]: rows gate, then up
     w_down: object          # [n_embd, n_ff]
+    # What some rows add (None where the row has none):
+    qkv_bias: np.ndarray | None = None        # [(n_head + 2*n_head_kv)*head_dim]: Q, K, V biases
+    q_norm: np.ndarray | None = None          # [head_dim]: per-head RMSNorm of q
+    k_norm: np.ndarray | None = None          # [head_dim]: per-head RMSNorm of k
+    post_attn_norm: np.ndarray | None = None  # [n_embd]: the attention block's output norm
+    post_ffn_norm: np.ndarray | None = None   # [n_embd]: the FFN block's output norm
 
 
 @dataclass
-class LlamaWeights:
+class ModelWeights:
     tok_embd: object                # BlockMatrix [n_vocab, n_embd] (get_rows: the embedding lookup)
     layers: list[LayerWeights]
     out_norm: np.ndarray            # [n_embd]
@@ -180,54 +217,62 @@ class _Progress:
                 self.bar.close()
 
 
-def load_weights(gf: GGUFFile, cfg: LlamaConfig) -> LlamaWeights:
+def load_weights(gf: GGUFFile, cfg: ModelConfig) -> ModelWeights:
     """Views of every tensor the forward pass needs, as the file stores them (no matrix is decoded:
-    the products run on the mapped blocks); norms as float32. Checks shapes against cfg."""
+    the products run on the mapped blocks); norms and biases as float32. Checks names and shapes
+    against cfg and its architecture row."""
+    arch = cfg.arch
+    check_tensors(arch, gf.tensors, cfg.n_layer, gf.path)
     names = ["token_embd.weight", "output_norm.weight"]
-    per_layer = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-                 "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
-    names += [f"blk.{i}.{p}.weight" for i in range(cfg.n_layer) for p in per_layer]
+    names += [f"blk.{i}.{p}" for i in range(cfg.n_layer) for p in arch.layer_tensors()]
     has_output = "output.weight" in gf.tensors
     if has_output:
         names.append("output.weight")
     missing = [n for n in names if n not in gf.tensors]
     if missing:
         raise ModelLoadError(f"{gf.path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
-                             "is this a llama-family model?")
+                             f"the {arch.name!r} architecture ({arch.families}) needs them")
 
-    q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
-    expected = {"token_embd.weight": (cfg.n_vocab, cfg.n_embd), "output_norm.weight": (cfg.n_embd,)}
-    if has_output:
-        expected["output.weight"] = (cfg.n_vocab, cfg.n_embd)
+    d, D = cfg.n_embd, cfg.head_dim
+    q_dim, kv_dim = cfg.n_head * D, cfg.n_head_kv * D
+    per_layer = {"attn_norm.weight": (d,), "ffn_norm.weight": (d,), "attn_q.weight": (q_dim, d),
+                 "attn_k.weight": (kv_dim, d), "attn_v.weight": (kv_dim, d), "attn_output.weight": (d, q_dim),
+                 "ffn_gate.weight": (cfg.n_ff, d), "ffn_up.weight": (cfg.n_ff, d), "ffn_down.weight": (d, cfg.n_ff),
+                 "attn_q.bias": (q_dim,), "attn_k.bias": (kv_dim,), "attn_v.bias": (kv_dim,),
+                 "attn_q_norm.weight": (D,), "attn_k_norm.weight": (D,),
+                 "post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,)}
+    expected = {"token_embd.weight": (cfg.n_vocab, d), "output_norm.weight": (d,), "output.weight": (cfg.n_vocab, d),
+                "rope_freqs.weight": (cfg.rope_dim // 2,)}
     for i in range(cfg.n_layer):
-        b = f"blk.{i}."
-        expected.update({b + "attn_norm.weight": (cfg.n_embd,), b + "ffn_norm.weight": (cfg.n_embd,),
-                         b + "attn_q.weight": (q_dim, cfg.n_embd), b + "attn_k.weight": (kv_dim, cfg.n_embd),
-                         b + "attn_v.weight": (kv_dim, cfg.n_embd), b + "attn_output.weight": (cfg.n_embd, q_dim),
-                         b + "ffn_gate.weight": (cfg.n_ff, cfg.n_embd), b + "ffn_up.weight": (cfg.n_ff, cfg.n_embd),
-                         b + "ffn_down.weight": (cfg.n_embd, cfg.n_ff)})
-    for n, shape in expected.items():
-        if tuple(gf.tensors[n].shape) != shape:
-            raise ModelLoadError(f"{gf.path}: tensor {n} has shape {tuple(gf.tensors[n].shape)}, expected {shape}")
+        expected.update({f"blk.{i}.{p}": shape for p, shape in per_layer.items()})
+    for n in gf.tensors:
+        if tuple(gf.tensors[n].shape) != expected[n]:
+            raise ModelLoadError(f"{gf.path}: tensor {n} has shape {tuple(gf.tensors[n].shape)}, expected {expected[n]}")
 
     t = gf.tensors
+
+    def vec(name):
+        return dequantize(t[name], gf.path).reshape(-1) if name in t else None
+
     progress = _Progress(cfg.n_layer + 1, "loading weights")
     layers = []
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
+        bias = None
+        if arch.qkv_bias:
+            bias = np.concatenate([vec(b + "attn_q.bias"), vec(b + "attn_k.bias"), vec(b + "attn_v.bias")])
         layers.append(LayerWeights(
-            attn_norm=dequantize(t[b + "attn_norm.weight"], gf.path),
+            attn_norm=vec(b + "attn_norm.weight"),
             wqkv=block_matrix([t[b + "attn_q.weight"], t[b + "attn_k.weight"], t[b + "attn_v.weight"]], gf.path),
             wo=block_matrix([t[b + "attn_output.weight"]], gf.path),
-            ffn_norm=dequantize(t[b + "ffn_norm.weight"], gf.path),
+            ffn_norm=vec(b + "ffn_norm.weight"),
             w_gate_up=block_matrix([t[b + "ffn_gate.weight"], t[b + "ffn_up.weight"]], gf.path),
-            w_down=block_matrix([t[b + "ffn_down.weight"]], gf.path)))
+            w_down=block_matrix([t[b + "ffn_down.weight"]], gf.path),
+            qkv_bias=bias, q_norm=vec(b + "attn_q_norm.weight"), k_norm=vec(b + "attn_k_norm.weight"),
+            post_attn_norm=vec(b + "post_attention_norm.weight"), post_ffn_norm=vec(b + "post_ffw_norm.weight")))
         progress.step()
-    rope_freqs = None
-    if "rope_freqs.weight" in gf.tensors:
-        rope_freqs = dequantize(gf.tensors["rope_freqs.weight"], gf.path).reshape(-1)
     tok = block_matrix([t["token_embd.weight"]], gf.path)
     output = block_matrix([t["output.weight"]], gf.path) if has_output else tok
     progress.step()
-    return LlamaWeights(tok_embd=tok, layers=layers, out_norm=dequantize(t["output_norm.weight"], gf.path),
-                        output=output, rope_freqs=rope_freqs)
+    return ModelWeights(tok_embd=tok, layers=layers, out_norm=vec("output_norm.weight"),
+                        output=output, rope_freqs=vec("rope_freqs.weight"))

@@ -1,0 +1,97 @@
+"""What the model families differ in: one row per GGUF `general.architecture`.
+
+The forward pass (backends/numpy_backend.py, backends/cupy_backend.py) is written once; it reads a
+row (through ModelConfig) instead of the architecture's name. A family is added by a row here and
+a golden test, not by a new forward pass. Facts not stated in a GGUF file (RoPE layout, which
+layers are local, the local layers' RoPE base, norms the file's tensor names imply) are taken from
+llama.cpp's model code (src/llama-model.cpp, src/models/<arch>.cpp), read for facts only.
+
+Every layer is
+    h = norm(x) -> q, k, v = h W_qkv^T (+ bias) -> [per-head RMSNorm of q, k] -> RoPE(q, k)
+      -> attention (a sliding window on local layers) -> a = out W_o^T -> [norm(a)] -> x += a
+    h = norm(x) -> g, u = h W_gu^T -> s = act(g) * u -> f = s W_down^T -> [norm(f)] -> x += f
+with the bracketed steps present where the row says so (sandwich norms: the norm after each block).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ModelLoadError
+
+ADJACENT, NEOX = "adjacent", "neox"     # RoPE: pairs (2i, 2i+1) (llama.cpp "normal") or (i, i + D/2)
+SILU, GELU = "silu", "gelu"             # the FFN's gate: SwiGLU or GeGLU (tanh-approximated GELU)
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One family. Tensor names are GGUF's (blk.N.<name>.weight)."""
+    name: str                       # general.architecture
+    families: str                   # for messages
+    rope: str                       # ADJACENT or NEOX
+    ffn_act: str                    # SILU or GELU
+    qkv_bias: bool = False          # blk.N.attn_{q,k,v}.bias: q/k/v biases
+    qk_norm: bool = False           # blk.N.attn_{q,k}_norm: per-head RMSNorm of q and k, before RoPE
+    sandwich_norms: bool = False    # blk.N.post_attention_norm, post_ffw_norm: norms after each block
+    embd_scale_sqrt: bool = False   # the embedding rows scaled by sqrt(n_embd)
+    rope_freqs: bool = False        # rope_freqs.weight (llama3-style frequency factors), when present
+    sliding_window: bool = False    # <arch>.attention.sliding_window: local layers
+    swa_period: int = 0             # of each swa_period layers, the last is global (when the file has
+                                    # no sliding_window_pattern)
+    swa_rope_base: float = 10000.0  # the local layers' RoPE base (when the file has no freq_base_swa)
+    logit_softcap: bool = False     # <arch>.final_logit_softcapping, when present
+
+    def layer_tensors(self) -> tuple[str, ...]:
+        """The per-layer tensor names this row reads (without the blk.N. prefix)."""
+        names = ["attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                 "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
+        if self.qkv_bias:
+            names += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+        if self.qk_norm:
+            names += ["attn_q_norm.weight", "attn_k_norm.weight"]
+        if self.sandwich_norms:
+            names += ["post_attention_norm.weight", "post_ffw_norm.weight"]
+        return tuple(names)
+
+    def global_tensors(self) -> tuple[str, ...]:
+        """Tensor names outside the layers this row may read (output.weight and rope_freqs optional)."""
+        return ("token_embd.weight", "output_norm.weight", "output.weight") + (
+            ("rope_freqs.weight",) if self.rope_freqs else ())
+
+
+ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
+    Architecture("llama", "SmolLM2, TinyLlama, Llama 2/3, Mistral-style", ADJACENT, SILU, rope_freqs=True),
+    Architecture("qwen2", "Qwen 2, Qwen 2.5", NEOX, SILU, qkv_bias=True),
+    Architecture("qwen3", "Qwen 3", NEOX, SILU, qk_norm=True),
+    Architecture("gemma3", "Gemma 3", NEOX, GELU, qk_norm=True, sandwich_norms=True, embd_scale_sqrt=True,
+                 sliding_window=True, swa_period=6, swa_rope_base=10000.0, logit_softcap=True),
+)}
+
+
+def supported() -> str:
+    """e.g. "llama (SmolLM2, ...), qwen2 (Qwen 2, Qwen 2.5), ..." for error messages."""
+    return ", ".join(f"{a.name} ({a.families})" for a in ARCHITECTURES.values())
+
+
+def architecture(name: str) -> Architecture:
+    """The row of general.architecture `name`; a ModelLoadError naming it and the supported ones if none."""
+    try:
+        return ARCHITECTURES[name]
+    except KeyError:
+        raise ModelLoadError(f"unsupported model architecture {name!r}; supported: {supported()}") from None
+
+
+def check_tensors(arch: Architecture, names, n_layer: int, path: str) -> None:
+    """Every tensor of the file is one the row reads: a tensor it does not know would be ignored,
+    and the model would compute something else than it was trained for. Raises naming it."""
+    per_layer = set(arch.layer_tensors())
+    known = set(arch.global_tensors())
+    for name in names:
+        if name in known:
+            continue
+        parts = name.split(".", 2)
+        if (len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) < n_layer
+                and parts[2] in per_layer):
+            continue
+        raise ModelLoadError(
+            f"{path}: tensor {name} is not one the {arch.name!r} architecture reads; it reads "
+            f"{', '.join(sorted(known))} and per layer blk.N.{{{', '.join(sorted(per_layer))}}}")

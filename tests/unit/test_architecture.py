@@ -1,0 +1,206 @@
+"""The architecture table (fastserve/models/architecture.py): what each row reads, the errors for what no
+row knows, and the forward pass's per-row steps checked against plain NumPy written from the formulas."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fastserve
+from fastserve.backends.cupy_backend import unsupported_features
+from fastserve.backends.numpy_backend import apply_rope, geglu, rope_tables
+from fastserve.errors import ModelLoadError
+from fastserve.models.architecture import ARCHITECTURES
+from fastserve.models.synthetic import write_llama_gguf
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """One small model per row (random weights), with head_dim decoupled from n_embd / n_head."""
+    d = tmp_path_factory.mktemp("arch")
+    out = {}
+    for name in ARCHITECTURES:
+        out[name] = fastserve.load_model(write_llama_gguf(
+            d / f"{name}.gguf", architecture=name, n_layer=7 if name == "gemma3" else 2, head_dim=24,
+            sliding_window=8 if name == "gemma3" else 0, tied=name == "gemma3",
+            rope_scale=4.0 if name == "gemma3" else 1.0))
+    return out
+
+
+def test_every_row_loads_and_reads_what_it_adds(models):
+    llama, qwen2, qwen3, gemma3 = (models[n] for n in ("llama", "qwen2", "qwen3", "gemma3"))
+    assert all(m.config.head_dim == 24 and m.config.attn_scale == pytest.approx(24 ** -0.5) for m in models.values())
+    assert qwen2.weights.layers[0].qkv_bias.shape == ((4 + 2 * 2) * 24,)
+    assert llama.weights.layers[0].qkv_bias is None and llama.weights.layers[0].q_norm is None
+    assert qwen3.weights.layers[0].q_norm.shape == (24,) and qwen3.weights.layers[0].post_attn_norm is None
+    assert qwen2.config.rope_neox and not llama.config.rope_neox
+    g = gemma3.config
+    assert g.ffn_gelu and g.embd_scale == pytest.approx(8.0) and g.sliding_window == 8
+    # llama.cpp's default pattern for gemma3: of each 6 layers the last is global
+    assert g.local_layers == (True, True, True, True, True, False, True)
+    assert g.rope_base_local == 10000.0 and g.rope_scale == 4.0 and gemma3.weights.output is gemma3.weights.tok_embd
+    assert gemma3.weights.layers[3].post_ffn_norm.shape == (64,)
+
+
+def test_rows_change_the_logits(models):
+    """Each family computes something of its own from the same ids (the rows are not ignored)."""
+    ids = [5, 17, 99, 3, 250, 42]
+    logits = {n: m.logits(ids) for n, m in models.items()}
+    assert all(np.isfinite(v).all() for v in logits.values())
+    names = list(logits)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert not np.allclose(logits[a], logits[b]), (a, b)
+
+
+def test_unknown_architecture_names_it_and_lists_the_table(tmp_path):
+    path = write_llama_gguf(tmp_path / "m.gguf", architecture="mamba")
+    with pytest.raises(ModelLoadError) as err:
+        fastserve.load_model(path)
+    msg = str(err.value)
+    assert "'mamba'" in msg and all(name in msg for name in ARCHITECTURES)
+
+
+def test_a_tensor_the_row_does_not_know_is_refused(tmp_path):
+    path = write_llama_gguf(tmp_path / "m.gguf", extra_tensors=("blk.0.attn_sinks.weight",))
+    with pytest.raises(ModelLoadError, match=r"tensor blk\.0\.attn_sinks\.weight is not one the 'llama' "
+                                             r"architecture reads; it reads .*attn_q\.weight"):
+        fastserve.load_model(path)
+
+
+def test_a_tensor_another_row_needs_is_refused_too(tmp_path):
+    """A llama file with q/k norms (a qwen3 model mislabelled) would silently lose them: refused."""
+    path = write_llama_gguf(tmp_path / "m.gguf", extra_tensors=("blk.1.post_ffw_norm.weight",))
+    with pytest.raises(ModelLoadError, match=r"blk\.1\.post_ffw_norm\.weight is not one the 'llama'"):
+        fastserve.load_model(path)
+
+
+def test_a_missing_tensor_of_the_row_is_named(tmp_path):
+    """A llama model's tensors labelled qwen3: its q/k norms are missing."""
+    path3 = write_llama_gguf(tmp_path / "q3.gguf", architecture="llama")
+    data = open(path3, "rb").read().replace(b"llama", b"qwen3")
+    open(path3, "wb").write(data)
+    with pytest.raises(ModelLoadError, match=r"missing tensors .*attn_q_norm.*'qwen3' architecture"):
+        fastserve.load_model(path3)
+
+
+def test_neox_rope_rotates_halves(models):
+    cfg = models["qwen2"].config
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((3, 2, cfg.head_dim)).astype(np.float32)
+    cos, sin = rope_tables(cfg, 3, None)
+    want = x.astype(np.float64).copy()
+    h = cfg.rope_dim // 2
+    a, b = x[..., :h].astype(np.float64), x[..., h:cfg.rope_dim].astype(np.float64)
+    c, s = cos[:, None, :], sin[:, None, :]
+    want[..., :h], want[..., h:cfg.rope_dim] = a * c - b * s, a * s + b * c
+    apply_rope(x, cos, sin, cfg.rope_dim, neox=True)
+    np.testing.assert_allclose(x, want, rtol=1e-6, atol=1e-6)
+
+
+def test_geglu_is_tanh_gelu_times_up():
+    rng = np.random.default_rng(1)
+    g, u = (rng.standard_normal((4, 32)).astype(np.float32) * 3 for _ in range(2))
+    gd = g.astype(np.float64)
+    want = 0.5 * gd * (1 + np.tanh(np.sqrt(2 / np.pi) * (gd + 0.044715 * gd ** 3))) * u
+    np.testing.assert_allclose(geglu(g, u, np.empty_like(g)), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_gpu_backend_reads_the_same_rows(models):
+    """What a row needs that the CUDA kernels do not run is named (and `auto` then picks the CPU)."""
+    assert unsupported_features(models["llama"].config) == []
+    assert unsupported_features(models["qwen2"].config) == unsupported_features(models["qwen3"].config) == []
+    assert {"GeGLU", "sliding-window layers"} <= set(unsupported_features(models["gemma3"].config))
+
+
+def _reference_logits(model, ids) -> np.ndarray:
+    """The forward pass written out from the formulas in float64, one row's steps at a time, with
+    explicit masks (causal; local layers: q - window < p <= q): what the backend must compute."""
+    cfg, w = model.config, model.weights
+    n, H, Hkv, D, d = len(ids), cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_embd
+
+    def norm(x, g):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.norm_eps) * g
+
+    def rope(x, base, scale):
+        half = cfg.rope_dim // 2
+        theta = np.arange(n)[:, None] / scale * base ** (-np.arange(half) * 2.0 / cfg.rope_dim)
+        if w.rope_freqs is not None:
+            theta = theta / w.rope_freqs[:half]
+        c, s = np.cos(theta)[:, None], np.sin(theta)[:, None]
+        i0, i1 = (np.arange(half), np.arange(half, 2 * half)) if cfg.rope_neox else (np.arange(0, 2 * half, 2),
+                                                                                  np.arange(1, 2 * half, 2))
+        out = x.copy()
+        out[..., i0], out[..., i1] = x[..., i0] * c - x[..., i1] * s, x[..., i0] * s + x[..., i1] * c
+        return out
+
+    x = w.tok_embd.to_float().astype(np.float64)[ids] * cfg.embd_scale
+    qpos, kpos = np.arange(n)[:, None], np.arange(n)[None, :]
+    for li, lw in enumerate(w.layers):
+        qkv = norm(x, lw.attn_norm) @ lw.wqkv.to_float().T + (lw.qkv_bias if lw.qkv_bias is not None else 0)
+        q = qkv[:, :H * D].reshape(n, H, D)
+        k = qkv[:, H * D:(H + Hkv) * D].reshape(n, Hkv, D)
+        v = qkv[:, (H + Hkv) * D:].reshape(n, Hkv, D)
+        if lw.q_norm is not None:
+            q, k = norm(q, lw.q_norm), norm(k, lw.k_norm)
+        # local layers: their own base, no position scaling (llama.cpp's rope_freq_scale_train_swa = 1)
+        base, scale = (cfg.rope_base_local, 1.0) if cfg.local_layers[li] else (cfg.rope_base, cfg.rope_scale)
+        q, k = rope(q, base, scale), rope(k, base, scale)
+        visible = kpos <= qpos
+        if cfg.local_layers[li]:
+            visible &= qpos - cfg.sliding_window < kpos
+        k, v = np.repeat(k, H // Hkv, axis=1), np.repeat(v, H // Hkv, axis=1)
+        s = np.einsum("qhd,khd->hqk", q, k) * cfg.attn_scale
+        s = np.where(visible, s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        a = np.einsum("hqk,khd->qhd", p, v).reshape(n, H * D) @ lw.wo.to_float().T
+        x = x + (norm(a, lw.post_attn_norm) if lw.post_attn_norm is not None else a)
+        gu = norm(x, lw.ffn_norm) @ lw.w_gate_up.to_float().T
+        g, u = gu[:, :cfg.n_ff], gu[:, cfg.n_ff:]
+        act = (0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) if cfg.ffn_gelu
+               else g / (1 + np.exp(-g)))
+        f = (act * u) @ lw.w_down.to_float().T
+        x = x + (norm(f, lw.post_ffn_norm) if lw.post_ffn_norm is not None else f)
+    return norm(x, w.out_norm) @ w.output.to_float().T
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_the_forward_pass_is_the_formulas(models, name):
+    """Every row's pass (F32 weights, f32 cache) against the formulas, over 20 positions: past gemma3's
+    window of 8 on its local layers."""
+    model = models[name]
+    ids = list(np.random.default_rng(2).integers(0, model.config.n_vocab, 20))
+    got = model.logits(ids, "f32", "f32")
+    want = _reference_logits(model, ids)
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_prefix_reuse_and_the_host_cache_keep_every_row_greedy_output(models, name):
+    """A reused prefix (in the slot, or restored from host RAM) continues as a cold prefill does, for
+    every row; gemma3's prompt is longer than its window (the cache keeps every position, so a local
+    layer's reused prefix is as good as a recomputed one)."""
+    rng = np.random.default_rng(3)
+    a, b = (list(rng.integers(3, 500, 30)) for _ in range(2))
+    greedy = dict(max_tokens=6, temperature=0)
+    with fastserve.Engine(models[name], n_parallel=1, n_ctx=128, cache_ram_mib=1) as e:
+        cold = e.generate(a, cache_prompt=False, **greedy)
+        first = e.generate(a, **greedy)
+        warm = e.generate(a, **greedy)                  # the slot's own prefix
+        e.generate(b, **greedy)                         # a's prefix saved to host RAM ...
+        restored = e.generate(a, **greedy)              # ... and restored
+    assert warm.timings["cache_n"] == 29 and restored.timings["cache_n"] == 29
+    assert cold.token_ids == first.token_ids == warm.token_ids == restored.token_ids
+
+
+def test_local_layers_are_the_same_whatever_the_prefill_chunk(models):
+    """gemma3 (window 8): a 60-token prompt prefilled 64, 7 or 3 tokens a step, alone or beside another
+    request: the same greedy tokens (chunks straddle the window's edge)."""
+    ids = list(np.random.default_rng(4).integers(3, 500, 60))
+    outs = []
+    for n_batch in (64, 7, 3):
+        with fastserve.Engine(models["gemma3"], n_parallel=2, n_ctx=2 * 128, n_batch=n_batch) as e:
+            other = e.submit(ids[::-1], max_tokens=8, temperature=0, cache_prompt=False)
+            outs.append(e.generate(ids, max_tokens=8, temperature=0, cache_prompt=False).token_ids)
+            other.result()
+    assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 8
