@@ -11,6 +11,7 @@ import fastserve
 from fastserve.backends.numpy_backend import NumpyBackend
 from fastserve.server.errors import HttpError
 from fastserve.server.generation import Generation, Limits
+from fastserve.server.metrics import LlamaTotals
 
 
 class _SlowSteps:
@@ -51,7 +52,7 @@ def _run(tiny_model, delay, token_limit, hang_at=-1, hang=0.0):
     with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=512, n_batch=8, backend=factory) as engine:
         app = SimpleNamespace(engine=engine, inflight=set(),
                               metrics=SimpleNamespace(deadlines=_Counter(), queue_time=_Counter(),
-                                                      rejected=_Counter()))
+                                                      rejected=_Counter(), llama=LlamaTotals()))
         prompt = np.random.default_rng(3).integers(3, 500, 200).tolist()
         gen = Generation(app, SimpleNamespace(generation=None), prompt, stop=[], limits=Limits(0, 0, token_limit),
                          max_tokens=2, temperature=0)
