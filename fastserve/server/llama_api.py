@@ -43,7 +43,6 @@ NOT_SUPPORTED = {
     "mirostat": (lambda v: _num(v) and v == 0, "no Mirostat"),
     "adaptive_target": (lambda v: _num(v) and v < 0, "no adaptive-p sampler"),
     "min_keep": (lambda v: _num(v) and v == 0, "no minimum of kept candidates"),
-    "ignore_eos": (lambda v: v is False, "not yet: generation ends at the end-of-generation token"),
     "n_cmpl": (lambda v: _num(v) and v == 1, "one completion per prompt (send the prompt several times, or "
                                              "use /v1/chat/completions' n)"),
     "n_indent": (lambda v: _num(v) and v == 0, "no indentation rule"),
@@ -81,7 +80,9 @@ def sampling(body: Body, app) -> dict:
                               != SAMPLER_CHAIN):
         raise HttpError(400, f"'samplers' must be fastserve's chain {SAMPLER_CHAIN} (in that order; samplers that "
                              f"are off may be named too), got {chain!r}")
-    bias = body.logit_bias("logit_bias", app.engine.tokenizer)
+    bias = body.logit_bias("logit_bias", app.engine.tokenizer) or {}
+    if body.bool("ignore_eos"):           # as llama-server: the end-of-generation tokens are never sampled
+        bias.update({tok: -math.inf for tok in app.engine.tokenizer.eog_ids})
     if bias:
         out["logit_bias"] = bias
     return out
@@ -107,7 +108,7 @@ def params_json(app, samp: dict, seed, n_predict: int, **extra) -> dict:
     for name in ("repeat_last_n", "repeat_penalty", "presence_penalty", "frequency_penalty"):
         out[name] = eff[name]
     out.update({"dry_multiplier": 0.0, "mirostat": 0, "max_tokens": n_predict, "n_predict": n_predict, "n_keep": 0,
-                "ignore_eos": False, "stream": False, "n_probs": eff["n_probs"], "min_keep": 0,
+                "ignore_eos": bool(extra.pop("ignore_eos", False)), "stream": False, "n_probs": eff["n_probs"], "min_keep": 0,
                 "samplers": SAMPLER_CHAIN, "timings_per_token": False,
                 "post_sampling_probs": eff["post_sampling_probs"]})
     out.update(extra)
@@ -233,7 +234,7 @@ async def completion(app, req, ex):
                      id_slot=body.int("id_slot", -1, lo=-1), n_probs=n_probs, post_sampling_probs=post, **samp)
     settings = params_json(app, {k: v for k, v in samp.items() if k != "logit_bias"}, seed, n_predict,
                            stream=stream, n_probs=n_probs, post_sampling_probs=post, timings_per_token=per_token,
-                           stop=stop, cache_prompt=cache_prompt)
+                           stop=stop, cache_prompt=cache_prompt, ignore_eos=body.bool("ignore_eos"))
     raws = raw if len(prompts) > 1 else [raw]
     texts = [r if isinstance(r, str) else engine.tokenizer.decode(ids) for r, ids in zip(raws, prompts)]
 

@@ -154,13 +154,26 @@ def test_constraints_are_refused_until_they_are_applied(http, oai):
     with pytest.raises(openai.BadRequestError):
         oai.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}],
                                     response_format={"type": "json_object"})
-    for field, value in (("mirostat", 2), ("dry_multiplier", 0.5), ("n_cmpl", 2), ("ignore_eos", True),
+    for field, value in (("mirostat", 2), ("dry_multiplier", 0.5), ("n_cmpl", 2),
                          ("typical_p", 0.5), ("samplers", ["top_k", "temperature"]), ("lora", [{"id": 0}])):
         msg = error(http.post("/completion", json={"prompt": "a", field: value}), 400)["message"]
         assert field in msg and "not supported" in msg or "chain" in msg, msg
     neutral = {"mirostat": 0, "dry_multiplier": 0.0, "n_cmpl": 1, "ignore_eos": False, "typical_p": 1.0,
                "samplers": ["penalties", "dry", "top_k", "top_p", "min_p", "temperature"], "lora": [], "n_keep": 4}
     assert http.post("/completion", json={"prompt": "a", "n_predict": 1, **neutral}).status_code == 200
+
+
+def test_ignore_eos(http):
+    """ignore_eos: the end-of-generation tokens are never sampled (llama-server bans them), so a reply whose
+    likeliest token is the end runs to n_predict; without it, that reply ends at once."""
+    eog = [[0, 100.0], [2, 100.0]]          # the tiny model's end-of-generation tokens, made the likeliest
+    ends = http.post("/completion", json={"prompt": "a", **GREEDY, "logit_bias": eog, "return_tokens": True}).json()
+    assert ends["stop_type"] == "eos" and ends["tokens_predicted"] <= 1, ends
+    runs = http.post("/completion", json={"prompt": "a", **GREEDY, "logit_bias": eog, "ignore_eos": True,
+                                          "return_tokens": True}).json()
+    assert runs["tokens_predicted"] == GREEDY["n_predict"] and not {0, 2} & set(runs["tokens"]), runs
+    assert runs["stop_type"] == "limit" and runs["generation_settings"]["ignore_eos"] is True
+    error(http.post("/completion", json={"prompt": "a", "ignore_eos": "yes"}), 400)
 
 
 def test_exceed_context_size_error(http):
