@@ -91,7 +91,7 @@ class Reader:
 
     @property
     def finish_reason(self) -> Optional[str]:
-        """None while running, then 'stop', 'length', 'cancelled', 'error', 'closed', 'timeout'."""
+        """None while running, then 'stop', 'length', 'cancelled', 'error' or 'closed'."""
         return finish_reason(self.buffer.finish_code)
 
     @property
