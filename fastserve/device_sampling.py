@@ -36,7 +36,7 @@ import numpy as np
 
 from .backends import kernels as K
 from .errors import RequestError
-from .config import SAMPLING_DEFAULTS, check_sampling as check_config
+from .config import SAMPLING_DEFAULTS, check_fits, check_sampling as check_config
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -66,6 +66,13 @@ class DeviceSampler:
             raise RequestError(f"slot {slot} out of range [0, {self.n_slots})")
         cfg = check_config(self.n_vocab, self.max_penalty_window, self.max_logit_bias, seed=seed, history=history,
                            **{**SAMPLING_DEFAULTS, **params})
+        self.configure_checked(slot, cfg)
+
+    def configure_checked(self, slot, cfg) -> None:
+        """configure() with parameters check_sampling already normalized (SamplingParams.slot_config)."""
+        if not 0 <= slot < self.n_slots:
+            raise RequestError(f"slot {slot} out of range [0, {self.n_slots})")
+        check_fits(cfg, self._W, self._B, "the device sampler")
         rp, pp, fp = (np.float32(cfg[k]) for k in ("repeat_penalty", "presence_penalty", "frequency_penalty"))
         window, hist, bias = cfg["repeat_last_n"], cfg["history"], cfg["logit_bias"]
         greedy = cfg["temperature"] <= 0.0

@@ -1,10 +1,11 @@
 """Engine: continuous batching on one decode thread. The one module that wires the others.
 
-    submit() ──Inbox──▶ decode thread: admit → build batch → forward → sample → commit → deliver
-    Reader ◀──ResultBuffer (one per request, no lock) + one wake-up per step──┘
+    submit() ──Inbox──▶ decode thread: schedule (admit, build → StepPlan) → backend.step (forward, sync,
+                                       sample) → commit → deliver
+    TextReader ◀──ResultBuffer (one per request, no lock) + one wake-up per step──┘
 
-Contracts (../shared/DESIGN.md 1-4, 9): the decode thread owns slots, batch,
-sampler and KV cache; other threads reach it only through the inbox; it never
+Contracts (DESIGN.md 1-4, 9): the decode thread owns slots, batch, the backend
+(its KV cache and sampler); other threads reach it only through the inbox; it never
 waits for a reader; everything a step touches is allocated here, up front.
 The engine imports nothing from server/, asyncio, h11 or uvloop: its only
 outward call is the Waker it hands to Delivery.

@@ -40,7 +40,7 @@ class Completion:
     """What generate() returns and reader.result() gives."""
     text: str
     token_ids: list[int]
-    finish_reason: str                     # "stop", "length", "cancelled", "error", "closed", "timeout"
+    finish_reason: str                     # "stop", "length", "cancelled", "error", "closed"
     prompt_tokens: int = 0
     stopping_word: str = ""
     error: str | None = None
@@ -67,4 +67,4 @@ OUTCOMES = {
     "closed": Outcome("", "", 503, "the server is shutting down"),
     "error": Outcome("", "", 500, "generation failed: {error}"),
 }
-ENDED_EARLY = Outcome("", "", 503, "the request ended early ({reason})")     # cancelled, timeout, ...
+ENDED_EARLY = Outcome("", "", 503, "the request ended early ({reason})")     # cancelled

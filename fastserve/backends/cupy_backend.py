@@ -354,7 +354,7 @@ class CupyBackend:
     # -- the engine's step (backends/base.py): sampling on the device ------------------------------
 
     def configure(self, slot: int, params: SamplingParams, history) -> None:
-        self.sampler.configure(slot, history=history, **params.kwargs())
+        self.sampler.configure_checked(slot, params.slot_config(history))
 
     def release(self, slot: int) -> None:
         """Nothing to drop: a slot's device sampling state is rewritten whole by its next configure()."""
