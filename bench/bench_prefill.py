@@ -22,7 +22,6 @@ Without a llama-server binary it says why and measures fastserve alone.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import signal
@@ -56,10 +55,11 @@ def worker(threads: int) -> None:
 
     model = fastserve.load_model(fastserve.default_model_path())
     kw = {"threads": threads}
-    if "cache_type_k" in inspect.signature(fastserve.Engine).parameters:
-        kw.update(cache_type_k="f16", cache_type_v="f16")
-    engine = fastserve.Engine(model, n_parallel=1, n_ctx=8192, **kw)
-    print(json.dumps({"ready": fastserve.__file__, "kv": kw.get("cache_type_k", "f32")}), flush=True)
+    try:                    # an f16 KV cache on every tree that has the choice
+        engine = fastserve.Engine(model, n_parallel=1, n_ctx=8192, cache_type_k="f16", cache_type_v="f16", **kw)
+    except TypeError:       # a tree from before the KV cache types
+        engine = fastserve.Engine(model, n_parallel=1, n_ctx=8192, **kw)
+    print(json.dumps({"ready": fastserve.__file__, "kv": getattr(engine, "cache_type_k", "f32")}), flush=True)
     for line in sys.stdin:
         cmd = line.split()
         if cmd[0] == "prefill":
