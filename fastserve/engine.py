@@ -27,7 +27,9 @@ from ._sampling import Sampler
 from ._slots import DECODE, IDLE, SlotTable
 from .device_sampling import device_sampler_for
 from .errors import ConfigError, EngineClosed, RequestError, ServerBusy
+from .grammar import Constraint, compile_grammar
 from .inbox import Inbox
+from .masks import MaskTable
 from .prompt_cache import MIB, PromptCache
 from .reader import Waker
 from .ref.sampling import check_config
@@ -41,6 +43,7 @@ log = logging.getLogger("fastserve.engine")
 FINISH_STOP, FINISH_LENGTH = _delivery.FINISH_STOP, _delivery.FINISH_LENGTH
 FINISH_CANCELLED, FINISH_ERROR, FINISH_CLOSED = (_delivery.FINISH_CANCELLED, _delivery.FINISH_ERROR,
                                                  _delivery.FINISH_CLOSED)
+FINISH_GRAMMAR = _delivery.FINISH_GRAMMAR
 IDLE_WAIT_S = 0.05          # an idle decode thread still wakes this often (heartbeat, close)
 
 
@@ -123,6 +126,8 @@ class Engine:
         # Sampling on the device when the backend has it (only ids and asked-for lists come back);
         # self.sampler still validates and holds each request's configuration.
         self.device_sampler = device_sampler_for(self.backend, self.sampler, n_batch, self._probs.shape[1])
+        self.masks = MaskTable(self.sampler.masks)          # constrained slots (grammar / JSON schema)
+        self._eog_id = min(self.tokenizer.eog_ids) if self.tokenizer.eog_ids else 0
         self._jobs: list[Job | None] = [None] * self.n_slots     # slot -> running job
         # erase_idle_slot() on a busy slot: its prefix is dropped when its request ends, before the slot can
         # take another (else, under load, a freed slot is taken again before an erase gets to it).
@@ -165,11 +170,13 @@ class Engine:
 
     def submit(self, prompt, *, max_tokens: int = -1, stop=(), seed: int | None = None,
                add_special: bool = True, cache_prompt: bool = True, id_slot: int = -1,
-               truncate: bool = False, **sampling) -> TextReader:
+               truncate: bool = False, grammar: str | None = None, json_schema=None, **sampling) -> TextReader:
         """Queue a request; returns its Reader at once. prompt: text or a list of token ids.
 
         sampling: temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
         presence_penalty, frequency_penalty, logit_bias, n_probs, post_sampling_probs.
+        grammar (GBNF text) or json_schema (a dict or its JSON text): only output it accepts is
+        sampled (fastserve/grammar.py); it is compiled here, in the caller's thread.
         Raises RequestError (bad request), ServerBusy (queue full), EngineClosed."""
         if self._closing:
             raise EngineClosed("the engine is closed")
@@ -193,10 +200,12 @@ class Engine:
             raise RequestError(f"id_slot must be -1 or in [0, {self.n_slots})")
         if len(self._waiting) + len(self.inbox) >= self.max_queue + self._free_slots_hint():
             raise ServerBusy(f"server busy: {self.n_slots} slots running and {self.max_queue} requests waiting")
+        constraint = self._constraint(grammar, json_schema)
         reader = TextReader(self.n_ctx_slot, self.tokenizer, stop=list(stop), n_probs=cfg["n_probs"],
                             prompt_tokens=len(ids))
         job = Job(prompt=ids, sampling=cfg, max_tokens=max_tokens, buffer=reader.buffer,
-                  cache_prompt=bool(cache_prompt), id_slot=id_slot, admission=reader.admission)
+                  cache_prompt=bool(cache_prompt), id_slot=id_slot, admission=reader.admission,
+                  constraint=constraint)
         reader._on_cancel = lambda inbox=self.inbox, jid=job.id: inbox.put("cancel", jid)
         self.inbox.put("submit", job)
         if self._closed:                    # the decode thread is gone: nobody else will end it
@@ -247,6 +256,14 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
+
+    def _constraint(self, grammar, json_schema) -> Constraint | None:
+        text = compile_grammar(grammar=grammar, json_schema=json_schema)
+        if text is None:
+            return None
+        if self.device_sampler is not None:
+            raise RequestError("grammar and json_schema are not supported with sampling on the device yet")
+        return Constraint(self.tokenizer, text)
 
     def _free_slots_hint(self) -> int:
         return self.n_slots - self.snapshot.n_running
@@ -322,14 +339,23 @@ class Engine:
             tr.lap("sync")
         n_out = batch.n_out
         sampled = self._sampled[:n_out]
+        dead = ()
         if ds is not None:
             ds.sample(row_slot, sampled, self._probs_ids, self._probs)
         else:
+            masks = self.masks
+            if masks.n_active:
+                masks.wait()
             self.sampler.sample(logits, row_slot, sampled, self._probs_ids, self._probs)
+            dead = self._unsampleable(row_slot, sampled) if masks.n_active else ()
         if tr is not None:
             tr.lap("sample")
         self.slots.commit(batch, self._sampled, self._finish)
+        if self.masks.n_active:
+            self.masks.launch(row_slot, sampled, self._finish)
         self._deliver(row_slot, sampled, n_out)
+        for slot in dead:
+            self._end(slot, FINISH_GRAMMAR)
         self._tokens_prompt += batch.n - self._n_decode
         self._tokens_generated += n_out
         self._publish()
@@ -362,6 +388,18 @@ class Engine:
     def _after_fill(self, slot: int) -> None:
         """Called after a slot added its prompt tokens to the batch; an exception fails only that fill."""
         _faults.check_fill()
+
+    def _unsampleable(self, row_slot, sampled) -> list:
+        """Rows whose constraint allowed no token (-1): their requests finish with FINISH_GRAMMAR now
+        (so the reader is sent nothing more) and their slots are freed after delivery; the row gets an
+        end-of-generation id for commit. Returns those slots."""
+        dead = []
+        for r in np.flatnonzero(sampled < 0).tolist():
+            slot = int(row_slot[r])
+            self.delivery.finish(slot, FINISH_GRAMMAR, self.masks.error(slot))
+            sampled[r] = self._eog_id
+            dead.append(slot)
+        return dead
 
     def _deliver(self, row_slot, sampled, n_out: int) -> None:
         t0 = time.perf_counter_ns()
@@ -417,7 +455,9 @@ class Engine:
             job.slot, job.n_cached = slot, n_cached
             self.delivery.reject(job.buffer, FINISH_LENGTH)
             return
-        self.sampler.configure(slot, history=job.prompt, **job.sampling)
+        self.sampler.configure(slot, history=job.prompt, constrained=job.constraint is not None, **job.sampling)
+        if job.constraint is not None:
+            self.masks.start(slot, job.constraint)
         if self.device_sampler is not None:
             self.device_sampler.configure(slot, history=job.prompt, **job.sampling)
         if self.prompt_cache is not None:       # it writes the slot's KV: nothing that can fail comes after it
@@ -455,6 +495,7 @@ class Engine:
         self.delivery.detach(slot)
         self.slots.release(slot)
         self._jobs[slot] = None
+        self.masks.end(slot)
         if job.sampling["n_probs"]:
             self._n_probs_slots -= 1
         if slot in self._erase_on_end:
@@ -514,5 +555,6 @@ class Engine:
         for slot in range(self.n_slots):
             self._jobs[slot] = None
         self.delivery.close()
+        self.masks.close()
         self._closed = True
         self._publish()

@@ -27,6 +27,9 @@ from .errors import RequestError
 
 _SPECIAL_MARKER = b"\xff"      # llguidance: a token whose bytes start with 0xFF is special, never text
 _lock = threading.Lock()
+# Whitespace between JSON tokens as llama.cpp's schema converter allows it (a space, or a newline and an
+# indent of at most 20): enough for pretty-printed output, never an endless run of blanks.
+_JSON_OPTIONS = {"whitespace_pattern": r"(?: |\n[ \t]{0,20})?"}
 
 
 def _llg():
@@ -107,7 +110,7 @@ def compile_grammar(*, grammar: str | None = None, json_schema: Any = None, json
                     raise RequestError(f"'json_schema' is not valid JSON: {exc}") from None
             if not isinstance(schema, (dict, bool)):
                 raise RequestError("'json_schema' must be a JSON schema object")
-            text = lib.LLMatcher.grammar_from_json_schema(schema)
+            text = lib.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
     except ValueError as exc:
         raise RequestError(f"invalid {given[0]}: {exc}") from None
     err = lib.LLMatcher.validate_grammar(text)

@@ -31,6 +31,7 @@ class Job:
     slot: int = -1              # set when admitted
     n_cached: int = 0           # prompt tokens whose KV was reused
     admission: Any = None       # the reader's Admission, filled in when admitted
+    constraint: Any = None      # grammar.Constraint of a constrained request (grammar / JSON schema)
 
 
 class Admission:
@@ -47,7 +48,7 @@ class Completion:
     """What generate() returns and reader.result() gives."""
     text: str
     token_ids: list[int]
-    finish_reason: str                     # "stop", "length", "cancelled", "error", "closed", "timeout"
+    finish_reason: str                     # "stop", "length", "cancelled", "error", "closed", "timeout", "grammar"
     prompt_tokens: int = 0
     stopping_word: str = ""
     error: str | None = None

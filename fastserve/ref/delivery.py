@@ -15,7 +15,8 @@ FINISH_CANCELLED = 3
 FINISH_ERROR = 4
 FINISH_CLOSED = 5
 FINISH_TIMEOUT = 6
-FINISH_REASONS = {1: "stop", 2: "length", 3: "cancelled", 4: "error", 5: "closed", 6: "timeout"}
+FINISH_GRAMMAR = 7
+FINISH_REASONS = {1: "stop", 2: "length", 3: "cancelled", 4: "error", 5: "closed", 6: "timeout", 7: "grammar"}
 
 WAIT_NONE, WAIT_DATA, WAIT_FINISH = 0, 1, 2
 
