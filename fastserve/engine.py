@@ -180,6 +180,7 @@ class Engine:
         Raises RequestError (bad request), ServerBusy (queue full), EngineClosed."""
         if self._closing:
             raise EngineClosed("the engine is closed")
+        constraint = self._constraint(grammar, json_schema)
         ids = self._prompt_ids(prompt, add_special, truncate)
         unknown = set(sampling) - set(SAMPLING_DEFAULTS)
         if unknown:
@@ -200,7 +201,6 @@ class Engine:
             raise RequestError(f"id_slot must be -1 or in [0, {self.n_slots})")
         if len(self._waiting) + len(self.inbox) >= self.max_queue + self._free_slots_hint():
             raise ServerBusy(f"server busy: {self.n_slots} slots running and {self.max_queue} requests waiting")
-        constraint = self._constraint(grammar, json_schema)
         reader = TextReader(self.n_ctx_slot, self.tokenizer, stop=list(stop), n_probs=cfg["n_probs"],
                             prompt_tokens=len(ids))
         job = Job(prompt=ids, sampling=cfg, max_tokens=max_tokens, buffer=reader.buffer,

@@ -146,8 +146,9 @@ class Constraint:
     def error(self) -> str:
         return self.matcher.get_error()
 
-    def accepts(self, tokens) -> bool:
-        """Check a whole output: every token consumed and the grammar complete (tests and tools)."""
+    def accepts(self, tokens, prefix: bool = False) -> bool:
+        """Check an output from the grammar's start (the matcher's state is kept): every token taken
+        and the grammar complete, or with prefix=True only every token taken (an output cut short)."""
         m = self.matcher.deep_copy()
         m.reset()
         for t in tokens:
@@ -155,4 +156,4 @@ class Constraint:
                 return True
             if not m.consume_token(int(t)):
                 return False
-        return m.is_accepting()
+        return prefix or m.is_accepting()

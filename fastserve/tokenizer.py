@@ -404,10 +404,15 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._template.source
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render the model's chat template (sandboxed jinja2). Raises RequestError when the model has
-        no template or the template refuses the messages."""
-        return self._template.render(messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render the model's chat template (sandboxed jinja2), with OpenAI `tools` when given. Raises
+        RequestError when the model has no template or the template refuses the messages."""
+        return self._template.render(messages, add_generation_prompt, tools)
+
+    @property
+    def chat_template_takes_tools(self) -> bool:
+        return self._template.takes_tools
 
 
 class IncrementalDecoder:

@@ -151,6 +151,8 @@ class Generation:
                 self.stop_type = "eos"
             elif reason == "length":
                 self.stop_type = "limit"
+            elif reason == "grammar":       # the grammar / JSON schema allowed no next token
+                self.stop_type = "grammar"
             elif reason == "closed":
                 raise HttpError(503, "the server is shutting down")
             elif reason == "error":
@@ -231,7 +233,7 @@ class Generation:
 
     @property
     def openai_finish_reason(self) -> str:
-        return "length" if self.stop_type == "limit" else "stop"
+        return {"limit": "length", "grammar": "grammar"}.get(self.stop_type, "stop")
 
 
 def _valid(ids: list, probs: list) -> tuple:

@@ -2,7 +2,8 @@
 
 Request fields: prompt (text, token ids, or a mix), n_predict (or max_tokens), temperature, top_k,
 top_p, min_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, seed, stop,
-stream, cache_prompt, n_probs, post_sampling_probs, id_slot, return_tokens, logit_bias, and
+stream, cache_prompt, n_probs, post_sampling_probs, id_slot, return_tokens, logit_bias, grammar
+(GBNF) or json_schema (an object: only output it accepts is sampled), and
 fastserve's per-request limits queue_timeout / request_timeout / token_timeout (seconds, may
 only shorten the server's).
 Response: content, tokens, id_slot, stop, model, tokens_predicted, tokens_evaluated,
@@ -37,6 +38,20 @@ def sampling(body: Body, n_vocab: int) -> dict:
     bias = body.logit_bias("logit_bias", n_vocab)
     if bias:
         out["logit_bias"] = bias
+    return out
+
+
+def constraint(body: Body) -> dict:
+    """grammar (GBNF; "" means none, as llama-server reads it) or json_schema, for Engine.submit."""
+    out = {}
+    grammar = body.str("grammar")
+    if grammar:
+        out["grammar"] = grammar
+    schema = body.raw("json_schema")
+    if schema is not None:
+        if not isinstance(schema, (dict, str)):
+            raise HttpError(400, "'json_schema' must be a JSON schema object")
+        out["json_schema"] = schema
     return out
 
 
@@ -126,7 +141,7 @@ async def completion(app, req, ex):
     gen = app.start_generation(
         ex, ids, stop=stop, limits=limits(body, app.config), max_tokens=n_predict, seed=seed,
         cache_prompt=body.bool("cache_prompt", True), id_slot=body.int("id_slot", -1, lo=-1),
-        n_probs=n_probs, post_sampling_probs=post, **samp)
+        n_probs=n_probs, post_sampling_probs=post, **constraint(body), **samp)
     raw = body.raw("prompt")
     prompt_text = raw if isinstance(raw, str) else engine.tokenizer.decode(ids)
     settings = {"n_predict": n_predict, "seed": -1 if seed is None else seed, "stop": stop, "stream": stream,

@@ -2,9 +2,11 @@
 
 Streams are SSE ending with `data: [DONE]`; usage comes in the response (and, when
 stream_options.include_usage is set, in a last chunk with no choices). Fields
-OpenAI defines that fastserve cannot honour (n > 1, best_of > 1, echo, tools,
-non-text response formats) are refused with a 400 that says so; llama.cpp's extra
-sampling fields (top_k, min_p, repeat_penalty, ...) are accepted as llama-server does.
+OpenAI defines that fastserve cannot honour (n > 1, best_of > 1, echo) are refused
+with a 400 that says so; llama.cpp's extra sampling fields (top_k, min_p,
+repeat_penalty, ..., grammar, json_schema) are accepted as llama-server does.
+Chat: `response_format` (json_object, json_schema) and `tools` / `tool_choice`
+are enforced in the sampler (server/tools.py).
 """
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ from . import sse
 from .errors import OPENAI, HttpError
 from .fields import Body, parse_object
 from .generation import Generation
-from .llama_api import _log, check_prompt_length, limits, prompt_ids, sampling
+from .llama_api import _log, check_prompt_length, constraint, limits, prompt_ids, sampling
 from .response import StreamResponse, json_response
+from .tools import history_message, response_format, tool_plan, with_tools
 
 MAX_TOP_LOGPROBS = 20
 # The engine reports the top-N probabilities of each step; the sampled token's own logprob is found
@@ -72,7 +75,8 @@ async def completions(app, req, ex):
     logprobs = body.int("logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     n_probs = 0 if logprobs is None else max(LOGPROB_POOL, logprobs)
     gen = app.start_generation(ex, ids, stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens,
-                               seed=body.seed(), n_probs=n_probs, **sampling(body, app.engine.tokenizer.n_vocab))
+                               seed=body.seed(), n_probs=n_probs, **constraint(body),
+                               **sampling(body, app.engine.tokenizer.n_vocab))
     rid, created = _new_id("cmpl-"), int(time.time())
     tok = app.engine.tokenizer
 
@@ -116,8 +120,9 @@ def _legacy_logprobs(tok, ids, probs, k: int, offset: int) -> dict:
 
 # -- /v1/chat/completions ------------------------------------------------------------------------
 
-def chat_messages(value) -> list[dict]:
-    """Validate OpenAI messages; content parts of type text are joined into one string."""
+def chat_messages(value, template_takes_tools: bool = False) -> list[dict]:
+    """Validate OpenAI messages; content parts of type text are joined into one string; earlier tool
+    calls and their results are kept for the template (server/tools.py)."""
     if not isinstance(value, list) or not value:
         raise HttpError(400, "'messages' must be a non-empty array of {\"role\": ..., \"content\": ...} objects")
     out = []
@@ -140,26 +145,34 @@ def chat_messages(value) -> list[dict]:
             content = "".join(parts)
         elif not isinstance(content, str):
             raise HttpError(400, f"messages[{i}].content must be a string or an array of text parts")
-        if m.get("tool_calls"):
-            raise HttpError(400, f"messages[{i}].tool_calls: tool calls are not supported")
-        out.append({"role": role, "content": content})
+        out.append(history_message(i, m, content, template_takes_tools))
     return out
 
 
 async def chat_completions(app, req, ex):
     body = parse_object(req.body)
     max_tokens, stream, include_usage = _common(body, app)
-    if body.raw("tools") or body.raw("functions"):
-        raise HttpError(400, "tools and function calling are not supported")
-    fmt = body.raw("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "text") != "text"):
-        raise HttpError(400, "'response_format' other than {\"type\": \"text\"} is not supported")
-    messages = chat_messages(body.raw("messages"))
+    plan = tool_plan(body)
+    fmt_schema = response_format(body)
+    constrain = constraint(body)
+    given = [name for name, v in (("tools", plan), ("response_format", fmt_schema), ("grammar", constrain or None))
+             if v is not None]
+    if len(given) > 1:
+        raise HttpError(400, f"give one constraint, not several: {', '.join(given)}")
+    if plan is not None:
+        constrain = {"json_schema": plan.schema}
+    elif fmt_schema is not None:
+        constrain = {"json_schema": fmt_schema}
     tok = app.engine.tokenizer
-    total = sum(len(m["content"]) for m in messages)
+    native = tok.chat_template_takes_tools
+    messages = chat_messages(body.raw("messages"), native)
+    if plan is not None:
+        messages = with_tools(messages, plan, native)
+    total = sum(len(m["content"] or "") for m in messages)
     check_prompt_length(app, total, "the conversation")
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        text = tok.apply_chat_template(messages, add_generation_prompt=True,
+                                       tools=plan.tools if plan is not None and native else None)
     except RequestError as exc:
         raise HttpError(400, str(exc)) from None
     check_prompt_length(app, len(text), "the conversation")
@@ -172,8 +185,17 @@ async def chat_completions(app, req, ex):
         raise HttpError(400, "'top_logprobs' needs 'logprobs': true")
     n_probs = max(LOGPROB_POOL, top_lp or 0) if want_lp else 0
     gen = app.start_generation(ex, ids, stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens,
-                               seed=body.seed(), n_probs=n_probs, **sampling(body, tok.n_vocab))
+                               seed=body.seed(), n_probs=n_probs, **constrain, **sampling(body, tok.n_vocab))
     rid, created = _new_id("chatcmpl-"), int(time.time())
+
+    def reply():
+        """(message fields, finish_reason) of the finished generation."""
+        if plan is None:
+            return {"content": gen.text.text}, gen.openai_finish_reason
+        content, calls = plan.parse(gen.text.text)
+        if calls:
+            return {"content": None, "tool_calls": calls}, "tool_calls"
+        return {"content": content}, gen.openai_finish_reason
 
     def logprobs(ids, probs):
         return {"content": _chat_logprobs(tok, ids, probs or [], top_lp or 0)} if want_lp else None
@@ -187,21 +209,28 @@ async def chat_completions(app, req, ex):
             yield sse.event(envelope("chat.completion.chunk", [
                 {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
             async for d in gen.deltas():
-                if d.text or want_lp:
+                if plan is None and (d.text or want_lp):
                     yield sse.event(envelope("chat.completion.chunk", [
                         {"index": 0, "delta": {"content": d.text}, "logprobs": logprobs(d.ids, d.probs),
                          "finish_reason": None}]))
+            fields, finish = reply()
+            if plan is not None:        # a call is known to be one when its JSON is complete
+                delta = {"content": fields["content"]} if "tool_calls" not in fields else {
+                    "tool_calls": [{"index": k, **c} for k, c in enumerate(fields["tool_calls"])]}
+                yield sse.event(envelope("chat.completion.chunk", [
+                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]))
             yield sse.event(envelope("chat.completion.chunk", [
-                {"index": 0, "delta": {}, "logprobs": None, "finish_reason": gen.openai_finish_reason}],
+                {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}],
                 timings=gen.timings()))
             if include_usage:
                 yield sse.event(envelope("chat.completion.chunk", [], usage=_usage(gen)))
             yield sse.DONE
         return StreamResponse(events(), on_error=lambda err: sse.error_event(err.payload(OPENAI)))
     await gen.run()
+    fields, finish = reply()
     return json_response(envelope("chat.completion", [{
-        "index": 0, "message": {"role": "assistant", "content": gen.text.text},
-        "logprobs": logprobs(gen.ids, gen.probs), "finish_reason": gen.openai_finish_reason}],
+        "index": 0, "message": {"role": "assistant", **fields},
+        "logprobs": logprobs(gen.ids, gen.probs), "finish_reason": finish}],
         usage=_usage(gen), timings=gen.timings()))
 
 
