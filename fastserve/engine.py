@@ -261,8 +261,6 @@ class Engine:
         text = compile_grammar(grammar=grammar, json_schema=json_schema)
         if text is None:
             return None
-        if self.device_sampler is not None:
-            raise RequestError("grammar and json_schema are not supported with sampling on the device yet")
         return Constraint(self.tokenizer, text)
 
     def _free_slots_hint(self) -> int:
@@ -322,6 +320,8 @@ class Engine:
         ds = self.device_sampler
         try:
             if ds is not None:      # forward and sampling on the device; the ids are on the host after it
+                if self.masks.n_active:
+                    self.masks.wait()   # the masks travel with the rows' records
                 ds.forward(tokens, positions, slots, out_rows, row_slot)
             else:
                 logits = self.backend.forward(tokens, positions, slots, out_rows)
@@ -343,11 +343,11 @@ class Engine:
         if ds is not None:
             ds.sample(row_slot, sampled, self._probs_ids, self._probs)
         else:
-            masks = self.masks
-            if masks.n_active:
-                masks.wait()
+            if self.masks.n_active:
+                self.masks.wait()
             self.sampler.sample(logits, row_slot, sampled, self._probs_ids, self._probs)
-            dead = self._unsampleable(row_slot, sampled) if masks.n_active else ()
+        if self.masks.n_active:
+            dead = self._unsampleable(row_slot, sampled)
         if tr is not None:
             tr.lap("sample")
         self.slots.commit(batch, self._sampled, self._finish)
@@ -459,7 +459,8 @@ class Engine:
         if job.constraint is not None:
             self.masks.start(slot, job.constraint)
         if self.device_sampler is not None:
-            self.device_sampler.configure(slot, history=job.prompt, **job.sampling)
+            self.device_sampler.configure(slot, history=job.prompt, constrained=job.constraint is not None,
+                                          **job.sampling)
         if self.prompt_cache is not None:       # it writes the slot's KV: nothing that can fail comes after it
             n_cached = self._swap_prefix(slot, job, n_cached)
         job.slot, job.n_cached = slot, n_cached

@@ -200,6 +200,9 @@ class CupyBackend:
         self.inputs = self._in_d[:4 * N].reshape(4, N)                  # tokens, positions, slots, rows
         self.sample_rows_d = self._in_d[4 * N:].reshape(M, R)
         self.slot_tab_d = cp.zeros((self.n_slots, W), np.int32)
+        self.mask_words = (c.n_vocab + 31) // 32
+        self._n_masks = 0
+        self.sample_masks_d = cp.zeros((M, self.mask_words), np.uint32)   # constrained rows' allowed tokens
         self._out_d = cp.zeros(M + M * 2 * P, np.int32)                 # one copy back: ids, then lists
         self.sample_ids_d, self.sample_probs_d = self._out_d[:M], self._out_d[M:].reshape(M, 2, P)
         self.tokens_d, self.positions_d, self.slots_d, self.rows_d = (self.inputs[i] for i in range(4))
@@ -220,9 +223,11 @@ class CupyBackend:
         self.inputs_h = self._in_h[:4 * N].reshape(4, N)
         self.sample_rows_h = self._in_h[4 * N:].view(K.SAMPLE_ROW)     # [M] records
         self.slot_tab_h = cupyx.empty_pinned((self.n_slots, W), np.int32)
+        self.sample_masks_h = cupyx.empty_pinned((M, self.mask_words), np.uint32)
         self._out_h = cupyx.empty_pinned(M + M * 2 * P, np.int32)
         self._pad_row = np.zeros(1, K.SAMPLE_ROW)                       # padding rows: greedy, touch nothing
-        for f, v in (("flags", K.SAMPLE_GREEDY), ("probs_row", -1), ("hist_pos", -1), ("top_p", 1.0)):
+        for f, v in (("flags", K.SAMPLE_GREEDY), ("probs_row", -1), ("hist_pos", -1), ("top_p", 1.0),
+                     ("mask_row", -1)):
             self._pad_row[f] = v
         self.logits_h = cupyx.empty_pinned((M, c.n_vocab), np.float32)
         self.ids_h = cupyx.empty_pinned(M, np.int32)
@@ -244,10 +249,11 @@ class CupyBackend:
         id): only 4 bytes per row cross to the host."""
         return self._run(tokens, positions, slots, out_rows, want="ids")
 
-    def forward_sample(self, tokens, positions, slots, out_rows, n_lists: int = 0):
+    def forward_sample(self, tokens, positions, slots, out_rows, n_lists: int = 0, masked: bool = False):
         """As forward, then the host sampler's chain on the device (cuda/sampling.cu sample_chain_f32) for
         the m output rows, whose SampleRow records the caller wrote into sample_rows_h[:m] (rows with
-        probs_row = 0 .. n_lists - 1 ask for probabilities). One copy in, one copy back, one wait.
+        probs_row = 0 .. n_lists - 1 ask for probabilities; with masked, rows with mask_row = r >= 0 read the
+        allowed tokens in sample_masks_h[r], copied in too). One copy in, one copy back, one wait.
         Returns (ids int32 [m] (-1: a sampled row without candidates), list ids int32 [n_lists, P], list
         probabilities float32 [n_lists, P]), views of pinned buffers reused at the next call. The batch
         must fit the buffers (n <= max_tokens, m <= max_out)."""
@@ -256,6 +262,7 @@ class CupyBackend:
             raise ValueError(f"device sampling needs n <= max_tokens={self.max_tokens}, m <= max_out={self.max_out} "
                              f"and 0 <= n_lists <= m (got n={n}, m={m}, n_lists={n_lists})")
         self._n_lists = int(n_lists)
+        self._n_masks = m if masked else 0
         if n == 0:
             empty = np.zeros((0, self.sample_probs), np.int32)
             return np.zeros(0, np.int32), empty, empty.view(np.float32)
@@ -406,6 +413,9 @@ class CupyBackend:
         rt = self.cp.cuda.runtime
         nbytes = self.inputs_h.nbytes + n_rows * K.SAMPLE_ROW.itemsize
         rt.memcpyAsync(self._in_d.data.ptr, self._in_h.ctypes.data, nbytes, rt.memcpyHostToDevice, self.stream.ptr)
+        if n_rows and self._n_masks:        # outside any graph: the kernel reads the buffer, wherever it came from
+            rt.memcpyAsync(self.sample_masks_d.data.ptr, self.sample_masks_h.ctypes.data,
+                           self._n_masks * self.mask_words * 4, rt.memcpyHostToDevice, self.stream.ptr)
 
     def reset_graphs(self) -> None:
         """Drop the captured graphs (after changing matvec_max_n); the next decode steps capture again."""
@@ -445,7 +455,7 @@ class CupyBackend:
                     matvec_max_n=mv)
         if sample:
             K.sample_chain(self.logits, self.sample_rows_d, self.slot_tab_d, self.sample_ids_d, self.sample_probs_d, m,
-                           self.sample_window, self.sample_bias)
+                           self.sample_window, self.sample_bias, self.sample_masks_d)
         else:
             K.argmax_rows(self.logits, self.ids, m)
 

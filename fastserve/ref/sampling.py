@@ -190,6 +190,7 @@ class _Slot:
         self.bias = [(t, np.float32(b)) for t, b in cfg["logit_bias"]]
         self.rng = cfg["seed"]
         self.hist = list(cfg["history"])   # oldest first, at most repeat_last_n
+        self.constrained = False           # set by configure(constrained=True)
 
 
 class Sampler:
