@@ -31,7 +31,7 @@ def main() -> int:
     tok = model.tokenizer
     t0 = time.perf_counter()
     failures, n_tokens, finish = [], 0, {}
-    with fastserve.Engine(model, n_parallel=args.parallel, n_ctx=args.parallel * 512) as engine:
+    with fastserve.Engine(model, n_parallel=args.parallel, n_ctx=args.parallel * 512, max_queue=2 * args.n) as engine:
         readers = []
         for i, schema in enumerate(schemas(args.n, seed=args.seed)):
             prompt = tok.apply_chat_template([{"role": "user", "content": "Reply with JSON for this schema: "
