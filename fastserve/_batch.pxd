@@ -1,4 +1,7 @@
 # The batch of one step, preallocated for n_batch tokens. Contract in _batch.pyx.
+# Fixed-width ints only: every array is int32 (a C long is 32 bits on Windows, 64 elsewhere).
+
+from libc.stdint cimport int32_t
 
 cdef struct BatchMark:
     Py_ssize_t n
@@ -10,14 +13,14 @@ cdef class Batch:
     cdef public Py_ssize_t n          # tokens in the batch
     cdef public Py_ssize_t n_out      # rows whose logits are wanted
     cdef public int owner             # slot that added tokens last (-1: none)
-    cdef int[::1] tokens_v
-    cdef long[::1] positions_v
-    cdef long[::1] slots_v
-    cdef long[::1] out_rows_v
-    cdef int[::1] row_slot_v
+    cdef int32_t[::1] tokens_v
+    cdef int32_t[::1] positions_v
+    cdef int32_t[::1] slots_v
+    cdef int32_t[::1] out_rows_v
+    cdef int32_t[::1] row_slot_v
     cdef readonly object tokens, positions, slots, out_rows, row_slot
 
-    cdef inline bint push(self, int token, long pos, int slot, bint output) noexcept nogil:
+    cdef inline bint push(self, int32_t token, int32_t pos, int32_t slot, bint output) noexcept nogil:
         """Add one token; False when the batch is full (nothing is added then)."""
         if self.n >= self.capacity:
             return False
@@ -25,7 +28,7 @@ cdef class Batch:
         self.positions_v[self.n] = pos
         self.slots_v[self.n] = slot
         if output:
-            self.out_rows_v[self.n_out] = self.n
+            self.out_rows_v[self.n_out] = <int32_t>self.n
             self.row_slot_v[self.n_out] = slot
             self.n_out += 1
         self.n += 1

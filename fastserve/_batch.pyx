@@ -5,10 +5,13 @@ Invariants:
 - Allocated once for `capacity` (n_batch) tokens; a step never allocates.
 - A slot's tokens are contiguous and in position order.
 - out_rows[i] is the batch row whose logits are wanted; row_slot[i] its slot.
+- Every array is int32, what both backends read without a conversion.
 - mark() records (n, n_out, owner) before a slot adds anything; rollback(mark)
   restores exactly that, so a prompt fill that fails halfway leaves no token
   without an owner in the batch.
 """
+from libc.stdint cimport int32_t
+
 import numpy as np
 
 
@@ -18,9 +21,9 @@ cdef class Batch:
             raise ValueError("batch capacity must be >= 1")
         self.capacity = capacity
         self.tokens = np.zeros(capacity, np.int32)      # [capacity] token ids
-        self.positions = np.zeros(capacity, np.int64)   # [capacity] position in the slot's sequence
-        self.slots = np.zeros(capacity, np.int64)       # [capacity] slot id
-        self.out_rows = np.zeros(capacity, np.int64)    # [capacity] rows whose logits are wanted
+        self.positions = np.zeros(capacity, np.int32)   # [capacity] position in the slot's sequence
+        self.slots = np.zeros(capacity, np.int32)       # [capacity] slot id
+        self.out_rows = np.zeros(capacity, np.int32)    # [capacity] rows whose logits are wanted
         self.row_slot = np.zeros(capacity, np.int32)    # [capacity] slot of each output row
         self.tokens_v, self.positions_v, self.slots_v = self.tokens, self.positions, self.slots
         self.out_rows_v, self.row_slot_v = self.out_rows, self.row_slot
@@ -33,7 +36,7 @@ cdef class Batch:
         self.n_out = 0
         self.owner = -1
 
-    def add(self, int token, long pos, int slot, bint output=False):
+    def add(self, int32_t token, int32_t pos, int32_t slot, bint output=False):
         """Add one token; raises OverflowError when the batch is full."""
         if not self.push(token, pos, slot, output):
             raise OverflowError(f"batch full ({self.capacity} tokens)")

@@ -19,11 +19,11 @@ cdef extern from *:
     #if FASTSERVE_TEST_FAULTS
     #include <stdlib.h>
     #include <time.h>
-    static long fsf_copies_left = 0, fsf_fills_left = 0;
+    static long long fsf_copies_left = 0, fsf_fills_left = 0;   /* 64 bits everywhere (a long is 32 on Windows) */
     static double fsf_stall_s = 0.0;
-    static long fsf_env_count(const char *name) {
+    static long long fsf_env_count(const char *name) {
         const char *s = getenv(name);
-        long n = s ? strtol(s, NULL, 10) : 0;
+        long long n = s ? strtoll(s, NULL, 10) : 0;
         return n > 0 ? n : 0;
     }
     static void fsf_load(void) {
@@ -55,7 +55,7 @@ cdef extern from *:
         while (nanosleep(&ts, &ts) != 0) {}
     }
     static PyObject *fsf_settings(void) {
-        return Py_BuildValue("{s:l,s:l,s:d}", "copies", fsf_copies_left, "fills", fsf_fills_left,
+        return Py_BuildValue("{s:L,s:L,s:d}", "copies", fsf_copies_left, "fills", fsf_fills_left,
                              "stall_s", fsf_stall_s);
     }
     #define FSF_ENABLED 1

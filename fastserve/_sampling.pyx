@@ -40,7 +40,8 @@ from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy, memset
 
 from fastserve.errors import RequestError
-from fastserve.ref.sampling import check_config, quant_bits
+from fastserve.config import check_sampling as check_config
+from fastserve.ref.sampling import quant_bits
 
 cdef extern from *:
     """

@@ -14,6 +14,8 @@ Invariants:
 """
 import numpy as np
 
+from libc.stdint cimport int64_t
+
 from fastserve._batch cimport Batch
 
 cdef enum:
@@ -32,7 +34,7 @@ cdef class SlotTable:
     cdef readonly int n_slots, n_ctx_slot
     cdef readonly object state, tokens, n_tokens, n_past, n_prompt, n_gen, max_gen, admit_seq, eog
     cdef int[::1] state_v, n_tokens_v, n_past_v, n_prompt_v, n_gen_v, max_gen_v
-    cdef long long[::1] admit_seq_v
+    cdef int64_t[::1] admit_seq_v
     cdef int[:, ::1] tokens_v
     cdef unsigned char[::1] eog_v
 
@@ -51,7 +53,7 @@ cdef class SlotTable:
         self.n_past_v, self.n_prompt_v, self.n_gen_v = self.n_past, self.n_prompt, self.n_gen
         self.max_gen_v, self.admit_seq_v, self.eog_v = self.max_gen, self.admit_seq, self.eog
 
-    def start(self, int slot, prompt, int n_cached, int max_gen, long long seq):
+    def start(self, int slot, prompt, int n_cached, int max_gen, int64_t seq):
         """Put a request's prompt into a free slot; the first n_cached tokens' KV is reused."""
         cdef Py_ssize_t n = len(prompt)
         if not (0 < n < self.n_ctx_slot):
@@ -112,7 +114,6 @@ cdef class SlotTable:
         FINISH_STOP (end-of-generation token), FINISH_LENGTH (max tokens or slot full) or FINISH_NONE."""
         cdef Py_ssize_t i, r
         cdef int s, t, n
-        cdef long p
         with nogil:
             for i in range(batch.n):
                 self.n_past_v[batch.slots_v[i]] = batch.positions_v[i] + 1

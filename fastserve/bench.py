@@ -1,7 +1,7 @@
 """Closed-loop load in-process: N clients, each submitting the next request as soon as one ends.
 
 Measures aggregate tokens/s, time to first token, inter-token gaps, and the
-tracer's phase table. Used by `fastserve bench` and bench/bench_engine_load.py.
+tracer's phase table. Used by `fastserve bench` and bench/bench_http.py (the in-process load beside HTTP).
 """
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ import argparse
 import sys
 import time
 
+from .config import DEFAULT_BODY_LIMIT, DEVICES, EngineConfig, SamplingParams
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="fastserve", description="Serve llama-family GGUF models.")
@@ -17,10 +19,10 @@ def main(argv=None) -> int:
     _model_args(gp)
     gp.add_argument("prompt", nargs="?", help="the prompt (omit for an interactive session)")
     gp.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (-1: until the end)")
-    gp.add_argument("--temp", type=float, default=0.8)
-    gp.add_argument("--top-k", type=int, default=40)
-    gp.add_argument("--top-p", type=float, default=0.95)
-    gp.add_argument("--min-p", type=float, default=0.05)
+    gp.add_argument("--temp", type=float, default=SamplingParams.temperature)
+    gp.add_argument("--top-k", type=int, default=SamplingParams.top_k)
+    gp.add_argument("--top-p", type=float, default=SamplingParams.top_p)
+    gp.add_argument("--min-p", type=float, default=SamplingParams.min_p)
     gp.add_argument("--seed", type=int, default=-1)
     gp.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _device_arg(gp)
@@ -44,19 +46,19 @@ def main(argv=None) -> int:
                     help="seconds a running request may go without a token (0: no limit)")
     sp.add_argument("-n", "--n-predict", type=int, default=-1,
                     help="tokens to generate when a request does not say (-1: until the slot is full)")
-    sp.add_argument("--max-queue", type=int, default=256, help="requests that may wait for a slot; more get 503")
-    sp.add_argument("-cram", "--cache-ram", type=float, default=0,
+    sp.add_argument("--max-queue", type=int, default=EngineConfig.max_queue,
+                    help="requests that may wait for a slot; more get 503")
+    sp.add_argument("-cram", "--cache-ram", type=float, default=EngineConfig.cache_ram_mib,
                     help="MiB of host RAM keeping reused slots' prompt prefixes (0: off)")
-    sp.add_argument("-sps", "--slot-prompt-similarity", type=float, default=0.1,
+    sp.add_argument("-sps", "--slot-prompt-similarity", type=float, default=EngineConfig.slot_prompt_similarity,
                     help="share of a prompt a free slot's cached prefix must match for that slot to be picked")
     sp.add_argument("--cors-origin", help="allow browser calls from this origin ('*' for any)")
-    sp.add_argument("--body-limit", type=int, default=2 << 20, help="largest request body, bytes (413 above)")
+    sp.add_argument("--body-limit", type=int, default=DEFAULT_BODY_LIMIT, help="largest request body, bytes (413 above)")
     sp.add_argument("-a", "--alias", help="model name shown in responses (default: the file name)")
     sp.add_argument("-t", "--threads", type=int, default=0,
                     help="threads of the decode step: products and attention (default 0: every core)")
     sp.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop implementation")
     sp.add_argument("--log-disable", action="store_true", help="no per-request log lines")
-    sp.add_argument("--test-stall-file", help=argparse.SUPPRESS)   # tests: forward() hangs while this file exists
 
     bp = sub.add_parser("bench", help="closed-loop load in-process: tok/s, latency, and where a step's time goes")
     _model_args(bp)
@@ -79,19 +81,19 @@ def main(argv=None) -> int:
 
 def _model_args(p) -> None:
     p.add_argument("-m", "--model", help="GGUF model path (default: the default model, pulled if needed)")
-    p.add_argument("-c", "--ctx-size", type=int, default=8192, help="KV cache tokens, shared by the slots")
-    p.add_argument("-np", "--parallel", type=int, default=8, help="slots (concurrent requests)")
-    p.add_argument("-b", "--batch-size", type=int, default=512, help="most tokens in one step")
+    p.add_argument("-c", "--ctx-size", type=int, default=EngineConfig.n_ctx, help="KV cache tokens, shared by the slots")
+    p.add_argument("-np", "--parallel", type=int, default=EngineConfig.n_parallel, help="slots (concurrent requests)")
+    p.add_argument("-b", "--batch-size", type=int, default=EngineConfig.n_batch, help="most tokens in one step")
     # The choices are backends/kv_cache.KV_CACHE_TYPES (tests/unit/test_cli.py checks), written out so
     # that parsing the command line loads no extension.
     for flag, short in (("--cache-type-k", "-ctk"), ("--cache-type-v", "-ctv")):
-        p.add_argument(short, flag, choices=("f16", "f32", "q8_0"), default="f16",
+        p.add_argument(short, flag, choices=("f16", "f32", "q8_0"), default=EngineConfig.cache_type_k,
                        help=f"KV cache type for {'keys' if flag.endswith('k') else 'values'} on the CPU (default f16)")
 
 
 def _device_arg(p) -> None:
     # Default cpu until the GPU backend has passed its device check (bench/gpu_check.py); then auto.
-    p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
+    p.add_argument("--device", choices=DEVICES, default=EngineConfig.device,
                    help="where the model math runs: cpu (NumPy), cuda (CuPy kernels), auto (cuda when CuPy sees "
                         "a GPU, else cpu)")
 
@@ -111,10 +113,18 @@ def _load(args):
     return model
 
 
+def engine_config(args, **overrides) -> EngineConfig:
+    """The EngineConfig of a command line's flags (a subcommand without a flag keeps the default)."""
+    flags = dict(n_parallel="parallel", n_ctx="ctx_size", n_batch="batch_size", device="device", threads="threads",
+                 max_queue="max_queue", cache_ram_mib="cache_ram", slot_prompt_similarity="slot_prompt_similarity",
+                 cache_type_k="cache_type_k", cache_type_v="cache_type_v")
+    given = {field: getattr(args, flag) for field, flag in flags.items() if getattr(args, flag, None) is not None}
+    return EngineConfig(**{**given, **overrides})
+
+
 def _engine(args, model):
     from .engine import Engine
-    return Engine(model, n_parallel=args.parallel, n_ctx=args.ctx_size, n_batch=args.batch_size,
-                  backend=args.device, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
+    return Engine(model, engine_config(args))
 
 
 def _generate(args) -> int:
@@ -156,9 +166,8 @@ def _bench(args) -> int:
     rows = []
     for clients in (int(c) for c in args.clients.split(",")):
         n_parallel = max(1, clients)               # a slot per client, as llama-server -np N
-        with Engine(model, n_parallel=n_parallel, n_ctx=max(args.ctx_size, 512 * n_parallel),
-                    n_batch=args.batch_size, trace=True, threads=args.threads or None,
-                    backend=args.device, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v) as engine:
+        with Engine(model, engine_config(args, n_parallel=n_parallel, n_ctx=max(args.ctx_size, 512 * n_parallel),
+                                         trace=True)) as engine:
             closed_loop(engine, prompts, clients, 3.0, n_predict=args.n_predict)     # warm-up
             engine.tracer.reset()
             rows.append(closed_loop(engine, prompts, clients, args.seconds, n_predict=args.n_predict).row())

@@ -1,4 +1,4 @@
-"""Sampling on the device: the engine's sample phase when the backend can run it (CupyBackend).
+"""Sampling on the device: the sampler of CupyBackend's step (it owns one DeviceSampler).
 
 The chain and its rules are the host sampler's (fastserve/ref/sampling.py); cuda/sampling.cu applies
 them to the logits where they are, so that a step copies back only the token ids and the probability
@@ -10,13 +10,13 @@ packs each step's rows:
   state; its prompt's tail the slot's penalty window (a ring) and its logit bias a list, both written
   into the backend's slot table and copied to the device once.
 - forward(): the records of the step's output rows, gathered from their slots' records in one take,
-  are written into the backend's pinned buffer that travels with the batch's inputs; the backend runs
-  the pass and the chain and waits once.
+  are written into the backend's pinned buffer that travels with the batch's inputs; the backend queues
+  the pass and the chain (submit_sample).
 - constraints: a slot configured with constrained=True samples from the allowed tokens of its row of
-  `masks` (the host Sampler's array, which the engine fills): forward() copies the rows' masks into the
-  backend's pinned mask buffer, which travels with the records (the record's mask_row names its row),
-  and the kernel applies it before every other stage, as the host sampler does.
-- sample(): what the host sampler does to its state after a row, vectorized over the rows: a row that
+  `masks` (uint32 [n_slots, ceil(n_vocab / 32)], which the engine fills): forward() copies the rows'
+  masks into the backend's pinned mask buffer, which travels with the records (the record's mask_row
+  names its row), and the kernel applies it before every other stage, as the host sampler does.
+- sample(): the one wait (wait_sample), then what the host sampler does to its state after a row, vectorized over the rows: a row that
   drew (not greedy, some candidate) moves its slot's splitmix64 state one step; each row's token goes
   into its slot's window ring (the kernel wrote the same token into the device's copy).
 
@@ -29,7 +29,8 @@ only when the draw lands on that unit (odds about 2**-47) and a probability only
 float32 rounding (about 2**-23).
 
 Preconditions, as the engine's steps satisfy them: each slot has at most one output row per step, and
-every step fits the backend's buffers (n <= max_tokens, m <= max_out; device_sampler_for checks).
+every step fits the backend's buffers (n <= max_tokens, m <= max_out; the engine makes its CupyBackend
+with max_tokens = n_batch, and max_out is at least min(n_slots, max_tokens)).
 """
 from __future__ import annotations
 
@@ -39,23 +40,9 @@ import numpy as np
 
 from .backends import kernels as K
 from .errors import RequestError
-from .ref.sampling import check_config
-from .request import SAMPLING_DEFAULTS
+from .config import SAMPLING_DEFAULTS, check_sampling as check_config
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def device_sampler_for(backend, sampler, n_batch: int, max_n_probs: int):
-    """A DeviceSampler when `backend` samples on the device and holds every step the engine can build
-    (n_batch tokens, at most one output row per slot) with the host sampler's capacities; else None."""
-    if not getattr(backend, "samples_on_device", False):
-        return None
-    if (backend.max_tokens < n_batch or backend.max_out < min(sampler.n_slots, n_batch)
-            or backend.sample_window < sampler.max_penalty_window or backend.sample_bias < sampler.max_logit_bias
-            or backend.sample_probs < max_n_probs):
-        return None
-    return DeviceSampler(backend, sampler.n_slots, sampler.n_vocab, sampler.max_penalty_window,
-                         sampler.max_logit_bias, masks=sampler.masks)
 
 
 class DeviceSampler:
@@ -73,7 +60,7 @@ class DeviceSampler:
         self._window = np.zeros(self.n_slots, np.int64)            # repeat_last_n per slot
         self._configured = np.zeros(self.n_slots, bool)
         self._constrained = np.zeros(self.n_slots, bool)
-        # uint32 [n_slots, ceil(n_vocab / 32)]: each constrained slot's allowed tokens (the host Sampler's)
+        # uint32 [n_slots, ceil(n_vocab / 32)]: each constrained slot's allowed tokens (the engine fills it)
         self.masks = masks if masks is not None else np.zeros((self.n_slots, (self.n_vocab + 31) // 32), np.uint32)
         self._masked_rows = np.zeros(0, np.int64)
         self._ask_rows = np.zeros(backend.max_out, np.int64)       # output rows that asked for lists
@@ -81,7 +68,7 @@ class DeviceSampler:
         self._m = 0
 
     def configure(self, slot, *, seed, history=(), constrained=False, **params):
-        """Sampler.configure's parameters (request.SAMPLING_DEFAULTS for those not given) and checks;
+        """Sampler.configure's parameters (config.SAMPLING_DEFAULTS for those not given) and checks;
         the slot's window and bias go to the device."""
         if not 0 <= slot < self.n_slots:
             raise RequestError(f"slot {slot} out of range [0, {self.n_slots})")
@@ -133,18 +120,22 @@ class DeviceSampler:
             self._ask_rows[:n_lists] = asked
             rows["probs_row"][asked] = np.arange(n_lists)
         self._m, self._n_lists = m, n_lists
-        masked = self._constrained[row_slot]
-        self._masked_rows = np.flatnonzero(masked)
+        self._masked_rows = np.flatnonzero(self._constrained[row_slot])
         if len(self._masked_rows):          # their masks go with the records: row r reads mask row r
             rows["mask_row"][self._masked_rows] = self._masked_rows
             self.backend.sample_masks_h[self._masked_rows] = self.masks[row_slot[self._masked_rows]]
-        self._result = self.backend.forward_sample(tokens, positions, slots, out_rows, n_lists,
-                                                   masked=len(self._masked_rows) > 0)
+        self.backend.submit_sample(tokens, positions, slots, out_rows, n_lists, masked=len(self._masked_rows) > 0)
+
+    @property
+    def n_lists(self) -> int:
+        """Output rows of the last forward() that asked for probabilities."""
+        return self._n_lists
 
     def sample(self, row_slot, out_ids, probs_ids=None, probs=None) -> None:
         """The tokens of the last forward() into out_ids[:m]; rows that asked for probabilities get
-        probs_ids[r, :n] / probs[r, :n]; then each row's slot state moves on as the host sampler's."""
-        ids, list_ids, list_probs = self._result
+        probs_ids[r, :n] / probs[r, :n]; then each row's slot state moves on as the host sampler's.
+        Waits for the device (the backend's wait_sample)."""
+        ids, list_ids, list_probs = self.backend.wait_sample()
         m, k = self._m, self._n_lists
         rows = self._rows[:m]
         out = out_ids[:m]

@@ -17,23 +17,23 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 import numpy as np
 
-from . import _delivery, _faults
-from ._batch import Batch
-from ._delivery import Delivery
-from ._sampling import Sampler
-from ._slots import DECODE, IDLE, SlotTable
-from .device_sampling import device_sampler_for
+import importlib
+
+from . import _batch, _delivery, _faults, _sampling, _slots
+from ._slots import IDLE
+from .backends.host_sampling import HostSampled
+from .config import MAX_LOGIT_BIAS, MAX_PENALTY_WINDOW, EngineConfig, SamplingParams
 from .errors import ConfigError, EngineClosed, RequestError, ServerBusy
 from .grammar import Constraint, compile_grammar
-from .inbox import Inbox
+from .inbox import Cancel, Erase, Inbox, Submit
 from .masks import MaskTable
 from .prompt_cache import MIB, PromptCache
 from .reader import Waker
-from .ref.sampling import check_config
-from .request import SAMPLING_DEFAULTS, Completion, Job, random_seed
+from .request import Completion, Request
 from .scheduler import pick_slot, slot_prefix
 from .text_reader import TextReader
 from .tracer import Tracer
@@ -45,6 +45,10 @@ FINISH_CANCELLED, FINISH_ERROR, FINISH_CLOSED = (_delivery.FINISH_CANCELLED, _de
                                                  _delivery.FINISH_CLOSED)
 FINISH_GRAMMAR = _delivery.FINISH_GRAMMAR
 IDLE_WAIT_S = 0.05          # an idle decode thread still wakes this often (heartbeat, close)
+# The Cython modules the engine runs, by name, and their pure-Python twins (Engine(twins=...)).
+NATIVE = {"batch": _batch, "slots": _slots, "delivery": _delivery, "sampling": _sampling}
+TWINS = {"batch": "fastserve.ref.batch", "slots": "fastserve.ref.slots", "delivery": "fastserve.ref.delivery",
+         "sampling": "fastserve.ref.sampling"}
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,15 @@ class Snapshot:
 
 
 
+class EngineStats(NamedTuple):
+    """Engine.stats(): n_inbox, messages not yet seen by the decode thread; with tracing on, the tracer's
+    totals: steps, ns per phase (tracer.PHASES), and (steps per bucket, seconds) of whole-step times."""
+    n_inbox: int
+    trace_steps: int = 0
+    trace_ns: Optional[dict] = None
+    step_histogram: Optional[tuple] = None
+
+
 def default_threads() -> int:
     """The cores this process may run on (llama.cpp's -t default is the cores too)."""
     try:
@@ -73,98 +86,104 @@ def default_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 class Engine:
-    """Many concurrent requests on one model, decoded together.
+    """Many concurrent requests on one model, decoded together; its settings are an EngineConfig
+    (fastserve/config.py), each request's sampling a SamplingParams made at submit().
 
-    n_parallel slots share n_ctx tokens of KV (n_ctx / n_parallel each, as
-    llama.cpp's -c / -np); a step carries at most n_batch tokens, decode tokens
-    first; at most max_queue requests wait for a slot.
-    Prefix reuse: a request reuses the longest prefix of its prompt already in a slot's KV
-    (cache_prompt); slot_prompt_similarity is the share of the prompt a free slot's prefix must
-    exceed for that slot to be picked (else the least recently used one); cache_ram_mib > 0 keeps
-    the prefixes of reused slots in that much host RAM (fastserve/prompt_cache.py), 0 = off.
-    cache_type_k / cache_type_v: the KV cache's types on the CPU backend ("f16", "f32", "q8_0"; llama-server's
-    --cache-type-k/-v); the CUDA backend keeps its KV in its own dtype and refuses any other.
+    n_parallel slots share n_ctx tokens of KV (n_ctx / n_parallel each, as llama.cpp's -c / -np); a step
+    carries at most n_batch tokens, decode tokens first; at most max_queue requests wait for a slot.
+    Prefix reuse: a request reuses the longest prefix of its prompt already in a slot's KV (cache_prompt);
+    the host-RAM prompt cache (cache_ram_mib, fastserve/prompt_cache.py) keeps the prefixes of reused slots.
     """
 
-    def __init__(self, model, n_parallel: int = 8, n_ctx: int = 8192, n_batch: int = 512,
-                 max_queue: int = 256, backend=None, trace: bool = False, threads: int | None = None,
-                 prefill_chunk: int = 32, cache_ram_mib: float = 0, slot_prompt_similarity: float = 0.1,
-                 cache_type_k: str = "f16", cache_type_v: str = "f16"):
-        if n_parallel < 1 or n_batch < 1 or max_queue < 0:
-            raise ValueError("n_parallel and n_batch must be >= 1, max_queue >= 0")
-        if n_ctx // n_parallel < 2:
-            raise ValueError(f"n_ctx={n_ctx} leaves less than 2 tokens per slot for n_parallel={n_parallel}")
+    def __init__(self, model, config: EngineConfig | None = None, *, backend=None, twins=(), **settings):
+        """config: an EngineConfig, or its fields as keyword arguments (settings). backend: a device name
+        ("cpu", "cuda", "auto": EngineConfig.device), or a backend instance, class or factory
+        factory(model_config, weights, n_slots, n_ctx_slot) (tests, benchmarks). twins: names of
+        NATIVE modules to run as their pure-Python twins (fastserve/ref/; "slots" needs "batch"), or
+        "all" (the parity tests run the whole engine on each)."""
+        if isinstance(backend, str):
+            settings["device"] = backend
+        if settings.get("threads") is None:
+            settings.pop("threads", None)
+        config = (config or EngineConfig()).replace(**settings) if settings else (config or EngineConfig())
+        self.config = config
         # Threads of the CPU backend's step (products and attention, llama.cpp's -t): every core by
         # default. Its helpers take tasks dynamically, so an event loop that needs a core for a
         # moment delays one task, not the step (see _pool.h).
-        self.threads = max(1, threads or default_threads())
+        self.threads = config.threads or default_threads()
         self.model = model
         self.tokenizer = model.tokenizer
-        self.n_slots, self.n_ctx_slot, self.n_batch = n_parallel, n_ctx // n_parallel, n_batch
-        self.max_queue, self.prefill_chunk = max_queue, max(1, prefill_chunk)
-        self.cache_type_k, self.cache_type_v = cache_type_k, cache_type_v
-        n_vocab = model.config.n_vocab
-        self.backend = self._make_backend(backend)
+        self.n_slots, self.n_ctx_slot, self.n_batch = config.n_parallel, config.n_ctx_slot, config.n_batch
+        self.max_queue, self.prefill_chunk = config.max_queue, config.prefill_chunk
+        self.cache_type_k, self.cache_type_v = config.cache_type_k, config.cache_type_v
+        n_vocab, n_batch = model.config.n_vocab, config.n_batch
+        impl = self._impl = self._modules(twins)
+        self.backend = self._make_backend(None if isinstance(backend, str) else backend)
+        if impl["sampling"] is not _sampling and hasattr(self.backend, "init_sampling"):
+            self.backend.init_sampling(self.n_slots, n_vocab, n_batch, impl=impl["sampling"])
         eog = np.zeros(n_vocab, np.uint8)
         eog[list(self.tokenizer.eog_ids)] = 1
-        self.slots = SlotTable(self.n_slots, self.n_ctx_slot, eog)
-        self.batch = Batch(n_batch)
-        self.sampler = Sampler(self.n_slots, n_vocab)
-        self.delivery = Delivery(self.n_slots, Waker())
+        self.slots = impl["slots"].SlotTable(self.n_slots, self.n_ctx_slot, eog)
+        self.batch = impl["batch"].Batch(n_batch)
+        self.delivery = impl["delivery"].Delivery(self.n_slots, Waker())
         self.inbox = Inbox()
-        self.tracer = Tracer() if trace else None
+        self.tracer = Tracer() if config.trace else None
         # Prefix reuse: a free slot is picked for its cached prefix when that prefix is more than this
         # share of the prompt (llama.cpp's --slot-prompt-similarity); the host-RAM cache keeps the
         # prefixes of reused slots (llama.cpp's --cache-ram, MiB, 0 = off), its pool allocated here, once.
-        self.slot_prompt_similarity = float(slot_prompt_similarity)
-        self.prompt_cache = PromptCache(self.backend, int(cache_ram_mib * MIB)) if cache_ram_mib > 0 else None
-        # Step outputs, one row per output row of the batch: [n_batch] and [n_batch, max n_probs].
-        self._sampled = np.zeros(n_batch, np.int32)
-        self._finish = np.zeros(n_batch, np.int8)
-        self._probs_ids = np.zeros((n_batch, 100), np.int32)
-        self._probs = np.zeros((n_batch, 100), np.float32)
-        # Sampling on the device when the backend has it (only ids and asked-for lists come back);
-        # self.sampler still validates and holds each request's configuration.
-        self.device_sampler = device_sampler_for(self.backend, self.sampler, n_batch, self._probs.shape[1])
-        self.masks = MaskTable(self.sampler.masks)          # constrained slots (grammar / JSON schema)
+        self.slot_prompt_similarity = float(config.slot_prompt_similarity)
+        self.prompt_cache = (PromptCache(self.backend, int(config.cache_ram_mib * MIB))
+                             if config.cache_ram_mib > 0 else None)
+        self._finish = np.zeros(n_batch, np.int8)      # [n_batch] per output row: FINISH_* of its request
+        self.masks = MaskTable(self.backend.masks)     # constrained slots (grammar / JSON schema): their masks
         self._eog_id = min(self.tokenizer.eog_ids) if self.tokenizer.eog_ids else 0
-        self._jobs: list[Job | None] = [None] * self.n_slots     # slot -> running job
-        # erase_idle_slot() on a busy slot: its prefix is dropped when its request ends, before the slot can
-        # take another (else, under load, a freed slot is taken again before an erase gets to it).
-        self._erase_on_end: set[int] = set()
+        self._jobs: list[Request | None] = [None] * self.n_slots     # slot -> running job
+        # erase() of a busy slot: its prefix is dropped when its request ends, before the slot can take
+        # another (else, under load, a freed slot is taken again before an erase gets to it). slot -> replies.
+        self._erase_on_end: dict[int, list] = {}
         self._erased = [(0, 0)] * self.n_slots                   # slot -> (erasures, tokens the last one dropped)
-        self._waiting: deque[Job] = deque()
+        self._waiting: deque[Request] = deque()
         self._closing = False
         self._closed = False
         self._seq = 0
-        self._n_probs_slots = 0
         self._tokens_generated = 0
         self._tokens_prompt = 0
         self.snapshot = self._make_snapshot(0)
         self._thread = threading.Thread(target=self._run, name="fastserve-decode", daemon=True)
         self._thread.start()
 
+    @staticmethod
+    def _modules(twins) -> dict:
+        names = set(TWINS) if twins == "all" else set(twins)
+        unknown = names - set(TWINS)
+        if unknown:
+            raise ValueError(f"no twin for {', '.join(sorted(unknown))}; known: {', '.join(TWINS)}")
+        if "slots" in names and "batch" not in names:
+            raise ValueError("the slots twin fills the batch twin: ask for both")
+        return {n: importlib.import_module(TWINS[n]) if n in names else NATIVE[n] for n in NATIVE}
+
     def _make_backend(self, backend):
-        if backend == "auto":           # CUDA when CuPy sees a GPU, else the CPU
+        if backend is not None:
+            if isinstance(backend, type) or not hasattr(backend, "forward"):   # a class or a factory
+                backend = backend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot)
+            # A model pass whose class has forward() alone (a test double, a wrapper that delegates the
+            # rest, a benchmark's fixed logits): the host sampler over its forward().
+            return backend if hasattr(type(backend), "step") else HostSampled(backend, self.n_batch)
+        device = self.config.device
+        if device == "auto":            # CUDA when CuPy sees a GPU, else the CPU
             from .backends.cupy_backend import cuda_status
-            backend = "cuda" if cuda_status()[0] else "cpu"
-        if backend is None or backend in ("cpu", "numpy"):
+            device = "cuda" if cuda_status()[0] else "cpu"
+        if device == "cpu":
             from .backends.numpy_backend import NumpyBackend
             return NumpyBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot,
                                 threads=self.threads, cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v,
                                 max_tokens=self.n_batch, reuse_logits=True)
-        if backend == "cuda":
-            from .backends.cupy_backend import CupyBackend
-            if (self.cache_type_k, self.cache_type_v) != ("f16", "f16"):
-                raise ConfigError(f"the CUDA backend keeps its KV cache in f16; --cache-type-k {self.cache_type_k} / "
-                                 f"--cache-type-v {self.cache_type_v} are for the CPU backend (--device cpu)")
-            return CupyBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot,
-                               max_tokens=self.n_batch)
-        if isinstance(backend, str):
-            raise ValueError(f"unknown backend {backend!r}; known: cpu, cuda, auto")
-        if isinstance(backend, type) or not hasattr(backend, "forward"):   # a class or a factory
-            return backend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot)
-        return backend
+        from .backends.cupy_backend import CupyBackend
+        if (self.cache_type_k, self.cache_type_v) != ("f16", "f16"):
+            raise ConfigError(f"the CUDA backend keeps its KV cache in f16; --cache-type-k {self.cache_type_k} / "
+                              f"--cache-type-v {self.cache_type_v} are for the CPU backend (--device cpu)")
+        return CupyBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot,
+                           max_tokens=self.n_batch)
 
     # -- the caller's side (any thread) ------------------------------------------------------
 
@@ -182,17 +201,8 @@ class Engine:
             raise EngineClosed("the engine is closed")
         constraint = self._constraint(grammar, json_schema)
         ids = self._prompt_ids(prompt, add_special, truncate)
-        unknown = set(sampling) - set(SAMPLING_DEFAULTS)
-        if unknown:
-            raise RequestError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
-        params = {**SAMPLING_DEFAULTS, **sampling}
-        params["seed"] = random_seed() if seed is None or seed == -1 else seed
-        if params["n_probs"] and params["n_probs"] > self._probs.shape[1]:
-            raise RequestError(f"n_probs must be at most {self._probs.shape[1]}")
-        cfg = check_config(self.model.config.n_vocab, self.sampler.max_penalty_window,
-                           self.sampler.max_logit_bias, history=(), **params)
-        del cfg["history"]                  # the prompt becomes the penalty history at admission
-        cfg["logit_bias"] = dict(cfg["logit_bias"])
+        params = SamplingParams.make(self.model.config.n_vocab, seed=seed, max_penalty_window=MAX_PENALTY_WINDOW,
+                                     max_logit_bias=MAX_LOGIT_BIAS, **sampling)
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(max_tokens, int) or max_tokens < -1:
@@ -201,13 +211,12 @@ class Engine:
             raise RequestError(f"id_slot must be -1 or in [0, {self.n_slots})")
         if len(self._waiting) + len(self.inbox) >= self.max_queue + self._free_slots_hint():
             raise ServerBusy(f"server busy: {self.n_slots} slots running and {self.max_queue} requests waiting")
-        reader = TextReader(self.n_ctx_slot, self.tokenizer, stop=list(stop), n_probs=cfg["n_probs"],
-                            prompt_tokens=len(ids))
-        job = Job(prompt=ids, sampling=cfg, max_tokens=max_tokens, buffer=reader.buffer,
-                  cache_prompt=bool(cache_prompt), id_slot=id_slot, admission=reader.admission,
-                  constraint=constraint)
-        reader._on_cancel = lambda inbox=self.inbox, jid=job.id: inbox.put("cancel", jid)
-        self.inbox.put("submit", job)
+        reader = TextReader(self.n_ctx_slot, self.tokenizer, stop=list(stop), n_probs=params.n_probs,
+                            prompt_tokens=len(ids), impl=self._impl["delivery"])
+        job = reader.request = Request(prompt=ids, sampling=params, max_tokens=max_tokens, buffer=reader.buffer,
+                                       cache_prompt=bool(cache_prompt), id_slot=id_slot, constraint=constraint)
+        reader._on_cancel = lambda cancel=self.cancel, jid=job.id: cancel(jid)
+        self.inbox.put(Submit(job))
         if self._closed:                    # the decode thread is gone: nobody else will end it
             self.delivery.reject(job.buffer, FINISH_CLOSED)
             self.delivery.wake()
@@ -225,19 +234,25 @@ class Engine:
         finally:
             reader.cancel()
 
-    def erase_slot(self, slot: int) -> None:
-        """Drop slot's cached prefix (its running request, if any, is cancelled)."""
-        if not 0 <= slot < self.n_slots:
-            raise RequestError(f"slot must be in [0, {self.n_slots})")
-        self.inbox.put("erase", slot)
+    def cancel(self, job_id: int) -> None:
+        """Stop request job_id (its reader ends 'cancelled' within a step; nothing happens if it ended)."""
+        self.inbox.put(Cancel(job_id))
 
-    def erase_idle_slot(self, slot: int) -> None:
+    def erase(self, slot: int, reply=None) -> None:
         """Drop slot's cached prefix without cutting a request: at once when the slot is idle when the
         decode thread gets to it, else as soon as its request ends, before the slot takes another.
+        reply(n_erased), if given, is called once from the decode thread then: it must not block.
         snapshot.slot_erased[slot] counts the erasures (and the tokens the last one dropped)."""
         if not 0 <= slot < self.n_slots:
             raise RequestError(f"slot must be in [0, {self.n_slots})")
-        self.inbox.put("erase_idle", slot)
+        self.inbox.put(Erase(slot, reply))
+
+    def stats(self) -> EngineStats:
+        """What the snapshot cannot say, read now from any thread without waiting for the decode thread."""
+        tr = self.tracer
+        if tr is None:
+            return EngineStats(len(self.inbox))
+        return EngineStats(len(self.inbox), tr.steps, dict(tr.ns), tr.step_histogram())
 
     def trace_summary(self) -> dict:
         if self.tracer is None:
@@ -256,12 +271,6 @@ class Engine:
 
     def __exit__(self, *exc):
         self.close()
-
-    def _constraint(self, grammar, json_schema) -> Constraint | None:
-        text = compile_grammar(grammar=grammar, json_schema=json_schema)
-        if text is None:
-            return None
-        return Constraint(self.tokenizer, text)
 
     def _free_slots_hint(self) -> int:
         return self.n_slots - self.snapshot.n_running
@@ -302,67 +311,39 @@ class Engine:
             self._shutdown()
 
     def _step(self) -> bool:
-        """One step: admit → build → forward → sample → commit → deliver. False when there was nothing to do."""
-        tr = self.tracer
-        if tr is not None:
-            tr.begin()
-        self._admit()
-        if tr is not None:
-            tr.lap("admit")
-        batch = self.batch
-        if not self._build():
+        """One step: schedule → step (the backend's forward, sync, sample) → commit → deliver.
+        False when there was nothing to do. The tracer, when on, times each phase."""
+        if self.tracer is not None:
+            self.tracer.begin()
+        self._admit()                       # schedule: the inbox, then free slots to waiting requests
+        if not self._build():               # schedule: decode tokens first, then prompt chunks
             self._publish()
             return False
-        if tr is not None:
-            tr.lap("build")
+        out = self._backend_step()
+        if out is not None:
+            dead = self._unsampleable(out.ids) if self.masks.n_active else ()
+            self.slots.commit(self.batch, out.ids, self._finish)
+            if self.masks.n_active:         # the next masks, while the next step's forward pass runs
+                self.masks.launch(self.batch.row_slot[:self.batch.n_out], out.ids, self._finish)
+            self._deliver(out)
+            for slot in dead:
+                self._end(slot, FINISH_GRAMMAR)
+        self._publish()
+        if self.tracer is not None:
+            self.tracer.lap("publish")
+            self.tracer.end()
+        return True
+
+    def _backend_step(self):
+        """The backend's step over the batch; None when it failed (only the batch's requests fail then)."""
         _faults.check_step()
-        tokens, positions, slots, out_rows, row_slot = batch.view()
-        ds = self.device_sampler
         try:
-            if ds is not None:      # forward and sampling on the device; the ids are on the host after it
-                if self.masks.n_active:
-                    self.masks.wait()   # the masks travel with the rows' records
-                ds.forward(tokens, positions, slots, out_rows, row_slot)
-            else:
-                logits = self.backend.forward(tokens, positions, slots, out_rows)
-            if tr is not None:
-                tr.lap("forward")
-            sync = getattr(self.backend, "sync", None)
-            if sync is not None:
-                sync()
-        except Exception as exc:   # contained: only this batch's requests fail
+            return self.backend.step(self.batch, None if self.tracer is None else self.tracer.lap,
+                                     self.masks.wait if self.masks.n_active else None)
+        except Exception as exc:
             log.exception("forward pass failed")
             self._fail_batch(f"forward pass failed: {type(exc).__name__}: {exc}")
-            self._publish()
-            return True
-        if tr is not None:
-            tr.lap("sync")
-        n_out = batch.n_out
-        sampled = self._sampled[:n_out]
-        dead = ()
-        if ds is not None:
-            ds.sample(row_slot, sampled, self._probs_ids, self._probs)
-        else:
-            if self.masks.n_active:
-                self.masks.wait()
-            self.sampler.sample(logits, row_slot, sampled, self._probs_ids, self._probs)
-        if self.masks.n_active:
-            dead = self._unsampleable(row_slot, sampled)
-        if tr is not None:
-            tr.lap("sample")
-        self.slots.commit(batch, self._sampled, self._finish)
-        if self.masks.n_active:
-            self.masks.launch(row_slot, sampled, self._finish)
-        self._deliver(row_slot, sampled, n_out)
-        for slot in dead:
-            self._end(slot, FINISH_GRAMMAR)
-        self._tokens_prompt += batch.n - self._n_decode
-        self._tokens_generated += n_out
-        self._publish()
-        if tr is not None:
-            tr.lap("publish")
-            tr.end()
-        return True
+            return None
 
     def _build(self) -> bool:
         """Decode tokens first, then prompt chunks; a failed fill is rolled back and fails only its request."""
@@ -376,56 +357,54 @@ class Engine:
             mark = batch.mark()
             try:
                 n_added = self.slots.add_prefill(batch, slot, budget)
-                self._after_fill(slot)
+                _faults.check_fill()        # the fault build can fail a fill here (tests/faults)
             except Exception as exc:       # no turn used: the budget stays for the next slots
                 batch.rollback(mark)
                 log.warning("prompt fill of slot %d failed: %s", slot, exc)
                 self._end(slot, FINISH_ERROR, f"prompt processing failed: {exc}")
                 continue
             budget -= n_added
-        return batch.n > 0
+        if batch.n == 0:
+            return False
+        if self.tracer is not None:
+            self.tracer.lap("build")
+        return True
 
-    def _after_fill(self, slot: int) -> None:
-        """Called after a slot added its prompt tokens to the batch; an exception fails only that fill."""
-        _faults.check_fill()
+    def _constraint(self, grammar, json_schema) -> Constraint | None:
+        text = compile_grammar(grammar=grammar, json_schema=json_schema)
+        return None if text is None else Constraint(self.tokenizer, text)
 
-    def _unsampleable(self, row_slot, sampled) -> list:
+    def _unsampleable(self, ids) -> list:
         """Rows whose constraint allowed no token (-1): their requests finish with FINISH_GRAMMAR now
         (so the reader is sent nothing more) and their slots are freed after delivery; the row gets an
         end-of-generation id for commit. Returns those slots."""
         dead = []
-        for r in np.flatnonzero(sampled < 0).tolist():
-            slot = int(row_slot[r])
+        for r in np.flatnonzero(ids < 0).tolist():
+            slot = int(self.batch.row_slot[r])
             self.delivery.finish(slot, FINISH_GRAMMAR, self.masks.error(slot))
-            sampled[r] = self._eog_id
+            ids[r] = self._eog_id
             dead.append(slot)
         return dead
 
-    def _deliver(self, row_slot, sampled, n_out: int) -> None:
+    def _deliver(self, out) -> None:
+        """The step's tokens into their readers (one pass, fastserve/_delivery.pyx); finished requests end."""
+        row_slot, n_out = self.batch.row_slot, self.batch.n_out
         t0 = time.perf_counter_ns()
-        if self._n_probs_slots:
-            self.delivery.send_step(row_slot, sampled, self._probs_ids[:n_out], self._probs[:n_out])
+        if out.probs is not None:
+            self.delivery.send_step(row_slot[:n_out], out.ids, out.probs_ids, out.probs)
         else:
-            self.delivery.send_step(row_slot, sampled)
+            self.delivery.send_step(row_slot[:n_out], out.ids)
         if self.tracer is not None:
             self.tracer.sends(n_out, time.perf_counter_ns() - t0)
+        self._tokens_prompt += self.batch.n - self._n_decode
+        self._tokens_generated += n_out
         finish = self._finish[:n_out]
         for r in np.flatnonzero(finish):
             self._end(int(row_slot[r]), int(finish[r]))
 
     def _admit(self) -> None:
         for msg in self.inbox.drain():
-            if msg.kind == "submit":
-                self._waiting.append(msg.payload)
-            elif msg.kind == "cancel":
-                self._cancel(msg.payload)
-            elif msg.kind == "erase":
-                self._erase(msg.payload)
-            elif msg.kind == "erase_idle":          # erase_idle_slot(): never cuts a running request
-                if self._jobs[msg.payload] is None:
-                    self._forget(msg.payload)
-                else:
-                    self._erase_on_end.add(msg.payload)
+            self._on_message[type(msg)](self, msg)
         while self._waiting and not self._closing:
             job = self._waiting[0]
             slot = pick_slot(self.slots, job.prompt, id_slot=job.id_slot, cache_prompt=job.cache_prompt,
@@ -446,34 +425,29 @@ class Engine:
                     self._end(slot, FINISH_ERROR, f"admission failed: {exc}")
                 else:
                     self.slots.release(slot)
+                    self.backend.release(slot)
                     self.delivery.reject(job.buffer, FINISH_ERROR, f"admission failed: {exc}")
+        if self.tracer is not None:
+            self.tracer.lap("admit")
 
-    def _start(self, job: Job, slot: int) -> None:
+    def _start(self, job: Request, slot: int) -> None:
         n_cached = min(slot_prefix(self.slots, slot, job.prompt), len(job.prompt) - 1) if job.cache_prompt else 0
         max_gen = job.max_tokens if job.max_tokens >= 0 else self.n_ctx_slot
-        if max_gen == 0:
-            job.slot, job.n_cached = slot, n_cached
+        if max_gen == 0:                        # nothing to run: the request never holds the slot
             self.delivery.reject(job.buffer, FINISH_LENGTH)
             return
-        self.sampler.configure(slot, history=job.prompt, constrained=job.constraint is not None, **job.sampling)
+        self.backend.configure(slot, job.sampling, job.prompt, constrained=job.constraint is not None)
         if job.constraint is not None:
             self.masks.start(slot, job.constraint)
-        if self.device_sampler is not None:
-            self.device_sampler.configure(slot, history=job.prompt, constrained=job.constraint is not None,
-                                          **job.sampling)
         if self.prompt_cache is not None:       # it writes the slot's KV: nothing that can fail comes after it
             n_cached = self._swap_prefix(slot, job, n_cached)
-        job.slot, job.n_cached = slot, n_cached
-        if job.admission is not None:
-            job.admission.slot, job.admission.n_cached = slot, n_cached
+        job.slot, job.n_cached = slot, n_cached     # what its reader sees of the admission
         self._seq += 1
         self.slots.start(slot, job.prompt, n_cached, max_gen, self._seq)
         self.delivery.attach(slot, job.buffer)
         self._jobs[slot] = job
-        if job.sampling["n_probs"]:
-            self._n_probs_slots += 1
 
-    def _swap_prefix(self, slot: int, job: Job, n_cached: int) -> int:
+    def _swap_prefix(self, slot: int, job: Request, n_cached: int) -> int:
         """The host-RAM cache at admission: keep the slot's prefix before the new prompt overwrites it,
         and bring back a longer prefix of the prompt when the cache holds one. Returns the new n_cached.
         Neither copy can fail the request: a refused save is logged, a failed restore computes instead."""
@@ -495,12 +469,11 @@ class Engine:
         self.delivery.finish(slot, code, error)
         self.delivery.detach(slot)
         self.slots.release(slot)
+        self.backend.release(slot)
         self._jobs[slot] = None
         self.masks.end(slot)
-        if job.sampling["n_probs"]:
-            self._n_probs_slots -= 1
         if slot in self._erase_on_end:
-            self._forget(slot)
+            self._forget(slot, self._erase_on_end.pop(slot))
 
     def _cancel(self, job_id: int) -> None:
         for slot, job in enumerate(self._jobs):
@@ -513,16 +486,28 @@ class Engine:
                 self.delivery.reject(job.buffer, FINISH_CANCELLED)
                 return
 
-    def _erase(self, slot: int) -> None:
-        if self._jobs[slot] is not None:
-            self._end(slot, FINISH_CANCELLED)
-        self._forget(slot)
+    def _on_submit(self, msg: Submit) -> None:
+        self._waiting.append(msg.job)
 
-    def _forget(self, slot: int) -> None:
-        """Drop an idle slot's cached prefix; counted in snapshot.slot_erased."""
-        self._erase_on_end.discard(slot)
-        self._erased[slot] = (self._erased[slot][0] + 1, int(self.slots.n_tokens[slot]))
+    def _on_cancel(self, msg: Cancel) -> None:
+        self._cancel(msg.job_id)
+
+    def _on_erase(self, msg: Erase) -> None:
+        if self._jobs[msg.slot] is None:
+            self._forget(msg.slot, [msg.reply])
+        else:
+            self._erase_on_end.setdefault(msg.slot, []).append(msg.reply)
+
+    _on_message = {Submit: _on_submit, Cancel: _on_cancel, Erase: _on_erase}
+
+    def _forget(self, slot: int, replies) -> None:
+        """Drop an idle slot's cached prefix; counted in snapshot.slot_erased; each reply gets the tokens dropped."""
+        n_erased = int(self.slots.n_tokens[slot])
+        self._erased[slot] = (self._erased[slot][0] + 1, n_erased)
         self.slots.forget(slot)
+        for reply in replies:
+            if reply is not None:
+                reply(n_erased)
 
     def _fail_batch(self, error: str) -> None:
         for slot in sorted(set(self.batch.view()[2].tolist())):
@@ -548,8 +533,8 @@ class Engine:
         """Decode thread exit: every reader, running, waiting or still in the inbox, ends 'closed'."""
         self._closing = True
         for msg in self.inbox.drain():
-            if msg.kind == "submit":
-                self._waiting.append(msg.payload)
+            if type(msg) is Submit:
+                self._waiting.append(msg.job)
         for job in self._waiting:
             self.delivery.reject(job.buffer, FINISH_CLOSED)
         self._waiting.clear()

@@ -1,21 +1,38 @@
-"""The one way into the decode thread: a queue of messages it drains at each step boundary.
+"""The one way into the decode thread: typed messages it drains at each step boundary.
 
 Producers (any thread) append; the decode thread pops. deque.append/popleft are
 atomic, so neither side takes a lock the other could hold; the Event only wakes
-an idle decode thread.
+an idle decode thread. A message that needs an answer carries its reply: a
+callable the decode thread calls once, which must return at once (e.g. a
+call_soon_threadsafe onto the caller's loop), never block.
 """
 from __future__ import annotations
 
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional
 
 
-@dataclass
-class Message:
-    kind: str          # "submit", "cancel", "erase", "call"
-    payload: Any = None
+@dataclass(frozen=True)
+class Submit:
+    job: Any                    # request.Request
+
+
+@dataclass(frozen=True)
+class Cancel:
+    job_id: int
+
+
+@dataclass(frozen=True)
+class Erase:
+    """Drop a slot's cached prefix, never cutting its request: at once when the slot is idle, else when
+    its request ends. reply(n_erased) is called once, when it is done (n_erased: the tokens dropped)."""
+    slot: int
+    reply: Optional[Callable[[int], None]] = None
+
+
+Message = Submit | Cancel | Erase
 
 
 class Inbox:
@@ -23,8 +40,8 @@ class Inbox:
         self._q: deque[Message] = deque()
         self._event = threading.Event()
 
-    def put(self, kind: str, payload: Any = None) -> None:
-        self._q.append(Message(kind, payload))
+    def put(self, msg: Message) -> None:
+        self._q.append(msg)
         self._event.set()
 
     def __len__(self) -> int:

@@ -81,6 +81,11 @@ class Reader:
         return self.buffer.finished
 
     @property
+    def count(self) -> int:
+        """Tokens the engine produced for this request so far, read or not."""
+        return self.buffer.count
+
+    @property
     def finish_code(self) -> int:
         return self.buffer.finish_code
 

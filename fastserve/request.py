@@ -1,28 +1,31 @@
-"""Requests as plain data: what was asked (Job, on the decode thread) and what came out (Completion)."""
+"""Requests as plain data: a Request (submit to finish), what came out (Completion), how it ended (OUTCOMES)."""
 from __future__ import annotations
 
+import enum
 import itertools
-import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-# llama.cpp's server defaults, applied where a request says nothing.
-SAMPLING_DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
-                         repeat_last_n=64, presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None,
-                         n_probs=0, post_sampling_probs=False)
+from .config import SamplingParams
+
 _ids = itertools.count(1)
 
 
-def random_seed() -> int:
-    return int.from_bytes(os.urandom(8), "little")
+class SlotState(enum.IntEnum):
+    """A slot's state in Snapshot.slot_state (fastserve/_slots.pyx's S_* codes; a test checks they agree)."""
+    IDLE = 0
+    PREFILL = 1
+    DECODE = 2
 
 
 @dataclass(eq=False)
-class Job:
-    """A request as the decode thread sees it. It holds the reader's buffer, never the Reader,
-    so that a Reader nobody holds any more is collected (and cancels itself)."""
+class Request:
+    """One request from submit() to its end: what was asked, and where it ran. The decode thread holds it
+    while the request waits or runs; its reader holds it too (to read slot and n_cached). It holds the
+    reader's buffer, never the Reader, so that a Reader nobody holds any more is collected (and cancels
+    itself). slot and n_cached are written once, by the decode thread, when it admits the request."""
     prompt: Any                 # int32 array of prompt token ids
-    sampling: dict              # normalized by the sampler's check_config
+    sampling: SamplingParams    # checked once, at submit()
     max_tokens: int
     buffer: Any                 # the reader's ResultBuffer
     cache_prompt: bool = True
@@ -30,17 +33,7 @@ class Job:
     id: int = field(default_factory=lambda: next(_ids))
     slot: int = -1              # set when admitted
     n_cached: int = 0           # prompt tokens whose KV was reused
-    admission: Any = None       # the reader's Admission, filled in when admitted
     constraint: Any = None      # grammar.Constraint of a constrained request (grammar / JSON schema)
-
-
-class Admission:
-    """Where a request ran and how much of its prompt came from a cache: written once by the
-    decode thread when it admits the request, read by its reader (a plain object, no lock)."""
-    __slots__ = ("slot", "n_cached")
-
-    def __init__(self):
-        self.slot, self.n_cached = -1, 0
 
 
 @dataclass
@@ -56,3 +49,24 @@ class Completion:
     timings: dict = field(default_factory=dict)   # total_ms, first_token_ms, cache_n, prompt_n (llama.cpp's names)
     tokens_cached: int = 0                 # tokens the slot's KV holds at the end: prompt + generated (llama.cpp)
     id_slot: int = -1                      # the slot that ran it
+
+
+class Outcome(NamedTuple):
+    """What one way of ending means to each API."""
+    stop_type: str          # llama-server's stop_type ("word", "eos", "limit"); "" for a failure
+    openai: str             # OpenAI's finish_reason
+    status: int             # the HTTP status of a failure, 0 for a success
+    message: str = ""       # the failure's message; {error} and {reason} are filled in
+
+
+# How a request can end (TextReader.outcome()), the one table: "word" is a stop string found by the text
+# layer; the others are the engine's finish reasons (fastserve/_delivery.pyx FINISH_REASONS).
+OUTCOMES = {
+    "word": Outcome("word", "stop", 0),
+    "stop": Outcome("eos", "stop", 0),
+    "length": Outcome("limit", "length", 0),
+    "grammar": Outcome("grammar", "grammar", 0),     # the grammar / JSON schema allowed no next token
+    "closed": Outcome("", "", 503, "the server is shutting down"),
+    "error": Outcome("", "", 500, "generation failed: {error}"),
+}
+ENDED_EARLY = Outcome("", "", 503, "the request ended early ({reason})")     # cancelled, timeout, ...

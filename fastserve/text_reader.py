@@ -1,9 +1,10 @@
-"""TextReader: the Reader that engine.submit() returns — text pieces out, stop strings applied.
+"""TextReader: the one text layer over a request's Reader — used by Engine.generate/stream and the HTTP routes.
 
-It is a Reader (fastserve/reader.py: token ids, blocking and async waits,
-cancel) with a TextStream on top. Detokenization and stop strings run here, on
-the consumer's side; a stop string found here cancels the request, whose
-finish reason is then "stop".
+It is a Reader (fastserve/reader.py: token ids, blocking and async waits, cancel) with a TextStream on
+top. Detokenization and stop strings run here, on the consumer's side (DESIGN.md contract 4); a stop
+string found here cancels the request, whose outcome is then "word" (finish reason "stop"). Its clocks
+(time.monotonic(): submit, first token, last token, end) are the request's timings for both layers,
+and its outcome() is the key of request.OUTCOMES, the one table of how a request can end.
 """
 from __future__ import annotations
 
@@ -11,39 +12,78 @@ import time
 from typing import Optional
 
 from .reader import Reader
-from .request import Admission, Completion
+from .request import Completion, Request
 from .text import TextStream
 
 
 class TextReader(Reader):
-    __slots__ = ("_text", "_tokens", "_prompt_tokens", "_t_submit", "_t_first", "_params", "admission")
+    __slots__ = ("_text", "_tokens", "_prompt_tokens", "t_submit", "t_first", "t_last", "t_end", "request")
 
-    def __init__(self, capacity: int, tokenizer, stop=(), n_probs: int = 0, on_cancel=None,
-                 prompt_tokens: int = 0, params=None):
-        super().__init__(capacity, n_probs, on_cancel)
+    def __init__(self, capacity: int, tokenizer, stop=(), n_probs: int = 0, on_cancel=None, prompt_tokens: int = 0,
+                 impl=None):
+        super().__init__(capacity, n_probs, on_cancel, impl)
         self._text = TextStream(tokenizer, stop)
         self._tokens: list[int] = []       # token ids turned into text so far (cut at a stop string)
         self._prompt_tokens = prompt_tokens
-        self._params = params
-        self._t_submit = time.perf_counter()
-        self._t_first: float | None = None
-        self.admission = Admission()       # slot and cached prompt tokens, set by the engine at admission
+        self.t_submit = time.monotonic()
+        self.t_first: float | None = None  # the first token fed
+        self.t_last: float | None = None   # the last batch fed
+        self.t_end: float | None = None    # flush(): the text is complete
+        self.request: Request | None = None   # set by Engine.submit: its slot and n_cached once admitted
 
-    def _feed(self, batch) -> str:
-        if self._t_first is None and batch:
-            self._t_first = time.perf_counter()
+    # -- the text layer ---------------------------------------------------------------------------
+
+    def feed(self, batch) -> tuple[str, int]:
+        """The text of a batch of generated ids: (what is now safe to show, how many of the ids it used;
+        fewer than len(batch) when a stop string ended the text, which also cancels the request)."""
+        if not batch:
+            return "", 0
+        now = time.monotonic()
+        if self.t_first is None:
+            self.t_first = now
+        self.t_last = now
+        text = self._text
         out = []
+        n = 0
         for tok in batch:
-            if self._text.stopped:
+            if text.stopped:
                 break
-            self._tokens.append(tok)
-            out.append(self._text.push(tok))
-            if self._text.stopped:
+            n += 1
+            out.append(text.push(tok))
+            if text.stopped:
                 self.cancel()              # free the slot: nobody wants what follows
-        return "".join(out)
+        self._tokens.extend(batch[:n] if n < len(batch) else batch)
+        return "".join(out), n
 
-    def _tail(self) -> str:
+    def flush(self) -> str:
+        """The end of the text: what was held back (nothing of a stop string)."""
+        if self.t_end is None:
+            self.t_end = time.monotonic()
         return self._text.finish()
+
+    @property
+    def text(self) -> str:
+        return self._text.text
+
+    @property
+    def stopping_word(self) -> str:
+        return self._text.stopping_word
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string ended the text."""
+        return self._text.stopped
+
+    @property
+    def token_ids(self) -> list:
+        """The ids turned into text so far (cut at a stop string)."""
+        return self._tokens
+
+    def outcome(self) -> Optional[str]:
+        """How the request ended, a key of request.OUTCOMES ("word" for a stop string); None while it runs."""
+        return "word" if self._text.stopped else self.finish_reason
+
+    # -- iteration and results ---------------------------------------------------------------------
 
     def __iter__(self):
         """Blocking iteration over text pieces (never half a character, never part of a stop string)."""
@@ -52,12 +92,6 @@ class TextReader(Reader):
             if self._text.stopped:
                 break
         yield from self._pieces(None)
-
-    def _pieces(self, batch):
-        """The text of one batch of token ids (None: the end), as zero or one piece."""
-        piece = self._tail() if batch is None else self._feed(batch)
-        if piece:
-            yield piece
 
     def __aiter__(self):
         return self._aiter()
@@ -69,6 +103,12 @@ class TextReader(Reader):
             if self._text.stopped:
                 break
         for piece in self._pieces(None):
+            yield piece
+
+    def _pieces(self, batch):
+        """The text of one batch of token ids (None: the end), as zero or one piece."""
+        piece = self.flush() if batch is None else self.feed(batch)[0]
+        if piece:
             yield piece
 
     def result(self, timeout: Optional[float] = None) -> Completion:
@@ -83,19 +123,18 @@ class TextReader(Reader):
         return self._completion()
 
     def _completion(self) -> Completion:
-        self._feed(self.read_available())
-        self._tail()
+        self.feed(self.read_available())
+        self.flush()
         reason = "stop" if self._text.stopped else (self.finish_reason or "stop")
         probs = None
         if self.buffer.n_probs:
             ids, ps = self.buffer.all_probs()
             n = len(self._tokens)
             probs = [list(zip(ids[i].tolist(), ps[i].tolist())) for i in range(min(n, len(ids)))]
-        t_end = time.perf_counter()
-        timings = {"total_ms": (t_end - self._t_submit) * 1e3}
-        if self._t_first is not None:
-            timings["first_token_ms"] = (self._t_first - self._t_submit) * 1e3
-        adm = self.admission
+        timings = {"total_ms": (time.monotonic() - self.t_submit) * 1e3}
+        if self.t_first is not None:
+            timings["first_token_ms"] = (self.t_first - self.t_submit) * 1e3
+        adm = self.request
         if adm.slot >= 0:
             timings["cache_n"] = adm.n_cached
             timings["prompt_n"] = self._prompt_tokens - adm.n_cached

@@ -1,33 +1,63 @@
-"""What the engine needs from a backend: a forward pass over one batch, and KV slot copies.
+"""The whole contract between the engine and a backend: configure a slot, run a step, release a slot.
 
-A batch holds tokens of several sequences (slots) at different positions. The
-backend owns the KV cache, preallocated as [n_slots, n_ctx_slot] per layer; a
-slot's KV row at position p is written when a token at position p goes through
-forward(). Rows past a slot's current length are stale and never read, so
-cutting a slot back needs no work from the backend.
+A step takes the batch the engine built (fastserve/_batch.pyx: int32 tokens, positions, slots, output
+rows and the slot of each output row) and gives back one sampled token id per output row, with the
+top-N probabilities of the rows whose request asked for them. The sampler is the backend's: the CPU
+backend samples its logits on the host (backends/host_sampling.py), the CUDA backend on the device
+(fastserve/device_sampling.py), so that only ids and asked-for lists cross to the host.
+
+The backend owns the KV cache, preallocated as [n_slots, n_ctx_slot] per layer; a slot's KV row at
+position p is written when a token at position p goes through a step. Rows past a slot's current
+length are stale and never read, so cutting a slot back needs no work from the backend.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Optional, Protocol
 
 import numpy as np
+
+from ..config import SamplingParams
+
+
+class StepOutput(NamedTuple):
+    """A step's results, valid until the next step (views of reused buffers).
+    ids: int32 [m], the token sampled for output row r; probs_ids int32 / probs float32 [m, MAX_N_PROBS]:
+    row r's top-n list in its first n columns when its request asked for n_probs = n (other rows: stale);
+    None when no row of the step asked."""
+    ids: np.ndarray
+    probs_ids: Optional[np.ndarray]
+    probs: Optional[np.ndarray]
 
 
 class Backend(Protocol):
     n_slots: int
     n_ctx_slot: int
     n_vocab: int
+    samples_on_device: bool         # where step() samples (for reports; the engine does not branch on it)
+    masks: np.ndarray               # uint32 [n_slots, ceil(n_vocab / 32)]: the allowed tokens of constrained
+                                    # slots (bit t % 32 of word t // 32), written by the engine between steps
 
-    def forward(self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-                out_rows: np.ndarray) -> np.ndarray:
-        """tokens, positions, slots: int32 [n]; out_rows: int32 [m] indices into the batch.
-
-        Returns float32 logits [m, n_vocab] for the rows asked for (a view the
-        backend may reuse at the next call)."""
+    def configure(self, slot: int, params: SamplingParams, history: np.ndarray, constrained: bool = False) -> None:
+        """A request starts on slot: its sampling (checked already) and its prompt (int32 token ids) as
+        the penalty history; constrained: sample only what masks[slot] allows (before every other stage;
+        nothing allowed gives id -1). Raises RequestError on what the sampler cannot hold."""
         ...
 
-    def copy_slot(self, src: int, dst: int, n_tokens: int) -> None:
-        """Copy the first n_tokens of KV from slot src to slot dst."""
+    def step(self, batch, lap=None, before_sample=None) -> StepOutput:
+        """The forward pass over batch.view() and the sampling of its output rows (every output row's
+        slot is configured); returns with the results on the host. lap (the tracer's, or None) is called
+        with "forward" once the pass is computed (CPU) or submitted (GPU), "sync" after waiting for the
+        device, "sample" after sampling: the step's phases, each timed where it really happens.
+        before_sample (or None) is called once masks must be final: after the pass on the CPU, before
+        the launch on the GPU (the masks travel with the inputs)."""
+        ...
+
+    def sync(self) -> None:
+        """Wait until every piece of work queued on the device is done (nothing to wait for on the CPU)."""
+        ...
+
+    def release(self, slot: int) -> None:
+        """slot's request ended: its sampling state is dropped (its KV stays, for prefix reuse)."""
         ...
 
     def kv_bytes_per_token(self) -> int:

@@ -43,8 +43,10 @@ import time
 import numpy as np
 
 from . import kernels as K
+from ..config import MAX_LOGIT_BIAS, MAX_N_PROBS, MAX_PENALTY_WINDOW, SamplingParams
 from ..errors import FastserveError
 from ..models.llama import LlamaConfig, LlamaWeights
+from .base import StepOutput
 
 DTYPES = ("f16", "bf16")
 DEFAULT_ATTN_CHUNK = 256
@@ -97,12 +99,13 @@ class CupyBackend:
     the host Sampler's.
     """
 
-    samples_on_device = True        # forward_sample: fastserve/device_sampling.py drives it
+    samples_on_device = True        # step(): fastserve/device_sampling.py drives forward_sample
 
     def __init__(self, cfg: LlamaConfig, weights: LlamaWeights, n_slots: int, n_ctx_slot: int, *,
                  dtype: str = "f16", max_tokens: int = 512, max_out: int | None = None, graphs: bool = True,
                  attn_chunk: int | None = None, matvec_max_n: int = K.MATVEC_MAX_N, device: int | None = None,
-                 max_penalty_window: int = 256, max_logit_bias: int = 256, max_n_probs: int = 100):
+                 max_penalty_window: int = MAX_PENALTY_WINDOW, max_logit_bias: int = MAX_LOGIT_BIAS,
+                 max_n_probs: int = MAX_N_PROBS):
         if dtype not in DTYPES:
             raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
         ok, why = cuda_status()
@@ -150,6 +153,14 @@ class CupyBackend:
         self._graphs: dict[int, object] = {}
         self._sample_graphs: dict[int, object] = {}       # decode steps that end with sample_chain
         self._scratch_slot = n_slots
+        self._pending = (0, 0)                            # (n, m) of the step submit_sample queued
+        # The engine's step: the device sampler's per-slot state, and the step's outputs on the host.
+        from ..device_sampling import DeviceSampler
+        self.sampler = DeviceSampler(self, n_slots, cfg.n_vocab, self.sample_window, self.sample_bias)
+        self.masks = self.sampler.masks         # constrained slots' allowed tokens (the engine writes them)
+        self._step_ids = np.zeros(self.max_out, np.int32)                         # [max_out]
+        self._step_probs_ids = np.zeros((self.max_out, MAX_N_PROBS), np.int32)    # [max_out, MAX_N_PROBS]
+        self._step_probs = np.zeros((self.max_out, MAX_N_PROBS), np.float32)
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -256,17 +267,42 @@ class CupyBackend:
         allowed tokens in sample_masks_h[r], copied in too). One copy in, one copy back, one wait.
         Returns (ids int32 [m] (-1: a sampled row without candidates), list ids int32 [n_lists, P], list
         probabilities float32 [n_lists, P]), views of pinned buffers reused at the next call. The batch
-        must fit the buffers (n <= max_tokens, m <= max_out)."""
+        must fit the buffers (n <= max_tokens, m <= max_out). submit_sample + wait_sample."""
+        self.submit_sample(tokens, positions, slots, out_rows, n_lists, masked)
+        return self.wait_sample()
+
+    def submit_sample(self, tokens, positions, slots, out_rows, n_lists: int = 0, masked: bool = False) -> None:
+        """forward_sample's launches and copies, queued on the stream; wait_sample() waits for them."""
         n, m = len(tokens), len(out_rows)
         if n > self.max_tokens or m > self.max_out or not 0 <= n_lists <= m:
             raise ValueError(f"device sampling needs n <= max_tokens={self.max_tokens}, m <= max_out={self.max_out} "
                              f"and 0 <= n_lists <= m (got n={n}, m={m}, n_lists={n_lists})")
-        self._n_lists = int(n_lists)
+        self._n_lists, self._pending = int(n_lists), (n, m)
         self._n_masks = m if masked else 0
         if n == 0:
+            return
+        tokens, positions, slots, out_rows = (np.asarray(a, dtype=np.int32) for a in (tokens, positions, slots, out_rows))
+        if not (len(positions) == len(slots) == n):
+            raise ValueError("tokens, positions and slots must have the same length")
+        self._check_inputs(tokens, positions, slots, out_rows)
+        t0 = time.perf_counter_ns()
+        with self.device, self.stream:
+            self._submit(tokens, positions, slots, out_rows, "sample")
+        self.submit_ns += time.perf_counter_ns() - t0
+
+    def wait_sample(self):
+        """Wait for the last submit_sample(); its (ids, list ids, list probabilities), as forward_sample."""
+        (n, m), self._pending = self._pending, (0, 0)
+        if n == 0:
             empty = np.zeros((0, self.sample_probs), np.int32)
-            return np.zeros(0, np.int32), empty, empty.view(np.float32)
-        return self._run(tokens, positions, slots, out_rows, want="sample")
+            return np.zeros(m, np.int32), empty, empty.view(np.float32)
+        t1 = time.perf_counter_ns()
+        self.stream.synchronize()           # releases the GIL while it waits
+        self.wait_ns += time.perf_counter_ns() - t1
+        self.steps += 1
+        P, k = self.sample_probs, self._n_lists
+        lists = self._out_h[self.max_out:self.max_out + k * 2 * P].reshape(k, 2, P)
+        return self._out_h[:m], lists[:, 0], lists[:, 1].view(np.float32)
 
     def sample_slot_table(self) -> np.ndarray:
         """The host side of the sampling slot table, int32 [n_slots, W + 2B] (pinned): each slot's penalty
@@ -281,8 +317,32 @@ class CupyBackend:
             rt.memcpyAsync(self.slot_tab_d.data.ptr + slot * row.nbytes, row.ctypes.data, row.nbytes,
                            rt.memcpyHostToDevice, self.stream.ptr)
 
+    # -- the engine's step (backends/base.py): sampling on the device ------------------------------
+
+    def configure(self, slot: int, params: SamplingParams, history, constrained: bool = False) -> None:
+        self.sampler.configure(slot, history=history, constrained=constrained, **params.kwargs())
+
+    def release(self, slot: int) -> None:
+        """Nothing to drop: a slot's device sampling state is rewritten whole by its next configure()."""
+
+    def step(self, batch, lap=None, before_sample=None) -> StepOutput:
+        tokens, positions, slots, out_rows, row_slot = batch.view()
+        ds = self.sampler
+        if before_sample is not None:
+            before_sample()                 # the masks travel with the rows' records
+        ds.forward(tokens, positions, slots, out_rows, row_slot)      # queued: pass, chain, copy back
+        if lap is not None:
+            lap("forward")
+        m = len(row_slot)
+        ids, pids, probs = self._step_ids[:m], self._step_probs_ids, self._step_probs
+        ds.sample(row_slot, ids, pids, probs)                         # waits, then moves the slots' state
+        if lap is not None:
+            lap("sync")
+        return StepOutput(ids, pids[:m], probs[:m]) if ds.n_lists else StepOutput(ids, None, None)
+
     def sync(self) -> None:
-        """forward() returns after its results are on the host: nothing is left to wait for."""
+        """Wait for everything queued on the stream."""
+        self.stream.synchronize()
 
     def copy_slot(self, src: int, dst: int, n_tokens: int) -> None:
         with self.device, self.stream:
@@ -345,10 +405,6 @@ class CupyBackend:
             self.wait_ns += time.perf_counter_ns() - t1
             self.submit_ns += t1 - t0
             self.steps += 1
-            if want == "sample":
-                P, k = self.sample_probs, self._n_lists
-                lists = self._out_h[self.max_out:self.max_out + k * 2 * P].reshape(k, 2, P)
-                return self._out_h[:m], lists[:, 0], lists[:, 1].view(np.float32)
             return self.logits_h[:m] if want == "logits" else self.ids_h[:m]
         return self._run_chunked(tokens, positions, slots, out_rows, want)
 

@@ -14,6 +14,7 @@ from .._attention import Attention
 from .._pool import Pool
 from .._matmul import Matmul
 from ..models.llama import LlamaConfig, LlamaWeights
+from .host_sampling import HostSampling
 from .kv_cache import DEFAULT_CACHE_TYPE, KVCache
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = None,
@@ -95,7 +96,7 @@ class Activations:
         self.r2 = np.zeros((rows, cfg.n_head, half), np.float32)
 
 
-class NumpyBackend:
+class NumpyBackend(HostSampling):
     """CPU backend. KV cache: self.kv (backends/kv_cache.py), in cache_type_k / cache_type_v
     ("f16", the default, "f32" or "q8_0"), read directly by attention.
 
@@ -124,6 +125,7 @@ class NumpyBackend:
         self._attn = Attention(self.pool)
         self.cos, self.sin = rope_tables(cfg, n_ctx_slot, weights.rope_freqs)
         self.scale = float(1.0 / np.sqrt(cfg.head_dim))
+        self.init_sampling(n_slots, cfg.n_vocab, max_tokens)    # the step's sampler: backends/host_sampling.py
 
     def kv_bytes_per_token(self) -> int:
         return self.kv.bytes_per_token()

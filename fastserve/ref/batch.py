@@ -8,9 +8,9 @@ class Batch:
             raise ValueError("batch capacity must be >= 1")
         self.capacity = capacity
         self.tokens = np.zeros(capacity, np.int32)
-        self.positions = np.zeros(capacity, np.int64)
-        self.slots = np.zeros(capacity, np.int64)
-        self.out_rows = np.zeros(capacity, np.int64)
+        self.positions = np.zeros(capacity, np.int32)
+        self.slots = np.zeros(capacity, np.int32)
+        self.out_rows = np.zeros(capacity, np.int32)
         self.row_slot = np.zeros(capacity, np.int32)
         self.clear()
 

@@ -35,11 +35,10 @@ Rules both implementations follow exactly (they are what makes parity exact):
   temperature. Entries past the available candidates are id -1, prob 0.0.
 """
 import math
-import operator
-from collections.abc import Mapping
 
 import numpy as np
 
+from fastserve.config import _integer, check_sampling as check_config  # the twins' shared checks
 from fastserve.errors import RequestError
 
 MASK64 = (1 << 64) - 1
@@ -70,90 +69,6 @@ def weight(x, m, temp, scale):
 def top_p_target(top_p, total):
     """The mass a top-p prefix must reach, as an integer."""
     return min(total, math.ceil(top_p * float(total)))
-
-
-def _number(name, value):
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise RequestError(f"{name} must be a number, got {value!r}") from None
-
-
-def _integer(name, value):
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise RequestError(f"{name} must be an integer, got {value!r}") from None
-
-
-def check_config(n_vocab, max_penalty_window, max_logit_bias, *, temperature, top_k, top_p, min_p,
-                 repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty, seed,
-                 logit_bias, n_probs, post_sampling_probs, history):
-    """Validate one request's sampling parameters; return them normalized as a dict.
-
-    Shared by both implementations so they accept and refuse exactly the same
-    things. Raises RequestError with a message saying what to change.
-    """
-    temperature = _number("temperature", temperature)
-    if not math.isfinite(temperature):
-        raise RequestError(f"temperature must be finite, got {temperature}")
-    top_k = _integer("top_k", top_k)
-    top_k = 0 if top_k <= 0 else min(top_k, n_vocab)
-    top_p = _number("top_p", top_p)
-    if not 0.0 <= top_p <= 1.0:
-        raise RequestError(f"top_p must be in [0, 1], got {top_p}")
-    min_p = _number("min_p", min_p)
-    if not 0.0 <= min_p <= 1.0:
-        raise RequestError(f"min_p must be in [0, 1], got {min_p}")
-    repeat_penalty = _number("repeat_penalty", repeat_penalty)
-    if not (math.isfinite(repeat_penalty) and repeat_penalty > 0.0):
-        raise RequestError(f"repeat_penalty must be finite and > 0 (1.0 disables it), got {repeat_penalty}")
-    presence_penalty = _number("presence_penalty", presence_penalty)
-    frequency_penalty = _number("frequency_penalty", frequency_penalty)
-    for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
-        if not math.isfinite(v):
-            raise RequestError(f"{name} must be finite, got {v}")
-    repeat_last_n = _integer("repeat_last_n", repeat_last_n)
-    if repeat_last_n == -1:
-        repeat_last_n = max_penalty_window
-    if not 0 <= repeat_last_n <= max_penalty_window:
-        raise RequestError(f"repeat_last_n must be -1 (the whole window), 0 (off) or up to "
-                           f"max_penalty_window={max_penalty_window}, got {repeat_last_n}")
-    seed = _integer("seed", seed)
-    if not 0 <= seed <= MASK64:
-        raise RequestError(f"seed must be in [0, 2**64), got {seed}")
-    bias = []
-    if logit_bias is not None:
-        if not isinstance(logit_bias, Mapping):
-            raise RequestError(f"logit_bias must be a dict {{token_id: bias}}, got {type(logit_bias).__name__}")
-        if len(logit_bias) > max_logit_bias:
-            raise RequestError(f"logit_bias has {len(logit_bias)} entries, at most "
-                               f"max_logit_bias={max_logit_bias} are allowed")
-        for tok, b in logit_bias.items():
-            tok = _integer("logit_bias token id", tok)
-            if not 0 <= tok < n_vocab:
-                raise RequestError(f"logit_bias token id {tok} is outside the vocabulary [0, {n_vocab})")
-            b = _number(f"logit_bias[{tok}]", b)
-            if math.isnan(b):
-                raise RequestError(f"logit_bias[{tok}] is NaN")
-            bias.append((tok, b))
-    n_probs = _integer("n_probs", n_probs)
-    if not 0 <= n_probs <= n_vocab:
-        raise RequestError(f"n_probs must be in [0, {n_vocab}], got {n_probs}")
-    if not isinstance(post_sampling_probs, (bool, np.bool_)):
-        raise RequestError(f"post_sampling_probs must be a bool, got {post_sampling_probs!r}")
-    try:
-        hist = np.asarray(history if history is not None else (), dtype=np.int64).reshape(-1)
-    except (TypeError, ValueError, OverflowError):
-        raise RequestError("history must be a sequence of token ids") from None
-    if hist.size and (hist.min() < 0 or hist.max() >= n_vocab):
-        raise RequestError(f"history holds token ids outside the vocabulary [0, {n_vocab})")
-    kept = [int(t) for t in hist[max(0, hist.size - repeat_last_n):]] if repeat_last_n else []
-    return dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                seed=seed, logit_bias=bias, n_probs=n_probs,
-                post_sampling_probs=bool(post_sampling_probs), history=kept)
 
 
 def check_sample_args(n_vocab, configured, n_probs, logits, row_slot, out_ids, probs_ids, probs):

@@ -145,17 +145,16 @@ class App:
     # -- health --------------------------------------------------------------------------------
 
     def stall_reason(self, now: float | None = None) -> str | None:
-        """Why the decode loop counts as stalled (work pending, no step for > --stall-limit), or None."""
+        """Why the decode loop counts as stalled (work pending, no step for > --stall-limit), or None.
+        Reads only; the watchdog's tick is what logs and counts a stall."""
         snap = self.engine.snapshot
         now = now or time.monotonic()
         age = now - snap.t_step
         limit = self.config.stall_limit
-        reason = None
-        if age > limit and (snap.busy or len(self.engine.inbox) or
-                            any(not g.reader.buffer.finished for g in self.inflight)):
-            reason = f"the decode loop is stalled: no step for {age:.1f} s (--stall-limit {limit:g} s) with work pending"
-        self.watchdog.observe(reason, now)
-        return reason
+        if age > limit and (snap.busy or self.engine.stats().n_inbox or
+                            any(not g.reader.finished for g in self.inflight)):
+            return f"the decode loop is stalled: no step for {age:.1f} s (--stall-limit {limit:g} s) with work pending"
+        return None
 
     def unhealthy_reason(self) -> str | None:
         if self.closing:
@@ -207,25 +206,15 @@ class Server:
         await asyncio.sleep(0)
 
 
-def make_backend_factory(stall_file: str | None):
-    """Test-only (hidden flag --test-stall-file): forward() blocks while that file exists, like a hung device."""
-    if not stall_file:
-        return None
-    from .faults import StallFileBackend
-
-    def factory(cfg, weights, n_slots, n_ctx_slot):
-        from ..backends.numpy_backend import NumpyBackend
-        return StallFileBackend(NumpyBackend(cfg, weights, n_slots, n_ctx_slot), stall_file)
-    return factory
-
-
 def _force_exit() -> None:
     os.write(2, b"fastserve: shutdown took too long; exiting now\n")
     os._exit(0)
 
 
-def serve(args) -> int:
-    """`fastserve serve`: load the model, start the engine, serve until SIGTERM/SIGINT; returns 0."""
+def serve(args, backend=None) -> int:
+    """`fastserve serve`: load the model, start the engine, serve until SIGTERM/SIGINT; returns 0.
+    backend: a backend factory for the Engine (tests; None: the one args.device names)."""
+    from ..cli import engine_config
     from ..engine import Engine, default_threads
     from ..default_model import default_model_path
     from ..model import load_model
@@ -239,11 +228,7 @@ def serve(args) -> int:
     path = args.model or default_model_path()
     model = load_model(path)
     threads = args.threads if args.threads and args.threads > 0 else default_threads()
-    engine = Engine(model, n_parallel=args.parallel, n_ctx=args.ctx_size, n_batch=args.batch_size,
-                    max_queue=args.max_queue, trace=True, cache_ram_mib=args.cache_ram,
-                    slot_prompt_similarity=args.slot_prompt_similarity,
-                    backend=make_backend_factory(args.test_stall_file) or getattr(args, "device", None),
-                    threads=threads, cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
+    engine = Engine(model, engine_config(args, threads=threads, trace=True), backend=backend)
     app = App(engine, cfg)
     server = Server(app)
     timer: list = []

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .http import DEFAULT_BODY_LIMIT
+from ..config import DEFAULT_BODY_LIMIT
 
 
 @dataclass(frozen=True)

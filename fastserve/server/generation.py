@@ -1,8 +1,9 @@
-"""Generation: one engine request as the HTTP side sees it — text, token ids, probabilities, deadlines.
+"""Generation: one engine request as the HTTP side sees it — deltas, probabilities, metrics, deadlines.
 
 Text is the event loop's business (DESIGN.md contract 4): token ids come from the
-reader in batches (one wake-up per step), are detokenized here, and a stop string
-found here cancels the request through the engine's inbox. Whoever consumes
+request's TextReader in batches (one wake-up per step) and its text layer (the one
+Engine.generate uses: detokenizer, stop strings, clocks, outcome) turns them into text
+on the loop; a stop string found there cancels the request through the engine's inbox. Whoever consumes
 `deltas()` reads at its own pace: a slow HTTP client only makes batches bigger,
 the decode thread never waits (the reader's buffer holds the whole request).
 
@@ -19,7 +20,7 @@ import time
 from typing import NamedTuple
 
 from ..errors import EngineClosed, RequestError, ServerBusy
-from ..text import TextStream
+from ..request import ENDED_EARLY, OUTCOMES
 from .errors import HttpError
 
 
@@ -37,9 +38,8 @@ class Delta(NamedTuple):
 
 
 class Generation:
-    __slots__ = ("app", "reader", "admission", "n_prompt", "n_probs", "limits", "text", "ids", "probs",
-                 "t_submit", "t_admit", "t_first", "t_last", "t_end", "progress_seen", "t_progress",
-                 "stop_type", "exchange", "_closed", "queued_behind")
+    __slots__ = ("app", "reader", "request", "n_prompt", "n_probs", "limits", "probs", "t_admit",
+                 "progress_seen", "t_progress", "outcome", "exchange", "_closed", "queued_behind")
 
     def __init__(self, app, exchange, ids: list, *, stop: list, limits: Limits, **submit_kwargs):
         """ids: the prompt's token ids (tokenized on the loop by the route)."""
@@ -49,7 +49,7 @@ class Generation:
         if n > engine.n_ctx_slot:               # the slot is full by then anyway: keep the value sane
             submit_kwargs["max_tokens"] = engine.n_ctx_slot
         try:
-            self.reader = engine.submit(ids, stop=(), **submit_kwargs)
+            self.reader = engine.submit(ids, stop=stop, **submit_kwargs)
         except ServerBusy as exc:
             app.metrics.rejected.inc(1, "queue_full")
             raise HttpError(503, str(exc)) from None
@@ -57,21 +57,18 @@ class Generation:
             raise HttpError(503, "the server is shutting down") from None
         except RequestError as exc:
             raise HttpError(400, str(exc)) from None
-        self.admission = self.reader.admission     # slot and cached prompt tokens, set at admission
+        self.request = self.reader.request         # slot and cached prompt tokens, set at admission
         self.app = app
         self.exchange = exchange
         self.n_prompt = len(ids)
         self.n_probs = submit_kwargs.get("n_probs", 0)
         self.limits = limits
-        self.text = TextStream(engine.tokenizer, stop)
-        self.ids: list[int] = []
         self.probs: list | None = [] if self.n_probs else None
-        now = time.monotonic()
-        self.t_submit = self.t_progress = now
-        self.t_admit = self.t_first = self.t_last = self.t_end = None
+        self.t_progress = self.reader.t_submit
+        self.t_admit = None
         self.queued_behind = snap.n_waiting + snap.n_running >= engine.n_slots
         self.progress_seen = (0, -1)       # (tokens for the reader, tokens with KV written in the slot)
-        self.stop_type = "none"
+        self.outcome = None                # request.OUTCOMES' entry, once it ended well
         self._closed = False
         exchange.generation = self
         app.inflight.add(self)
@@ -81,10 +78,9 @@ class Generation:
     async def deltas(self):
         """Async iterator of Delta until the request ends; raises HttpError when it failed."""
         reader = self.reader
-        buf = reader.buffer
         try:
             while True:
-                done = buf.finished
+                done = reader.finished
                 if self.n_probs:
                     ids, top_ids, top_probs = reader.read_available_probs()
                 else:
@@ -95,13 +91,13 @@ class Generation:
                     delta = self._feed(ids, probs)
                     if delta.text or delta.ids:
                         yield delta
-                    if self.text.stopped:
+                    if reader.stopped:
                         break
                 elif done:
                     break
                 else:
                     await reader.wait_async()
-            tail = self.text.finish()
+            tail = reader.flush()
             self._finish()
             if tail:
                 yield Delta(tail, [], [] if self.n_probs else None)
@@ -114,57 +110,57 @@ class Generation:
             pass
 
     def _feed(self, ids: list, probs) -> Delta:
-        now = time.monotonic()
-        m = self.app.metrics
-        if self.t_first is None:
-            self.t_first = now
-            m.ttft.observe(now - self.t_submit)
+        reader, m = self.reader, self.app.metrics
+        t_last = reader.t_last
+        text, n = reader.feed(ids)          # a stop string cancels the request: the slot is free within a step
+        now = reader.t_last
+        if t_last is None:
+            m.ttft.observe(now - reader.t_submit)
             if self.t_admit is None:
-                self._admitted(now if self.queued_behind else self.t_submit)
+                self._admitted(now if self.queued_behind else reader.t_submit)
         else:
-            m.itl.observe((now - self.t_last) / len(ids), len(ids))
-        self.t_last = now
-        text = self.text
-        pieces = []
-        n = 0
-        for tok in ids:
-            n += 1
-            pieces.append(text.push(tok))
-            if text.stopped:
-                self.reader.cancel()        # the slot is free within a step
-                break
+            m.itl.observe((now - t_last) / len(ids), len(ids))
         used = ids[:n] if n < len(ids) else ids
-        self.ids.extend(used)
         if probs is not None:
             probs = probs[:n]
             self.probs.extend(probs)
-        return Delta("".join(pieces), used, probs)
+        return Delta(text, used, probs)
 
     def _finish(self) -> None:
-        """The reader ended: classify how, or raise the failure."""
-        self.t_end = time.monotonic()
-        if self.text.stopped:
-            self.stop_type = "word"
-        else:
-            reason = self.reader.finish_reason
-            if reason == "stop":
-                self.stop_type = "eos"
-            elif reason == "length":
-                self.stop_type = "limit"
-            elif reason == "grammar":       # the grammar / JSON schema allowed no next token
-                self.stop_type = "grammar"
-            elif reason == "closed":
-                raise HttpError(503, "the server is shutting down")
-            elif reason == "error":
-                raise HttpError(500, f"generation failed: {self.reader.error or 'unknown error'}")
-            else:
-                raise HttpError(503, f"the request ended early ({reason})")
-        self.app.metrics.e2e.observe(self.t_end - self.t_submit)
-        self.app.metrics.requests_done.inc(1, self.stop_type)
+        """The reader ended: how (request.OUTCOMES), or raise the failure."""
+        reader = self.reader
+        reason = reader.outcome()
+        outcome = OUTCOMES.get(reason, ENDED_EARLY)
+        if outcome.status:
+            raise HttpError(outcome.status, outcome.message.format(error=reader.error or "unknown error",
+                                                                   reason=reason))
+        self.outcome = outcome
+        self.app.metrics.e2e.observe(reader.t_end - reader.t_submit)
+        self.app.metrics.requests_done.inc(1, outcome.stop_type)
+
+    # -- what the routes read ----------------------------------------------------------------
+
+    @property
+    def text(self):
+        """The text layer (its .text, .stopping_word)."""
+        return self.reader
+
+    @property
+    def ids(self) -> list:
+        """The generated token ids behind the text so far."""
+        return self.reader.token_ids
+
+    @property
+    def stop_type(self) -> str:
+        return self.outcome.stop_type if self.outcome is not None else "none"
+
+    @property
+    def openai_finish_reason(self) -> str:
+        return self.outcome.openai if self.outcome is not None else "stop"
 
     def _admitted(self, t: float) -> None:
         self.t_admit = t
-        self.app.metrics.queue_time.observe(t - self.t_submit)
+        self.app.metrics.queue_time.observe(t - self.reader.t_submit)
 
     def close(self) -> None:
         """Stop the request if it still runs (idempotent); nothing is left behind."""
@@ -178,21 +174,21 @@ class Generation:
 
     def check(self, now: float, snap) -> HttpError | None:
         """Deadlines and admission tracking, from the snapshot only. Returns the failure, if any."""
-        buf = self.reader.buffer
+        reader = self.reader
         if self.t_admit is None:
-            if self.admission.slot >= 0 or buf.count or buf.finished:
+            if self.request.slot >= 0 or reader.count or reader.finished:
                 self._admitted(now)
-            elif self.limits.queue and now - self.t_submit > self.limits.queue:
+            elif self.limits.queue and now - reader.t_submit > self.limits.queue:
                 self.app.metrics.deadlines.inc(1, "queue")
                 return HttpError(503, f"no slot became free within the queue limit of {self.limits.queue:g} s "
                                       f"({snap.n_running} running, {snap.n_waiting} waiting)")
-        if buf.finished:
+        if reader.finished:
             return None
-        if self.limits.total and now - self.t_submit > self.limits.total:
+        if self.limits.total and now - reader.t_submit > self.limits.total:
             self.app.metrics.deadlines.inc(1, "total")
             return HttpError(504, f"the request ran past its time limit of {self.limits.total:g} s")
-        slot = self.admission.slot
-        progress = (buf.count, snap.slot_past[slot] if 0 <= slot < len(snap.slot_past) else -1)
+        slot = self.request.slot
+        progress = (reader.count, snap.slot_past[slot] if 0 <= slot < len(snap.slot_past) else -1)
         if progress != self.progress_seen:
             self.progress_seen = progress
             self.t_progress = now
@@ -205,22 +201,24 @@ class Generation:
         return None
 
     def id_slot(self) -> int:
-        return self.admission.slot
+        return self.request.slot
 
     # -- summaries ---------------------------------------------------------------------------
 
     def timings(self) -> dict:
-        """llama.cpp's timings object (ms). prompt_ms runs from admission to the first token."""
-        t_end = self.t_end or time.monotonic()
-        t0 = self.t_admit if self.t_admit is not None else self.t_submit
-        t1 = self.t_first if self.t_first is not None else t_end
+        """llama.cpp's timings object (ms), from the text layer's clocks. prompt_ms runs from admission to
+        the first token."""
+        reader = self.reader
+        t_end = reader.t_end or time.monotonic()
+        t0 = self.t_admit if self.t_admit is not None else reader.t_submit
+        t1 = reader.t_first if reader.t_first is not None else t_end
         prompt_ms = max(0.0, (t1 - t0) * 1e3)
-        n_gen = len(self.ids)
-        n_eval = self.n_prompt - self.admission.n_cached
+        n_gen = len(reader.token_ids)
+        n_eval = self.n_prompt - self.request.n_cached
         predicted_ms = max(0.0, (t_end - t1) * 1e3)
         return {
-            "cache_n": self.admission.n_cached,
-            "prompt_n": self.n_prompt - self.admission.n_cached,
+            "cache_n": self.request.n_cached,
+            "prompt_n": self.n_prompt - self.request.n_cached,
             "prompt_ms": prompt_ms,
             "prompt_per_token_ms": prompt_ms / n_eval if n_eval else 0.0,
             "prompt_per_second": n_eval / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
@@ -228,12 +226,8 @@ class Generation:
             "predicted_ms": predicted_ms,
             "predicted_per_token_ms": predicted_ms / n_gen if n_gen else 0.0,
             "predicted_per_second": n_gen / predicted_ms * 1e3 if predicted_ms > 0 else 0.0,
-            "queue_ms": max(0.0, (t0 - self.t_submit) * 1e3),
+            "queue_ms": max(0.0, (t0 - reader.t_submit) * 1e3),
         }
-
-    @property
-    def openai_finish_reason(self) -> str:
-        return {"limit": "length", "grammar": "grammar"}.get(self.stop_type, "stop")
 
 
 def _valid(ids: list, probs: list) -> tuple:

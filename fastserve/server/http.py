@@ -18,7 +18,8 @@ from urllib.parse import parse_qsl, unquote
 
 import h11
 
-DEFAULT_BODY_LIMIT = 2 << 20        # bytes (--body-limit)
+from ..config import DEFAULT_BODY_LIMIT
+
 DEFAULT_HEADER_LIMIT = 16 << 10     # bytes of request line + headers
 
 

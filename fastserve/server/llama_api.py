@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+from ..config import MAX_N_PROBS
 from . import sse
 from .errors import LLAMA, HttpError
 from .fields import Body, parse_object
@@ -21,7 +22,6 @@ from .generation import Generation, Limits
 from .response import StreamResponse, json_response
 
 PROMPT_CHARS_PER_TOKEN = 16     # a prompt longer than 16 characters per slot token cannot fit: refused untokenized
-MAX_N_PROBS = 100
 
 
 def sampling(body: Body, n_vocab: int) -> dict:

@@ -153,7 +153,7 @@ class ServerMetrics:
         snap = lambda: eng.snapshot     # noqa: E731
         r.gauge("fastserve_requests_running", "Requests holding a slot.", lambda: snap().n_running)
         r.gauge("fastserve_requests_waiting", "Requests waiting for a slot (queued or not yet seen by the decode "
-                "thread).", lambda: snap().n_waiting + len(eng.inbox))
+                "thread).", lambda: snap().n_waiting + eng.stats().n_inbox)
         r.add(CounterFn("fastserve_prompt_tokens", "Prompt tokens computed.", lambda: snap().tokens_prompt))
         r.add(CounterFn("fastserve_generated_tokens", "Tokens generated.", lambda: snap().tokens_generated))
         r.add(CounterFn("fastserve_decode_steps", "Decode steps (the heartbeat).", lambda: snap().step))
@@ -166,7 +166,8 @@ class ServerMetrics:
                 lambda: max(0.0, time.monotonic() - snap().t_step))
         r.gauge("fastserve_decode_stalled", "1 while work is pending and no step came for longer than "
                 "--stall-limit.", lambda: 1 if app.stall_reason() else 0)
-        self.stalls = r.counter("fastserve_decode_stalls", "Times the decode loop was seen stalled.")
+        r.add(CounterFn("fastserve_decode_stalls", "Times the decode loop was seen stalled.",
+                        lambda: app.watchdog.stalls_seen(app.stall_reason())))
         self.ttft = r.histogram("fastserve_time_to_first_token_seconds", "Time from submit to the first token.",
                                 LATENCY_BUCKETS)
         self.itl = r.histogram("fastserve_inter_token_latency_seconds", "Time between two tokens of a request, "
@@ -177,9 +178,9 @@ class ServerMetrics:
                                       "(resolution: one watchdog tick).", LATENCY_BUCKETS)
         self.phase = r.histogram("fastserve_step_phase_seconds", "Host time per decode step in each phase "
                                  "(tracer; mean per step over each one-second window).", STEP_BUCKETS, ("phase",))
-        if eng.tracer is not None:
+        if eng.stats().step_histogram is not None:
             r.add(HistogramFn("fastserve_step_seconds", "Wall time of each decode step, admit to publish "
-                              "(idle waits excluded).", STEP_SECONDS_BUCKETS, eng.tracer.step_histogram))
+                              "(idle waits excluded).", STEP_SECONDS_BUCKETS, lambda: eng.stats().step_histogram))
         self.http = r.counter("fastserve_http_requests", "HTTP requests answered, by status.", ("code",))
         self.requests_done = r.counter("fastserve_requests_finished", "Generations finished, by stop type.",
                                        ("stop_type",))
@@ -195,10 +196,10 @@ class ServerMetrics:
 
     def sample_tracer(self) -> None:
         """Called about once a second: per-phase mean ms/step since the last call, into the histogram."""
-        tr = self.app.engine.tracer
-        if tr is None:
+        st = self.app.engine.stats()
+        if st.trace_ns is None:
             return
-        now = (tr.steps, dict(tr.ns))
+        now = (st.trace_steps, st.trace_ns)
         last, self._trace_last = self._trace_last, now
         if last is None or now[0] <= last[0]:
             return

@@ -10,14 +10,14 @@ from __future__ import annotations
 import asyncio
 import time
 
-from .._slots import IDLE
-from ..request import SAMPLING_DEFAULTS
+from ..request import SlotState
+from ..config import SAMPLING_DEFAULTS
 from . import llama_api, openai_api
 from .errors import LLAMA, HttpError, error_json
 from .fields import parse_object
 from .response import PROMETHEUS, Response, json_response
 
-SLOT_STATES = {0: "idle", 1: "prefill", 2: "decode"}
+IDLE = SlotState.IDLE
 
 
 def health(app, req, ex):
@@ -34,7 +34,7 @@ def slots(app, req, ex):
         raise HttpError(503, "no slot available")
     return json_response([
         {"id": i, "id_task": job or -1, "n_ctx": n_ctx, "is_processing": state != IDLE,
-         "state": SLOT_STATES.get(state, str(state)), "n_tokens": n_tok, "speculative": False}
+         "state": SlotState(state).name.lower(), "n_tokens": n_tok, "speculative": False}
         for i, (state, n_tok, job) in enumerate(zip(snap.slot_state, snap.slot_tokens, snap.slot_job))])
 
 
@@ -108,7 +108,8 @@ def detokenize(app, req, ex):
 async def slot_action(app, req, ex, slot: int):
     """POST /slots/{id}?action=erase. A busy slot is erased when its request ends, before it takes
     another (llama-server defers it too), never by cutting the request running there; the answer
-    waits for the erasure at most ServerConfig.erase_wait seconds (503 after that; the erasure still happens)."""
+    waits for the engine's reply at most ServerConfig.erase_wait seconds (503 after that; the erasure
+    still happens), and no longer than the server stays healthy."""
     action = req.query.get("action")
     if action in ("save", "restore"):
         raise HttpError(501, f"slot {action} is not supported")
@@ -117,19 +118,33 @@ async def slot_action(app, req, ex, slot: int):
     eng = app.engine
     if not 0 <= slot < eng.n_slots:
         raise HttpError(400, f"slot id must be in [0, {eng.n_slots})")
+    loop = asyncio.get_running_loop()
+    erased = loop.create_future()
+    eng.erase(slot, lambda n: _call_soon(loop, _resolve, erased, n))
     deadline = time.monotonic() + app.config.erase_wait
-    erasures = eng.snapshot.slot_erased[slot][0]
-    eng.erase_idle_slot(slot)
-    while time.monotonic() < deadline:
+    while not erased.done():
         reason = app.unhealthy_reason()
         if reason:
             raise HttpError(503, reason)
-        count, n_erased = eng.snapshot.slot_erased[slot]
-        if count > erasures:
-            return json_response({"id_slot": slot, "n_erased": n_erased})
-        await asyncio.sleep(0.005)
-    raise HttpError(503, f"slot {slot} stayed busy for {app.config.erase_wait:g} s; it is erased when its "
-                    f"request ends")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise HttpError(503, f"slot {slot} stayed busy for {app.config.erase_wait:g} s; it is erased when its "
+                            f"request ends")
+        await asyncio.wait((erased,), timeout=min(left, app.config.tick))   # the health check's period
+    return json_response({"id_slot": slot, "n_erased": erased.result()})
+
+
+def _call_soon(loop, fn, *args) -> None:
+    """From the decode thread: run fn on loop (returns at once; a closed loop has nobody left to tell)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass
+
+
+def _resolve(fut, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
 
 
 def not_supported(app, req, ex):

@@ -22,6 +22,7 @@ class Watchdog:
     def __init__(self, app):
         self.app = app
         self.stalled_since: float | None = None
+        self.n_stalls = 0               # stalls the ticks saw begin
         self._handle = None
         self._next_trace = 0.0
 
@@ -46,24 +47,29 @@ class Watchdog:
                 self._schedule()
 
     def observe(self, stall: str | None, now: float) -> None:
-        """Every stall check lands here (from a tick or a request): log and count the transitions."""
+        """Each tick's stall check lands here: log and count the transitions."""
         if stall and self.stalled_since is None:
             self.stalled_since = now
-            self.app.metrics.stalls.inc()
+            self.n_stalls += 1
             self.app.log.line(f"watchdog: {stall}; failing the running requests")
         elif not stall and self.stalled_since is not None:
             self.app.log.line(f"watchdog: the decode loop moves again after {now - self.stalled_since:.1f} s")
             self.stalled_since = None
 
+    def stalls_seen(self, stall_now: str | None) -> int:
+        """Stalls so far, counting one that began since the last tick (a read: nothing is counted twice)."""
+        return self.n_stalls + (1 if stall_now and self.stalled_since is None else 0)
+
     def tick(self, now: float) -> None:
         app = self.app
         snap = app.engine.snapshot
         stall = app.stall_reason(now)
+        self.observe(stall, now)
         for gen in list(app.inflight):
             ex = gen.exchange
             if ex.failure is not None:
                 continue
-            if stall and not gen.reader.buffer.finished:
+            if stall and not gen.reader.finished:
                 app.fail(ex, HttpError(503, stall))
                 continue
             err = gen.check(now, snap)

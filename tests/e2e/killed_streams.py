@@ -32,7 +32,7 @@ from collections import Counter
 REQUEST_PATH_CLASSES = (
     "HttpProtocol", "Exchange", "ServerConnection", "HttpRequest", "ProtocolFailure", "Connection",  # h11
     "Generation", "TextStream", "Delta", "StreamResponse", "Response",
-    "TextReader", "Reader", "ResultBuffer", "Job", "Admission", "Message",
+    "TextReader", "Reader", "ResultBuffer", "Request", "Submit", "Cancel", "Erase",
     "Task", "Future", "TCPTransport", "_SelectorSocketTransport", "TimerHandle", "Handle",
     "async_generator", "coroutine", "frame", "traceback", "HttpError", "CancelledError",
 )
@@ -195,7 +195,7 @@ class InProcessServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             snap = self.engine.snapshot
-            if not (snap.busy or self.app.inflight or self.app.connections or len(self.engine.inbox)):
+            if not (snap.busy or self.app.inflight or self.app.connections or self.engine.stats().n_inbox):
                 return True
             time.sleep(0.02)
         return False

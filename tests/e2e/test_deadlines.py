@@ -16,7 +16,7 @@ from .test_misbehaving_clients import NO_EOG, _metric, _request
 def test_deadlines_and_queue(make_server, tmp_path):
     stall = tmp_path / "stall"
     srv = make_server("-c", "4096", "-np", "1", "--max-queue", "1", "--stall-limit", "30",
-                      "--test-stall-file", str(stall))
+                      stall_file=str(stall))
     long = {"prompt": "hold the slot", "n_predict": 4000, "temperature": 0, "logit_bias": NO_EOG}
     with httpx.Client(base_url=srv.url, timeout=30) as c:
         holder = socket.create_connection((srv.host, srv.port), timeout=10)

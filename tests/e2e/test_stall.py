@@ -1,4 +1,4 @@
-"""A decode thread stuck inside forward (the hidden --test-stall-file backend): monitoring still answers
+"""A decode thread stuck inside forward (tests/e2e/stall_server.py): monitoring still answers
 in < 50 ms from the snapshot, /health turns 503 after --stall-limit, running requests end with a clear
 error, and the server serves again as soon as the loop moves."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ def _metrics(c) -> dict:
 
 def test_stuck_forward(make_server, tmp_path):
     stall = tmp_path / "stall"
-    srv = make_server("-c", "1024", "-np", "4", "--stall-limit", str(STALL_LIMIT), "--test-stall-file", str(stall))
+    srv = make_server("-c", "1024", "-np", "4", "--stall-limit", str(STALL_LIMIT), stall_file=str(stall))
     body = {"prompt": "stuck", "n_predict": 50, "temperature": 0}
     outcome: dict = {}
     with httpx.Client(base_url=srv.url, timeout=30) as c:

@@ -48,6 +48,12 @@ class LogitsBackend:
     def upload_sample_slot(self, slot):
         self.slot_tab_d[slot] = self.cp.asarray(self.slot_tab_h[slot])
 
+    def submit_sample(self, tokens, positions, slots, out_rows, n_lists, masked=False):
+        self._result = self.forward_sample(tokens, positions, slots, out_rows, n_lists, masked)
+
+    def wait_sample(self):
+        return self._result
+
     def forward_sample(self, tokens, positions, slots, out_rows, n_lists, masked=False):
         cp, m, P = self.cp, len(out_rows), self.sample_probs
         logits = cp.asarray(np.ascontiguousarray(self.logits[:m], np.float32))
@@ -230,8 +236,8 @@ def test_backend_packs_rows_into_the_input_copy(fake, tiny_model):
             mp.setattr(rt, "memcpyAsync", lambda *a, f=rt.memcpyAsync: (calls.append(a[3]), f(*a))[1])
             mp.setattr(be.stream, "synchronize", lambda f=be.stream.synchronize: (calls.append("wait"), f())[1])
             dev.forward(toks, pos, slots, out_rows, row_slot)
+            dev.sample(row_slot, got, gpi, gp)
         assert calls == [rt.memcpyHostToDevice, rt.memcpyDeviceToHost, "wait"]
-        dev.sample(row_slot, got, gpi, gp)
         assert got.tolist() == want.tolist()
         np.testing.assert_array_equal(gpi[:len(out_rows), :10], wpi[:len(out_rows), :10])
         np.testing.assert_array_equal(gp[:len(out_rows), :10], wp[:len(out_rows), :10])
@@ -239,13 +245,12 @@ def test_backend_packs_rows_into_the_input_copy(fake, tiny_model):
 
 
 class _HostSampling:
-    """CupyBackend with device sampling turned off: the engine samples its logits on the host."""
+    """CupyBackend's forward() with the host sampler (HostSampled): the engine's step samples its logits on the host."""
 
     def __new__(cls, *args, **kw):
         from fastserve.backends.cupy_backend import CupyBackend
-        be = CupyBackend(*args, **kw)
-        be.samples_on_device = False
-        return be
+        from fastserve.backends.host_sampling import HostSampled
+        return HostSampled(CupyBackend(*args, **kw))
 
 
 @pytest.mark.parametrize("n_batch", [512, 3])
@@ -272,17 +277,18 @@ def test_engine_samples_on_the_device_as_on_the_host(fake, tiny_model, n_batch):
 
         def factory(cfg, w, n_slots, n_ctx_slot):
             be = cls(cfg, w, n_slots, n_ctx_slot)
-            submit = be._submit
+            inner = getattr(be, "model_pass", be)       # the CupyBackend under a HostSampled
+            submit = inner._submit
 
             def gated(*a, **kw):
                 entered.set()
                 gate.wait(30)
                 return submit(*a, **kw)
-            be._submit = gated
+            inner._submit = gated
             return be
 
         with fastserve.Engine(tiny_model, n_parallel=6, n_ctx=384, n_batch=n_batch, backend=factory) as e:
-            assert (e.device_sampler is not None) == (cls is CupyBackend)
+            assert e.backend.samples_on_device == (cls is CupyBackend)
             first = e.submit([1, 2], max_tokens=1, temperature=0)
             assert entered.wait(30)
             readers = [e.submit(r.pop("prompt"), max_tokens=10, **r) for r in [dict(q) for q in reqs]]

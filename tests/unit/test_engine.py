@@ -8,6 +8,7 @@ import pytest
 import fastserve
 from fastserve.errors import EngineClosed, RequestError, ServerBusy
 from fastserve.tracer import STEP_SECONDS_BUCKETS
+from fill_failures import FailingFills
 
 
 @pytest.fixture
@@ -112,19 +113,19 @@ def test_cancel_frees_the_slot_within_a_step(engine):
 
 
 def test_erase_of_a_busy_slot_waits_for_its_request_to_end(tiny_model):
-    """erase_idle_slot never cuts a request; a busy slot is erased when its request ends, before it can
+    """erase never cuts a request; a busy slot is erased when its request ends, before it can
     take the next one (which then computes its whole prompt), even with that next one already waiting."""
     with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=256) as e:
         first = e.submit("the running one", max_tokens=24, temperature=0)
         next(iter(first))
-        e.erase_idle_slot(0)
+        e.erase(0)
         second = e.submit("the running one", max_tokens=4, temperature=0)     # same prompt: would reuse it
         assert first.result(timeout=10).finish_reason == "length" and len(first.result().token_ids) == 24
         assert second.result(timeout=10).finish_reason == "length"
-        assert second.admission.n_cached == 0           # the erase came between the two
+        assert second.request.n_cached == 0           # the erase came between the two
         assert _slots_free(e)
         assert e.snapshot.slot_erased[0][0] == 1 and e.snapshot.slot_erased[0][1] > 0
-        e.erase_idle_slot(0)                            # idle: at once
+        e.erase(0)                            # idle: at once
         deadline = time.monotonic() + 5
         while e.snapshot.slot_erased[0][0] < 2 and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -208,7 +209,11 @@ class _FailingFill(fastserve.Engine):
     fail = 0
     seen = None
 
-    def _after_fill(self, slot):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.slots = FailingFills(self.slots, self._on_fill)
+
+    def _on_fill(self, slot):
         if self.fail > 0:
             self.fail -= 1
             self.seen = (self.batch.mark(), slot)
@@ -275,3 +280,24 @@ def test_tracer_summary(tiny_model):
     with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=64) as e:
         with pytest.raises(RuntimeError, match="tracing is off"):
             e.trace_summary()
+
+
+def test_erase_replies_once_it_is_done(tiny_model):
+    """erase(slot, reply): the decode thread calls reply(n_erased) once the prefix is dropped (no polling)."""
+    import queue
+    with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=256) as e:
+        done = e.generate("a prefix to drop", max_tokens=4, temperature=0)
+        replies = queue.Queue()
+        e.erase(0, replies.put)
+        n = replies.get(timeout=5)
+        assert 0 < n <= done.prompt_tokens + len(done.token_ids) and replies.empty()
+        deadline = time.monotonic() + 5             # the snapshot of that step follows the reply
+        while e.snapshot.slot_erased[0][0] < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert e.snapshot.slot_erased[0] == (1, n) and e.snapshot.slot_tokens[0] == 0
+
+
+def test_slot_states_agree_with_the_slot_table():
+    from fastserve import _slots
+    from fastserve.request import SlotState
+    assert (SlotState.IDLE, SlotState.PREFILL, SlotState.DECODE) == (_slots.IDLE, _slots.PREFILL, _slots.DECODE)

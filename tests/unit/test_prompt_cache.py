@@ -16,6 +16,8 @@ import fastserve
 from fastserve.backends.numpy_backend import NumpyBackend
 from fastserve.prompt_cache import MIB, PromptCache
 
+from fill_failures import FailingFills
+
 rng = np.random.default_rng(5)
 STEMS = [rng.integers(3, 512, 48).astype(np.int32).tolist() for _ in range(3)]   # token-id prompts (no BOS)
 GREEDY = dict(temperature=0)
@@ -197,6 +199,7 @@ class _Gated(fastserve.Engine):
         self.fail = {}
         self.builds = []
         super().__init__(*args, **kwargs)
+        self.slots = FailingFills(self.slots, self._on_fill)
 
     def _admit(self):
         self.gate.wait()
@@ -207,8 +210,7 @@ class _Gated(fastserve.Engine):
         self.builds.append(self.batch.view()[2].tolist())
         return built
 
-    def _after_fill(self, slot):
-        super()._after_fill(slot)
+    def _on_fill(self, slot):
         if slot in self.fail:
             self.fail[slot] -= 1
             if self.fail[slot] < 0:
