@@ -59,10 +59,10 @@ def rss_bytes(pid: int) -> int:
 
 def fastserve_command(model: str, port: int, n_parallel: int, n_ctx: int, threads: int | None,
                       *extra: str) -> list[str]:
-    """`fastserve serve` argv; threads None: its default -t."""
+    """`fastserve serve` argv (with --metrics: the benchmarks read /metrics); threads None: its default -t."""
     t = [] if threads is None else ["-t", str(threads)]
     return [sys.executable, "-m", "fastserve", "serve", "-m", model, "--host", "127.0.0.1", "--port", str(port),
-            "-np", str(n_parallel), "-c", str(n_ctx), *t, *extra]
+            "-np", str(n_parallel), "-c", str(n_ctx), "--metrics", *t, *extra]
 
 
 class ServerProcess:

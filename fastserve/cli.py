@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     sp.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     sp.add_argument("--port", type=int, default=8080, help="port (0: any free port, printed at start)")
     sp.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or X-Api-Key) on every route "
-                                      "but /health")
+                                      "but /health, /models and /v1/models (as llama-server)")
     sp.add_argument("-to", "--timeout", type=float, default=600.0,
                     help="seconds a client may read (or send) nothing before it is dropped")
     sp.add_argument("--stall-limit", type=float, default=30.0,
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
                     help="seconds a request may take in all (0: no limit)")
     sp.add_argument("--token-timeout", type=float, default=60.0,
                     help="seconds a running request may go without a token (0: no limit)")
-    sp.add_argument("-n", "--n-predict", type=int, default=-1,
+    sp.add_argument("-n", "--n-predict", "--predict", type=int, default=-1,
                     help="tokens to generate when a request does not say (-1: until the slot is full)")
     sp.add_argument("--max-queue", type=int, default=EngineConfig.max_queue,
                     help="requests that may wait for a slot; more get 503")
@@ -59,6 +59,10 @@ def main(argv=None) -> int:
                     help="threads of the decode step: products and attention (default 0: every core)")
     sp.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="event loop implementation")
     sp.add_argument("--log-disable", action="store_true", help="no per-request log lines")
+    _device_arg(sp)
+    from .llama_flags import add_refused, add_taken
+    add_taken(sp)           # llama-server's flags, for its scripts: honoured ...
+    add_refused(sp)         # ... or refused with the reason (fastserve/llama_flags.py, the README's table)
 
     bp = sub.add_parser("bench", help="closed-loop load in-process: tok/s, latency, and where a step's time goes")
     _model_args(bp)

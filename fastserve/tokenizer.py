@@ -404,6 +404,10 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._template.source
 
+    def set_chat_template(self, source: str) -> None:
+        """Use source (Jinja) instead of the model's template (llama-server's --chat-template)."""
+        self._template = ChatTemplate(source, self._template.bos_token, self._template.eos_token)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:
         """Render the model's chat template (sandboxed jinja2), with OpenAI `tools` when given. Raises

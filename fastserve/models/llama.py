@@ -164,21 +164,20 @@ def block_matrix(entries, path: str):
 
 
 class _Progress:
-    """A one-line progress bar on stderr, only when stderr is a terminal."""
+    """The load's progress bar (tqdm) on stderr, only when stderr is a terminal: tqdm is imported only then,
+    so a server started by a script (stderr a file or a pipe) pays nothing for it."""
 
     def __init__(self, total: int, label: str):
-        self.total, self.label, self.done = total, label, 0
-        self.enabled = sys.stderr.isatty()
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, desc=label, unit="layer", file=sys.stderr)
 
     def step(self):
-        self.done += 1
-        if self.enabled:
-            width = 30
-            filled = width * self.done // self.total
-            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}")
-            if self.done == self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
+        if self.bar is not None:
+            self.bar.update(1)
+            if self.bar.n >= self.bar.total:
+                self.bar.close()
 
 
 def load_weights(gf: GGUFFile, cfg: LlamaConfig) -> LlamaWeights:

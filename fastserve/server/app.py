@@ -92,7 +92,7 @@ class App:
         return hmac.compare_digest(hashlib.sha256(given.encode("utf-8", "replace")).digest(), self._key_digest)
 
     def error_response(self, family: str, err: HttpError) -> Response:
-        return Response(err.status, error_json(family, err.status, err.message, err.type), JSON, err.headers)
+        return Response(err.status, error_json(family, err.status, err.message, err.type, err.fields), JSON, err.headers)
 
     def headers(self, ex, content_type: str, extra: list) -> list:
         out = [("content-type", content_type)]
@@ -220,16 +220,28 @@ def serve(args, backend=None) -> int:
     from ..model import load_model
     from ..resources import rss_bytes, seconds_since_start
 
+    from ..config import EngineConfig
+    from ..llama_flags import check_gpu_layers, resolve, sampling_defaults
+
+    llama = resolve(args)                   # llama-server's flags, checked before anything loads
+    path = args.model or default_model_path()
+    model = load_model(path)
     cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, timeout=args.timeout,
                        stall_limit=args.stall_limit, queue_timeout=args.queue_timeout,
                        request_timeout=args.request_timeout, token_timeout=args.token_timeout,
                        n_predict=args.n_predict, cors_origin=args.cors_origin, body_limit=args.body_limit,
-                       alias=args.alias, log_requests=not args.log_disable)
-    path = args.model or default_model_path()
-    model = load_model(path)
+                       alias=args.alias, log_requests=llama["log_requests"], metrics=args.metrics,
+                       slots=args.slots, props=args.props, seed=llama["seed"],
+                       sampling=sampling_defaults(model.config.n_vocab, llama["sampling"]))
+    if llama["chat_template"] is not None:
+        model.tokenizer.set_chat_template(llama["chat_template"])
+    device = llama["device"]
+    check_gpu_layers(llama["n_gpu_layers"], device, model.config.n_layer)
     threads = args.threads if args.threads and args.threads > 0 else default_threads()
-    engine = Engine(model, engine_config(args, threads=threads, trace=True), backend=backend)
-    app = App(engine, cfg)
+    engine = Engine(model, engine_config(args, threads=threads, trace=True, n_batch=llama["n_batch"],
+                                         device=device or EngineConfig.device), backend=backend)
+    log_stream = open(llama["log_file"], "a", encoding="utf-8") if llama["log_file"] else None
+    app = App(engine, cfg, log_stream=log_stream)
     server = Server(app)
     timer: list = []
 
@@ -264,4 +276,6 @@ def serve(args, backend=None) -> int:
     finally:
         engine.close(timeout=1.5)
         app.log.close()
+        if log_stream is not None:
+            log_stream.close()
     return 0

@@ -3,14 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import DEFAULT_BODY_LIMIT
+from ..config import DEFAULT_BODY_LIMIT, SamplingParams
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080                 # 0: any free port (the log line says which)
-    api_key: str | None = None       # required on every route but /health when set
+    api_key: str | None = None       # required on every route but server/routes.PUBLIC when set
     timeout: float = 600.0           # s: a client that reads nothing (or sends nothing) this long is dropped
     stall_limit: float = 30.0        # s: work pending and no decode step this long → /health 503, requests fail
     queue_timeout: float = 600.0     # s: most time a request may wait for a slot (0: no limit)
@@ -25,6 +25,15 @@ class ServerConfig:
     erase_wait: float = 600.0
     tick: float = 0.1                # s: watchdog period (deadlines, stall, dropped clients)
     log_requests: bool = True
+    # llama-server's endpoint switches: /metrics is opt-in (--metrics), /slots opt-out (--no-slots),
+    # POST /props opt-in (--props); a route switched off answers 501 saying which flag turns it on
+    metrics: bool = False
+    slots: bool = True
+    props: bool = False
+    # server-wide sampling defaults (--temp, --top-k, ... --frequency-penalty): what a request gets for a
+    # field it does not give; its seed field is unused: `seed` (--seed) is the seed of requests without one
+    sampling: SamplingParams = SamplingParams()
+    seed: int | None = None          # None: a random seed per request (llama-server's -1)
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:

@@ -29,23 +29,30 @@ LLAMA, OPENAI = "llama", "openai"
 class HttpError(Exception):
     """Raised by a route: answered as `status` with `message` in the route's error format."""
 
-    def __init__(self, status: int, message: str, type: str | None = None, headers: list | None = None):
+    def __init__(self, status: int, message: str, type: str | None = None, headers: list | None = None,
+                 fields: dict | None = None):
+        """fields: extra members of the error object (llama-server's n_prompt_tokens and n_ctx)."""
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type or ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.headers = headers or []
+        self.fields = fields
 
     def payload(self, family: str) -> dict:
-        return error_payload(family, self.status, self.message, self.type)
+        return error_payload(family, self.status, self.message, self.type, self.fields)
 
 
-def error_payload(family: str, status: int, message: str, type: str | None = None) -> dict:
+def error_payload(family: str, status: int, message: str, type: str | None = None, fields: dict | None = None) -> dict:
     type = type or ERROR_TYPES.get(status, "server_error")
     if family == OPENAI:
-        return {"error": {"message": message, "type": type, "param": None, "code": status}}
-    return {"error": {"code": status, "message": message, "type": type}}
+        err = {"message": message, "type": type, "param": None, "code": status}
+    else:
+        err = {"code": status, "message": message, "type": type}
+    if fields:
+        err.update(fields)
+    return {"error": err}
 
 
-def error_json(family: str, status: int, message: str, type: str | None = None) -> bytes:
-    return orjson.dumps(error_payload(family, status, message, type))
+def error_json(family: str, status: int, message: str, type: str | None = None, fields: dict | None = None) -> bytes:
+    return orjson.dumps(error_payload(family, status, message, type, fields))

@@ -15,6 +15,8 @@ from .errors import HttpError
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_TIMEOUT_S = 86400.0
+MAX_BIAS_ENTRIES = 1024          # logit_bias pairs in one request (the sampler takes at most 256 tokens)
+MAX_BIAS_TEXT = 256              # characters of one logit_bias text (tokenized on the event loop)
 _MISSING = object()
 
 
@@ -124,36 +126,43 @@ class Body:
             raise HttpError(400, f"'{name}' must be -1 (random) or in [0, 2**64), got {v}")
         return v
 
-    def logit_bias(self, name: str = "logit_bias", n_vocab: int = 0):
-        """{token_id: bias}; accepts {"id": bias} objects and llama.cpp's [[id, bias], ...] arrays;
-        a bias of false means "never" (-inf)."""
+    def logit_bias(self, name: str, tokenizer) -> dict | None:
+        """{token_id: bias} from every form llama-server takes: [[id, bias], ...], [["text", bias], ...],
+        {"id": bias, ...} and {"text": bias, ...}; a text stands for each of its tokens (tokenized without
+        BOS), and a bias of false means "never" (-inf). Unlike llama-server, an entry it would skip (a bad
+        pair, an id outside the vocabulary, a bias that is not a number) is a 400 naming it."""
         v = self.data.get(name)
         if v is None:
             return None
-        pairs = []
         if isinstance(v, dict):
-            for k, b in v.items():
-                try:
-                    tok = int(k)
-                except ValueError:
-                    raise HttpError(400, f"'{name}' keys must be token ids, got {k!r}") from None
-                pairs.append((tok, b))
+            pairs = [(int(k) if k.lstrip("-").isdigit() else k, b) for k, b in v.items()]
         elif isinstance(v, list):
-            for item in v:
-                if not (isinstance(item, list) and len(item) == 2):
-                    raise HttpError(400, f"'{name}' as an array must hold [token_id, bias] pairs")
-                pairs.append(tuple(item))
+            if not all(isinstance(item, list) and len(item) == 2 for item in v):
+                raise HttpError(400, f"'{name}' as an array must hold [token_id or text, bias] pairs")
+            pairs = [tuple(item) for item in v]
         else:
-            raise HttpError(400, f"'{name}' must be an object {{token_id: bias}} or an array of pairs")
+            raise HttpError(400, f"'{name}' must be an object {{token_id or text: bias}} or an array of pairs")
+        if len(pairs) > MAX_BIAS_ENTRIES:
+            raise HttpError(400, f"'{name}' has {len(pairs)} entries; at most {MAX_BIAS_ENTRIES}")
+        n_vocab = tokenizer.n_vocab
         out = {}
-        for tok, b in pairs:
-            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < n_vocab:
-                raise HttpError(400, f"'{name}' token ids must be integers in [0, {n_vocab}), got {tok!r}")
+        for key, b in pairs:
             if b is False:
                 b = -math.inf
             elif isinstance(b, bool) or not isinstance(b, (int, float)) or math.isnan(b):
-                raise HttpError(400, f"'{name}' biases must be numbers (or false), got {_kind(b)}")
-            out[tok] = float(b)
+                raise HttpError(400, f"'{name}' biases must be numbers (or false), got {_kind(b)} for {key!r}")
+            if isinstance(key, str):
+                if len(key) > MAX_BIAS_TEXT:
+                    raise HttpError(400, f"'{name}' texts may have at most {MAX_BIAS_TEXT} characters")
+                ids = tokenizer.encode(key, add_special=False) if key else []
+                if not ids:
+                    raise HttpError(400, f"'{name}' text {key!r} has no tokens")
+            elif isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < n_vocab:
+                raise HttpError(400, f"'{name}' token ids must be integers in [0, {n_vocab}), got {key!r}")
+            else:
+                ids = [key]
+            for tok in ids:
+                out[tok] = float(b)
         return out
 
     def timeout(self, name: str, server_value: float) -> float:

@@ -169,6 +169,7 @@ class Generation:
         self._closed = True
         self.reader.cancel()
         self.app.inflight.discard(self)
+        self.app.metrics.llama.add(self)       # llama-server's totals count every request, however it ended
 
     # -- watchdog ----------------------------------------------------------------------------
 

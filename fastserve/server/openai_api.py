@@ -1,12 +1,14 @@
 """OpenAI-compatible API: GET /v1/models, POST /v1/completions, POST /v1/chat/completions.
 
 Streams are SSE ending with `data: [DONE]`; usage comes in the response (and, when
-stream_options.include_usage is set, in a last chunk with no choices). Fields
-OpenAI defines that fastserve cannot honour (n > 1, best_of > 1, echo) are refused
-with a 400 that says so; llama.cpp's extra sampling fields (top_k, min_p,
-repeat_penalty, ..., grammar, json_schema) are accepted as llama-server does.
-Chat: `response_format` (json_object, json_schema) and `tools` / `tool_choice`
-are enforced in the sampler (server/tools.py).
+stream_options.include_usage is set, in a last chunk with no choices). A chat stream's first
+chunk of each choice carries the role with `content: null`, as OpenAI's server sends it. Both
+take n > 1, and /v1/completions a list of prompts (as llama-server): the choices are generated
+together, streamed interleaved by index. Fields OpenAI defines that fastserve cannot honour
+(best_of > 1, echo, suffix) are refused with a 400 that says so; llama.cpp's extra sampling fields
+(top_k, min_p, repeat_penalty, ..., grammar, json_schema) are accepted as llama-server does. Chat:
+`response_format` (json_object, json_schema) and `tools` / `tool_choice` are enforced in the sampler
+(server/tools.py).
 """
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ import os
 import time
 
 from ..errors import RequestError
+from ..grammar import compile_grammar
 from . import sse
 from .errors import OPENAI, HttpError
 from .fields import Body, parse_object
-from .generation import Generation
-from .llama_api import _log, check_prompt_length, constraint, limits, prompt_ids, sampling
+from .fanout import interleave, run_all, start_all
+from .llama_api import _log, check_context, check_prompt_length, constraint, limits, prompt_list, request_seed, sampling
 from .response import StreamResponse, json_response
 from .tools import history_message, response_format, tool_plan, with_tools
 
@@ -36,11 +39,10 @@ def models(app, req, ex):
                  "n_slots": app.engine.n_slots}}]})
 
 
+MAX_CHOICES = 16        # chat choices per request (each takes a slot)
+
+
 def _common(body: Body, app):
-    n = body.int("n", 1, lo=1)
-    if n > 1:
-        raise HttpError(400, f"'n' = {n} is not supported: fastserve returns one choice per request; "
-                             f"send {n} requests instead")
     max_tokens = body.int("max_completion_tokens", None, lo=-1)
     if max_tokens is None:
         max_tokens = body.int("max_tokens", app.config.n_predict, lo=-1)
@@ -51,9 +53,11 @@ def _common(body: Body, app):
     return max_tokens, body.bool("stream"), include_usage
 
 
-def _usage(gen: Generation) -> dict:
-    return {"prompt_tokens": gen.n_prompt, "completion_tokens": len(gen.ids),
-            "total_tokens": gen.n_prompt + len(gen.ids)}
+def _usage(per_prompt: list) -> dict:
+    """per_prompt: for each prompt, the generations of its choices; a prompt's tokens count once (as OpenAI)."""
+    n_prompt = sum(gens[0].n_prompt for gens in per_prompt)
+    n_gen = sum(len(g.ids) for gens in per_prompt for g in gens)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
 
 
 def _new_id(prefix: str) -> str:
@@ -63,6 +67,8 @@ def _new_id(prefix: str) -> str:
 # -- /v1/completions -----------------------------------------------------------------------------
 
 async def completions(app, req, ex):
+    """OpenAI's legacy completions: a prompt or a list of prompts (as llama-server), n choices of each;
+    choice index = prompt index * n + choice."""
     body = parse_object(req.body)
     max_tokens, stream, include_usage = _common(body, app)
     if body.bool("echo"):
@@ -71,39 +77,50 @@ async def completions(app, req, ex):
         raise HttpError(400, "'best_of' > 1 is not supported")
     if body.str("suffix"):
         raise HttpError(400, "'suffix' is not supported")
-    ids = prompt_ids(app, body.raw("prompt"))
+    prompts = prompt_list(app, body.raw("prompt"))
+    n = body.int("n", 1, lo=1, hi=MAX_CHOICES)
+    if len(prompts) * n > MAX_CHOICES:
+        raise HttpError(400, f"{len(prompts)} prompts x n = {n} make {len(prompts) * n} choices; at most "
+                             f"{MAX_CHOICES} are generated per request")
     logprobs = body.int("logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     n_probs = 0 if logprobs is None else max(LOGPROB_POOL, logprobs)
-    gen = app.start_generation(ex, ids, stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens,
-                               seed=body.seed(), n_probs=n_probs, **constraint(body),
-                               **sampling(body, app.engine.tokenizer.n_vocab))
+    seed = request_seed(body, app)
+    gens = start_all(app, ex, [ids for ids in prompts for _ in range(n)],
+                     lambda i: {"seed": None if seed is None else (seed + i % n) % 2 ** 64},
+                     stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens, n_probs=n_probs,
+                     **constraint(body), **sampling(body, app))
     rid, created = _new_id("cmpl-"), int(time.time())
     tok = app.engine.tokenizer
 
-    def choice(text, ids, probs, offset, finish):
+    def choice(i, text, ids, probs, offset, finish):
         lp = None
         if logprobs is not None:
             lp = _legacy_logprobs(tok, ids, probs or [], logprobs, offset)
-        return {"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}
+        return {"text": text, "index": i, "logprobs": lp, "finish_reason": finish}
 
     def envelope(choices, **extra):
         return {"id": rid, "object": "text_completion", "created": created, "model": app.model_alias,
                 "system_fingerprint": app.fingerprint, "choices": choices, **extra}
 
+    def usage():
+        return _usage([gens[k * n: (k + 1) * n] for k in range(len(prompts))])
+
     if stream:
         async def events():
-            offset = 0
-            async for d in gen.deltas():
-                yield sse.event(envelope([choice(d.text, d.ids, d.probs, offset, None)]))
-                offset += len(d.text)
-            yield sse.event(envelope([choice("", [], [], offset, gen.openai_finish_reason)]))
+            offset = [0] * len(gens)
+            async for i, d in interleave([g.deltas() for g in gens], gens):
+                if d is None:
+                    yield sse.event(envelope([choice(i, "", [], [], offset[i], gens[i].openai_finish_reason)]))
+                else:
+                    yield sse.event(envelope([choice(i, d.text, d.ids, d.probs, offset[i], None)]))
+                    offset[i] += len(d.text)
             if include_usage:
-                yield sse.event(envelope([], usage=_usage(gen)))
+                yield sse.event(envelope([], usage=usage()))
             yield sse.DONE
         return StreamResponse(events(), on_error=lambda err: sse.error_event(err.payload(OPENAI)))
-    await gen.run()
-    return json_response(envelope([choice(gen.text.text, gen.ids, gen.probs, 0, gen.openai_finish_reason)],
-                                  usage=_usage(gen), timings=gen.timings()))
+    await run_all(gens)
+    return json_response(envelope([choice(i, g.text.text, g.ids, g.probs, 0, g.openai_finish_reason)
+                                   for i, g in enumerate(gens)], usage=usage(), timings=gens[0].timings()))
 
 
 def _legacy_logprobs(tok, ids, probs, k: int, offset: int) -> dict:
@@ -122,18 +139,24 @@ def _legacy_logprobs(tok, ids, probs, k: int, offset: int) -> dict:
 
 def chat_messages(value, template_takes_tools: bool = False) -> list[dict]:
     """Validate OpenAI messages; content parts of type text are joined into one string; earlier tool
-    calls and their results are kept for the template (server/tools.py)."""
+    calls and their results are kept for the template (server/tools.py). Refused (400): a message that
+    is not an object, without a known role, with content of a wrong type, without content (only an
+    assistant's may be null), a tool message without its tool_call_id."""
     if not isinstance(value, list) or not value:
         raise HttpError(400, "'messages' must be a non-empty array of {\"role\": ..., \"content\": ...} objects")
     out = []
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             raise HttpError(400, f"messages[{i}] must be an object")
-        role = m.get("role")
+        if "role" not in m:
+            raise HttpError(400, f"messages[{i}] has no 'role' (one of {', '.join(ROLES)})")
+        role = m["role"]
         if role not in ROLES:
             raise HttpError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
         content = m.get("content")
         if content is None:
+            if role != "assistant":
+                raise HttpError(400, f"messages[{i}] ({role}) has no 'content'")
             content = ""
         elif isinstance(content, list):
             parts = []
@@ -145,6 +168,8 @@ def chat_messages(value, template_takes_tools: bool = False) -> list[dict]:
             content = "".join(parts)
         elif not isinstance(content, str):
             raise HttpError(400, f"messages[{i}].content must be a string or an array of text parts")
+        if role == "tool" and not (isinstance(m.get("tool_call_id"), str) and m["tool_call_id"]):
+            raise HttpError(400, f"messages[{i}] (tool) needs the 'tool_call_id' of the call it answers")
         out.append(history_message(i, m, content, template_takes_tools))
     return out
 
@@ -152,6 +177,7 @@ def chat_messages(value, template_takes_tools: bool = False) -> list[dict]:
 async def chat_completions(app, req, ex):
     body = parse_object(req.body)
     max_tokens, stream, include_usage = _common(body, app)
+    n = body.int("n", 1, lo=1, hi=MAX_CHOICES)
     plan = tool_plan(body)
     fmt_schema = response_format(body)
     constrain = constraint(body)
@@ -163,6 +189,11 @@ async def chat_completions(app, req, ex):
         constrain = {"json_schema": plan.schema}
     elif fmt_schema is not None:
         constrain = {"json_schema": fmt_schema}
+    if constrain:                   # the compiler's message before the prompt's size is judged
+        try:
+            compile_grammar(**constrain)
+        except RequestError as exc:
+            raise HttpError(400, str(exc)) from None
     tok = app.engine.tokenizer
     native = tok.chat_template_takes_tools
     messages = chat_messages(body.raw("messages"), native)
@@ -179,23 +210,27 @@ async def chat_completions(app, req, ex):
     ids = tok.encode(text, add_special=True)
     if not ids:
         raise HttpError(400, "the conversation is empty")
+    check_context(app, len(ids))
     want_lp = body.bool("logprobs")
     top_lp = body.int("top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     if top_lp is not None and not want_lp:
         raise HttpError(400, "'top_logprobs' needs 'logprobs': true")
     n_probs = max(LOGPROB_POOL, top_lp or 0) if want_lp else 0
-    gen = app.start_generation(ex, ids, stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens,
-                               seed=body.seed(), n_probs=n_probs, **constrain, **sampling(body, tok.n_vocab))
+    seed = request_seed(body, app)
+    # n choices of one prompt: a given seed seeds the i-th choice with seed + i, so that they differ
+    gens = start_all(app, ex, [ids] * n, lambda i: {"seed": None if seed is None else (seed + i) % 2 ** 64},
+                     stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens, n_probs=n_probs,
+                     **constrain, **sampling(body, app))
     rid, created = _new_id("chatcmpl-"), int(time.time())
 
-    def reply():
-        """(message fields, finish_reason) of the finished generation."""
+    def reply(g):
+        """(message fields, finish_reason) of a finished generation."""
         if plan is None:
-            return {"content": gen.text.text}, gen.openai_finish_reason
-        content, calls = plan.parse(gen.text.text)
+            return {"content": g.text.text}, g.openai_finish_reason
+        content, calls = plan.parse(g.text.text)
         if calls:
             return {"content": None, "tool_calls": calls}, "tool_calls"
-        return {"content": content}, gen.openai_finish_reason
+        return {"content": content}, g.openai_finish_reason
 
     def logprobs(ids, probs):
         return {"content": _chat_logprobs(tok, ids, probs or [], top_lp or 0)} if want_lp else None
@@ -204,34 +239,33 @@ async def chat_completions(app, req, ex):
         return {"id": rid, "object": obj, "created": created, "model": app.model_alias,
                 "system_fingerprint": app.fingerprint, "choices": choices, **extra}
 
+    def chunk(i: int, delta: dict, lp=None, finish=None, **extra) -> bytes:
+        return sse.event(envelope("chat.completion.chunk", [
+            {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}], **extra))
+
     if stream:
         async def events():
-            yield sse.event(envelope("chat.completion.chunk", [
-                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]))
-            async for d in gen.deltas():
-                if plan is None and (d.text or want_lp):
-                    yield sse.event(envelope("chat.completion.chunk", [
-                        {"index": 0, "delta": {"content": d.text}, "logprobs": logprobs(d.ids, d.probs),
-                         "finish_reason": None}]))
-            fields, finish = reply()
-            if plan is not None:        # a call is known to be one when its JSON is complete
-                delta = {"content": fields["content"]} if "tool_calls" not in fields else {
-                    "tool_calls": [{"index": k, **c} for k, c in enumerate(fields["tool_calls"])]}
-                yield sse.event(envelope("chat.completion.chunk", [
-                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]))
-            yield sse.event(envelope("chat.completion.chunk", [
-                {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}],
-                timings=gen.timings()))
+            for i in range(n):
+                yield chunk(i, {"role": "assistant", "content": None})
+            async for i, d in interleave([g.deltas() for g in gens], gens):
+                if d is None:
+                    fields, finish = reply(gens[i])
+                    if plan is not None:    # a call is known to be one when its JSON is complete
+                        yield chunk(i, {"content": fields["content"]} if "tool_calls" not in fields else
+                                    {"tool_calls": [{"index": k, **c} for k, c in enumerate(fields["tool_calls"])]})
+                    yield chunk(i, {}, finish=finish, timings=gens[i].timings())
+                elif plan is None and (d.text or want_lp):
+                    yield chunk(i, {"content": d.text}, logprobs(d.ids, d.probs))
             if include_usage:
-                yield sse.event(envelope("chat.completion.chunk", [], usage=_usage(gen)))
+                yield sse.event(envelope("chat.completion.chunk", [], usage=_usage([gens])))
             yield sse.DONE
         return StreamResponse(events(), on_error=lambda err: sse.error_event(err.payload(OPENAI)))
-    await gen.run()
-    fields, finish = reply()
+    await run_all(gens)
+    replies = [reply(g) for g in gens]
     return json_response(envelope("chat.completion", [{
-        "index": 0, "message": {"role": "assistant", **fields},
-        "logprobs": logprobs(gen.ids, gen.probs), "finish_reason": finish}],
-        usage=_usage(gen), timings=gen.timings()))
+        "index": i, "message": {"role": "assistant", **replies[i][0]},
+        "logprobs": logprobs(g.ids, g.probs), "finish_reason": replies[i][1]} for i, g in enumerate(gens)],
+        usage=_usage([gens]), timings=gens[0].timings()))
 
 
 def _chat_logprobs(tok, ids, probs, k: int) -> list:

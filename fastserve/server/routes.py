@@ -11,7 +11,6 @@ import asyncio
 import time
 
 from ..request import SlotState
-from ..config import SAMPLING_DEFAULTS
 from . import llama_api, openai_api
 from .errors import LLAMA, HttpError, error_json
 from .fields import parse_object
@@ -28,6 +27,8 @@ def health(app, req, ex):
 
 
 def slots(app, req, ex):
+    if not app.config.slots:
+        raise HttpError(501, "This server does not support slots endpoint. Start it with `--slots`")
     snap = app.engine.snapshot
     n_ctx = app.engine.n_ctx_slot
     if req.query.get("fail_on_no_slot") not in (None, "", "0", "false") and IDLE not in snap.slot_state:
@@ -39,24 +40,43 @@ def slots(app, req, ex):
 
 
 def metrics(app, req, ex):
-    return Response(200, app.metrics.render(), PROMETHEUS)
+    if not app.config.metrics:
+        raise HttpError(501, "This server does not support metrics endpoint. Start it with `--metrics`")
+    return Response(200, app.metrics.render(), PROMETHEUS, app.metrics.headers())
 
 
 def props(app, req, ex):
+    """llama-server's GET /props fields (those fastserve has a value for)."""
     eng = app.engine
     tok = eng.tokenizer
     return json_response({
-        "default_generation_settings": {"n_ctx": eng.n_ctx_slot, "params": {
-            **{k: v for k, v in SAMPLING_DEFAULTS.items() if k != "logit_bias"}, "n_predict": app.config.n_predict}},
+        "default_generation_settings": {"n_ctx": eng.n_ctx_slot, "params": llama_api.params_json(
+            app, {}, app.config.seed, app.config.n_predict)},
         "total_slots": eng.n_slots,
-        "model_path": str(getattr(eng.model, "path", "")),
         "model_alias": app.model_alias,
+        "model_path": str(getattr(eng.model, "path", "")),
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "endpoint_slots": app.config.slots,
+        "endpoint_props": app.config.props,
+        "endpoint_metrics": app.config.metrics,
         "chat_template": tok.chat_template or "",
         "bos_token": _piece(tok, getattr(tok, "bos_id", None)),
         "eos_token": _piece(tok, getattr(tok, "eos_id", None)),
-        "modalities": {"vision": False, "audio": False},
         "build_info": app.fingerprint,
+        "is_sleeping": False,
     })
+
+
+def set_props(app, req, ex):
+    """POST /props: llama-server takes it only with --props, and changes nothing (yet); nor can fastserve, so
+    a field asked to change is a 400 rather than a success that did nothing."""
+    if not app.config.props:
+        raise HttpError(501, "This server does not support changing global properties. Start it with `--props`")
+    body = parse_object(req.body)
+    if body.data:
+        raise HttpError(400, f"properties cannot be changed while the server runs: {', '.join(sorted(body.data))}; "
+                             f"restart it with other flags")
+    return json_response({"success": True})
 
 
 def _piece(tok, tid) -> str:
@@ -77,7 +97,7 @@ def tokenize(app, req, ex):
             raise HttpError(400, f"'content' has {len(content)} characters; at most {cap} are tokenized at once")
         ids = tok.encode(content, add_special=body.bool("add_special"), parse_special=body.bool("parse_special", True))
     else:
-        ids = llama_api.prompt_ids(app, content, "content")
+        ids = llama_api.prompt_ids(app, content, "content", limit=app.engine.n_ctx_slot * app.engine.n_slots)
     if body.bool("with_pieces"):
         out = []
         for t in ids:
@@ -157,7 +177,7 @@ ROUTES = {
     "/v1/health": {"GET": health},
     "/slots": {"GET": slots},
     "/metrics": {"GET": metrics},
-    "/props": {"GET": props},
+    "/props": {"GET": props, "POST": set_props},
     "/tokenize": {"POST": tokenize},
     "/detokenize": {"POST": detokenize},
     "/completion": {"POST": llama_api.completion},
@@ -172,7 +192,7 @@ ROUTES = {
     "/v1/embeddings": {"POST": not_supported},
     "/infill": {"POST": not_supported},
 }
-PUBLIC = frozenset({"/health", "/v1/health"})
+PUBLIC = frozenset({"/health", "/v1/health", "/models", "/v1/models"})   # no API key asked (as llama-server)
 OPENAI_PATHS = frozenset({"/v1/models", "/models", "/v1/completions", "/v1/chat/completions", "/chat/completions",
                           "/v1/embeddings", "/v1/health"})
 

@@ -21,16 +21,18 @@ START_TIMEOUT_S = 60
 
 class ServerProc:
     """A running `python -m fastserve serve` process (with stall_file: tests/e2e/stall_server.py's, whose
-    forward pass hangs while that file exists)."""
+    forward pass hangs while that file exists). metrics: pass --metrics (/metrics is opt-in, as in
+    llama-server; the tests read it), unless the test is about the flag itself."""
 
-    def __init__(self, model_path: str, log_path: Path, *flags: str, stall_file: str | None = None):
+    def __init__(self, model_path: str, log_path: Path, *flags: str, stall_file: str | None = None,
+                 metrics: bool = True):
         self.log_path = log_path
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         env.setdefault("OMP_NUM_THREADS", "1")
         launcher = ["-m", "fastserve"] if stall_file is None else ["-m", "tests.e2e.stall_server", stall_file]
         cmd = [sys.executable, *launcher, "serve", "-m", model_path, "--host", "127.0.0.1",
-               "--port", "0", "-t", "1", *flags]
+               "--port", "0", "-t", "1", *(("--metrics",) if metrics else ()), *flags]
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self._log, cwd=str(REPO_ROOT), env=env)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -79,8 +81,9 @@ def make_server(tiny_model_path, tmp_path):
     """make_server(*flags) -> ServerProc; killed at teardown."""
     procs = []
 
-    def make(*flags: str, stall_file: str | None = None) -> ServerProc:
-        p = ServerProc(tiny_model_path, tmp_path / f"server{len(procs)}.log", *flags, stall_file=stall_file)
+    def make(*flags: str, stall_file: str | None = None, metrics: bool = True) -> ServerProc:
+        p = ServerProc(tiny_model_path, tmp_path / f"server{len(procs)}.log", *flags, stall_file=stall_file,
+                       metrics=metrics)
         procs.append(p)
         return p
 

@@ -211,9 +211,8 @@ def test_openai_completions_and_stop_and_seed(oai):
     assert x.choices[0].text == y.choices[0].text
 
 
-def test_openai_refuses_n_above_one(oai):
+def test_openai_completions_refuse_n_above_the_cap(oai):
+    # n > 1 and lists of prompts: tests/e2e/test_llama_compat.py
     with pytest.raises(openai.BadRequestError) as e:
-        oai.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}], n=2)
+        oai.completions.create(model="x", prompt="a", n=17)
     assert "'n'" in str(e.value)
-    with pytest.raises(openai.BadRequestError):
-        oai.completions.create(model="x", prompt="a", n=3)

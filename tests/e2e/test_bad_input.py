@@ -40,7 +40,8 @@ def _openai_error(r, status):
     (b'{"prompt": ""}', "empty"),
     (b'{"prompt": []}', "empty"),
     (b'{"prompt": [1, -4]}', "token ids"),
-    (b'{"prompt": [[1], [2]]}', "several prompts"),
+    (b'{"prompt": [' + b",".join([b'"a"'] * 17) + b']}', "at most 16"),     # a list of prompts: 16 at most
+    (b'{"prompt": [[1], [2, "x", {}]]}', "prompt[1]"),
     (b'{"prompt": "a", "n_predict": "many"}', "n_predict"),
     (b'{"prompt": "a", "n_predict": -5}', "n_predict"),
     (b'{"prompt": "a", "temperature": "hot"}', "temperature"),
@@ -77,7 +78,7 @@ def test_prompt_longer_than_a_slot(http):
     ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
     ({"messages": [{"role": "user", "content": 3}]}, "content"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "content"),
-    ({"messages": [{"role": "user", "content": "a"}], "n": 2}, "'n'"),
+    ({"messages": [{"role": "user", "content": "a"}], "n": 99}, "'n'"),
     ({"messages": [{"role": "user", "content": "a"}], "max_tokens": "x"}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 3}, "logprobs"),
     ({"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
@@ -198,7 +199,7 @@ def test_api_key(make_server):
         assert c.get("/health").status_code == 200                  # public
         _llama_error(c.post(LLAMA, json={"prompt": "a"}), 401)
         _llama_error(c.post(LLAMA, json={"prompt": "a"}, headers={"Authorization": "Bearer nope"}), 401)
-        _openai_error(c.get("/v1/models", headers={"Authorization": "Bearer s3cret0"}), 401)
+        _openai_error(c.post("/v1/chat/completions", json={}, headers={"Authorization": "Bearer s3cret0"}), 401)
         _llama_error(c.get("/slots", headers={"X-Api-Key": "s3cre"}), 401)
         assert c.post(LLAMA, json={"prompt": "a"}, headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert c.get("/metrics", headers={"X-Api-Key": "s3cret"}).status_code == 200

@@ -112,7 +112,7 @@ class _Conn:
 def app(tiny_model):
     import fastserve
     engine = fastserve.Engine(tiny_model, n_parallel=2, n_ctx=512, n_batch=64)
-    a = App(engine, ServerConfig(log_requests=False))
+    a = App(engine, ServerConfig(log_requests=False, metrics=True))
     yield a
     engine.close()
 
@@ -155,3 +155,21 @@ def test_routes_without_a_socket(app):
     r = _call(app, "POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}')
     assert r.status == 200 and orjson.loads(r.body)["usage"]["completion_tokens"] <= 2
     assert _call(app, "POST", "/v1/chat/completions", b'{"messages": 1}').status == 400
+
+
+def test_an_exchange_of_several_generations_closes_them_all(app):
+    """n > 1 (and /completion's list of prompts): a stream that never started to be read, ended by a
+    disconnect or a deadline, leaves no generation running nor in app.inflight."""
+    for body in (b'{"messages": [{"role": "user", "content": "x"}], "n": 2, "max_tokens": 200, "stream": true}',
+                 b'{"prompt": ["a", "b"], "n_predict": 200, "stream": true}'):
+        path = "/v1/chat/completions" if b"messages" in body else "/completion"
+        req = HttpRequest("POST", path, {"host": "h"}, body)
+        ex = Exchange(_Conn(), req)
+
+        async def start():
+            return await app.handle(req, ex)
+
+        resp = asyncio.run(start())
+        assert isinstance(resp, StreamResponse) and len(app.inflight) == 2
+        app.fail(ex, HttpError(499, "the client went away"))
+        assert not app.inflight
