@@ -86,10 +86,12 @@ def step_ms(engine, n_constrained: int, steps: int) -> dict:
     while not (engine.snapshot.n_running == n and all(st == 2 for st in engine.snapshot.slot_state)):
         time.sleep(0.01)                        # every slot decoding (2 = DECODE)
     engine.tracer.reset()
+    w0, n0 = engine.masks.wait_ns, engine.masks.waits
     start = engine.snapshot.step
     while engine.snapshot.step - start < steps:
         time.sleep(0.01)
     summary = engine.trace_summary()
+    summary["mask_wait_ms"] = (engine.masks.wait_ns - w0) / max(1, engine.masks.waits - n0) / 1e6
     for r in readers:
         r.cancel()
     while engine.snapshot.n_running:
@@ -115,6 +117,8 @@ def main() -> None:
         for _ in range(args.rounds):
             a.append(step_ms(engine, 0, args.steps))
             b.append(step_ms(engine, 8, args.steps))
+    print(f"decode thread blocked on the mask worker: {statistics.median(r['mask_wait_ms'] for r in b):.3f} ms "
+          f"per step (median of the rounds; the worker computes while the forward pass runs)")
     for name, runs in (("32 unconstrained", a), ("24 + 8 constrained", b)):
         steps = " ".join(f"{r['step_ms']:.1f}" for r in runs)
         samples = " ".join(f"{r['ms_per_step']['sample']:.2f}" for r in runs)

@@ -14,6 +14,7 @@ with FINISH_GRAMMAR and the matcher's message instead of sampling a garbage toke
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -28,6 +29,8 @@ class MaskTable:
         self.n_active = 0
         self._pool: ThreadPoolExecutor | None = None
         self._pending = None                     # the worker's current job (a Future) or None
+        self.wait_ns = 0                         # time the decode thread spent blocked in wait()
+        self.waits = 0
 
     def start(self, slot: int, constraint) -> None:
         """A constrained request takes `slot`: its first mask is computed now (once per request)."""
@@ -56,7 +59,10 @@ class MaskTable:
         """Block until the worker's masks are written (before sampling, before a slot changes hands)."""
         job, self._pending = self._pending, None
         if job is not None:
+            t0 = time.perf_counter_ns()
             job.result()
+            self.wait_ns += time.perf_counter_ns() - t0
+            self.waits += 1
 
     def error(self, slot: int) -> str:
         """Why slot's constraint allows no token."""
