@@ -1,6 +1,6 @@
 """Issue 15's property run: N random JSON schemas (tests/json_schemas.py) on the default model, greedy and
 sampled at temperature 1.0, in one engine; every output must parse and validate with `jsonschema`.
-CI runs 24 of them (tests/e2e/test_structured.py); this runs the issue's 200 and prints the tally.
+CI runs 16 of them (tests/e2e/test_structured.py); this runs the issue's 200 and prints the tally.
 
 Run: python bench/bench_json_schemas.py [--n 200] [--seed 1] [--parallel 16]
 """

@@ -95,7 +95,7 @@ def random_mask(rng, n_vocab, kind):
     return set(np.flatnonzero(rng.random(n_vocab) < p).tolist())
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 200), st.lists(params_st, min_size=1, max_size=3), st.data())
 def test_parity_masked_random(n_vocab, cfgs, data):
     samplers = both(len(cfgs), n_vocab, max_penalty_window=64, max_logit_bias=4)
