@@ -40,7 +40,7 @@ from libc.stdlib cimport calloc, free
 from libc.string cimport memcpy, memset
 
 from fastserve.errors import RequestError
-from fastserve.config import check_sampling as check_config
+from fastserve.config import check_fits, check_sampling as check_config
 from fastserve.ref.sampling import quant_bits
 
 cdef extern from *:
@@ -319,7 +319,15 @@ cdef class Sampler:
                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                            seed=seed, logit_bias=logit_bias, n_probs=n_probs,
                            post_sampling_probs=post_sampling_probs, history=history)
-        cdef SlotParams *sp = &self._params[<Py_ssize_t>slot]
+        self.configure_checked(slot, cfg, constrained)
+
+    def configure_checked(self, Py_ssize_t slot, dict cfg, constrained=False):
+        """configure() with parameters check_sampling already normalized (SamplingParams.slot_config):
+        only what this sampler's capacities bound is checked again."""
+        if not 0 <= slot < self.n_slots:
+            raise RequestError(f"slot {slot} out of range [0, {self.n_slots})")
+        check_fits(cfg, self.max_penalty_window, self.max_logit_bias)
+        cdef SlotParams *sp = &self._params[slot]
         cdef Py_ssize_t base, i
         memset(sp, 0, sizeof(SlotParams))
         sp.temperature = cfg["temperature"]

@@ -75,6 +75,16 @@ class SamplingParams:
         out["logit_bias"] = dict(self.logit_bias)
         return out
 
+    def slot_config(self, history) -> dict:
+        """The parameters as check_sampling returns them, with the last repeat_last_n ids of history (ids
+        already checked: a prompt the engine tokenized or range-checked) as the penalty history: what a
+        sampler's configure_checked() takes, so that a request's sampling is checked once, at make()."""
+        n = self.repeat_last_n
+        cfg = self.kwargs()
+        cfg["logit_bias"] = list(self.logit_bias)
+        cfg["history"] = [int(t) for t in history[max(0, len(history) - n):]] if n else []
+        return cfg
+
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
@@ -135,6 +145,14 @@ class EngineConfig:
 
 
 # -- the checks -----------------------------------------------------------------------------------------
+
+def check_fits(cfg: dict, max_penalty_window: int, max_logit_bias: int, what: str = "this sampler") -> None:
+    """A checked configuration (SamplingParams.slot_config) against a sampler's capacities: the one check
+    its configure_checked() repeats."""
+    if cfg["repeat_last_n"] > max_penalty_window or len(cfg["logit_bias"]) > max_logit_bias \
+            or len(cfg["history"]) > cfg["repeat_last_n"]:
+        raise RequestError(f"repeat_last_n and logit_bias must fit {what} ({max_penalty_window}, {max_logit_bias})")
+
 
 def _number(name, value):
     try:

@@ -40,7 +40,7 @@ import numpy as np
 
 from .backends import kernels as K
 from .errors import RequestError
-from .config import SAMPLING_DEFAULTS, check_sampling as check_config
+from .config import SAMPLING_DEFAULTS, check_fits, check_sampling as check_config
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -74,6 +74,13 @@ class DeviceSampler:
             raise RequestError(f"slot {slot} out of range [0, {self.n_slots})")
         cfg = check_config(self.n_vocab, self.max_penalty_window, self.max_logit_bias, seed=seed, history=history,
                            **{**SAMPLING_DEFAULTS, **params})
+        self.configure_checked(slot, cfg, constrained)
+
+    def configure_checked(self, slot, cfg, constrained=False) -> None:
+        """configure() with parameters check_sampling already normalized (SamplingParams.slot_config)."""
+        if not 0 <= slot < self.n_slots:
+            raise RequestError(f"slot {slot} out of range [0, {self.n_slots})")
+        check_fits(cfg, self._W, self._B, "the device sampler")
         rp, pp, fp = (np.float32(cfg[k]) for k in ("repeat_penalty", "presence_penalty", "frequency_penalty"))
         window, hist, bias = cfg["repeat_last_n"], cfg["history"], cfg["logit_bias"]
         greedy = cfg["temperature"] <= 0.0
@@ -131,11 +138,11 @@ class DeviceSampler:
         """Output rows of the last forward() that asked for probabilities."""
         return self._n_lists
 
-    def sample(self, row_slot, out_ids, probs_ids=None, probs=None) -> None:
+    def sample(self, row_slot, out_ids, probs_ids=None, probs=None, result=None) -> None:
         """The tokens of the last forward() into out_ids[:m]; rows that asked for probabilities get
         probs_ids[r, :n] / probs[r, :n]; then each row's slot state moves on as the host sampler's.
-        Waits for the device (the backend's wait_sample)."""
-        ids, list_ids, list_probs = self.backend.wait_sample()
+        result: what the backend's wait_sample() returned (None: it is called here, waiting for the device)."""
+        ids, list_ids, list_probs = self.backend.wait_sample() if result is None else result
         m, k = self._m, self._n_lists
         rows = self._rows[:m]
         out = out_ids[:m]

@@ -1,16 +1,18 @@
 """Engine: continuous batching on one decode thread. The one module that wires the others.
 
-    submit() ──Inbox──▶ decode thread: admit → build batch → forward → sample → commit → deliver
-    Reader ◀──ResultBuffer (one per request, no lock) + one wake-up per step──┘
+    submit() ──Inbox──▶ decode thread: schedule (admit, build → StepPlan) → backend.step (forward, sync,
+                                       sample) → commit → deliver
+    TextReader ◀──ResultBuffer (one per request, no lock) + one wake-up per step──┘
 
-Contracts (../shared/DESIGN.md 1-4, 9): the decode thread owns slots, batch,
-sampler and KV cache; other threads reach it only through the inbox; it never
+Contracts (DESIGN.md 1-4, 9): the decode thread owns slots, batch, the backend
+(its KV cache and sampler); other threads reach it only through the inbox; it never
 waits for a reader; everything a step touches is allocated here, up front.
 The engine imports nothing from server/, asyncio, h11 or uvloop: its only
 outward call is the Waker it hands to Delivery.
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import threading
@@ -20,8 +22,6 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import numpy as np
-
-import importlib
 
 from . import _batch, _delivery, _faults, _sampling, _slots
 from ._slots import IDLE
@@ -34,7 +34,7 @@ from .masks import MaskTable
 from .prompt_cache import MIB, PromptCache
 from .reader import Waker
 from .request import Completion, Request
-from .scheduler import pick_slot, slot_prefix
+from .scheduler import StepPlan, pick_slot, slot_prefix
 from .text_reader import TextReader
 from .tracer import Tracer
 
@@ -316,7 +316,8 @@ class Engine:
         if self.tracer is not None:
             self.tracer.begin()
         self._admit()                       # schedule: the inbox, then free slots to waiting requests
-        if not self._build():               # schedule: decode tokens first, then prompt chunks
+        plan = self._build()                # schedule: decode tokens first, then prompt chunks
+        if plan is None:
             self._publish()
             return False
         out = self._backend_step()
@@ -325,7 +326,7 @@ class Engine:
             self.slots.commit(self.batch, out.ids, self._finish)
             if self.masks.n_active:         # the next masks, while the next step's forward pass runs
                 self.masks.launch(self.batch.row_slot[:self.batch.n_out], out.ids, self._finish)
-            self._deliver(out)
+            self._deliver(plan, out)
             for slot in dead:
                 self._end(slot, FINISH_GRAMMAR)
         self._publish()
@@ -345,12 +346,14 @@ class Engine:
             self._fail_batch(f"forward pass failed: {type(exc).__name__}: {exc}")
             return None
 
-    def _build(self) -> bool:
-        """Decode tokens first, then prompt chunks; a failed fill is rolled back and fails only its request."""
+    def _build(self) -> StepPlan | None:
+        """Decode tokens first, then prompt chunks into the batch; a failed fill is rolled back and fails
+        only its request. The step's plan, or None when there is nothing to compute."""
         batch = self.batch
         batch.clear()
-        self._n_decode = self.slots.add_decode(batch)
-        budget = batch.free if self._n_decode == 0 else min(batch.free, max(self.prefill_chunk, self._n_decode))
+        n_decode = self.slots.add_decode(batch)
+        chunks = []
+        budget = batch.free if n_decode == 0 else min(batch.free, max(self.prefill_chunk, n_decode))
         for slot in self.slots.prefill_order():
             if budget <= 0:
                 break
@@ -364,11 +367,12 @@ class Engine:
                 self._end(slot, FINISH_ERROR, f"prompt processing failed: {exc}")
                 continue
             budget -= n_added
+            chunks.append((slot, n_added))
         if batch.n == 0:
-            return False
+            return None
         if self.tracer is not None:
             self.tracer.lap("build")
-        return True
+        return StepPlan(n_decode, tuple(chunks))
 
     def _constraint(self, grammar, json_schema) -> Constraint | None:
         text = compile_grammar(grammar=grammar, json_schema=json_schema)
@@ -386,7 +390,7 @@ class Engine:
             dead.append(slot)
         return dead
 
-    def _deliver(self, out) -> None:
+    def _deliver(self, plan: StepPlan, out) -> None:
         """The step's tokens into their readers (one pass, fastserve/_delivery.pyx); finished requests end."""
         row_slot, n_out = self.batch.row_slot, self.batch.n_out
         t0 = time.perf_counter_ns()
@@ -396,7 +400,7 @@ class Engine:
             self.delivery.send_step(row_slot[:n_out], out.ids)
         if self.tracer is not None:
             self.tracer.sends(n_out, time.perf_counter_ns() - t0)
-        self._tokens_prompt += self.batch.n - self._n_decode
+        self._tokens_prompt += plan.n_prompt
         self._tokens_generated += n_out
         finish = self._finish[:n_out]
         for r in np.flatnonzero(finish):

@@ -91,7 +91,7 @@ class Reader:
 
     @property
     def finish_reason(self) -> Optional[str]:
-        """None while running, then 'stop', 'length', 'cancelled', 'error', 'closed', 'timeout'."""
+        """None while running, then 'stop', 'length', 'cancelled', 'error' or 'closed'."""
         return finish_reason(self.buffer.finish_code)
 
     @property
@@ -193,14 +193,15 @@ class Reader:
                 buf.waiter = None
                 buf.disarm()
 
-    async def abatches(self):
-        """Async iterator over batches of token ids (list[int]) until finished."""
+    async def abatches(self, probs: bool = False):
+        """Async iterator over batches of token ids (list[int]) until finished; with probs, over what
+        read_available_probs() gives: (ids, top_ids int32 [k, n_probs], top_probs float32 [k, n_probs])."""
         buf = self.buffer
         while True:
-            done = buf.finished
-            batch = buf.take()
-            if batch:
-                yield batch
+            done = buf.finished            # before take(): then take() sees the final count
+            got = buf.take_probs() if probs else buf.take()
+            if got[0] if probs else got:
+                yield got
             elif done:
                 return
             else:

@@ -41,7 +41,7 @@ class Completion:
     """What generate() returns and reader.result() gives."""
     text: str
     token_ids: list[int]
-    finish_reason: str                     # "stop", "length", "cancelled", "error", "closed", "timeout", "grammar"
+    finish_reason: str                     # "stop", "length", "cancelled", "error", "closed", "grammar"
     prompt_tokens: int = 0
     stopping_word: str = ""
     error: str | None = None
@@ -69,4 +69,4 @@ OUTCOMES = {
     "closed": Outcome("", "", 503, "the server is shutting down"),
     "error": Outcome("", "", 500, "generation failed: {error}"),
 }
-ENDED_EARLY = Outcome("", "", 503, "the request ended early ({reason})")     # cancelled, timeout, ...
+ENDED_EARLY = Outcome("", "", 503, "the request ended early ({reason})")     # cancelled

@@ -7,9 +7,24 @@ whose cached prefix is the least likely to be wanted again. `id_slot` pins one.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ._slots import IDLE
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one step computes, as the engine's schedule left it in the batch (ints only): n_decode decode
+    tokens first (one per decoding slot), then each prompt chunk (slot, tokens) in batch order."""
+    n_decode: int
+    chunks: tuple = ()
+
+    @property
+    def n_prompt(self) -> int:
+        """Prompt tokens the step computes."""
+        return sum(n for _, n in self.chunks)
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:

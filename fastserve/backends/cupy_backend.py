@@ -320,7 +320,7 @@ class CupyBackend:
     # -- the engine's step (backends/base.py): sampling on the device ------------------------------
 
     def configure(self, slot: int, params: SamplingParams, history, constrained: bool = False) -> None:
-        self.sampler.configure(slot, history=history, constrained=constrained, **params.kwargs())
+        self.sampler.configure_checked(slot, params.slot_config(history), constrained)
 
     def release(self, slot: int) -> None:
         """Nothing to drop: a slot's device sampling state is rewritten whole by its next configure()."""
@@ -333,11 +333,14 @@ class CupyBackend:
         ds.forward(tokens, positions, slots, out_rows, row_slot)      # queued: pass, chain, copy back
         if lap is not None:
             lap("forward")
-        m = len(row_slot)
-        ids, pids, probs = self._step_ids[:m], self._step_probs_ids, self._step_probs
-        ds.sample(row_slot, ids, pids, probs)                         # waits, then moves the slots' state
+        result = self.wait_sample()                                  # the one wait: ids and asked-for lists
         if lap is not None:
             lap("sync")
+        m = len(row_slot)
+        ids, pids, probs = self._step_ids[:m], self._step_probs_ids, self._step_probs
+        ds.sample(row_slot, ids, pids, probs, result)                 # the slots' sampler state moves on
+        if lap is not None:
+            lap("sample")
         return StepOutput(ids, pids[:m], probs[:m]) if ds.n_lists else StepOutput(ids, None, None)
 
     def sync(self) -> None:

@@ -34,7 +34,7 @@ class HostSampling:
         self._probs = np.zeros((rows, MAX_N_PROBS), np.float32)
 
     def configure(self, slot: int, params: SamplingParams, history, constrained: bool = False) -> None:
-        self.sampler.configure(slot, history=history, constrained=constrained, **params.kwargs())
+        self.sampler.configure_checked(slot, params.slot_config(history), constrained)
         self._n_asking += int(params.n_probs > 0) - int(self._n_probs[slot] > 0)
         self._n_probs[slot] = params.n_probs
 

@@ -38,7 +38,7 @@ import math
 
 import numpy as np
 
-from fastserve.config import _integer, check_sampling as check_config  # the twins' shared checks
+from fastserve.config import _integer, check_fits, check_sampling as check_config  # the twins' shared checks
 from fastserve.errors import RequestError
 
 MASK64 = (1 << 64) - 1
@@ -141,6 +141,14 @@ class Sampler:
                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                            seed=seed, logit_bias=logit_bias, n_probs=n_probs,
                            post_sampling_probs=post_sampling_probs, history=history)
+        self.configure_checked(slot, cfg, constrained)
+
+    def configure_checked(self, slot, cfg, constrained=False):
+        """configure() with parameters check_config already normalized (SamplingParams.slot_config):
+        only what this sampler's capacities bound is checked again."""
+        if not 0 <= slot < self.n_slots:
+            raise RequestError(f"slot {slot} out of range [0, {self.n_slots})")
+        check_fits(cfg, self.max_penalty_window, self.max_logit_bias)
         self._slots[slot] = _Slot(cfg)
         self._slots[slot].constrained = bool(constrained)
 

@@ -17,6 +17,7 @@ its `fail()` records why and cancels the task that is writing the response.
 from __future__ import annotations
 
 import time
+from contextlib import aclosing
 from typing import NamedTuple
 
 from ..errors import EngineClosed, RequestError, ServerBusy
@@ -78,25 +79,20 @@ class Generation:
     async def deltas(self):
         """Async iterator of Delta until the request ends; raises HttpError when it failed."""
         reader = self.reader
+        n_probs = self.n_probs
         try:
-            while True:
-                done = reader.finished
-                if self.n_probs:
-                    ids, top_ids, top_probs = reader.read_available_probs()
-                else:
-                    ids = reader.read_available()
-                if ids:
-                    probs = [_valid(top_ids[i].tolist(), top_probs[i].tolist()) for i in range(len(ids))] \
-                        if self.n_probs else None
+            async with aclosing(reader.abatches(probs=bool(n_probs))) as batches:
+                async for got in batches:
+                    if n_probs:
+                        ids, top_ids, top_probs = got
+                        probs = [_valid(top_ids[i].tolist(), top_probs[i].tolist()) for i in range(len(ids))]
+                    else:
+                        ids, probs = got, None
                     delta = self._feed(ids, probs)
                     if delta.text or delta.ids:
                         yield delta
                     if reader.stopped:
                         break
-                elif done:
-                    break
-                else:
-                    await reader.wait_async()
             tail = reader.flush()
             self._finish()
             if tail:
