@@ -115,3 +115,20 @@ def test_unconstrained_requests_are_unchanged_beside_constrained_ones(engine):
     r2 = engine.submit("abc", max_tokens=10, temperature=0.0, grammar='root ::= "z"+')
     assert r1.result().token_ids == plain
     assert set(r2.result().text) == {"z"}
+
+
+def test_sentencepiece_vocabulary():
+    """A SentencePiece vocabulary ("▁" spaces, <0xXX> byte tokens, control tokens): token bytes as
+    llama.cpp renders them; a grammar's text is reached through them, never through the controls."""
+    from fastserve.tokenizer import Tokenizer
+    from tests.unit.test_tokenizer import spm_md
+    tok = Tokenizer.from_metadata(spm_md())
+    v = G.vocabulary(tok)
+    assert v.vocab_size == tok.n_vocab and set(v.eos_tokens) == set(tok.eog_ids)
+    ids = tok.encode(" abxc", add_special=False, space_prefix=False)     # a continuation: no extra space
+    assert v.decode_bytes(ids) == b" abxc" and tok.token_text(ids[0]) == "\u2581ab"
+    c = G.Constraint(tok, G.compile_grammar(grammar='root ::= " ab" [xc]+'))
+    ok = allowed(c, tok.n_vocab)
+    assert ids[0] in ok and not ok & {0, 1, 2}
+    assert c.accepts(ids)
+    assert not c.accepts(tok.encode(" b", add_special=False, space_prefix=False), prefix=True)
