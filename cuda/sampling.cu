@@ -111,7 +111,7 @@ struct SampleRow {                // 88 bytes; fastserve/device_sampling.py ROW_
     float repeat_penalty;
     float presence_penalty;
     float frequency_penalty;
-    int pad;
+    int mask_row;                 // row of masks (bit t % 32 of word t / 32: token t allowed); -1: unconstrained
 };
 
 struct SampleShared {
@@ -598,8 +598,8 @@ __device__ int draw(const float* row, int n_vocab, float m, const SampleRow& p, 
 }
 
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
-sample_chain_f32(float* logits, const SampleRow* rows, int* slot_tab, int* out_ids, int* out_probs, int n_vocab,
-                 int window_cap, int bias_cap, int probs_cap) {
+sample_chain_f32(float* logits, const SampleRow* rows, int* slot_tab, int* out_ids, int* out_probs,
+                 const unsigned int* masks, int n_vocab, int window_cap, int bias_cap, int probs_cap, int mask_words) {
     __shared__ SampleShared sh;
     const int r = blockIdx.x, t = threadIdx.x;
     const SampleRow p = rows[r];
@@ -613,7 +613,14 @@ sample_chain_f32(float* logits, const SampleRow* rows, int* slot_tab, int* out_i
     for (int v = n_vocab; v != 0; v >>= 1) --qbits;
     const double scale = (double)(1ull << qbits);
     const bool post = (p.flags & SAMPLE_POST_PROBS) != 0;
+    const bool constrained = p.mask_row >= 0;
 
+    if (constrained) {                               // a grammar's mask, before every other stage
+        const unsigned int* mk = masks + (size_t)p.mask_row * mask_words;
+        for (int i = t; i < n_vocab; i += blockDim.x)
+            if (!((mk[i >> 5] >> (i & 31)) & 1u)) row[i] = -FS_INF;
+        __syncthreads();
+    }
     if (n_probs > 0 && !post) {                      // the raw logits, before bias and penalties
         const auto any = [](int, float) { return true; };
         const float m0 = row_max(row, n_vocab, sh);
@@ -628,6 +635,7 @@ sample_chain_f32(float* logits, const SampleRow* rows, int* slot_tab, int* out_i
     int tok;
     if (p.flags & SAMPLE_GREEDY) {
         tok = row_argmax(row, n_vocab, sh.red_f, sh.red_i);
+        if (constrained && !is_cand(row[tok])) tok = -1;   // nothing allowed: the host sampler's -1
         if (n_probs > 0 && post) {
             const bool found = is_cand(row[tok]);
             if (t == 0) {
@@ -649,6 +657,6 @@ sample_chain_f32(float* logits, const SampleRow* rows, int* slot_tab, int* out_i
     }
     if (t == 0) {
         out_ids[r] = tok;
-        if (p.hist_pos >= 0) hist[p.hist_pos] = tok < 0 ? 0 : tok;
+        if (p.hist_pos >= 0 && !(constrained && tok < 0)) hist[p.hist_pos] = tok < 0 ? 0 : tok;
     }
 }

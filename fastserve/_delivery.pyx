@@ -38,7 +38,8 @@ FINISH_LENGTH = 2      # n_predict reached or context full
 FINISH_CANCELLED = 3   # cancelled by the client (or a stop string found by the loop)
 FINISH_ERROR = 4       # the request failed; see error
 FINISH_CLOSED = 5      # the engine shut down (Delivery.close())
-FINISH_REASONS = {1: "stop", 2: "length", 3: "cancelled", 4: "error", 5: "closed"}
+FINISH_GRAMMAR = 6     # the request's grammar / JSON schema allowed no next token; see error
+FINISH_REASONS = {1: "stop", 2: "length", 3: "cancelled", 4: "error", 5: "closed", 6: "grammar"}
 
 cdef int32_t _CLOSED = FINISH_CLOSED
 cdef int32_t _ERROR = FINISH_ERROR

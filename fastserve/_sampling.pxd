@@ -1,6 +1,6 @@
 # Token sampler: the contract between the engine's decode step and the sampler.
 # The rules it follows exactly are written in fastserve/ref/sampling.py (the twin).
-from libc.stdint cimport int32_t, uint16_t, uint64_t
+from libc.stdint cimport int32_t, uint16_t, uint32_t, uint64_t
 
 
 # One candidate token. q is its fixed-point weight (see the twin's docstring).
@@ -17,6 +17,7 @@ cdef struct SlotParams:
     bint greedy              # temperature <= 0
     bint penalize            # window > 0 and some penalty is not neutral
     bint post_probs          # n_probs lists the kept set after temperature
+    bint constrained         # the slot's mask row (Sampler.masks) applies before every other stage
     double temperature
     double top_p             # 1.0: off
     double min_p             # 0.0: off
@@ -58,12 +59,17 @@ cdef class Sampler:
     cdef uint64_t *_qbuf             # [n_vocab] draw weights (full-vocab path)
     cdef uint16_t *_bk               # [n_vocab] top-p bucket of each token (full-vocab path)
     cdef Cand *_cand                 # [n_vocab] candidates
+    cdef readonly object masks       # uint32 [n_slots, n_mask_words]: bit t % 32 of word t // 32 = token t allowed
+    cdef readonly Py_ssize_t n_mask_words
+    cdef uint32_t *_mask             # masks' data
+    cdef float *_masked              # [n_vocab] a constrained row: its logits, -inf where disallowed
 
     cdef float _block_max(self, const float *row) noexcept nogil
     cdef int32_t _first_max(self, const float *row, float m) noexcept nogil
     cdef Py_ssize_t _select_top(self, const float *row, Py_ssize_t k, Cand *out) noexcept nogil
     cdef uint64_t _mass(self, const float *row, float m, double temp) noexcept nogil
     cdef void _pre_probs(self, const float *row, Py_ssize_t n_probs, int32_t *pids, float *pp) noexcept nogil
+    cdef void _apply_mask(self, Py_ssize_t slot, const float *row) noexcept nogil
     cdef Py_ssize_t _adjust(self, SlotParams *sp, Py_ssize_t slot, float *row) noexcept nogil
     cdef int32_t _sample_row(self, SlotParams *sp, Py_ssize_t slot, float *row,
                              int32_t *pids, float *pprobs) noexcept nogil

@@ -16,6 +16,12 @@ same token ids bit for bit, fast. How:
   sums do not depend on order, so this finds the same cut as the twin's full sort.
 - The draw walks the kept set in id order, block by block, using each block's mass.
 
+Constraints (grammars, JSON schemas; fastserve/grammar.py): a slot configured with constrained=True
+reads its row of `masks` (a bit array the engine fills before each step). Its logits are copied into
+a scratch row with -inf wherever the bit is 0, before every other stage, so bias, penalties, top-k/p,
+min-p and n_probs see only allowed tokens; a constrained row with no allowed candidate yields -1
+(unconstrained rows keep "no candidate -> 0"). An unconstrained row pays one branch.
+
 logits: sample() applies bias and penalties in place (at most
 max_penalty_window + max_logit_bias entries of a row) and restores the original
 values before it returns, so callers see logits unchanged; they must be writable.
@@ -26,10 +32,12 @@ decode thread owns it. Nothing is allocated per call beyond argument buffers.
 """
 import operator
 
+import numpy as np
+
 from libc.math cimport INFINITY, ceil, exp, log
-from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint16_t, uint64_t
+from libc.stdint cimport INT32_MAX, int32_t, int64_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free
-from libc.string cimport memset
+from libc.string cimport memcpy, memset
 
 from fastserve.errors import RequestError
 from fastserve.config import check_fits, check_sampling as check_config
@@ -264,6 +272,11 @@ cdef class Sampler:
         self._qbuf = <uint64_t *>calloc(n_vocab, sizeof(uint64_t))
         self._cand = <Cand *>calloc(n_vocab, sizeof(Cand))
         self._bk = <uint16_t *>calloc(n_vocab, sizeof(uint16_t))
+        self.n_mask_words = (n_vocab + 31) // 32
+        self.masks = np.zeros((n_slots, self.n_mask_words), np.uint32)
+        cdef uint32_t[:, ::1] mv = self.masks
+        self._mask = &mv[0, 0]
+        self._masked = <float *>calloc(n_vocab, sizeof(float))
         if (self._params == NULL or self._hist == NULL or self._bias_ids == NULL
                 or self._bias_vals == NULL or self._counts == NULL or self._saved_ids == NULL
                 or self._saved_vals == NULL or self._bmax == NULL or self._fheap == NULL
@@ -286,11 +299,13 @@ cdef class Sampler:
         free(self._qbuf)
         free(self._cand)
         free(self._bk)
+        free(self._masked)
 
     def configure(self, slot, *, seed, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
                   repeat_penalty=1.0, repeat_last_n=64, presence_penalty=0.0, frequency_penalty=0.0,
-                  logit_bias=None, n_probs=0, post_sampling_probs=False, history=()):
-        """Give `slot` a request's parameters, its RNG seed, and its prompt as penalty history.
+                  logit_bias=None, n_probs=0, post_sampling_probs=False, history=(), constrained=False):
+        """Give `slot` a request's parameters, its RNG seed, and its prompt as penalty history;
+        constrained: sample only tokens whose bit is set in masks[slot] (the caller fills it).
         Raises RequestError (a ValueError) on a bad value; the slot is then left as it was."""
         try:
             slot = operator.index(slot)
@@ -304,9 +319,9 @@ cdef class Sampler:
                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                            seed=seed, logit_bias=logit_bias, n_probs=n_probs,
                            post_sampling_probs=post_sampling_probs, history=history)
-        self.configure_checked(slot, cfg)
+        self.configure_checked(slot, cfg, constrained)
 
-    def configure_checked(self, Py_ssize_t slot, dict cfg):
+    def configure_checked(self, Py_ssize_t slot, dict cfg, constrained=False):
         """configure() with parameters check_sampling already normalized (SamplingParams.slot_config):
         only what this sampler's capacities bound is checked again."""
         if not 0 <= slot < self.n_slots:
@@ -328,6 +343,7 @@ cdef class Sampler:
                                              and sp.presence_penalty == 0.0)
         sp.n_probs = cfg["n_probs"]
         sp.post_probs = cfg["post_sampling_probs"]
+        sp.constrained = bool(constrained)
         sp.rng = cfg["seed"]
         base = slot * self.max_logit_bias
         for i, (tok, b) in enumerate(cfg["logit_bias"]):
@@ -498,6 +514,25 @@ cdef class Sampler:
             pp[j] = <float>(<double>_weight(self._cand[j].v, m, 1.0, self._scale) / <double>total)
         _write_empty(pids, pp, n, n_probs)
 
+    cdef void _apply_mask(self, Py_ssize_t slot, const float *row) noexcept nogil:
+        """_masked = row where the slot's mask allows, -inf elsewhere."""
+        cdef const uint32_t *w = self._mask + slot * self.n_mask_words
+        cdef float *out = self._masked
+        cdef Py_ssize_t i, j, base, n
+        cdef uint32_t word
+        for i in range(self.n_mask_words):
+            word = w[i]
+            base = i * 32
+            n = min(<Py_ssize_t>32, self.n_vocab - base)
+            if word == 0:
+                for j in range(n):
+                    out[base + j] = -INFINITY
+            elif word == 0xFFFFFFFFu:
+                memcpy(out + base, row + base, n * sizeof(float))
+            else:
+                for j in range(n):
+                    out[base + j] = row[base + j] if (word >> j) & 1u else -INFINITY
+
     cdef Py_ssize_t _adjust(self, SlotParams *sp, Py_ssize_t slot, float *row) noexcept nogil:
         """Logit bias, then penalties, in place; the originals go to _saved_*. Returns their count."""
         cdef Py_ssize_t i, n = 0, t
@@ -533,12 +568,15 @@ cdef class Sampler:
         cdef float m
         cdef int32_t tok
         cdef int32_t *h
+        if sp.constrained:      # the unconstrained row's one branch
+            self._apply_mask(slot, row)
+            row = self._masked
         if sp.n_probs > 0 and not sp.post_probs:
             self._pre_probs(row, sp.n_probs, pids, pprobs)
         n_saved = self._adjust(sp, slot, row)
         m = self._block_max(row)
-        if m == -INFINITY:
-            tok = 0
+        if m == -INFINITY:      # no candidate (a constrained row: none allowed)
+            tok = -1 if sp.constrained else 0
             if sp.n_probs > 0 and sp.post_probs:
                 _write_empty(pids, pprobs, 0, sp.n_probs)
         elif sp.greedy:
@@ -555,7 +593,7 @@ cdef class Sampler:
         while i >= 0:   # backwards: a token both biased and penalized gets its first saved value
             row[self._saved_ids[i]] = self._saved_vals[i]
             i -= 1
-        if sp.window > 0:
+        if sp.window > 0 and tok >= 0:
             h = self._hist + slot * self.max_penalty_window
             h[sp.hist_pos] = tok
             sp.hist_pos = (sp.hist_pos + 1) % sp.window

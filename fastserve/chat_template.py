@@ -24,7 +24,13 @@ class ChatTemplate:
         self.eos_token = eos_token
         self._compiled = None
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    @property
+    def takes_tools(self) -> bool:
+        """The template renders an OpenAI `tools` list itself (it names the variable)."""
+        return self.source is not None and "tools" in self.source
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict] | None = None) -> str:
         if self.source is None:
             raise RequestError("this model has no chat template (tokenizer.chat_template); "
                                "send a plain prompt instead of chat messages")
@@ -33,8 +39,9 @@ class ChatTemplate:
         try:
             if self._compiled is None:
                 self._compiled = _environment().from_string(self.source)
+            extra = {"tools": tools} if tools else {}
             return self._compiled.render(messages=messages, add_generation_prompt=bool(add_generation_prompt),
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
+                                         bos_token=self.bos_token, eos_token=self.eos_token, **extra)
         except RequestError:
             raise
         except Exception as exc:   # the template is data: whatever it does wrong is a bad request

@@ -12,6 +12,10 @@ packs each step's rows:
 - forward(): the records of the step's output rows, gathered from their slots' records in one take,
   are written into the backend's pinned buffer that travels with the batch's inputs; the backend queues
   the pass and the chain (submit_sample).
+- constraints: a slot configured with constrained=True samples from the allowed tokens of its row of
+  `masks` (uint32 [n_slots, ceil(n_vocab / 32)], which the engine fills): forward() copies the rows'
+  masks into the backend's pinned mask buffer, which travels with the records (the record's mask_row
+  names its row), and the kernel applies it before every other stage, as the host sampler does.
 - sample(): the one wait (wait_sample), then what the host sampler does to its state after a row, vectorized over the rows: a row that
   drew (not greedy, some candidate) moves its slot's splitmix64 state one step; each row's token goes
   into its slot's window ring (the kernel wrote the same token into the device's copy).
@@ -45,7 +49,7 @@ class DeviceSampler:
     """Per-slot sampling state for the device's sampler; the decode thread's only (like Sampler)."""
 
     def __init__(self, backend, n_slots: int, n_vocab: int, max_penalty_window: int = 256,
-                 max_logit_bias: int = 256):
+                 max_logit_bias: int = 256, masks=None):
         self.backend = backend
         self.n_slots, self.n_vocab = int(n_slots), int(n_vocab)
         self.max_penalty_window, self.max_logit_bias = int(max_penalty_window), int(max_logit_bias)
@@ -55,20 +59,24 @@ class DeviceSampler:
         self._slot_rows = np.zeros(self.n_slots, K.SAMPLE_ROW)     # per slot: record, state, window length/position
         self._window = np.zeros(self.n_slots, np.int64)            # repeat_last_n per slot
         self._configured = np.zeros(self.n_slots, bool)
+        self._constrained = np.zeros(self.n_slots, bool)
+        # uint32 [n_slots, ceil(n_vocab / 32)]: each constrained slot's allowed tokens (the engine fills it)
+        self.masks = masks if masks is not None else np.zeros((self.n_slots, (self.n_vocab + 31) // 32), np.uint32)
+        self._masked_rows = np.zeros(0, np.int64)
         self._ask_rows = np.zeros(backend.max_out, np.int64)       # output rows that asked for lists
         self._n_lists = 0
         self._m = 0
 
-    def configure(self, slot, *, seed, history=(), **params):
+    def configure(self, slot, *, seed, history=(), constrained=False, **params):
         """Sampler.configure's parameters (config.SAMPLING_DEFAULTS for those not given) and checks;
         the slot's window and bias go to the device."""
         if not 0 <= slot < self.n_slots:
             raise RequestError(f"slot {slot} out of range [0, {self.n_slots})")
         cfg = check_config(self.n_vocab, self.max_penalty_window, self.max_logit_bias, seed=seed, history=history,
                            **{**SAMPLING_DEFAULTS, **params})
-        self.configure_checked(slot, cfg)
+        self.configure_checked(slot, cfg, constrained)
 
-    def configure_checked(self, slot, cfg) -> None:
+    def configure_checked(self, slot, cfg, constrained=False) -> None:
         """configure() with parameters check_sampling already normalized (SamplingParams.slot_config)."""
         if not 0 <= slot < self.n_slots:
             raise RequestError(f"slot {slot} out of range [0, {self.n_slots})")
@@ -84,7 +92,7 @@ class DeviceSampler:
         rec["top_k"], rec["n_probs"], rec["probs_row"] = cfg["top_k"], cfg["n_probs"], -1
         rec["flags"] = ((K.SAMPLE_GREEDY if greedy else 0) | (K.SAMPLE_POST_PROBS if cfg["post_sampling_probs"] else 0)
                         | (K.SAMPLE_PENALIZE if penalize else 0))
-        rec["slot"], rec["n_bias"] = slot, len(bias)
+        rec["slot"], rec["n_bias"], rec["mask_row"] = slot, len(bias), -1
         rec["hist_len"], rec["hist_pos"] = len(hist), (len(hist) % window if window else -1)
         rec["repeat_penalty"], rec["presence_penalty"], rec["frequency_penalty"] = rp, pp, fp
         tab, W, B = self._tab[slot], self._W, self._B
@@ -93,6 +101,7 @@ class DeviceSampler:
         tab[W + B:W + B + len(bias)] = np.array([b for _, b in bias], np.float32).view(np.int32)
         self._window[slot] = window
         self._configured[slot] = True
+        self._constrained[slot] = bool(constrained)
         self.backend.upload_sample_slot(slot)
 
     def history(self, slot: int) -> list:
@@ -118,7 +127,11 @@ class DeviceSampler:
             self._ask_rows[:n_lists] = asked
             rows["probs_row"][asked] = np.arange(n_lists)
         self._m, self._n_lists = m, n_lists
-        self.backend.submit_sample(tokens, positions, slots, out_rows, n_lists)
+        self._masked_rows = np.flatnonzero(self._constrained[row_slot])
+        if len(self._masked_rows):          # their masks go with the records: row r reads mask row r
+            rows["mask_row"][self._masked_rows] = self._masked_rows
+            self.backend.sample_masks_h[self._masked_rows] = self.masks[row_slot[self._masked_rows]]
+        self.backend.submit_sample(tokens, positions, slots, out_rows, n_lists, masked=len(self._masked_rows) > 0)
 
     @property
     def n_lists(self) -> int:
@@ -133,7 +146,12 @@ class DeviceSampler:
         m, k = self._m, self._n_lists
         rows = self._rows[:m]
         out = out_ids[:m]
-        np.maximum(ids, 0, out=out)             # -1: no candidate, token 0 (and no draw)
+        np.maximum(ids, 0, out=out)             # -1: no candidate, token 0 (and no draw) ...
+        dead = np.zeros(m, bool)
+        if len(self._masked_rows):              # ... but a constrained row keeps -1: nothing was allowed
+            mr = self._masked_rows
+            out[mr] = ids[mr]
+            dead[mr] = ids[mr] < 0
         if k:
             ask = self._ask_rows[:k]
             width = list_ids.shape[1]
@@ -143,7 +161,7 @@ class DeviceSampler:
         state = self._slot_rows["rng"]
         state[row_slot] = rows["rng"] + drew.astype(np.uint64) * _GOLDEN      # wraps modulo 2**64
         win = self._window[row_slot]
-        on = win > 0
+        on = (win > 0) & ~dead
         if on.any():
             s, w = row_slot[on], win[on]
             pos = rows["hist_pos"][on]

@@ -28,7 +28,9 @@ from ._slots import IDLE
 from .backends.host_sampling import HostSampled
 from .config import MAX_LOGIT_BIAS, MAX_PENALTY_WINDOW, EngineConfig, SamplingParams
 from .errors import ConfigError, EngineClosed, RequestError, ServerBusy
+from .grammar import Constraint, compile_grammar
 from .inbox import Cancel, Erase, Inbox, Submit
+from .masks import MaskTable
 from .prompt_cache import MIB, PromptCache
 from .reader import Waker
 from .request import Completion, Request
@@ -41,6 +43,7 @@ log = logging.getLogger("fastserve.engine")
 FINISH_STOP, FINISH_LENGTH = _delivery.FINISH_STOP, _delivery.FINISH_LENGTH
 FINISH_CANCELLED, FINISH_ERROR, FINISH_CLOSED = (_delivery.FINISH_CANCELLED, _delivery.FINISH_ERROR,
                                                  _delivery.FINISH_CLOSED)
+FINISH_GRAMMAR = _delivery.FINISH_GRAMMAR
 IDLE_WAIT_S = 0.05          # an idle decode thread still wakes this often (heartbeat, close)
 # The Cython modules the engine runs, by name, and their pure-Python twins (Engine(twins=...)).
 NATIVE = {"batch": _batch, "slots": _slots, "delivery": _delivery, "sampling": _sampling}
@@ -135,6 +138,8 @@ class Engine:
         self.prompt_cache = (PromptCache(self.backend, int(config.cache_ram_mib * MIB))
                              if config.cache_ram_mib > 0 else None)
         self._finish = np.zeros(n_batch, np.int8)      # [n_batch] per output row: FINISH_* of its request
+        self.masks = MaskTable(self.backend.masks)     # constrained slots (grammar / JSON schema): their masks
+        self._eog_id = min(self.tokenizer.eog_ids) if self.tokenizer.eog_ids else 0
         self._jobs: list[Request | None] = [None] * self.n_slots     # slot -> running job
         # erase() of a busy slot: its prefix is dropped when its request ends, before the slot can take
         # another (else, under load, a freed slot is taken again before an erase gets to it). slot -> replies.
@@ -187,14 +192,17 @@ class Engine:
 
     def submit(self, prompt, *, max_tokens: int = -1, stop=(), seed: int | None = None,
                add_special: bool = True, cache_prompt: bool = True, id_slot: int = -1,
-               truncate: bool = False, **sampling) -> TextReader:
+               truncate: bool = False, grammar: str | None = None, json_schema=None, **sampling) -> TextReader:
         """Queue a request; returns its Reader at once. prompt: text or a list of token ids.
 
         sampling: temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
         presence_penalty, frequency_penalty, logit_bias, n_probs, post_sampling_probs.
+        grammar (GBNF text) or json_schema (a dict or its JSON text): only output it accepts is
+        sampled (fastserve/grammar.py); it is compiled here, in the caller's thread.
         Raises RequestError (bad request), ServerBusy (queue full), EngineClosed."""
         if self._closing:
             raise EngineClosed("the engine is closed")
+        constraint = self._constraint(grammar, json_schema)
         ids = self._prompt_ids(prompt, add_special, truncate)
         params = SamplingParams.make(self.model.config.n_vocab, seed=seed, max_penalty_window=MAX_PENALTY_WINDOW,
                                      max_logit_bias=MAX_LOGIT_BIAS, **sampling)
@@ -209,7 +217,7 @@ class Engine:
         reader = TextReader(self.n_ctx_slot, self.tokenizer, stop=list(stop), n_probs=params.n_probs,
                             prompt_tokens=len(ids), impl=self._impl["delivery"])
         job = reader.request = Request(prompt=ids, sampling=params, max_tokens=max_tokens, buffer=reader.buffer,
-                                       cache_prompt=bool(cache_prompt), id_slot=id_slot)
+                                       cache_prompt=bool(cache_prompt), id_slot=id_slot, constraint=constraint)
         reader._on_cancel = lambda cancel=self.cancel, jid=job.id: cancel(jid)
         self.inbox.put(Submit(job))
         if self._closed:                    # the decode thread is gone: nobody else will end it
@@ -318,8 +326,13 @@ class Engine:
             return False
         out = self._backend_step()
         if out is not None:
+            dead = self._unsampleable(out.ids) if self.masks.n_active else ()
             self.slots.commit(self.batch, out.ids, self._finish)
+            if self.masks.n_active:         # the next masks, while the next step's forward pass runs
+                self.masks.launch(self.batch.row_slot[:self.batch.n_out], out.ids, self._finish)
             self._deliver(plan, out)
+            for slot in dead:
+                self._end(slot, FINISH_GRAMMAR)
             self._measure_step(time.perf_counter() - t_build, self.batch.n)
         self._publish()
         if self.tracer is not None:
@@ -335,7 +348,8 @@ class Engine:
     def _backend_step(self):
         """The backend's step over the batch; None when it failed (only the batch's requests fail then)."""
         try:
-            return self.backend.step(self.batch, None if self.tracer is None else self.tracer.lap)
+            return self.backend.step(self.batch, None if self.tracer is None else self.tracer.lap,
+                                     self.masks.wait if self.masks.n_active else None)
         except Exception as exc:
             log.exception("forward pass failed")
             self._fail_batch(f"forward pass failed: {type(exc).__name__}: {exc}")
@@ -369,6 +383,22 @@ class Engine:
         if self.tracer is not None:
             self.tracer.lap("build")
         return StepPlan(n_decode, tuple(chunks))
+
+    def _constraint(self, grammar, json_schema) -> Constraint | None:
+        text = compile_grammar(grammar=grammar, json_schema=json_schema)
+        return None if text is None else Constraint(self.tokenizer, text)
+
+    def _unsampleable(self, ids) -> list:
+        """Rows whose constraint allowed no token (-1): their requests finish with FINISH_GRAMMAR now
+        (so the reader is sent nothing more) and their slots are freed after delivery; the row gets an
+        end-of-generation id for commit. Returns those slots."""
+        dead = []
+        for r in np.flatnonzero(ids < 0).tolist():
+            slot = int(self.batch.row_slot[r])
+            self.delivery.finish(slot, FINISH_GRAMMAR, self.masks.error(slot))
+            ids[r] = self._eog_id
+            dead.append(slot)
+        return dead
 
     def _deliver(self, plan: StepPlan, out) -> None:
         """The step's tokens into their readers (one pass, fastserve/_delivery.pyx); finished requests end."""
@@ -420,7 +450,9 @@ class Engine:
         if max_gen == 0:                        # nothing to run: the request never holds the slot
             self.delivery.reject(job.buffer, FINISH_LENGTH)
             return
-        self.backend.configure(slot, job.sampling, job.prompt)
+        self.backend.configure(slot, job.sampling, job.prompt, constrained=job.constraint is not None)
+        if job.constraint is not None:
+            self.masks.start(slot, job.constraint)
         if self.prompt_cache is not None:       # it writes the slot's KV: nothing that can fail comes after it
             n_cached = self._swap_prefix(slot, job, n_cached)
         job.slot, job.n_cached = slot, n_cached     # what its reader sees of the admission
@@ -453,6 +485,7 @@ class Engine:
         self.slots.release(slot)
         self.backend.release(slot)
         self._jobs[slot] = None
+        self.masks.end(slot)
         if slot in self._erase_on_end:
             self._forget(slot, self._erase_on_end.pop(slot))
 
@@ -522,5 +555,6 @@ class Engine:
         for slot in range(self.n_slots):
             self._jobs[slot] = None
         self.delivery.close()
+        self.masks.close()
         self._closed = True
         self._publish()

@@ -100,7 +100,7 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--frequency-penalty N", SAME, "server-wide default (0.0)"),
     ("-l, --logit-bias", REFUSED, "not as a flag; a request's logit_bias takes every llama-server form"),
     ("--grammar, --grammar-file, -j, --json-schema, -jf, --json-schema-file", REFUSED,
-     "no constrained generation yet (a request with grammar or json_schema gets a 400)"),
+     "no server-wide constraint: a request gives its own grammar or json_schema (enforced in the sampler)"),
     ("-bs, --backend-sampling", REFUSED, "no switch: sampling always runs where the model runs (on the GPU with "
                                          "--device cuda)"),
     # -- speculative -------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ class Request:
     id: int = field(default_factory=lambda: next(_ids))
     slot: int = -1              # set when admitted
     n_cached: int = 0           # prompt tokens whose KV was reused
+    constraint: Any = None      # grammar.Constraint of a constrained request (grammar / JSON schema)
 
 
 @dataclass
@@ -40,7 +41,7 @@ class Completion:
     """What generate() returns and reader.result() gives."""
     text: str
     token_ids: list[int]
-    finish_reason: str                     # "stop", "length", "cancelled", "error", "closed"
+    finish_reason: str                     # "stop", "length", "cancelled", "error", "closed", "grammar"
     prompt_tokens: int = 0
     stopping_word: str = ""
     error: str | None = None
@@ -64,6 +65,7 @@ OUTCOMES = {
     "word": Outcome("word", "stop", 0),
     "stop": Outcome("eos", "stop", 0),
     "length": Outcome("limit", "length", 0),
+    "grammar": Outcome("grammar", "grammar", 0),     # the grammar / JSON schema allowed no next token
     "closed": Outcome("", "", 503, "the server is shutting down"),
     "error": Outcome("", "", 500, "generation failed: {error}"),
 }

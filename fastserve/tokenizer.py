@@ -254,9 +254,11 @@ class Tokenizer:
         return b""
 
     # ---- encoding ------------------------------------------------------------------------
-    def encode(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def encode(self, text: str, add_special: bool = True, parse_special: bool = True,
+               space_prefix: bool = True) -> list[int]:
         """Token ids of `text`. add_special: add BOS/EOS as the model asks; parse_special: match
-        special-token texts (e.g. "<|im_start|>") as those tokens instead of as plain text."""
+        special-token texts (e.g. "<|im_start|>") as those tokens instead of as plain text;
+        space_prefix=False: no SentencePiece space prefix (the text continues other text)."""
         if not isinstance(text, str):
             raise RequestError(f"text to tokenize must be a str, not {type(text).__name__}")
         text = _valid_unicode(text)
@@ -270,7 +272,7 @@ class Tokenizer:
                 prev_special = True
                 continue
             if self._spm:
-                if self.add_space_prefix and prev_special:
+                if self.add_space_prefix and prev_special and space_prefix:
                     frag = " " + frag
                 out.extend(self._spm_tokenize(frag.replace(" ", "\u2581")))
             else:
@@ -406,10 +408,15 @@ class Tokenizer:
         """Use source (Jinja) instead of the model's template (llama-server's --chat-template)."""
         self._template = ChatTemplate(source, self._template.bos_token, self._template.eos_token)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render the model's chat template (sandboxed jinja2). Raises RequestError when the model has
-        no template or the template refuses the messages."""
-        return self._template.render(messages, add_generation_prompt)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render the model's chat template (sandboxed jinja2), with OpenAI `tools` when given. Raises
+        RequestError when the model has no template or the template refuses the messages."""
+        return self._template.render(messages, add_generation_prompt, tools)
+
+    @property
+    def chat_template_takes_tools(self) -> bool:
+        return self._template.takes_tools
 
 
 class IncrementalDecoder:

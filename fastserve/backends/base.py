@@ -34,17 +34,22 @@ class Backend(Protocol):
     n_ctx_slot: int
     n_vocab: int
     samples_on_device: bool         # where step() samples (for reports; the engine does not branch on it)
+    masks: np.ndarray               # uint32 [n_slots, ceil(n_vocab / 32)]: the allowed tokens of constrained
+                                    # slots (bit t % 32 of word t // 32), written by the engine between steps
 
-    def configure(self, slot: int, params: SamplingParams, history: np.ndarray) -> None:
+    def configure(self, slot: int, params: SamplingParams, history: np.ndarray, constrained: bool = False) -> None:
         """A request starts on slot: its sampling (checked already) and its prompt (int32 token ids) as
-        the penalty history. Raises RequestError on what the sampler cannot hold."""
+        the penalty history; constrained: sample only what masks[slot] allows (before every other stage;
+        nothing allowed gives id -1). Raises RequestError on what the sampler cannot hold."""
         ...
 
-    def step(self, batch, lap=None) -> StepOutput:
+    def step(self, batch, lap=None, before_sample=None) -> StepOutput:
         """The forward pass over batch.view() and the sampling of its output rows (every output row's
         slot is configured); returns with the results on the host. lap (the tracer's, or None) is called
         with "forward" once the pass is computed (CPU) or submitted (GPU), "sync" after waiting for the
-        device, "sample" after sampling: the step's phases, each timed where it really happens."""
+        device, "sample" after sampling: the step's phases, each timed where it really happens.
+        before_sample (or None) is called once masks must be final: after the pass on the CPU, before
+        the launch on the GPU (the masks travel with the inputs)."""
         ...
 
     def sync(self) -> None:

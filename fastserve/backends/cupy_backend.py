@@ -187,6 +187,7 @@ class CupyBackend:
         # The engine's step: the device sampler's per-slot state, and the step's outputs on the host.
         from ..device_sampling import DeviceSampler
         self.sampler = DeviceSampler(self, n_slots, cfg.n_vocab, self.sample_window, self.sample_bias)
+        self.masks = self.sampler.masks         # constrained slots' allowed tokens (the engine writes them)
         self._step_ids = np.zeros(self.max_out, np.int32)                         # [max_out]
         self._step_probs_ids = np.zeros((self.max_out, MAX_N_PROBS), np.int32)    # [max_out, MAX_N_PROBS]
         self._step_probs = np.zeros((self.max_out, MAX_N_PROBS), np.float32)
@@ -252,6 +253,9 @@ class CupyBackend:
         self.inputs = self._in_d[:4 * N].reshape(4, N)                  # tokens, positions, slots, rows
         self.sample_rows_d = self._in_d[4 * N:].reshape(M, R)
         self.slot_tab_d = cp.zeros((self.n_slots, W), np.int32)
+        self.mask_words = (c.n_vocab + 31) // 32
+        self._n_masks = 0
+        self.sample_masks_d = cp.zeros((M, self.mask_words), np.uint32)   # constrained rows' allowed tokens
         self._out_d = cp.zeros(M + M * 2 * P, np.int32)                 # one copy back: ids, then lists
         self.sample_ids_d, self.sample_probs_d = self._out_d[:M], self._out_d[M:].reshape(M, 2, P)
         self.tokens_d, self.positions_d, self.slots_d, self.rows_d = (self.inputs[i] for i in range(4))
@@ -272,9 +276,11 @@ class CupyBackend:
         self.inputs_h = self._in_h[:4 * N].reshape(4, N)
         self.sample_rows_h = self._in_h[4 * N:].view(K.SAMPLE_ROW)     # [M] records
         self.slot_tab_h = cupyx.empty_pinned((self.n_slots, W), np.int32)
+        self.sample_masks_h = cupyx.empty_pinned((M, self.mask_words), np.uint32)
         self._out_h = cupyx.empty_pinned(M + M * 2 * P, np.int32)
         self._pad_row = np.zeros(1, K.SAMPLE_ROW)                       # padding rows: greedy, touch nothing
-        for f, v in (("flags", K.SAMPLE_GREEDY), ("probs_row", -1), ("hist_pos", -1), ("top_p", 1.0)):
+        for f, v in (("flags", K.SAMPLE_GREEDY), ("probs_row", -1), ("hist_pos", -1), ("top_p", 1.0),
+                     ("mask_row", -1)):
             self._pad_row[f] = v
         self.logits_h = cupyx.empty_pinned((M, c.n_vocab), np.float32)
         self.ids_h = cupyx.empty_pinned(M, np.int32)
@@ -296,23 +302,25 @@ class CupyBackend:
         id): only 4 bytes per row cross to the host."""
         return self._run(tokens, positions, slots, out_rows, want="ids")
 
-    def forward_sample(self, tokens, positions, slots, out_rows, n_lists: int = 0):
+    def forward_sample(self, tokens, positions, slots, out_rows, n_lists: int = 0, masked: bool = False):
         """As forward, then the host sampler's chain on the device (cuda/sampling.cu sample_chain_f32) for
         the m output rows, whose SampleRow records the caller wrote into sample_rows_h[:m] (rows with
-        probs_row = 0 .. n_lists - 1 ask for probabilities). One copy in, one copy back, one wait.
+        probs_row = 0 .. n_lists - 1 ask for probabilities; with masked, rows with mask_row = r >= 0 read the
+        allowed tokens in sample_masks_h[r], copied in too). One copy in, one copy back, one wait.
         Returns (ids int32 [m] (-1: a sampled row without candidates), list ids int32 [n_lists, P], list
         probabilities float32 [n_lists, P]), views of pinned buffers reused at the next call. The batch
         must fit the buffers (n <= max_tokens, m <= max_out). submit_sample + wait_sample."""
-        self.submit_sample(tokens, positions, slots, out_rows, n_lists)
+        self.submit_sample(tokens, positions, slots, out_rows, n_lists, masked)
         return self.wait_sample()
 
-    def submit_sample(self, tokens, positions, slots, out_rows, n_lists: int = 0) -> None:
+    def submit_sample(self, tokens, positions, slots, out_rows, n_lists: int = 0, masked: bool = False) -> None:
         """forward_sample's launches and copies, queued on the stream; wait_sample() waits for them."""
         n, m = len(tokens), len(out_rows)
         if n > self.max_tokens or m > self.max_out or not 0 <= n_lists <= m:
             raise ValueError(f"device sampling needs n <= max_tokens={self.max_tokens}, m <= max_out={self.max_out} "
                              f"and 0 <= n_lists <= m (got n={n}, m={m}, n_lists={n_lists})")
         self._n_lists, self._pending = int(n_lists), (n, m)
+        self._n_masks = m if masked else 0
         if n == 0:
             return
         tokens, positions, slots, out_rows = (np.asarray(a, dtype=np.int32) for a in (tokens, positions, slots, out_rows))
@@ -353,15 +361,17 @@ class CupyBackend:
 
     # -- the engine's step (backends/base.py): sampling on the device ------------------------------
 
-    def configure(self, slot: int, params: SamplingParams, history) -> None:
-        self.sampler.configure_checked(slot, params.slot_config(history))
+    def configure(self, slot: int, params: SamplingParams, history, constrained: bool = False) -> None:
+        self.sampler.configure_checked(slot, params.slot_config(history), constrained)
 
     def release(self, slot: int) -> None:
         """Nothing to drop: a slot's device sampling state is rewritten whole by its next configure()."""
 
-    def step(self, batch, lap=None) -> StepOutput:
+    def step(self, batch, lap=None, before_sample=None) -> StepOutput:
         tokens, positions, slots, out_rows, row_slot = batch.view()
         ds = self.sampler
+        if before_sample is not None:
+            before_sample()                 # the masks travel with the rows' records
         ds.forward(tokens, positions, slots, out_rows, row_slot)      # queued: pass, chain, copy back
         if lap is not None:
             lap("forward")
@@ -504,6 +514,9 @@ class CupyBackend:
         rt = self.cp.cuda.runtime
         nbytes = self.inputs_h.nbytes + n_rows * K.SAMPLE_ROW.itemsize
         rt.memcpyAsync(self._in_d.data.ptr, self._in_h.ctypes.data, nbytes, rt.memcpyHostToDevice, self.stream.ptr)
+        if n_rows and self._n_masks:        # outside any graph: the kernel reads the buffer, wherever it came from
+            rt.memcpyAsync(self.sample_masks_d.data.ptr, self.sample_masks_h.ctypes.data,
+                           self._n_masks * self.mask_words * 4, rt.memcpyHostToDevice, self.stream.ptr)
 
     def reset_graphs(self) -> None:
         """Drop the captured graphs (after changing matvec_max_n); the next decode steps capture again."""
@@ -546,7 +559,7 @@ class CupyBackend:
                     matvec_max_n=mv)
         if sample:
             K.sample_chain(self.logits, self.sample_rows_d, self.slot_tab_d, self.sample_ids_d, self.sample_probs_d, m,
-                           self.sample_window, self.sample_bias)
+                           self.sample_window, self.sample_bias, self.sample_masks_d)
         else:
             K.argmax_rows(self.logits, self.ids, m)
 

@@ -23,6 +23,7 @@ class HostSampling:
         """The sampler and the step's outputs, for steps of up to max_rows output rows (more: grown once).
         impl: the module providing Sampler (fastserve._sampling, or its twin fastserve.ref.sampling)."""
         self.sampler = (impl or _sampling).Sampler(n_slots, n_vocab, MAX_PENALTY_WINDOW, MAX_LOGIT_BIAS)
+        self.masks = self.sampler.masks     # constrained slots' allowed tokens (the engine writes them)
         self._alloc_outputs(max(1, max_rows))
         self._n_probs = np.zeros(n_slots, np.int32)     # per slot: n_probs of its request (0: none asked)
         self._n_asking = 0                              # slots whose request asked for probabilities
@@ -32,8 +33,8 @@ class HostSampling:
         self._probs_ids = np.zeros((rows, MAX_N_PROBS), np.int32)  # [rows, MAX_N_PROBS]
         self._probs = np.zeros((rows, MAX_N_PROBS), np.float32)
 
-    def configure(self, slot: int, params: SamplingParams, history) -> None:
-        self.sampler.configure_checked(slot, params.slot_config(history))
+    def configure(self, slot: int, params: SamplingParams, history, constrained: bool = False) -> None:
+        self.sampler.configure_checked(slot, params.slot_config(history), constrained)
         self._n_asking += int(params.n_probs > 0) - int(self._n_probs[slot] > 0)
         self._n_probs[slot] = params.n_probs
 
@@ -42,12 +43,14 @@ class HostSampling:
             self._n_asking -= 1
             self._n_probs[slot] = 0
 
-    def step(self, batch, lap=None) -> StepOutput:
+    def step(self, batch, lap=None, before_sample=None) -> StepOutput:
         tokens, positions, slots, out_rows, row_slot = batch.view()
         logits = self.forward(tokens, positions, slots, out_rows)
         if lap is not None:
             lap("forward")
             lap("sync")             # the logits are on the host: no wait
+        if before_sample is not None:
+            before_sample()         # the constrained rows' masks are written (computed during forward)
         m = len(row_slot)
         if m > len(self._ids):
             self._alloc_outputs(m)

@@ -39,10 +39,11 @@ SAMPLE_GREEDY, SAMPLE_POST_PROBS, SAMPLE_PENALIZE = 1, 2, 4       # SampleRow.fl
 # cuda/sampling.cu's struct SampleRow, field for field (88 bytes): one per row of sample_chain.
 SAMPLE_ROW = np.dtype({
     "names": ["temperature", "top_p", "min_p", "log_min_p", "rng", "top_k", "n_probs", "probs_row", "flags",
-              "slot", "n_bias", "hist_len", "hist_pos", "repeat_penalty", "presence_penalty", "frequency_penalty"],
+              "slot", "n_bias", "hist_len", "hist_pos", "repeat_penalty", "presence_penalty", "frequency_penalty",
+              "mask_row"],
     "formats": ["<f8", "<f8", "<f8", "<f8", "<u8", "<i4", "<i4", "<i4", "<i4", "<i4", "<i4", "<i4", "<i4",
-                "<f4", "<f4", "<f4"],
-    "offsets": [0, 8, 16, 24, 32, 40, 44, 48, 52, 56, 60, 64, 68, 72, 76, 80],
+                "<f4", "<f4", "<f4", "<i4"],
+    "offsets": [0, 8, 16, 24, 32, 40, 44, 48, 52, 56, 60, 64, 68, 72, 76, 80, 84],
     "itemsize": 88})
 SAMPLE_ROW_WORDS = SAMPLE_ROW.itemsize // 4
 _S3 = ("f16", "bf16", "f32")
@@ -393,13 +394,16 @@ def argmax_rows(logits, out, m: int) -> None:
         function("sampling", "argmax_rows_f32")((m,), (_threads(V),), (logits, out, _i32(V)))
 
 
-def sample_chain(logits, rows, slot_tab, out_ids, out_probs, m: int, window_cap: int, bias_cap: int) -> None:
+def sample_chain(logits, rows, slot_tab, out_ids, out_probs, m: int, window_cap: int, bias_cap: int,
+                 masks) -> None:
     """The host sampler's chain on rows r < m of logits f32 [>=m, V] (modified in place: bias and
     penalties). rows int32 [>=m, SAMPLE_ROW_WORDS]: SAMPLE_ROW records, 8-byte aligned; slot_tab int32
     [n_slots, window_cap + 2 bias_cap] (each slot's penalty ring, bias ids, bias values' float32 bits; the
     kernel appends row r's token to slot rows[r].slot's ring); out_ids int32 [>=m] (-1: a sampled row
     with no candidate); out_probs int32 [*, 2, P] with P <= SAMPLE_MAX_PROBS: ids, then float32 bits of
-    the probabilities, of the rows whose probs_row >= 0. cuda/sampling.cu states the rest."""
+    the probabilities, of the rows whose probs_row >= 0; masks uint32 [>=1, ceil(V / 32)]: the allowed
+    tokens of the rows whose mask_row >= 0 (a constrained row with nothing allowed gives -1).
+    cuda/sampling.cu states the rest."""
     V = logits.shape[1]
     P = out_probs.shape[2]
     if not 0 < P <= SAMPLE_MAX_PROBS:
@@ -409,12 +413,14 @@ def sample_chain(logits, rows, slot_tab, out_ids, out_probs, m: int, window_cap:
     _check("slot_tab", slot_tab, np.int32, (None, window_cap + 2 * bias_cap))
     _check("out_ids", out_ids, np.int32, (None,), min_rows=m)
     _check("out_probs", out_probs, np.int32, (None, 2, P))
+    _check("masks", masks, np.uint32, (None, (V + 31) // 32))
     if rows.data.ptr % 8:
         raise ValueError("rows: SampleRow records need 8-byte alignment")
     if m:
         function("sampling", "sample_chain_f32")(
             (m,), (SAMPLE_THREADS,),
-            (logits, rows, slot_tab, out_ids, out_probs, _i32(V), _i32(window_cap), _i32(bias_cap), _i32(P)))
+            (logits, rows, slot_tab, out_ids, out_probs, masks, _i32(V), _i32(window_cap), _i32(bias_cap), _i32(P),
+             _i32(masks.shape[1])))
 
 
 # -- matrix products (cuBLAS through CuPy's bindings) -------------------------------------------

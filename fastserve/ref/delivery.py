@@ -14,7 +14,8 @@ FINISH_LENGTH = 2
 FINISH_CANCELLED = 3
 FINISH_ERROR = 4
 FINISH_CLOSED = 5
-FINISH_REASONS = {1: "stop", 2: "length", 3: "cancelled", 4: "error", 5: "closed"}
+FINISH_GRAMMAR = 6
+FINISH_REASONS = {1: "stop", 2: "length", 3: "cancelled", 4: "error", 5: "closed", 6: "grammar"}
 
 WAIT_NONE, WAIT_DATA, WAIT_FINISH = 0, 1, 2
 

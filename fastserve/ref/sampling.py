@@ -11,6 +11,11 @@ Rules both implementations follow exactly (they are what makes parity exact):
   "top" (top-k, top-p prefix, greedy, n_probs lists) uses it.
 - A token is a candidate only if its effective logit is > -inf; NaN logits are
   never sampled nor listed. A row with no candidate yields token 0.
+- Constraints: a slot configured with constrained=True reads its row of `masks`
+  (uint32 words; bit t % 32 of word t // 32 set = token t allowed). Its logits
+  become -inf wherever the bit is 0 before every other stage (bias, penalties,
+  the cuts and n_probs all see only allowed tokens); with no allowed candidate
+  the row yields -1 and its penalty history is left as it was.
 - Bias and penalties are float32 arithmetic, as in llama.cpp:
   x += bias; x = x * rp if x <= 0 else x / rp; x -= count * freq + present.
 - Weights are fixed-point integers: q = trunc(exp((x - max) / temp) * 2**QBITS)
@@ -100,6 +105,7 @@ class _Slot:
         self.bias = [(t, np.float32(b)) for t, b in cfg["logit_bias"]]
         self.rng = cfg["seed"]
         self.hist = list(cfg["history"])   # oldest first, at most repeat_last_n
+        self.constrained = False           # set by configure(constrained=True)
 
 
 class Sampler:
@@ -118,11 +124,14 @@ class Sampler:
         self.max_logit_bias = int(max_logit_bias)
         self._scale = float(1 << quant_bits(n_vocab))
         self._slots = [None] * self.n_slots
+        self.n_mask_words = (self.n_vocab + 31) // 32
+        self.masks = np.zeros((self.n_slots, self.n_mask_words), np.uint32)
 
     def configure(self, slot, *, seed, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
                   repeat_penalty=1.0, repeat_last_n=64, presence_penalty=0.0, frequency_penalty=0.0,
-                  logit_bias=None, n_probs=0, post_sampling_probs=False, history=()):
-        """Give `slot` a request's parameters, its RNG seed, and its prompt as penalty history."""
+                  logit_bias=None, n_probs=0, post_sampling_probs=False, history=(), constrained=False):
+        """Give `slot` a request's parameters, its RNG seed, and its prompt as penalty history;
+        constrained: sample only tokens whose bit is set in masks[slot]."""
         slot = _integer("slot", slot)
         if not 0 <= slot < self.n_slots:
             raise RequestError(f"slot {slot} out of range [0, {self.n_slots})")
@@ -132,15 +141,16 @@ class Sampler:
                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                            seed=seed, logit_bias=logit_bias, n_probs=n_probs,
                            post_sampling_probs=post_sampling_probs, history=history)
-        self.configure_checked(slot, cfg)
+        self.configure_checked(slot, cfg, constrained)
 
-    def configure_checked(self, slot, cfg):
+    def configure_checked(self, slot, cfg, constrained=False):
         """configure() with parameters check_config already normalized (SamplingParams.slot_config):
         only what this sampler's capacities bound is checked again."""
         if not 0 <= slot < self.n_slots:
             raise RequestError(f"slot {slot} out of range [0, {self.n_slots})")
         check_fits(cfg, self.max_penalty_window, self.max_logit_bias)
         self._slots[slot] = _Slot(cfg)
+        self._slots[slot].constrained = bool(constrained)
 
     def history(self, slot):
         """The slot's penalty window, oldest token first (a new list)."""
@@ -167,13 +177,21 @@ class Sampler:
             st = self._slots[int(row_slot[r])]
             pids = probs_ids[r] if st.n_probs else None
             pp = probs[r] if st.n_probs else None
-            tok = self._sample_row(st, logits[r], pids, pp)
+            row = logits[r]
+            if st.constrained:
+                row = self._masked(int(row_slot[r]), row)
+            tok = self._sample_row(st, row, pids, pp)
             out_ids[r] = tok
-            if st.repeat_last_n:
+            if st.repeat_last_n and tok >= 0:
                 st.hist.append(tok)
                 del st.hist[:-st.repeat_last_n]
 
     # -- one row ---------------------------------------------------------------
+
+    def _masked(self, slot, row):
+        """A copy of row with -inf where masks[slot] disallows the token."""
+        bits = np.unpackbits(self.masks[slot].astype("<u4").view(np.uint8), bitorder="little")[:self.n_vocab]
+        return np.where(bits.astype(bool), np.asarray(row, np.float32), np.float32(-np.inf))
 
     def _effective(self, st, row):
         """Logits after bias and penalties (a float32 copy)."""
@@ -216,7 +234,7 @@ class Sampler:
         if len(order) == 0:
             if st.n_probs and st.post_sampling_probs:
                 _write_probs([], st.n_probs, pids, pp)
-            return 0
+            return -1 if st.constrained else 0
         m = x[order[0]]
         if st.greedy:
             tok = int(order[0])

@@ -6,7 +6,8 @@ top_p, min_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty
 stream, cache_prompt, n_probs, post_sampling_probs, id_slot, return_tokens, logit_bias (every form
 llama-server takes), timings_per_token, response_fields, and fastserve's per-request limits
 queue_timeout / request_timeout / token_timeout (seconds, may only shorten the server's). Fields of
-llama-server that fastserve cannot honour are refused (NOT_SUPPORTED; grammars: constraints.py).
+llama-server that fastserve cannot honour are refused (NOT_SUPPORTED). grammar (GBNF) or json_schema
+(an object): only output it accepts is sampled.
 Response: content, tokens, id_slot, stop, model, tokens_predicted, tokens_evaluated,
 generation_settings, prompt, has_new_line, truncated, stop_type, stopping_word, tokens_cached,
 timings, completion_probabilities (when n_probs > 0).
@@ -16,7 +17,7 @@ from __future__ import annotations
 import math
 
 from ..config import MAX_N_PROBS
-from . import constraints, sse
+from . import sse
 from .errors import LLAMA, HttpError
 from .fanout import interleave, run_all, start_all
 from .fields import Body, parse_object
@@ -85,6 +86,20 @@ def sampling(body: Body, app) -> dict:
         bias.update({tok: -math.inf for tok in app.engine.tokenizer.eog_ids})
     if bias:
         out["logit_bias"] = bias
+    return out
+
+
+def constraint(body: Body) -> dict:
+    """grammar (GBNF; "" means none, as llama-server reads it) or json_schema, for Engine.submit."""
+    out = {}
+    grammar = body.str("grammar")
+    if grammar:
+        out["grammar"] = grammar
+    schema = body.raw("json_schema")
+    if schema is not None:
+        if not isinstance(schema, (dict, str)):
+            raise HttpError(400, "'json_schema' must be a JSON schema object")
+        out["json_schema"] = schema
     return out
 
 
@@ -212,7 +227,6 @@ def _token_json(tok, tid: int) -> dict:
 
 async def completion(app, req, ex):
     body = parse_object(req.body)
-    constraints.check_completion(body)
     engine = app.engine
     raw = body.raw("prompt")
     prompts = prompt_list(app, raw)
@@ -231,7 +245,8 @@ async def completion(app, req, ex):
     cache_prompt = body.bool("cache_prompt", True)
     gens = start_all(app, ex, prompts, lambda i: {}, stop=stop, limits=limits(body, app.config),
                      max_tokens=n_predict, seed=seed, cache_prompt=cache_prompt,
-                     id_slot=body.int("id_slot", -1, lo=-1), n_probs=n_probs, post_sampling_probs=post, **samp)
+                     id_slot=body.int("id_slot", -1, lo=-1), n_probs=n_probs, post_sampling_probs=post,
+                     **constraint(body), **samp)
     settings = params_json(app, {k: v for k, v in samp.items() if k != "logit_bias"}, seed, n_predict,
                            stream=stream, n_probs=n_probs, post_sampling_probs=post, timings_per_token=per_token,
                            stop=stop, cache_prompt=cache_prompt, ignore_eos=body.bool("ignore_eos"))

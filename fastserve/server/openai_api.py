@@ -5,8 +5,10 @@ stream_options.include_usage is set, in a last chunk with no choices). A chat st
 chunk of each choice carries the role with `content: null`, as OpenAI's server sends it. Both
 take n > 1, and /v1/completions a list of prompts (as llama-server): the choices are generated
 together, streamed interleaved by index. Fields OpenAI defines that fastserve cannot honour
-(best_of > 1, echo, suffix, tools, non-text response formats) are refused with a 400 that says so; llama.cpp's extra
-sampling fields (top_k, min_p, repeat_penalty, ...) are accepted as llama-server does.
+(best_of > 1, echo, suffix) are refused with a 400 that says so; llama.cpp's extra sampling fields
+(top_k, min_p, repeat_penalty, ..., grammar, json_schema) are accepted as llama-server does. Chat:
+`response_format` (json_object, json_schema) and `tools` / `tool_choice` are enforced in the sampler
+(server/tools.py).
 """
 from __future__ import annotations
 
@@ -14,12 +16,14 @@ import os
 import time
 
 from ..errors import RequestError
-from . import constraints, sse
+from ..grammar import compile_grammar
+from . import sse
 from .errors import OPENAI, HttpError
 from .fields import Body, parse_object
 from .fanout import interleave, run_all, start_all
-from .llama_api import _log, check_context, check_prompt_length, limits, prompt_list, request_seed, sampling
+from .llama_api import _log, check_context, check_prompt_length, constraint, limits, prompt_list, request_seed, sampling
 from .response import StreamResponse, json_response
+from .tools import history_message, response_format, tool_plan, with_tools
 
 MAX_TOP_LOGPROBS = 20
 # The engine reports the top-N probabilities of each step; the sampled token's own logprob is found
@@ -67,7 +71,6 @@ async def completions(app, req, ex):
     choice index = prompt index * n + choice."""
     body = parse_object(req.body)
     max_tokens, stream, include_usage = _common(body, app)
-    constraints.check_completion(body)
     if body.bool("echo"):
         raise HttpError(400, "'echo' is not supported")
     if body.int("best_of", 1, lo=1) > 1:
@@ -85,7 +88,7 @@ async def completions(app, req, ex):
     gens = start_all(app, ex, [ids for ids in prompts for _ in range(n)],
                      lambda i: {"seed": None if seed is None else (seed + i % n) % 2 ** 64},
                      stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens, n_probs=n_probs,
-                     **sampling(body, app))
+                     **constraint(body), **sampling(body, app))
     rid, created = _new_id("cmpl-"), int(time.time())
     tok = app.engine.tokenizer
 
@@ -134,10 +137,11 @@ def _legacy_logprobs(tok, ids, probs, k: int, offset: int) -> dict:
 
 # -- /v1/chat/completions ------------------------------------------------------------------------
 
-def chat_messages(value) -> list[dict]:
-    """Validate OpenAI messages; content parts of type text are joined into one string. Refused (400):
-    a message that is not an object, without a known role, with content of a wrong type, without
-    content (only an assistant's may be null), tool calls, a tool message without its tool_call_id."""
+def chat_messages(value, template_takes_tools: bool = False) -> list[dict]:
+    """Validate OpenAI messages; content parts of type text are joined into one string; earlier tool
+    calls and their results are kept for the template (server/tools.py). Refused (400): a message that
+    is not an object, without a known role, with content of a wrong type, without content (only an
+    assistant's may be null), a tool message without its tool_call_id."""
     if not isinstance(value, list) or not value:
         raise HttpError(400, "'messages' must be a non-empty array of {\"role\": ..., \"content\": ...} objects")
     out = []
@@ -164,11 +168,9 @@ def chat_messages(value) -> list[dict]:
             content = "".join(parts)
         elif not isinstance(content, str):
             raise HttpError(400, f"messages[{i}].content must be a string or an array of text parts")
-        if m.get("tool_calls"):
-            raise HttpError(400, f"messages[{i}].tool_calls: tool calls are not supported")
         if role == "tool" and not (isinstance(m.get("tool_call_id"), str) and m["tool_call_id"]):
             raise HttpError(400, f"messages[{i}] (tool) needs the 'tool_call_id' of the call it answers")
-        out.append({"role": role, "content": content})
+        out.append(history_message(i, m, content, template_takes_tools))
     return out
 
 
@@ -176,15 +178,32 @@ async def chat_completions(app, req, ex):
     body = parse_object(req.body)
     max_tokens, stream, include_usage = _common(body, app)
     n = body.int("n", 1, lo=1, hi=MAX_CHOICES)
-    if body.raw("tools") or body.raw("functions"):
-        raise HttpError(400, "tools and function calling are not supported")
-    constraints.check_chat(body)
-    messages = chat_messages(body.raw("messages"))
+    plan = tool_plan(body)
+    fmt_schema = response_format(body)
+    constrain = constraint(body)
+    given = [name for name, v in (("tools", plan), ("response_format", fmt_schema), ("grammar", constrain or None))
+             if v is not None]
+    if len(given) > 1:
+        raise HttpError(400, f"give one constraint, not several: {', '.join(given)}")
+    if plan is not None:
+        constrain = {"json_schema": plan.schema}
+    elif fmt_schema is not None:
+        constrain = {"json_schema": fmt_schema}
+    if constrain:                   # the compiler's message before the prompt's size is judged
+        try:
+            compile_grammar(**constrain)
+        except RequestError as exc:
+            raise HttpError(400, str(exc)) from None
     tok = app.engine.tokenizer
-    total = sum(len(m["content"]) for m in messages)
+    native = tok.chat_template_takes_tools
+    messages = chat_messages(body.raw("messages"), native)
+    if plan is not None:
+        messages = with_tools(messages, plan, native)
+    total = sum(len(m["content"] or "") for m in messages)
     check_prompt_length(app, total, "the conversation")
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True)
+        text = tok.apply_chat_template(messages, add_generation_prompt=True,
+                                       tools=plan.tools if plan is not None and native else None)
     except RequestError as exc:
         raise HttpError(400, str(exc)) from None
     check_prompt_length(app, len(text), "the conversation")
@@ -201,8 +220,17 @@ async def chat_completions(app, req, ex):
     # n choices of one prompt: a given seed seeds the i-th choice with seed + i, so that they differ
     gens = start_all(app, ex, [ids] * n, lambda i: {"seed": None if seed is None else (seed + i) % 2 ** 64},
                      stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens, n_probs=n_probs,
-                     **sampling(body, app))
+                     **constrain, **sampling(body, app))
     rid, created = _new_id("chatcmpl-"), int(time.time())
+
+    def reply(g):
+        """(message fields, finish_reason) of a finished generation."""
+        if plan is None:
+            return {"content": g.text.text}, g.openai_finish_reason
+        content, calls = plan.parse(g.text.text)
+        if calls:
+            return {"content": None, "tool_calls": calls}, "tool_calls"
+        return {"content": content}, g.openai_finish_reason
 
     def logprobs(ids, probs):
         return {"content": _chat_logprobs(tok, ids, probs or [], top_lp or 0)} if want_lp else None
@@ -221,17 +249,22 @@ async def chat_completions(app, req, ex):
                 yield chunk(i, {"role": "assistant", "content": None})
             async for i, d in interleave([g.deltas() for g in gens], gens):
                 if d is None:
-                    yield chunk(i, {}, finish=gens[i].openai_finish_reason, timings=gens[i].timings())
-                elif d.text or want_lp:
+                    fields, finish = reply(gens[i])
+                    if plan is not None:    # a call is known to be one when its JSON is complete
+                        yield chunk(i, {"content": fields["content"]} if "tool_calls" not in fields else
+                                    {"tool_calls": [{"index": k, **c} for k, c in enumerate(fields["tool_calls"])]})
+                    yield chunk(i, {}, finish=finish, timings=gens[i].timings())
+                elif plan is None and (d.text or want_lp):
                     yield chunk(i, {"content": d.text}, logprobs(d.ids, d.probs))
             if include_usage:
                 yield sse.event(envelope("chat.completion.chunk", [], usage=_usage([gens])))
             yield sse.DONE
         return StreamResponse(events(), on_error=lambda err: sse.error_event(err.payload(OPENAI)))
     await run_all(gens)
+    replies = [reply(g) for g in gens]
     return json_response(envelope("chat.completion", [{
-        "index": i, "message": {"role": "assistant", "content": g.text.text},
-        "logprobs": logprobs(g.ids, g.probs), "finish_reason": g.openai_finish_reason} for i, g in enumerate(gens)],
+        "index": i, "message": {"role": "assistant", **replies[i][0]},
+        "logprobs": logprobs(g.ids, g.probs), "finish_reason": replies[i][1]} for i, g in enumerate(gens)],
         usage=_usage([gens]), timings=gens[0].timings()))
 
 

@@ -53,6 +53,11 @@ def _openai_error(r, status):
     (b'{"prompt": "a", "id_slot": 99}', "id_slot"),
     (b'{"prompt": "a", "logit_bias": [[99999, 1]]}', "logit_bias"),
     (b'{"prompt": "a", "repeat_last_n": 1000000}', "repeat_last_n"),
+    (b'{"prompt": "a", "grammar": "root ::= nothing"}', "Rule 'nothing' not found"),
+    (b'{"prompt": "a", "grammar": 5}', "grammar"),
+    (b'{"prompt": "a", "json_schema": {"type": "strin"}}', "Invalid type"),
+    (b'{"prompt": "a", "json_schema": {"type": "array", "uniqueItems": true}}', "Unimplemented keys"),
+    (b'{"prompt": "a", "json_schema": [1]}', "json_schema"),
 ])
 def test_completion_bad_input(http, body, needle):
     msg = _llama_error(http.post(LLAMA, content=body), 400)
@@ -78,7 +83,19 @@ def test_prompt_longer_than_a_slot(http):
     ({"messages": [{"role": "user", "content": "a"}], "top_logprobs": 3}, "logprobs"),
     ({"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {}}]},
+     "function.name is required"),
+    ({"messages": [{"role": "user", "content": "a"}], "tools": {"a": 1}}, "tools"),
+    ({"messages": [{"role": "user", "content": "a"}], "tool_choice": "required"}, "needs 'tools'"),
+    ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "not among the tools"),
+    ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "nope"}}}}}]}, "Invalid type"),
+    ({"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "xml"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "not": {}}}}}, "Unimplemented keys"),
+    ({"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"},
+      "grammar": "root ::= \"a\""}, "one constraint"),
     ({"messages": [{"role": "user", "content": "a"}], "stream_options": 5}, "stream_options"),
 ])
 def test_chat_bad_input(http, body, needle):

@@ -143,17 +143,21 @@ def test_timings_per_token_and_response_fields(http):
     error(http.post("/completion", json={"prompt": "a", "response_fields": "content"}), 400)
 
 
-def test_constraints_are_refused_until_they_are_applied(http, oai):
-    for field, value in (("grammar", 'root ::= "yes"'), ("json_schema", {"type": "object"})):
-        msg = error(http.post("/completion", json={"prompt": "a", field: value}), 400)["message"]
-        assert field in msg and "not supported" in msg
-        error(http.post("/v1/completions", json={"prompt": "a", field: value}), 400)
-        error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}],
-                                                      field: value}), 400)
+def test_constraints_are_applied_and_unsupported_fields_refused(http, oai):
+    """grammar / json_schema on the three routes (issue 15: server/tools.py, fastserve/grammar.py)."""
+    for field, value in (("grammar", 'root ::= "yes"'), ("json_schema", {"enum": ["yes"]})):
+        want = "yes" if field == "grammar" else '"yes"'
+        r = http.post("/completion", json={"prompt": "a", field: value, "n_predict": 8})
+        assert r.status_code == 200 and r.json()["content"] == want
+        r = http.post("/v1/completions", json={"prompt": "a", field: value, "max_tokens": 8})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}],
+                                                    field: value, "max_tokens": 8})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want
     assert http.post("/completion", json={"prompt": "a", "grammar": "", "n_predict": 1}).status_code == 200
     with pytest.raises(openai.BadRequestError):
         oai.chat.completions.create(model="x", messages=[{"role": "user", "content": "a"}],
-                                    response_format={"type": "json_object"})
+                                    response_format={"type": "xml"})
     for field, value in (("mirostat", 2), ("dry_multiplier", 0.5), ("n_cmpl", 2),
                          ("typical_p", 0.5), ("samplers", ["top_k", "temperature"]), ("lora", [{"id": 0}])):
         msg = error(http.post("/completion", json={"prompt": "a", field: value}), 400)["message"]
@@ -334,7 +338,7 @@ def test_flags_server_wide_defaults_and_endpoints(make_server, tmp_path):
     (["-fa", "off"], "flash"),
     (["--context-shift"], "shift"),
     (["--chat-template", "llama3"], "chatml"),
-    (["--grammar", "root ::= x"], "constrained"),
+    (["--grammar", "root ::= x"], "server-wide constraint"),
     (["-hf", "x/y"], "download"),
     (["--keep", "-2"], "--keep"),
     (["--seed", "-5"], "--seed"),

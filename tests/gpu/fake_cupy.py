@@ -301,7 +301,7 @@ def _k_sample_chain(grid, args):
     kernel's contract is that twin's token ids and probabilities."""
     from fastserve.backends.kernels import SAMPLE_GREEDY, SAMPLE_PENALIZE, SAMPLE_POST_PROBS, SAMPLE_ROW
     from fastserve.ref.sampling import Sampler, _Slot
-    logits, rows, tab, out_ids, out_probs, V, W, B, P = args
+    logits, rows, tab, out_ids, out_probs, masks, V, W, B, P, _ = args
     m, V, W, B = _rows_of(grid), int(V), int(W), int(B)
     ref = Sampler(1, V)
     for r, rec in enumerate(np.asarray(rows[:m]).view(SAMPLE_ROW).reshape(-1)):
@@ -317,11 +317,16 @@ def _k_sample_chain(grid, args):
                         n_probs=int(rec["n_probs"]) if rec["probs_row"] >= 0 else 0,
                         post_sampling_probs=bool(flags & SAMPLE_POST_PROBS)))
         st.penalize = bool(flags & SAMPLE_PENALIZE) and bool(hist)
+        st.constrained = rec["mask_row"] >= 0
+        row = np.asarray(logits[r])
+        if st.constrained:
+            ref.masks[0] = np.asarray(masks[int(rec["mask_row"])])
+            row = ref._masked(0, row)
         pids, pp = np.zeros(st.n_probs, np.int32), np.zeros(st.n_probs, np.float32)
-        tok = ref._sample_row(st, np.asarray(logits[r]), pids, pp)
+        tok = ref._sample_row(st, row, pids, pp)
         drew = st.rng != int(rec["rng"])
-        out_ids[r] = tok if greedy or drew else -1
-        if rec["hist_pos"] >= 0:
+        out_ids[r] = tok if greedy or drew or st.constrained else -1
+        if rec["hist_pos"] >= 0 and tok >= 0:
             tab[int(rec["slot"]), int(rec["hist_pos"])] = tok
         if st.n_probs:
             out_probs[int(rec["probs_row"]), 0, :st.n_probs] = pids

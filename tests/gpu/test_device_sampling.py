@@ -33,12 +33,13 @@ class LogitsBackend:
     the real launcher (kernels.sample_chain) and whatever `cp` runs it."""
     samples_on_device = True
 
-    def __init__(self, cp, n_slots, max_out, window=256, bias=256, probs=100):
+    def __init__(self, cp, n_slots, max_out, window=256, bias=256, probs=100, n_vocab=1):
         self.cp, self.max_out, self.max_tokens = cp, max_out, max_out
         self.sample_window, self.sample_bias, self.sample_probs = window, bias, probs
         self.slot_tab_h = np.zeros((n_slots, window + 2 * bias), np.int32)
         self.slot_tab_d = cp.zeros((n_slots, window + 2 * bias), np.int32)
         self.sample_rows_h = np.zeros(max_out * K.SAMPLE_ROW_WORDS, np.int32).view(K.SAMPLE_ROW)
+        self.sample_masks_h = np.zeros((max_out, (n_vocab + 31) // 32), np.uint32)
         self.logits = None
 
     def sample_slot_table(self):
@@ -47,19 +48,20 @@ class LogitsBackend:
     def upload_sample_slot(self, slot):
         self.slot_tab_d[slot] = self.cp.asarray(self.slot_tab_h[slot])
 
-    def submit_sample(self, tokens, positions, slots, out_rows, n_lists):
-        self._result = self.forward_sample(tokens, positions, slots, out_rows, n_lists)
+    def submit_sample(self, tokens, positions, slots, out_rows, n_lists, masked=False):
+        self._result = self.forward_sample(tokens, positions, slots, out_rows, n_lists, masked)
 
     def wait_sample(self):
         return self._result
 
-    def forward_sample(self, tokens, positions, slots, out_rows, n_lists):
+    def forward_sample(self, tokens, positions, slots, out_rows, n_lists, masked=False):
         cp, m, P = self.cp, len(out_rows), self.sample_probs
         logits = cp.asarray(np.ascontiguousarray(self.logits[:m], np.float32))
         rows = cp.asarray(self.sample_rows_h[:m].view(np.int32).reshape(m, K.SAMPLE_ROW_WORDS))
         ids = cp.asarray(np.full(m, 12345, np.int32))
         lists = cp.asarray(np.full((max(n_lists, 1), 2, P), 777, np.int32))
-        K.sample_chain(logits, rows, self.slot_tab_d, ids, lists, m, self.sample_window, self.sample_bias)
+        masks = cp.asarray(self.sample_masks_h[:max(m, 1)])
+        K.sample_chain(logits, rows, self.slot_tab_d, ids, lists, m, self.sample_window, self.sample_bias, masks)
         got = np.asarray(lists.get())[:n_lists]
         return np.asarray(ids.get()), got[:, 0], got[:, 1].view(np.float32)
 
@@ -92,20 +94,33 @@ CONFIGS = [
 ]
 
 
-def _run_both(cp, V, n_slots, steps, seed, configs=CONFIGS, ties=True):
-    """The host Sampler and DeviceSampler over the same logits for `steps` steps; asserts identity."""
+def _random_masks(rng, n_slots, V, step):
+    """Allowed-token bit arrays [n_slots, words]: sparse, dense, a single token, none (every 4th step)."""
+    words = (V + 31) // 32
+    bits = rng.random((n_slots, words * 32)) < rng.choice([0.02, 0.5, 0.95], size=(n_slots, 1))
+    bits[0] = False
+    bits[0, rng.integers(0, V)] = step % 4 != 3
+    bits[:, V:] = False
+    return np.packbits(bits.astype(np.uint8), axis=1, bitorder="little").view("<u4").astype(np.uint32)
+
+
+def _run_both(cp, V, n_slots, steps, seed, configs=CONFIGS, ties=True, constrained=False):
+    """The host Sampler and DeviceSampler over the same logits for `steps` steps; asserts identity.
+    constrained: every other slot samples under a random allowed-token mask, new each step."""
     rng = np.random.default_rng(seed)
     host = Sampler(n_slots, V)
-    be = LogitsBackend(cp, n_slots, n_slots)
-    dev = DeviceSampler(be, n_slots, V)
+    be = LogitsBackend(cp, n_slots, n_slots, n_vocab=V)
+    dev = DeviceSampler(be, n_slots, V, masks=host.masks)
     for s in range(n_slots):
         cfg = dict(configs[s % len(configs)], seed=int(rng.integers(0, 2**63)),
                    history=rng.integers(0, V, int(rng.integers(0, 40))).tolist())
-        host.configure(s, **cfg)
-        dev.configure(s, **cfg)
+        host.configure(s, constrained=constrained and s % 2 == 0, **cfg)
+        dev.configure(s, constrained=constrained and s % 2 == 0, **cfg)
     for step in range(steps):
         row_slot = rng.permutation(n_slots)[:max(1, n_slots - step % 3)].astype(np.int32)
         m = len(row_slot)
+        if constrained:
+            host.masks[:] = _random_masks(rng, n_slots, V, step)
         logits = _logits(rng, m, V, ties)
         be.logits = logits
         want_ids = np.zeros(m, np.int32)
@@ -140,10 +155,17 @@ def test_chain_without_ties_on_a_large_vocabulary(cupy):
     _run_both(cupy, 49152, len(CONFIGS), 2, seed=4, ties=False)
 
 
+@pytest.mark.parametrize("V, seed", [(1000, 6), (4099, 7)])
+def test_constrained_rows_are_identical_to_the_host_sampler(cupy, V, seed):
+    """The mask travels with the row's record: same ids, probabilities and windows as the host
+    sampler's constrained rows, -1 where nothing is allowed."""
+    _run_both(cupy, V, len(CONFIGS), 8, seed, constrained=True)
+
+
 def test_rows_without_candidates(cupy):
     """-inf and NaN only: token 0, no draw (the next step's draw is the host's), empty lists."""
     V = 300
-    host, be = Sampler(2, V), LogitsBackend(cupy, 2, 2)
+    host, be = Sampler(2, V), LogitsBackend(cupy, 2, 2, n_vocab=V)
     dev = DeviceSampler(be, 2, V)
     configs = [dict(temperature=0.9, n_probs=4), dict(temperature=0.0, n_probs=4, post_sampling_probs=True)]
     for s, cfg in enumerate(configs):
@@ -243,7 +265,10 @@ def test_engine_samples_on_the_device_as_on_the_host(fake, tiny_model, n_batch):
                  frequency_penalty=0.2, logit_bias={4: 3.0}),
             dict(prompt=[11, 12, 13], temperature=0.0, n_probs=2, post_sampling_probs=True),
             dict(prompt=[14, 15, 16, 17, 18], temperature=0.6, min_p=0.2, seed=13, n_probs=4,
-                 post_sampling_probs=True)]
+                 post_sampling_probs=True),
+            # constrained rows: the mask travels with the row's record (grammars that never end)
+            dict(prompt=[19, 20], temperature=1.0, top_k=0, seed=14, grammar='root ::= [a-m]{80,}', n_probs=3),
+            dict(prompt=[21], temperature=0.0, grammar='root ::= ("ab" | [0-9] | " ")+')]
 
     def run(cls):
         # Steps must be the same in both runs (products over other batch sizes may round otherwise): a
@@ -262,7 +287,7 @@ def test_engine_samples_on_the_device_as_on_the_host(fake, tiny_model, n_batch):
             inner._submit = gated
             return be
 
-        with fastserve.Engine(tiny_model, n_parallel=4, n_ctx=256, n_batch=n_batch, backend=factory) as e:
+        with fastserve.Engine(tiny_model, n_parallel=6, n_ctx=384, n_batch=n_batch, backend=factory) as e:
             assert e.backend.samples_on_device == (cls is CupyBackend)
             first = e.submit([1, 2], max_tokens=1, temperature=0)
             assert entered.wait(30)
@@ -270,9 +295,11 @@ def test_engine_samples_on_the_device_as_on_the_host(fake, tiny_model, n_batch):
             gate.set()
             first.result()
             outs = [rd.result() for rd in readers]
-        assert all(o.finish_reason == "length" for o in outs)
+        assert all(o.finish_reason == "length" for o in outs), [(o.finish_reason, o.error, o.text) for o in outs]
         return [(o.token_ids, o.probs) for o in outs]
 
     got = run(CupyBackend)
     want = run(_HostSampling)
     assert got == want
+    tok = tiny_model.tokenizer
+    assert set(tok.decode(got[4][0])) <= set("abcdefghijklm") and set(tok.decode(got[5][0])) <= set("ab0123456789 ")

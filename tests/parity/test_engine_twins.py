@@ -9,6 +9,8 @@ REQUESTS = [
     dict(prompt="a dog ran", max_tokens=6, temperature=0.9, seed=5, top_k=0, top_p=0.9, n_probs=3,
          repeat_penalty=1.2),
     dict(prompt="stop right here", max_tokens=8, temperature=0.7, seed=9, stop=["e"]),
+    dict(prompt="json", max_tokens=12, temperature=1.0, seed=3, top_k=0, n_probs=2,
+         json_schema={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}),
 ]
 
 
