@@ -101,6 +101,21 @@ def server(tiny_model_path, tmp_path_factory):
     p.kill()
 
 
+@pytest.fixture(scope="module")
+def http(server):
+    """An httpx client of the module's server (a module may define its own `server`)."""
+    import httpx
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    """The openai package's client of the module's server."""
+    import openai
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
 def wait_until(pred, timeout: float = 10.0, every: float = 0.02):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -12,12 +12,6 @@ LLAMA = "/completion"
 CHAT = "/v1/chat/completions"
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=30) as c:
-        yield c
-
-
 def _llama_error(r, status):
     assert r.status_code == status, r.text
     err = r.json()["error"]

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import jsonschema
-import openai
 import pytest
 
 from .conftest import ServerProc
@@ -22,17 +20,6 @@ def server(tiny_model_path, tmp_path_factory):
     p = ServerProc(tiny_model_path, tmp_path_factory.mktemp("structured") / "server.log", "-c", "4096", "-np", "4")
     yield p
     p.kill()
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def oai(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
 
 
 def test_completion_grammar_streamed_and_not(http):
