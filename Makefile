@@ -51,8 +51,12 @@ test-ui: build ui-tools
 	@ls -l build/test-artifacts/*.png
 
 # The whole suite on the normal build; tests/faults/ also on the fault build.
+# The models first (two workers must not both pull them), then two test files at a time, then the
+# files with timing bars alone (tests/conftest.py: SERIAL_FILES).
 test: build build-faults ui-tools
-	FASTSERVE_FAULTS_LIB=$(FAULTS_LIB) $(BIN)/python -m pytest -q tests
+	$(BIN)/fastserve pull && $(BIN)/fastserve pull gemma3-270m
+	FASTSERVE_FAULTS_LIB=$(FAULTS_LIB) $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial" tests
+	FASTSERVE_FAULTS_LIB=$(FAULTS_LIB) $(BIN)/python -m pytest -q -m serial tests
 
 bench: build
 	$(BIN)/python -m pytest -q bench --benchmark-only

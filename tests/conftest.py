@@ -5,6 +5,22 @@ import pytest
 
 from .reference_data import DEFAULT_MODEL_REFERENCE, load_reference
 
+# Files with timing bars (stall detection, start-up, deadlines, GUI and browser latency, step sizes):
+# `make test` runs them alone after the rest has run two files at a time (pytest-xdist), so that a
+# neighbour's load does not eat their margins. Marked `serial` here, by file, so a new test in one of
+# them is serial too.
+SERIAL_FILES = frozenset({
+    "test_stall.py", "test_start.py", "test_deadlines.py", "test_misbehaving_clients.py", "test_webui.py",
+    "test_desktop_chat.py", "test_prefill_budget.py", "test_prefill_progress.py", "test_bench_stall.py",
+    "test_http.py", "test_faults.py",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SERIAL_FILES:
+            item.add_marker(pytest.mark.serial)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
