@@ -6,6 +6,7 @@ import sys
 import time
 
 from .config import DEFAULT_BODY_LIMIT, DEVICES, EngineConfig, SamplingParams
+from .server.config import ServerConfig
 
 
 def main(argv=None) -> int:
@@ -33,22 +34,22 @@ def main(argv=None) -> int:
 
     sp = sub.add_parser("serve", help="serve the model over HTTP")
     _model_args(sp)
-    sp.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    sp.add_argument("--port", type=int, default=8080, help="port (0: any free port, printed at start)")
+    sp.add_argument("--host", default=ServerConfig.host, help="address to bind (default: loopback only)")
+    sp.add_argument("--port", type=int, default=ServerConfig.port, help="port (0: any free port, printed at start)")
     sp.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (or X-Api-Key) on every route "
                                       "but /health, /models and /v1/models (as llama-server)")
-    sp.add_argument("-to", "--timeout", type=float, default=600.0,
+    sp.add_argument("-to", "--timeout", type=float, default=ServerConfig.timeout,
                     help="seconds a client may read (or send) nothing before it is dropped")
-    sp.add_argument("--stall-limit", type=float, default=30.0,
+    sp.add_argument("--stall-limit", type=float, default=ServerConfig.stall_limit,
                     help="seconds without a decode step, work pending, before /health says 503 and running "
                          "requests fail")
-    sp.add_argument("--queue-timeout", type=float, default=600.0,
+    sp.add_argument("--queue-timeout", type=float, default=ServerConfig.queue_timeout,
                     help="seconds a request may wait for a slot (0: no limit)")
-    sp.add_argument("--request-timeout", type=float, default=0.0,
+    sp.add_argument("--request-timeout", type=float, default=ServerConfig.request_timeout,
                     help="seconds a request may take in all (0: no limit)")
-    sp.add_argument("--token-timeout", type=float, default=60.0,
+    sp.add_argument("--token-timeout", type=float, default=ServerConfig.token_timeout,
                     help="seconds a running request may go without a token (0: no limit)")
-    sp.add_argument("-n", "--n-predict", "--predict", type=int, default=-1,
+    sp.add_argument("-n", "--n-predict", "--predict", type=int, default=ServerConfig.n_predict,
                     help="tokens to generate when a request does not say (-1: until the slot is full)")
     sp.add_argument("--max-queue", type=int, default=EngineConfig.max_queue,
                     help="requests that may wait for a slot; more get 503")
