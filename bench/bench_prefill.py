@@ -94,9 +94,9 @@ def _attention_share(model, nb, n_slots: int, n_held: int, threads: int, np) -> 
     spent = [0.0]
 
     def timed(f):
-        def call(*a):
+        def call(*a, **kw):
             t0 = time.perf_counter()
-            r = f(*a)
+            r = f(*a, **kw)
             spent[0] += time.perf_counter() - t0
             return r
         return call
