@@ -10,6 +10,7 @@ import shutil
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,6 +29,15 @@ class BuildPyWithKernels(build_py):
             shutil.copy2(src, target)
 
 
+class BuildExtParallel(build_ext):
+    """Compile the extensions on every core (pip's build and `make build` alike), unless -j says otherwise."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = os.cpu_count() or 1
+
+
 def extensions():
     macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
     if FAULTS:
@@ -38,7 +48,12 @@ def extensions():
         macros.append(("CYTHON_TRACE_NOGIL", "1"))
     args = ["-O0", "-g"] if DEBUG else ["-O3"]
     exts = []
-    for pyx in sorted(glob.glob(os.path.join("fastserve", "*.pyx"))):
+    pyxs = sorted(glob.glob(os.path.join("fastserve", "*.pyx")))
+    if FAULTS:
+        # Only _faults differs in a fault build: tests/faults/launch.py takes each extension from the
+        # fault build where it is there, else the normal one, so the others need not be built twice.
+        pyxs = [os.path.join("fastserve", "_faults.pyx")]
+    for pyx in pyxs:
         name = "fastserve." + os.path.splitext(os.path.basename(pyx))[0]
         # Helper threads (the decode thread's Pool, _pool.h): pthreads.
         ext_args, link_args = list(args) + ["-pthread"], ["-pthread"]
@@ -56,6 +71,7 @@ def extensions():
                               extra_link_args=link_args, depends=depends))
     return cythonize(
         exts,
+        nthreads=os.cpu_count() or 1,        # Cython's C generation, one module per process
         language_level=3,
         annotate=DEBUG,
         compile_time_env={"FASTSERVE_TEST_FAULTS": FAULTS},
@@ -69,4 +85,4 @@ def extensions():
     )
 
 
-setup(ext_modules=extensions(), cmdclass={"build_py": BuildPyWithKernels})
+setup(ext_modules=extensions(), cmdclass={"build_py": BuildPyWithKernels, "build_ext": BuildExtParallel})
