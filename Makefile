@@ -21,7 +21,8 @@ install: $(STAMP)
 build: install
 	$(BIN)/python setup.py -q build_ext --inplace
 
-# The same extensions with the test-only fault points compiled in (FASTSERVE_TEST_FAULTS=1), built
+# fastserve._faults with the test-only fault points compiled in (FASTSERVE_TEST_FAULTS=1; the only module
+# that differs, so the only one built), built
 # apart (never in place): tests/faults/ load them from here in child processes (tests/faults/launch.py).
 FAULTS_LIB := build/faults
 build-faults: install

@@ -5,7 +5,8 @@
 
 The Python sources come from this checkout (run from its root); only the modules
 fastserve._* that are compiled extensions are loaded from $FASTSERVE_FAULTS_LIB/fastserve/,
-which `make build-faults` fills with extensions built with FASTSERVE_TEST_FAULTS=1.
+which `make build-faults` fills with the extension that differs (_faults, built with FASTSERVE_TEST_FAULTS=1);
+the others are the normal build's.
 So a fault build never leaves its .so files where the normal suite would import them.
 """
 from __future__ import annotations
