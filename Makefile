@@ -56,7 +56,7 @@ test-ui: build ui-tools
 # files with timing bars alone (tests/conftest.py: SERIAL_FILES).
 test: build build-faults ui-tools
 	$(BIN)/fastserve pull && $(BIN)/fastserve pull gemma3-270m
-	FASTSERVE_FAULTS_LIB=$(FAULTS_LIB) $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial" tests
+	FASTSERVE_FAULTS_LIB=$(FAULTS_LIB) $(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial" --durations=15 tests
 	FASTSERVE_FAULTS_LIB=$(FAULTS_LIB) $(BIN)/python -m pytest -q -m serial tests
 
 bench: build
