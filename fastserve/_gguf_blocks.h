@@ -361,7 +361,16 @@ FS_STAGE512 static inline void fs_widen_scales(uint8_t *pb, int has_m)
         _mm512_storeu_ps((void *)(pb + 576), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))));
 }
 
-/* Q4_0 / Q4_1: two blocks per pass; the 16 quant bytes of block b sit at qoff in it. */
+/* Byte j of dword l set where bit 4k + j of dword l of qh is (the fifth bits of the inputs
+ * 4k..4k+3 of staged row k, k < 8): the byte holding them copied into the dword's 4 bytes, each
+ * tested for its bit. */
+FS_STAGE512 static inline __mmask64 fs_fifth_bits_mask(__m512i qh, int k)
+{
+    const __m512i at = _mm512_add_epi8(_mm512_set1_epi8((char)(k >> 1)),
+                                       _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C)));
+    return _mm512_test_epi8_mask(_mm512_shuffle_epi8(qh, at), _mm512_set1_epi32(0x08040201 << (4 * (k & 1))));
+}
+
 /* Q4_0 / Q4_1 / Q5_0 / Q5_1: two blocks per pass; the 16 quant bytes of block b sit at qoff in it,
  * Q5's 32 fifth bits (bit i: input i) before them. */
 FS_STAGE512 static void fs_stage_q45_avx512(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
@@ -392,13 +401,10 @@ FS_STAGE512 static void fs_stage_q45_avx512(int type, const uint8_t *rows, int64
             }
             for (int k = 0; k < 8; k++) {
                 __m512i v = t[4 * h + (k & 3)];
-                v = _mm512_and_si512(k < 4 ? v : _mm512_srli_epi16(v, 4), low);
-                if (five) {     /* bits 4k..4k+3 to bit 4 of bytes 0..3: x * 0x204081 spreads 4 bits 8 apart */
-                    __m512i x = _mm512_and_si512(_mm512_srli_epi32(qh, 4 * k), _mm512_set1_epi32(15));
-                    x = _mm512_and_si512(_mm512_mullo_epi32(x, _mm512_set1_epi32(0x204081)), _mm512_set1_epi32(0x01010101));
-                    v = _mm512_or_si512(v, _mm512_slli_epi32(x, 4));
-                }
-                _mm512_storeu_si512((void *)(pb + k * 64), _mm512_add_epi8(v, add));
+                v = _mm512_add_epi8(_mm512_and_si512(k < 4 ? v : _mm512_srli_epi16(v, 4), low), add);
+                if (five)       /* + 16 where the fifth bit is set (the value's bit 4 was clear) */
+                    v = _mm512_mask_add_epi8(v, fs_fifth_bits_mask(qh, k), v, _mm512_set1_epi8(16));
+                _mm512_storeu_si512((void *)(pb + k * 64), v);
             }
             fs_copy_dwords(rows, row_bytes, (b + h) * bb, pb + 512);
             fs_widen_scales(pb, has_m);
