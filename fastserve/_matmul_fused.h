@@ -17,10 +17,12 @@
  *                  broadcast to both halves, masked 0x0F / 0xF0 (n <= 2 only, whole panels);
  *     Q6_K:        the 64 low-bit bytes of two blocks and their high bits, q + 32 (n <= 2); its
  *                  half-block dots are reduced apart and multiplied by their int8 sub-scales;
- *   activations: the 64 quantized inputs of blocks b, b+1 as they lie (one load, reused by 16 rows);
- *   vpdpbusd then leaves 16 partial dots (4 inputs each) per row, and a transpose-reduce (unpack
- *   dwords, unpack qwords, shuffle 128-bit lanes: 3 steps of add) sums the 8 partials of every (row,
- *   block) into one vector per block whose lane l is row l's exact isum. The offset of the unsigned
+ *   activations: the 64 quantized inputs of blocks b, b+1 (one load, reused by 16 rows), their
+ *   dwords doubled (0, 0, 1, 1 and 2, 2, 3, 3 per 128-bit lane);
+ *   the weights of two rows interleaved by dwords (unpack lo / hi) and two vpdpbusd then leave 8
+ *   partial dots per row (two rows per register, 8 inputs each), and a transpose-reduce (unpack
+ *   qwords, shuffle 128-bit lanes: 2 steps of add) sums the partials of every (row, block) into one
+ *   vector per block whose lane l is row l's exact isum. The offset of the unsigned
  *   weights (8 for Q4_0, 16 for Q5_0, 128 for Q8_0) leaves as isum -= offset * sum(q_x): exact
  *   integers, so the float part below (the staged kernels' operations in their order) gives the
  *   same bits.
@@ -61,13 +63,7 @@ static inline int32_t fs_fused_offset(int type)
 #define FS_HAVE_FUSED_AVX512 1
 #define FS_FUSED512 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c")))
 
-/* Transpose-reduce steps: a[s] holds row s's partials. */
-FS_FUSED512 FS_INLINE __m512i fs_fold32(__m512i a, __m512i b)
-{
-    /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
-    return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
-}
-
+/* Transpose-reduce steps (the first, dwords of two rows, is fs_fused_quad's). */
 FS_FUSED512 FS_INLINE __m512i fs_fold64(__m512i c, __m512i d)
 {
     /* per 128-bit lane: the 4 rows of c (2) and d (2), each the sum of its lane's 4 dwords */
@@ -147,25 +143,21 @@ FS_FUSED512 FS_INLINE __m512i fs_fused_weights(const int type, const uint8_t *p,
     return _mm512_and_si512(w, nib);
 }
 
-/* Rows rp[0..3]'s dots of blocks b, b1 with the R activation rows xv, two reduce steps in: e[r],
- * per 128-bit lane (half a block) the 4 rows' sums. */
+/* Rows rp[0..3]'s dots of blocks b, b1 with the R activation rows (xv: fs_fused_acts), two reduce
+ * steps in: e[r], per 128-bit lane (half a block) the 4 rows' sums. The first step comes before the
+ * products: the dwords of rows 2t, 2t + 1 interleaved (once for all R) against the activations'
+ * dwords doubled, the two halves summed by vpdpbusd's own accumulation. */
 FS_FUSED512 FS_INLINE void fs_fused_quad(const int type, const uint8_t *const *rp, int64_t b, int64_t b1,
                                          const __m512i *xv, const int R, __m512i *e)
 {
     __m512i c[2][FS_FUSED_MAX_N];
 #pragma GCC unroll 2
     for (int t = 0; t < 2; t++) {
-        __m512i a[2][FS_FUSED_MAX_N];
-#pragma GCC unroll 2
-        for (int s = 0; s < 2; s++) {
-            const __m512i w = fs_fused_weights(type, rp[2 * t + s], b, b1);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++)
-                a[s][r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv[r]);
-        }
+        const __m512i w0 = fs_fused_weights(type, rp[2 * t], b, b1), w1 = fs_fused_weights(type, rp[2 * t + 1], b, b1);
+        const __m512i lo = _mm512_unpacklo_epi32(w0, w1), hi = _mm512_unpackhi_epi32(w0, w1);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
-            c[t][r] = fs_fold32(a[0][r], a[1][r]);
+            c[t][r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xv[r]), hi, xv[FS_FUSED_MAX_N + r]);
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
@@ -202,13 +194,17 @@ FS_FUSED512 FS_INLINE __m512 fs_fused_float(const fs_job *j, __m512 acc, __m512i
     return acc;
 }
 
-/* The R activation rows' 64 quantized inputs of blocks b, b + 1 (32 when b is the last). */
+/* The R activation rows' 64 quantized inputs of blocks b, b + 1 (32 when b is the last) as
+ * fs_fused_quad reads them: xv[r] per 128-bit lane dwords 0, 0, 1, 1, xv[FS_FUSED_MAX_N + r] 2, 2, 3, 3. */
 FS_FUSED512 FS_INLINE void fs_fused_acts(const fs_job *j, int64_t b, int two, const int R, __m512i *xv)
 {
     const int64_t K = j->nb * FS_QK;
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-        xv[r] = _mm512_maskz_loadu_epi8(two ? ~0ull : 0xFFFFFFFFull, j->xq + r * K + b * FS_QK);
+    for (int r = 0; r < R; r++) {
+        const __m512i x = _mm512_maskz_loadu_epi8(two ? ~0ull : 0xFFFFFFFFull, j->xq + r * K + b * FS_QK);
+        xv[r] = _mm512_unpacklo_epi32(x, x);
+        xv[FS_FUSED_MAX_N + r] = _mm512_unpackhi_epi32(x, x);
+    }
 }
 
 /* The 16 rows' addresses (lanes >= valid repeat row 0 and are not stored) and zero sums. */
@@ -246,7 +242,7 @@ FS_FUSED512 FS_INLINE void fs_fused_q32_avx512(const fs_job *j, const int type, 
         const int two = b + 1 < nb;
         const int64_t b1 = two ? b + 1 : b;          /* an odd last block: read twice, kept once */
         fs_prefetch_range(next, 16 * row_bytes * b / nb, 16 * row_bytes * (b + 2) / nb);
-        __m512i xv[FS_FUSED_MAX_N], is0[FS_FUSED_MAX_N], is1[FS_FUSED_MAX_N];
+        __m512i xv[2 * FS_FUSED_MAX_N], is0[FS_FUSED_MAX_N], is1[FS_FUSED_MAX_N];
         fs_fused_acts(j, b, two, R, xv);
         fs_fused_isums(type, rp, b, b1, xv, R, is0, is1);
         const __m512i g0 = fs_fused_scales(rp, b * bb), g1 = fs_fused_scales(rp, b1 * bb);
@@ -284,7 +280,7 @@ FS_FUSED512 FS_INLINE void fs_fused_q4k_avx512(const fs_job *j, const uint8_t *r
         fs_k45_scales(h, dsc, mneg);
         for (int c = 0; c < 4; c++) {
             const int64_t b = sb * 8 + 2 * c;
-            __m512i xv[FS_FUSED_MAX_N], is0[FS_FUSED_MAX_N], is1[FS_FUSED_MAX_N];
+            __m512i xv[2 * FS_FUSED_MAX_N], is0[FS_FUSED_MAX_N], is1[FS_FUSED_MAX_N];
             fs_fused_acts(j, b, 1, R, xv);
             fs_fused_isums(FS_T_Q4_K, rp, b, b + 1, xv, R, is0, is1);
 #pragma GCC unroll 4
@@ -316,7 +312,7 @@ FS_FUSED512 FS_INLINE void fs_fused_q6k_avx512(const fs_job *j, const uint8_t *r
         const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(fs_fused_scales(rp, sb * 210 + 206), 16)));
         for (int jj = 0; jj < 8; jj += 2) {
             const int64_t b = sb * 8 + jj;
-            __m512i xv[FS_FUSED_MAX_N], e[4][FS_FUSED_MAX_N], corr[FS_FUSED_MAX_N];
+            __m512i xv[2 * FS_FUSED_MAX_N], e[4][FS_FUSED_MAX_N], corr[FS_FUSED_MAX_N];
             fs_fused_acts(j, b, 1, R, xv);
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
