@@ -361,7 +361,16 @@ FS_STAGE512 static inline void fs_widen_scales(uint8_t *pb, int has_m)
         _mm512_storeu_ps((void *)(pb + 576), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))));
 }
 
-/* Q4_0 / Q4_1: two blocks per pass; the 16 quant bytes of block b sit at qoff in it. */
+/* Byte j of dword l set where bit 4k + j of dword l of qh is (the fifth bits of the inputs
+ * 4k..4k+3 of staged row k, k < 8): the byte holding them copied into the dword's 4 bytes, each
+ * tested for its bit. */
+FS_STAGE512 static inline __mmask64 fs_fifth_bits_mask(__m512i qh, int k)
+{
+    const __m512i at = _mm512_add_epi8(_mm512_set1_epi8((char)(k >> 1)),
+                                       _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C)));
+    return _mm512_test_epi8_mask(_mm512_shuffle_epi8(qh, at), _mm512_set1_epi32(0x08040201 << (4 * (k & 1))));
+}
+
 /* Q4_0 / Q4_1 / Q5_0 / Q5_1: two blocks per pass; the 16 quant bytes of block b sit at qoff in it,
  * Q5's 32 fifth bits (bit i: input i) before them. */
 FS_STAGE512 static void fs_stage_q45_avx512(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
@@ -392,13 +401,10 @@ FS_STAGE512 static void fs_stage_q45_avx512(int type, const uint8_t *rows, int64
             }
             for (int k = 0; k < 8; k++) {
                 __m512i v = t[4 * h + (k & 3)];
-                v = _mm512_and_si512(k < 4 ? v : _mm512_srli_epi16(v, 4), low);
-                if (five) {     /* bits 4k..4k+3 to bit 4 of bytes 0..3: x * 0x204081 spreads 4 bits 8 apart */
-                    __m512i x = _mm512_and_si512(_mm512_srli_epi32(qh, 4 * k), _mm512_set1_epi32(15));
-                    x = _mm512_and_si512(_mm512_mullo_epi32(x, _mm512_set1_epi32(0x204081)), _mm512_set1_epi32(0x01010101));
-                    v = _mm512_or_si512(v, _mm512_slli_epi32(x, 4));
-                }
-                _mm512_storeu_si512((void *)(pb + k * 64), _mm512_add_epi8(v, add));
+                v = _mm512_add_epi8(_mm512_and_si512(k < 4 ? v : _mm512_srli_epi16(v, 4), low), add);
+                if (five)       /* + 16 where the fifth bit is set (the value's bit 4 was clear) */
+                    v = _mm512_mask_add_epi8(v, fs_fifth_bits_mask(qh, k), v, _mm512_set1_epi8(16));
+                _mm512_storeu_si512((void *)(pb + k * 64), v);
             }
             fs_copy_dwords(rows, row_bytes, (b + h) * bb, pb + 512);
             fs_widen_scales(pb, has_m);
@@ -636,15 +642,30 @@ FS_STAGE256 static inline void fs_f16x16_avx2(const uint8_t *rows, int64_t row_b
     _mm256_storeu_ps((float *)dst + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8))));
 }
 
-/* Q4_0 / Q4_1 (two blocks per transpose) and Q8_0 (one). */
+/* Bit 4 of byte j of each dword = bit 4k + j of that dword of qh (the fifth bits of the inputs
+ * 4k..4k+3 of staged row k, k < 8): the byte holding them copied into the dword's 4 bytes, each
+ * tested for its bit. */
+FS_STAGE256 static inline __m256i fs_fifth_bits_avx2(__m256i qh, int k)
+{
+    const __m256i at = _mm256_add_epi8(_mm256_set1_epi8((char)(k >> 1)),
+                                       _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808, 0x0C0C0C0C));
+    const __m256i bit = _mm256_set1_epi32(0x08040201 << (4 * (k & 1)));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, at), bit), bit);
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+
+/* Q4_0 / Q4_1 / Q5_0 / Q5_1 (two blocks per transpose; Q5's 32 fifth bits before the quants) and
+ * Q8_0 (one). */
 FS_STAGE256 static void fs_stage_q48_avx2(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
                                           const uint8_t *next)
 {
-    const int q8 = type == FS_T_Q8_0, has_m = type == FS_T_Q4_1;
-    const int bb = q8 ? 34 : has_m ? 20 : 18, qoff = has_m ? 4 : 2, step = q8 ? 1 : 2;
+    const int q8 = type == FS_T_Q8_0, has_m = type == FS_T_Q4_1 || type == FS_T_Q5_1;
+    const int five = type == FS_T_Q5_0 || type == FS_T_Q5_1;
+    const int bb = q8 ? 34 : (has_m ? 20 : 18) + (five ? 4 : 0), qoff = (has_m ? 4 : 2) + (five ? 4 : 0), step = q8 ? 1 : 2;
     const int64_t pbb = has_m ? FS_STAGE_QM : FS_STAGE_Q;
     const __m256i low = _mm256_set1_epi8(15);
-    const __m256i add = _mm256_set1_epi8(q8 || has_m ? (char)0x80 : (char)120);
+    /* u8 = q + 128, as fs_stage_q45_avx512 */
+    const __m256i add = _mm256_set1_epi8(q8 || has_m ? (char)0x80 : five ? (char)112 : (char)120);
     for (int64_t b = 0; b < nb; b += step) {
         const int64_t b1 = b + 1 < nb ? b + 1 : b;
         fs_prefetch_range(next, 16 * row_bytes * b / nb, 16 * row_bytes * (b + step) / nb);
@@ -662,11 +683,22 @@ FS_STAGE256 static void fs_stage_q48_avx2(int type, const uint8_t *rows, int64_t
             }
             for (int e = 0; e < 2 && b + e < nb; e++) {
                 uint8_t *pb = stage + (b + e) * pbb + h * 32;
+                __m256i qh = _mm256_setzero_si256();
+                if (five) {
+                    uint32_t w[8];
+                    for (int g = 0; g < 8; g++)
+                        memcpy(&w[g], rows + (8 * h + g) * row_bytes + (b + e) * bb + qoff - 4, 4);
+                    qh = _mm256_loadu_si256((const __m256i *)w);
+                }
                 for (int k = 0; k < 4; k++) {
                     __m256i v = t[4 * e + k];
-                    _mm256_storeu_si256((__m256i *)(pb + k * 64), _mm256_add_epi8(_mm256_and_si256(v, low), add));
-                    _mm256_storeu_si256((__m256i *)(pb + (k + 4) * 64),
-                                        _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), add));
+                    __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    if (five) {
+                        lo = _mm256_or_si256(lo, fs_fifth_bits_avx2(qh, k));
+                        hi = _mm256_or_si256(hi, fs_fifth_bits_avx2(qh, k + 4));
+                    }
+                    _mm256_storeu_si256((__m256i *)(pb + k * 64), _mm256_add_epi8(lo, add));
+                    _mm256_storeu_si256((__m256i *)(pb + (k + 4) * 64), _mm256_add_epi8(hi, add));
                 }
             }
         }

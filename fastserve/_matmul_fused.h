@@ -9,21 +9,27 @@
  *   weights of row l, blocks b, b+1:  128-bit lanes [b: inputs 0..15 | b: 16..31 | b+1: 0..15 | b+1: 16..31]
  *     Q4_0 / Q4_1: the 16 nibble bytes of each block broadcast into two lanes, masked with 0x0F and
  *                  0xF0 (the high nibbles stay multiplied by 16: shifted out exactly after the sum);
+ *     Q5_0 / Q5_1: the same 16 bytes, the high nibbles shifted down in their lanes (a masked shift)
+ *                  and the 64 fifth bits of both blocks added as 16 under one byte mask (kmov from
+ *                  the two 32-bit qh words: bit i is byte i of the register);
  *     Q8_0:        the 32 quant bytes of each block, made unsigned (xor 0x80);
  *     Q4_K:        blocks 2c, 2c + 1 of a 256-block are the low and high nibbles of one 32-byte chunk:
  *                  broadcast to both halves, masked 0x0F / 0xF0 (n <= 2 only, whole panels);
  *     Q6_K:        the 64 low-bit bytes of two blocks and their high bits, q + 32 (n <= 2); its
  *                  half-block dots are reduced apart and multiplied by their int8 sub-scales;
- *   activations: the 64 quantized inputs of blocks b, b+1 as they lie (one load, reused by 16 rows);
- *   vpdpbusd then leaves 16 partial dots (4 inputs each) per row, and a transpose-reduce (unpack
- *   dwords, unpack qwords, shuffle 128-bit lanes: 3 steps of add) sums the 8 partials of every (row,
- *   block) into one vector per block whose lane l is row l's exact isum. The offset of the unsigned
- *   weights (8 for Q4_0, 128 for Q8_0) leaves as isum -= offset * sum(q_x): exact integers, so the
- *   float part below (the staged kernels' operations in their order) gives the same bits.
+ *   activations: the 64 quantized inputs of blocks b, b+1 (one load, reused by 16 rows), their
+ *   dwords doubled (0, 0, 1, 1 and 2, 2, 3, 3 per 128-bit lane);
+ *   the weights of two rows interleaved by dwords (unpack lo / hi) and two vpdpbusd then leave 8
+ *   partial dots per row (two rows per register, 8 inputs each), and a transpose-reduce (unpack
+ *   qwords, shuffle 128-bit lanes: 2 steps of add) sums the partials of every (row, block) into one
+ *   vector per block whose lane l is row l's exact isum. The offset of the unsigned
+ *   weights (8 for Q4_0, 16 for Q5_0, 128 for Q8_0) leaves as isum -= offset * sum(q_x): exact
+ *   integers, so the float part below (the staged kernels' operations in their order) gives the
+ *   same bits.
  *
- * AVX2 (Q4_0, Q4_1, Q8_0): the same in 8-row halves, one block per register (see there).
+ * AVX2 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): the same in 8-row halves, one block per register (see there).
  *
- * Scales: the 16 rows' first dword of each block (f16 d, and m for Q4_1) copied by scalar loads, then
+ * Scales: the 16 rows' first dword of each block (f16 d, and m for Q4_1 / Q5_1) copied by scalar loads, then
  * widened with vcvtph2ps (exact), as the staging decoders do.
  */
 #ifndef FASTSERVE_MATMUL_FUSED_H
@@ -41,17 +47,23 @@
     default: CALL(4); break;                                             \
     }
 
+/* Bytes per block of the 32-input types. */
+static inline int fs_fused_block_bytes(int type)
+{
+    return type == FS_T_Q8_0 ? 34 : type == FS_T_Q5_1 ? 24 : type == FS_T_Q5_0 ? 22 : type == FS_T_Q4_1 ? 20 : 18;
+}
+
+/* What the fused kernels add to every weight to make it unsigned (taken back as offset * sum(q_x)). */
+static inline int32_t fs_fused_offset(int type)
+{
+    return type == FS_T_Q8_0 ? 128 : type == FS_T_Q5_0 ? 16 : type == FS_T_Q4_0 ? 8 : 0;
+}
+
 #if defined(FS_HAVE_AVX512VNNI) && defined(FS_HAVE_STAGE_AVX512)
 #define FS_HAVE_FUSED_AVX512 1
 #define FS_FUSED512 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c")))
 
-/* Transpose-reduce steps: a[s] holds row s's partials. */
-FS_FUSED512 FS_INLINE __m512i fs_fold32(__m512i a, __m512i b)
-{
-    /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
-    return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
-}
-
+/* Transpose-reduce steps (the first, dwords of two rows, is fs_fused_quad's). */
 FS_FUSED512 FS_INLINE __m512i fs_fold64(__m512i c, __m512i d)
 {
     /* per 128-bit lane: the 4 rows of c (2) and d (2), each the sum of its lane's 4 dwords */
@@ -109,6 +121,18 @@ FS_FUSED512 FS_INLINE __m512i fs_fused_weights(const int type, const uint8_t *p,
         const __m512i w = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + (b >> 3) * 144 + 16 + 16 * (b & 7))));
         return _mm512_and_si512(w, nib);
     }
+    if (type == FS_T_Q5_0 || type == FS_T_Q5_1) {
+        /* nibbles shifted down in the high-input lanes (1, 3: words 8..15, 24..31), then the 64 fifth
+         * bits of b, b1 (bit i: input i, byte i of the register) added as 16 under a byte mask */
+        const int bb = type == FS_T_Q5_1 ? 24 : 22, hoff = type == FS_T_Q5_1 ? 4 : 2;
+        __m512i w = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p + b * bb + hoff + 4)));
+        w = _mm512_mask_broadcast_i32x4(w, 0xFF00, _mm_loadu_si128((const __m128i *)(p + b1 * bb + hoff + 4)));
+        w = _mm512_and_si512(_mm512_mask_srli_epi16(w, 0xFF00FF00u, w, 4), _mm512_set1_epi8(15));
+        uint32_t h0, h1;
+        memcpy(&h0, p + b * bb + hoff, 4);
+        memcpy(&h1, p + b1 * bb + hoff, 4);
+        return _mm512_mask_add_epi8(w, (__mmask64)((uint64_t)h1 << 32 | h0), w, _mm512_set1_epi8(16));
+    }
     const int bb = type == FS_T_Q4_1 ? 20 : 18, qoff = type == FS_T_Q4_1 ? 4 : 2;
     const __m512i nib = _mm512_set_epi64((long long)0xF0F0F0F0F0F0F0F0ull, (long long)0xF0F0F0F0F0F0F0F0ull,
                                          0x0F0F0F0F0F0F0F0Fll, 0x0F0F0F0F0F0F0F0Fll,
@@ -119,25 +143,21 @@ FS_FUSED512 FS_INLINE __m512i fs_fused_weights(const int type, const uint8_t *p,
     return _mm512_and_si512(w, nib);
 }
 
-/* Rows rp[0..3]'s dots of blocks b, b1 with the R activation rows xv, two reduce steps in: e[r],
- * per 128-bit lane (half a block) the 4 rows' sums. */
+/* Rows rp[0..3]'s dots of blocks b, b1 with the R activation rows (xv: fs_fused_acts), two reduce
+ * steps in: e[r], per 128-bit lane (half a block) the 4 rows' sums. The first step comes before the
+ * products: the dwords of rows 2t, 2t + 1 interleaved (once for all R) against the activations'
+ * dwords doubled, the two halves summed by vpdpbusd's own accumulation. */
 FS_FUSED512 FS_INLINE void fs_fused_quad(const int type, const uint8_t *const *rp, int64_t b, int64_t b1,
                                          const __m512i *xv, const int R, __m512i *e)
 {
     __m512i c[2][FS_FUSED_MAX_N];
 #pragma GCC unroll 2
     for (int t = 0; t < 2; t++) {
-        __m512i a[2][FS_FUSED_MAX_N];
-#pragma GCC unroll 2
-        for (int s = 0; s < 2; s++) {
-            const __m512i w = fs_fused_weights(type, rp[2 * t + s], b, b1);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++)
-                a[s][r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv[r]);
-        }
+        const __m512i w0 = fs_fused_weights(type, rp[2 * t], b, b1), w1 = fs_fused_weights(type, rp[2 * t + 1], b, b1);
+        const __m512i lo = _mm512_unpacklo_epi32(w0, w1), hi = _mm512_unpackhi_epi32(w0, w1);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
-            c[t][r] = fs_fold32(a[0][r], a[1][r]);
+            c[t][r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xv[r]), hi, xv[FS_FUSED_MAX_N + r]);
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
@@ -174,13 +194,17 @@ FS_FUSED512 FS_INLINE __m512 fs_fused_float(const fs_job *j, __m512 acc, __m512i
     return acc;
 }
 
-/* The R activation rows' 64 quantized inputs of blocks b, b + 1 (32 when b is the last). */
+/* The R activation rows' 64 quantized inputs of blocks b, b + 1 (32 when b is the last) as
+ * fs_fused_quad reads them: xv[r] per 128-bit lane dwords 0, 0, 1, 1, xv[FS_FUSED_MAX_N + r] 2, 2, 3, 3. */
 FS_FUSED512 FS_INLINE void fs_fused_acts(const fs_job *j, int64_t b, int two, const int R, __m512i *xv)
 {
     const int64_t K = j->nb * FS_QK;
 #pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-        xv[r] = _mm512_maskz_loadu_epi8(two ? ~0ull : 0xFFFFFFFFull, j->xq + r * K + b * FS_QK);
+    for (int r = 0; r < R; r++) {
+        const __m512i x = _mm512_maskz_loadu_epi8(two ? ~0ull : 0xFFFFFFFFull, j->xq + r * K + b * FS_QK);
+        xv[r] = _mm512_unpacklo_epi32(x, x);
+        xv[FS_FUSED_MAX_N + r] = _mm512_unpackhi_epi32(x, x);
+    }
 }
 
 /* The 16 rows' addresses (lanes >= valid repeat row 0 and are not stored) and zero sums. */
@@ -202,15 +226,15 @@ FS_FUSED512 FS_INLINE void fs_fused_store(const fs_job *j, const __m512 *f, cons
         _mm512_mask_storeu_ps(j->y + r * j->ldy, msk, f[r]);
 }
 
-/* Q4_0 / Q4_1 / Q8_0: 16 rows at rows (row_bytes apart; lanes >= valid repeat row 0 and are not
+/* Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: 16 rows at rows (row_bytes apart; lanes >= valid repeat row 0 and are not
  * stored) times the job's R activation rows, into y as the staged kernel would; next: the rows to
  * prefetch meanwhile (16 * row_bytes bytes) or NULL. */
-FS_FUSED512 FS_INLINE void fs_fused_q48_avx512(const fs_job *j, const int type, const uint8_t *rows, int64_t row_bytes,
+FS_FUSED512 FS_INLINE void fs_fused_q32_avx512(const fs_job *j, const int type, const uint8_t *rows, int64_t row_bytes,
                                                const uint8_t *next, const int R)
 {
     const int64_t nb = j->nb;
-    const int has_m = type == FS_T_Q4_1, bb = type == FS_T_Q8_0 ? 34 : has_m ? 20 : 18;
-    const int32_t offset = type == FS_T_Q8_0 ? 128 : type == FS_T_Q4_0 ? 8 : 0;
+    const int has_m = type == FS_T_Q4_1 || type == FS_T_Q5_1, bb = fs_fused_block_bytes(type);
+    const int32_t offset = fs_fused_offset(type);
     const uint8_t *rp[16];
     __m512 f[FS_FUSED_MAX_N];
     fs_fused_begin(j, rows, row_bytes, rp, f, R);
@@ -218,7 +242,7 @@ FS_FUSED512 FS_INLINE void fs_fused_q48_avx512(const fs_job *j, const int type, 
         const int two = b + 1 < nb;
         const int64_t b1 = two ? b + 1 : b;          /* an odd last block: read twice, kept once */
         fs_prefetch_range(next, 16 * row_bytes * b / nb, 16 * row_bytes * (b + 2) / nb);
-        __m512i xv[FS_FUSED_MAX_N], is0[FS_FUSED_MAX_N], is1[FS_FUSED_MAX_N];
+        __m512i xv[2 * FS_FUSED_MAX_N], is0[FS_FUSED_MAX_N], is1[FS_FUSED_MAX_N];
         fs_fused_acts(j, b, two, R, xv);
         fs_fused_isums(type, rp, b, b1, xv, R, is0, is1);
         const __m512i g0 = fs_fused_scales(rp, b * bb), g1 = fs_fused_scales(rp, b1 * bb);
@@ -256,7 +280,7 @@ FS_FUSED512 FS_INLINE void fs_fused_q4k_avx512(const fs_job *j, const uint8_t *r
         fs_k45_scales(h, dsc, mneg);
         for (int c = 0; c < 4; c++) {
             const int64_t b = sb * 8 + 2 * c;
-            __m512i xv[FS_FUSED_MAX_N], is0[FS_FUSED_MAX_N], is1[FS_FUSED_MAX_N];
+            __m512i xv[2 * FS_FUSED_MAX_N], is0[FS_FUSED_MAX_N], is1[FS_FUSED_MAX_N];
             fs_fused_acts(j, b, 1, R, xv);
             fs_fused_isums(FS_T_Q4_K, rp, b, b + 1, xv, R, is0, is1);
 #pragma GCC unroll 4
@@ -288,7 +312,7 @@ FS_FUSED512 FS_INLINE void fs_fused_q6k_avx512(const fs_job *j, const uint8_t *r
         const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(fs_fused_scales(rp, sb * 210 + 206), 16)));
         for (int jj = 0; jj < 8; jj += 2) {
             const int64_t b = sb * 8 + jj;
-            __m512i xv[FS_FUSED_MAX_N], e[4][FS_FUSED_MAX_N], corr[FS_FUSED_MAX_N];
+            __m512i xv[2 * FS_FUSED_MAX_N], e[4][FS_FUSED_MAX_N], corr[FS_FUSED_MAX_N];
             fs_fused_acts(j, b, 1, R, xv);
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
@@ -323,15 +347,19 @@ FS_FUSED512 FS_INLINE void fs_fused_q6k_avx512(const fs_job *j, const uint8_t *r
 FS_FUSED512 static void fs_fused_avx512(const fs_job *j, int type, const uint8_t *rows, int64_t row_bytes,
                                         const uint8_t *next)
 {
-#define FS_Q40(R) fs_fused_q48_avx512(j, FS_T_Q4_0, rows, row_bytes, next, R)
-#define FS_Q41(R) fs_fused_q48_avx512(j, FS_T_Q4_1, rows, row_bytes, next, R)
-#define FS_Q80(R) fs_fused_q48_avx512(j, FS_T_Q8_0, rows, row_bytes, next, R)
+#define FS_Q40(R) fs_fused_q32_avx512(j, FS_T_Q4_0, rows, row_bytes, next, R)
+#define FS_Q41(R) fs_fused_q32_avx512(j, FS_T_Q4_1, rows, row_bytes, next, R)
+#define FS_Q80(R) fs_fused_q32_avx512(j, FS_T_Q8_0, rows, row_bytes, next, R)
+#define FS_Q50(R) fs_fused_q32_avx512(j, FS_T_Q5_0, rows, row_bytes, next, R)
+#define FS_Q51(R) fs_fused_q32_avx512(j, FS_T_Q5_1, rows, row_bytes, next, R)
 #define FS_Q4K(R) fs_fused_q4k_avx512(j, rows, row_bytes, next, R)
 #define FS_Q6K(R) fs_fused_q6k_avx512(j, rows, row_bytes, next, R)
     switch (type) {
     case FS_T_Q4_0: FS_FUSED_BY_N(FS_Q40); break;
     case FS_T_Q4_1: FS_FUSED_BY_N(FS_Q41); break;
     case FS_T_Q8_0: FS_FUSED_BY_N(FS_Q80); break;
+    case FS_T_Q5_0: FS_FUSED_BY_N(FS_Q50); break;
+    case FS_T_Q5_1: FS_FUSED_BY_N(FS_Q51); break;
     case FS_T_Q4_K: FS_FUSED_BY_N(FS_Q4K); break;
     case FS_T_Q6_K: FS_FUSED_BY_N(FS_Q6K); break;
     default: break;
@@ -339,6 +367,8 @@ FS_FUSED512 static void fs_fused_avx512(const fs_job *j, int type, const uint8_t
 #undef FS_Q40
 #undef FS_Q41
 #undef FS_Q80
+#undef FS_Q50
+#undef FS_Q51
 #undef FS_Q4K
 #undef FS_Q6K
 }
@@ -348,8 +378,9 @@ FS_FUSED512 static void fs_fused_avx512(const fs_job *j, int type, const uint8_t
 #define FS_HAVE_FUSED_AVX2 1
 #define FS_FUSED256 __attribute__((target("avx2,f16c")))
 
-/* AVX2 (no VNNI), Q4_0 / Q4_1 / Q8_0: half a panel (8 rows, lanes) at a time, one block per
- * 256-bit register [inputs 0..15 | 16..31]: nibbles as u8 0..15 (maddubs pairs <= 2 * 15 * 127),
+/* AVX2 (no VNNI), Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: half a panel (8 rows, lanes) at a time, one block
+ * per 256-bit register [inputs 0..15 | 16..31]: nibbles (with Q5's fifth bit) as u8 0..31 (maddubs
+ * pairs <= 2 * 31 * 127),
  * Q8_0 as maddubs(|w|, sign(x, w)) (the staged AVX2 kernel's exact dot), then madd with ones, and
  * the transpose-reduce of 8 rows' 8 partials: unpack dwords, unpack qwords, swap 128-bit lanes. */
 FS_FUSED256 FS_INLINE __m256i fs_fold32_avx2(__m256i a, __m256i b)
@@ -370,9 +401,20 @@ FS_FUSED256 FS_INLINE __m256i fs_fused_dot_avx2(const int type, const uint8_t *p
         const __m256i w = _mm256_loadu_si256((const __m256i *)(p + b * 34 + 2));
         return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)), ones);
     }
-    const int bb = type == FS_T_Q4_1 ? 20 : 18, qoff = type == FS_T_Q4_1 ? 4 : 2;
+    const int five = type == FS_T_Q5_0 || type == FS_T_Q5_1, bb = fs_fused_block_bytes(type);
+    const int qoff = (type == FS_T_Q4_1 || type == FS_T_Q5_1 ? 4 : 2) + (five ? 4 : 0);
     const __m128i q = _mm_loadu_si128((const __m128i *)(p + b * bb + qoff)), m = _mm_set1_epi8(15);
-    const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+    __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+    if (five) {     /* byte i |= 16 where bit i of the 32 fifth bits: byte i / 8 of them, bit i % 8 */
+        uint32_t qh;
+        memcpy(&qh, p + b * bb + qoff - 4, 4);
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+        const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh),
+                                                   _mm256_set_epi64x(0x0303030303030303ll, 0x0202020202020202ll,
+                                                                     0x0101010101010101ll, 0));
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        w = _mm256_or_si256(w, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+    }
     return _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones);
 }
 
@@ -380,8 +422,8 @@ FS_FUSED256 FS_INLINE void fs_fused_half_avx2(const fs_job *j, const int type, c
                                               const uint8_t *next, int64_t next_bytes, const int R)
 {
     const int64_t nb = j->nb, K = nb * FS_QK;
-    const int has_m = type == FS_T_Q4_1, bb = type == FS_T_Q8_0 ? 34 : has_m ? 20 : 18;
-    const int32_t offset = type == FS_T_Q4_0 ? 8 : 0;
+    const int has_m = type == FS_T_Q4_1 || type == FS_T_Q5_1, bb = fs_fused_block_bytes(type);
+    const int32_t offset = type == FS_T_Q8_0 ? 0 : fs_fused_offset(type);     /* Q8_0: signed as stored */
     __m256 f[FS_FUSED_MAX_N];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
@@ -453,13 +495,13 @@ static inline int fs_fused_ok(int isa, int type, int64_t n, int valid)
 {
 #if defined(FS_HAVE_FUSED_AVX512)
     if (isa == FS_ISA_AVX512VNNI && n >= 1 && n <= FS_FUSED_MAX_N &&
-        (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q8_0 ||
+        (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q5_0 || type == FS_T_Q5_1 || type == FS_T_Q8_0 ||
          (type == FS_T_Q4_K && valid == FS_LANES && n <= FS_FUSED_MAX_N_K) || (type == FS_T_Q6_K && n <= FS_FUSED_MAX_N_K)))
         return 1;
 #endif
 #if defined(FS_HAVE_FUSED_AVX2)
     if (isa == FS_ISA_AVX2 && n >= 1 && n <= FS_FUSED_MAX_N &&
-        (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q8_0))
+        (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q5_0 || type == FS_T_Q5_1 || type == FS_T_Q8_0))
         return 1;
 #endif
     (void)isa; (void)type; (void)n; (void)valid;

@@ -771,7 +771,8 @@ static void fs_stage_panel(int isa, int type, const uint8_t *rows, int64_t row_b
     }
 #endif
 #if defined(FS_HAVE_STAGE_AVX2)
-    if (isa == FS_ISA_AVX2 && valid == FS_LANES && (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q8_0)) {
+    if (isa == FS_ISA_AVX2 && valid == FS_LANES &&
+        (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q5_0 || type == FS_T_Q5_1 || type == FS_T_Q8_0)) {
         fs_stage_q48_avx2(type, rows, row_bytes, n_in / FS_QK, stage, next);
         return;
     }
