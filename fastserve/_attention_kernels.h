@@ -14,6 +14,11 @@
  *      tile transposed so that one dimension d of the tile's 64 keys is contiguous, the layout the
  *      score product reads: f32/f16 [D][KT]; q8_0 the scales fp16 [D/32][KT], then q int8 [D][KT].
  *
+ * Rings (ring = R > 0, a multiple of FS_KT): a sliding-window layer's cache holds only R positions per
+ * slot, position p at row p mod R of V and in K tile (p / FS_KT) mod (R / FS_KT), n_ctx = R and n_tiles =
+ * R / FS_KT. The caller keeps every key a query sees in the ring (R >= window + the tokens one step writes
+ * into one slot - 1); the numbers below are unchanged, only where a position's row lives.
+ *
  * Visible keys: a query at position pos sees the keys at positions lo .. pos, lo = 0 (window = 0: causal
  * attention) or lo = max(0, pos - window + 1) (a sliding window of `window` keys, the query's own
  * included: key p is visible iff pos - window < p <= pos).
@@ -248,6 +253,7 @@ typedef struct {
     int n_scratch;
     int64_t scratch_bytes;
     const struct fs_attn_isa *isa;
+    int64_t ring;                 /* 0: position p at row p; else at row p mod ring (see Rings above) */
 } fs_attn_job;
 
 /* The kernel pieces an ISA provides (see _attention_simd.h); rows are padded to FS_RB[isa]. */
@@ -373,8 +379,9 @@ static void fs_attn_item(const fs_attn_job *jb, int64_t item, float *sc)
         }
         /* One block of rows (a decode step's G heads): the products read the fp16 cache as they go;
          * more rows share one conversion of the tile to float32. The values are the same. */
-        const uint8_t *ksrc = jb->k + ((slot * jb->n_ktiles + kt) * Hkv + kvh) * krow;
-        const uint8_t *vsrc = jb->v + ((slot * jb->n_ctx + k0) * Hkv + kvh) * vrow;
+        int64_t kslot = jb->ring ? kt % jb->n_ktiles : kt, vrow0 = jb->ring ? k0 % jb->ring : k0;
+        const uint8_t *ksrc = jb->k + ((slot * jb->n_ktiles + kslot) * Hkv + kvh) * krow;
+        const uint8_t *vsrc = jb->v + ((slot * jb->n_ctx + vrow0) * Hkv + kvh) * vrow;
         int k_direct = jb->type_k == FS_KV_F16 && napad <= rb;
         int v_direct = jb->type_v == FS_KV_F16 && napad <= rb && D == Dp;
         const float *ktile = k_direct ? NULL : isa->k_tile(jb->type_k, ksrc, D, ktbuf);

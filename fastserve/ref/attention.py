@@ -1,6 +1,7 @@
 """NumPy twin of fastserve._attention: the same cache formats and the same float32 operations in the
 same order (see the contract at the top of fastserve/_attention_kernels.h), so its outputs and cache
-bytes are bit-identical to the extension's (tests/parity/test_attention.py)."""
+bytes are bit-identical to the extension's (tests/parity/test_attention.py). ring: 0, or the cache holds
+R positions per slot, position p at row p % R (K tile (p // KT) % (R // KT)), as in the extension."""
 from __future__ import annotations
 
 import numpy as np
@@ -120,24 +121,32 @@ def _k_tile_column(type_name: str, tile: np.ndarray, D: int, j: int, row=None):
     return None
 
 
-def store(type_k, type_v, k_cache, v_cache, k, v, slots, positions):
+def _check_ring(k_cache, v_cache, ring):
+    if ring < 0 or ring % KT or (ring and (v_cache.shape[1] != ring or k_cache.shape[1] * KT != ring)):
+        raise ValueError(f"a ring of {ring} positions needs a multiple of {KT} and a cache of that many "
+                         f"(this one: {v_cache.shape[1]} positions, {k_cache.shape[1]} tiles)")
+
+
+def store(type_k, type_v, k_cache, v_cache, k, v, slots, positions, ring=0):
     """k, v float32 [n, Hkv, D] into the caches at (slots[i], positions[i])."""
     n, Hkv, D = k.shape
+    _check_ring(k_cache, v_cache, ring)
     for i in range(n):
-        s, p = int(slots[i]), int(positions[i])
+        s, p = int(slots[i]), int(positions[i]) % (ring or 1 << 62)
         krows = encode_rows(type_k, k[i])
         v_cache[s, p] = encode_rows(type_v, v[i])
         for h in range(Hkv):
             _k_tile_column(type_k, k_cache[s, p // KT, h], D, p % KT, krows[h])
 
 
-def move_rows(type_k, type_v, k_cache, v_cache, head_dim, slot, start, k_rows, v_rows, put):
+def move_rows(type_k, type_v, k_cache, v_cache, head_dim, slot, start, k_rows, v_rows, put, ring=0):
     """Positions start..start+n of slot <-> k_rows, v_rows uint8 [n, Hkv, row_bytes]."""
     n, Hkv = k_rows.shape[:2]
-    if not (0 <= slot < k_cache.shape[0] and 0 <= start and start + n <= v_cache.shape[1]):
+    _check_ring(k_cache, v_cache, ring)
+    if not (0 <= slot < k_cache.shape[0] and 0 <= start and (ring or start + n <= v_cache.shape[1])):
         raise ValueError(f"slot {slot}, positions {start}..{start + n} outside the cache")
     for i in range(n):
-        p = start + i
+        p = (start + i) % (ring or 1 << 62)
         for h in range(Hkv):
             tile = k_cache[slot, p // KT, h]
             if put:
@@ -168,12 +177,15 @@ def cache_values(type_k, type_v, k_cache, v_cache, head_dim):
     return K, V
 
 
-def attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window=0):
+def attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window=0, ring=0):
     """q float32 [n, H, D]; out [>= n, H * D]: rows < n written. The online softmax over key tiles,
     all rows at once, each row's operations those of the C kernel. window: 0 causal; w > 0 a query
-    at q sees the keys at q - w < p <= q."""
+    at q sees the keys at q - w < p <= q. ring: 0, or the caches are a ring of that many positions."""
     if window < 0:
         raise ValueError(f"window must be 0 (causal) or a count of keys > 0, got {window}")
+    if ring and not 0 < window <= ring:
+        raise ValueError(f"a ring of {ring} positions holds a window of at most {ring} keys, got {window}")
+    _check_ring(k_cache, v_cache, ring)
     n, H, D = q.shape
     Hkv = k_cache.shape[2]
     G = H // Hkv
@@ -192,8 +204,9 @@ def attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, wi
         a = np.flatnonzero((pos_r >= k0) & (lo_r < k0 + KT))
         col = np.arange(KT)[None, :]
         valid = (col < np.minimum(KT, pos_r[a] - k0 + 1)[:, None]) & (col >= (lo_r[a] - k0)[:, None])
-        kg = K[slot_r[a], k0:k0 + KT, kvh_r[a]]                      # [Ra, KT, D]
-        vg = V[slot_r[a], k0:k0 + KT, kvh_r[a]]
+        r0 = k0 % ring if ring else k0                              # the tile's first row
+        kg = K[slot_r[a], r0:r0 + KT, kvh_r[a]]                      # [Ra, KT, D]
+        vg = V[slot_r[a], r0:r0 + KT, kvh_r[a]]
         s = np.zeros((len(a), KT), F32)
         for d in range(D):
             s = s + qs[a, d, None] * kg[:, :, d]
@@ -220,5 +233,5 @@ class Attention:
             raise ValueError(f"this machine cannot run the {isa} attention kernel; it can: scalar")
         self.pool, self.isa = pool, "scalar"
 
-    def __call__(self, q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window=0):
-        return attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window)
+    def __call__(self, q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window=0, ring=0):
+        return attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window, ring)

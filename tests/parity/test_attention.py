@@ -257,6 +257,88 @@ def test_batch_chunking_and_threads_change_no_bit(tk, window):
         _same_bits(_run(attn, qq, kc, vc, tk, tk, ss, pp, 0.125, window)[5:6], whole[i:i + 1])
 
 
+def _ring_caches(tk, tv, n_slots, ring, Hkv, D):
+    return tuple(np.zeros((n_slots, ring // C.KT, Hkv, mod_bytes), np.uint8) if i == 0 else
+                 np.zeros((n_slots, ring, Hkv, mod_bytes), np.uint8)
+                 for i, mod_bytes in enumerate((C.k_tile_bytes(tk, D), C.row_bytes(tv, D))))
+
+
+@pytest.mark.parametrize("tk,tv,window,ring,chunk", [("f16", "f16", 50, 128, 7), ("q8_0", "f32", 64, 128, 65),
+                                                      ("f32", "f16", 1, 64, 1), ("f16", "q8_0", 100, 192, 40)])
+def test_ring_gives_the_bits_of_the_whole_cache(tk, tv, window, ring, chunk):
+    """A prefill of 700 tokens (positions wrap the ring several times) in chunks, each chunk stored then
+    attended as a step does, into a ring of `ring` positions (>= window + chunk - 1): every row's output
+    has the bits of the same rows over a cache of every position, on every kernel and the twin; the
+    ring's bytes are the twin's."""
+    assert ring >= window + chunk - 1
+    D, Hkv, G, n = 64, 2, 3, 700
+    rng = np.random.default_rng(window + chunk)
+    kx = (rng.standard_normal((n, Hkv, D)) * 2).astype(np.float32)
+    vx = rng.standard_normal((n, Hkv, D)).astype(np.float32)
+    q = rng.standard_normal((n, Hkv * G, D)).astype(np.float32)
+    pos, slots = np.arange(n, dtype=np.int64), np.ones(n, np.int64)
+    full = _caches(C, tk, tv, 2, n, Hkv, D)
+    C.store(tk, tv, *full, kx, vx, slots, pos)
+    want = _run(C.Attention(), q, *full, tk, tv, slots, pos, 0.125, window)
+    rings = {mod: _ring_caches(tk, tv, 2, ring, Hkv, D) for mod in (C, R)}
+    outs = {isa: [] for isa in C.isas()}
+    twin = []
+    for i in range(0, n, chunk):
+        c = slice(i, i + chunk)
+        for mod, (kc, vc) in rings.items():
+            mod.store(tk, tv, kc, vc, kx[c], vx[c], slots[c], pos[c], ring=ring)
+        assert all(np.array_equal(a, b) for a, b in zip(rings[C], rings[R]))
+        for isa in C.isas():
+            out = np.full((len(q[c]), Hkv * G * D), np.nan, np.float32)
+            C.Attention(isa=isa)(q[c], *rings[C], tk, tv, slots[c], pos[c], out, 0.125, window=window, ring=ring)
+            outs[isa].append(out)
+        if i % (3 * chunk) == 0 or i + chunk >= n:          # the twin is slow: every third chunk
+            out = np.full((len(q[c]), Hkv * G * D), np.nan, np.float32)
+            R.Attention()(q[c], *rings[R], tk, tv, slots[c], pos[c], out, 0.125, window=window, ring=ring)
+            _same_bits(out, want[c])
+            twin.append(i)
+    for isa in C.isas():
+        _same_bits(np.concatenate(outs[isa]), want)
+    assert n // ring >= 3 and len(twin) >= 3
+
+
+@pytest.mark.parametrize("mod", [C, R])
+def test_ring_move_rows_address_positions_mod_the_ring(mod):
+    """A save of positions past the ring's size reads them where store put them (row p % R); a restore
+    into another slot puts them back there."""
+    tk, tv, D, Hkv, ring = "q8_0", "f16", 64, 2, 128
+    rng = np.random.default_rng(3)
+    kx = rng.standard_normal((300, Hkv, D)).astype(np.float32)
+    kc, vc = _ring_caches(tk, tv, 2, ring, Hkv, D)
+    mod.store(tk, tv, kc, vc, kx, kx, np.zeros(300, np.int64), np.arange(300, dtype=np.int64), ring=ring)
+    kr = np.zeros((100, Hkv, C.row_bytes(tk, D)), np.uint8)
+    vr = np.zeros((100, Hkv, C.row_bytes(tv, D)), np.uint8)
+    mod.move_rows(tk, tv, kc, vc, D, 0, 190, kr, vr, False, ring=ring)       # positions 190..289: rows 62..127, 0..33
+    for h in range(Hkv):
+        x = np.ascontiguousarray(kx[190:290, h])
+        assert np.array_equal(kr[:, h], C.encode_rows(tk, x)) and np.array_equal(vr[:, h], C.encode_rows(tv, x))
+    mod.move_rows(tk, tv, kc, vc, D, 1, 190, kr, vr, True, ring=ring)
+    K, V = R.cache_values(tk, tv, kc, vc, D)
+    rows = np.arange(190, 290) % ring
+    assert np.array_equal(K[1, rows], K[0, rows]) and np.array_equal(V[1, rows], V[0, rows])
+
+
+def test_ring_bad_input_is_refused():
+    kc, vc = _ring_caches("f16", "f16", 1, 128, 1, 64)
+    q, out = np.zeros((1, 2, 64), np.float32), np.zeros((1, 128), np.float32)
+    one = np.zeros(1, np.int64)
+    for mod in (C, R):
+        with pytest.raises(ValueError, match="multiple of 64"):
+            mod.store("f16", "f16", kc, vc, q[:, :1], q[:, :1], one, one, ring=100)
+        with pytest.raises(ValueError, match="a cache of that many"):
+            mod.store("f16", "f16", kc, vc, q[:, :1], q[:, :1], one, one, ring=192)
+        with pytest.raises(ValueError, match="holds a window of at most"):
+            mod.Attention()(q, kc, vc, "f16", "f16", one, one, out, 0.1, window=0, ring=128)
+        with pytest.raises(ValueError, match="holds a window of at most"):
+            mod.Attention()(q, kc, vc, "f16", "f16", one, one, out, 0.1, window=129, ring=128)
+    C.Attention()(q, kc, vc, "f16", "f16", one, one + 10_000, out, 0.1, window=128, ring=128)   # any position
+
+
 def test_bad_input_is_refused():
     kc, vc = _filled("f16", "f16", 2, 100, 2, 64, seed=11)
     attn = C.Attention()
