@@ -41,8 +41,8 @@ class KVCache:
     """kernels: fastserve._attention (or its twin fastserve.ref.attention, for tests).
 
     window, local_layers: the model's sliding window (keys a local layer's query sees) and which
-    layers are local ([n_layer] bools; () for none); step_tokens: the most tokens one step (one
-    store per layer) writes into one slot, which sizes the ring (ring_size); a store of more is refused."""
+    layers are local ([n_layer] bools; () for none); step_tokens: the most tokens one step writes
+    into one slot, which sizes the ring (ring_size); a step of more is refused (begin_step)."""
 
     def __init__(self, n_layer: int, n_slots: int, n_ctx_slot: int, n_head_kv: int, head_dim: int,
                  type_k: str = DEFAULT_CACHE_TYPE, type_v: str = DEFAULT_CACHE_TYPE, kernels=_attention, *,
@@ -60,7 +60,6 @@ class KVCache:
         self.ring = ring_size(self.window, step_tokens, n_ctx_slot, kernels.KT)
         # per layer: its ring (0: a row for every position)
         self.rings = [self.ring if li < len(local_layers) and local_layers[li] else 0 for li in range(n_layer)]
-        self._first_ring = self.rings.index(self.ring) if self.ring else -1
         self.held = np.full((n_slots, self.ring), -1, np.int64)
         self._rows = np.zeros(max(1, step_tokens), np.int64)          # store's scratch: ring rows
         # np.full, not np.zeros: every page is written now, as llama.cpp clears its KV buffer at start.
@@ -80,17 +79,23 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.k + self.v)
 
+    def begin_step(self, slots: np.ndarray, positions: np.ndarray) -> None:
+        """A step's rows (int64 [n] each), before any layer stores them: refuses more than step_tokens
+        into one slot when there is a ring, and records which position each ring row will hold. Once per
+        step, whoever runs the layers' stores (this class's store, or a C forward pass)."""
+        if not self.ring:
+            return
+        n = len(positions)
+        if n > self.step_tokens and np.bincount(slots, minlength=self.n_slots).max() > self.step_tokens:
+            raise ValueError(f"a step wrote more than {self.step_tokens} tokens into one slot: the ring of "
+                             f"{self.ring} positions holds a window of {self.window} only for that many")
+        rows = np.remainder(positions, self.ring, out=self._rows[:n]) if n <= len(self._rows) else positions % self.ring
+        self.held[slots, rows] = positions
+
     def store(self, layer: int, k: np.ndarray, v: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> None:
-        """k, v float32 [n, Hkv, D] (C-contiguous): row i goes to (slots[i], positions[i])."""
-        ring = self.rings[layer]
-        if ring and layer == self._first_ring:
-            n = len(positions)
-            if n > self.step_tokens and np.bincount(slots, minlength=self.n_slots).max() > self.step_tokens:
-                raise ValueError(f"a step wrote more than {self.step_tokens} tokens into one slot: the ring of "
-                                 f"{ring} positions holds a window of {self.window} only for that many")
-            rows = np.remainder(positions, ring, out=self._rows[:n]) if n <= len(self._rows) else positions % ring
-            self.held[slots, rows] = positions
-        self.kernels.store(self.type_k, self.type_v, self.k[layer], self.v[layer], k, v, slots, positions, ring=ring)
+        """k, v float32 [n, Hkv, D] (C-contiguous): row i goes to (slots[i], positions[i]) (after begin_step)."""
+        self.kernels.store(self.type_k, self.type_v, self.k[layer], self.v[layer], k, v, slots, positions,
+                           ring=self.rings[layer])
 
     # -- what a slot's prefix still holds -------------------------------------------------------
 

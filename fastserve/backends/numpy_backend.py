@@ -222,6 +222,7 @@ class NumpyBackend(HostSampling):
             if local in cfg.local_layers:
                 ropes[local] = (np.take(ct, positions, axis=0, out=cos[:n], mode="clip"),
                                 np.take(st, positions, axis=0, out=sin[:n], mode="clip"))
+        self.kv.begin_step(slots, positions)
         w.tok_embd.get_rows(np.asarray(tokens, dtype=np.int64), out=x)
         if cfg.embd_scale != 1.0:
             x *= np.float32(cfg.embd_scale)

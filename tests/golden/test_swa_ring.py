@@ -22,6 +22,22 @@ def gemma(tmp_path_factory):
     return fastserve.load_model(path)
 
 
+def _slots(engine) -> list:
+    """GET /slots of a server on engine (the route alone, no socket)."""
+    import orjson
+
+    from fastserve.server.app import App
+    from fastserve.server.config import ServerConfig
+    from fastserve.server.http import HttpRequest
+    from fastserve.server.protocol import Exchange
+
+    class Conn:
+        peer = "test"
+
+    req = HttpRequest("GET", "/slots", {"host": "h"}, b"")
+    return orjson.loads(App(engine, ServerConfig(log_requests=False)).handle(req, Exchange(Conn(), req)).body)
+
+
 def _prompt(seed: int, n: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, 500, n).tolist()
 
@@ -72,6 +88,8 @@ def test_prefix_reuse_where_the_ring_allows(gemma, full):
             assert (r.token_ids, r.probs) == _run(full, prompt, cache_prompt=False), diverge
             # put the slot back as the first request left it
             e.generate(first, max_tokens=20, temperature=0, cache_prompt=False)
+        slot = _slots(e)[0]
+        assert (slot["n_swa"], slot["swa_ring"], slot["swa_reusable"]) == (8, RING, [reuse_from, n_held])
 
 
 def test_the_host_ram_cache_restores_what_the_ring_held(gemma, full):

@@ -83,9 +83,10 @@ def _ring_filled(kernels=None, n=300, step=30):
     rng = np.random.default_rng(5)
     x = rng.standard_normal((n, HKV, D)).astype(np.float32)
     for i in range(0, n, step):                 # a prefill in steps, as the forward pass stores it
+        slots, pos = np.ones(len(x[i:i + step]), np.int64), np.arange(i, min(n, i + step), dtype=np.int64)
+        kv.begin_step(slots, pos)
         for li in range(2):
-            kv.store(li, x[i:i + step], x[i:i + step], np.ones(len(x[i:i + step]), np.int64),
-                     np.arange(i, min(n, i + step), dtype=np.int64))
+            kv.store(li, x[i:i + step], x[i:i + step], slots, pos)
     return kv
 
 
@@ -112,5 +113,5 @@ def test_ring_refuses_a_step_longer_than_it_was_sized_for():
     kv = _ring_filled(n=60)
     x = np.zeros((31, HKV, D), np.float32)
     with pytest.raises(ValueError, match="more than 30 tokens into one slot"):
-        kv.store(0, x, x, np.zeros(31, np.int64), np.arange(31, dtype=np.int64))
-    kv.store(0, x, x, np.repeat([0, 1], [16, 15]).astype(np.int64), np.arange(31, dtype=np.int64))   # two slots
+        kv.begin_step(np.zeros(31, np.int64), np.arange(31, dtype=np.int64))
+    kv.begin_step(np.repeat([0, 1], [16, 15]).astype(np.int64), np.arange(31, dtype=np.int64))   # two slots
