@@ -4,7 +4,9 @@
 The KV cache is stored in f32, f16 or q8_0 (llama-server's cache types) and attention reads it
 directly, flash-attention style: the queries of a (token tile, KV head) run against the slot's
 keys in tiles of KT positions at fixed absolute places (0, 64, 128, ...), with an online softmax
-(running max, running sum) merged in tile order. Every (token, head) output is a fixed sequence of
+(running max, running sum) merged in tile order within each segment of SEG keys (0, 128, ...),
+and the segments' states merged in segment order (so that the segments of one long decode row can
+run on different threads). Every (token, head) output is a fixed sequence of
 float32 operations (_attention_kernels.h states it), so it never depends on the batch, on how a
 prompt was chunked, on the thread count or on the kernel: greedy output is batch-invariant and a
 decode step gives the bits of the same row inside a prefill chunk. fastserve.ref.attention is the
@@ -28,6 +30,7 @@ from ._pool cimport Pool, fs_pool, fs_task_fn, pool_run
 cdef extern from "_attention_kernels.h" nogil:
     enum:
         FS_KT
+        FS_SEG
         FS_QB
         FS_ROWS
         FS_KV_F32
@@ -57,6 +60,9 @@ cdef extern from "_attention_kernels.h" nogil:
         int n_scratch
         int64_t scratch_bytes
         const fs_attn_isa *isa
+        int split
+        int64_t n_seg, heads_per_item
+        float *partial
         int64_t ring
     int64_t fs_kv_row_bytes(int type, int64_t D)
     int64_t fs_k_tile_bytes(int type, int64_t D)
@@ -65,14 +71,18 @@ cdef extern from "_attention_kernels.h" nogil:
     void fs_k_tile_move(int type, uint8_t *tile, int64_t D, int64_t j, uint8_t *row, int put)
     float fs_exp2(float x)
     float FS_LOG2E
-    int64_t fs_attn_scratch_floats(int64_t D, int64_t Dp, int64_t rows)
+    int64_t fs_attn_scratch_floats(int64_t D, int64_t Dp)
     int64_t fs_attn_tokens_per_item(int64_t G)
     void fs_attn_task(void *ctx, int64_t begin, int64_t end)
+    int64_t fs_attn_plan(fs_attn_job *jb)
+    int64_t fs_attn_partial_floats(const fs_attn_job *jb)
+    void fs_attn_merge(const fs_attn_job *jb)
     int fs_attn_isa_supported(int isa)
     int fs_attn_best_isa()
     const fs_attn_isa *fs_attn_isa_for(int isa)
 
 KT = FS_KT
+SEG = FS_SEG
 KV_TYPES = {"f32": FS_KV_F32, "f16": FS_KV_F16, "q8_0": FS_KV_Q8_0}
 ISA_NAMES = {FS_ATTN_SCALAR: "scalar", FS_ATTN_AVX2: "avx2", FS_ATTN_AVX512: "avx512", FS_ATTN_NEON: "neon"}
 _ISA_IDS = {v: k for k, v in ISA_NAMES.items()}
@@ -232,12 +242,16 @@ cdef class Attention:
     """attn(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window=0, ring=0).
 
     pool: the step's helper threads (fastserve._pool.Pool; None: the caller alone); the work is
-    split over (token tile, KV head) items, each computed whole by one thread. isa: "auto" or a
-    name from isas(). Holds the per-thread scratch (grown on demand, never shrunk). One caller at a time."""
+    split over (token tile, KV head) items, or, when those are too few for the threads (long decode
+    rows), over (token tile, KV head, key segment) items whose states are merged after (the same
+    numbers either way). isa: "auto" or a name from isas(). Holds the per-thread scratch and the
+    segments' states (grown on demand, never shrunk). One caller at a time."""
     cdef readonly str isa
     cdef readonly object pool
     cdef const fs_attn_isa *kern
     cdef uint8_t *scratch
+    cdef float *partial
+    cdef int64_t partial_floats
     cdef int *busy
     cdef int n_scratch
     cdef int64_t scratch_bytes
@@ -245,6 +259,8 @@ cdef class Attention:
 
     def __cinit__(self):
         self.scratch = NULL
+        self.partial = NULL
+        self.partial_floats = 0
         self.busy = NULL
 
     def __init__(self, Pool pool=None, str isa="auto"):
@@ -267,10 +283,11 @@ cdef class Attention:
 
     def __dealloc__(self):
         free(self.scratch)
+        free(self.partial)
         free(self.busy)
 
     cdef int _reserve(self, int64_t D, int64_t Dp, int64_t G, int64_t n) except -1:
-        cdef int64_t need = (fs_attn_scratch_floats(D, Dp, fs_attn_tokens_per_item(G) * G) * 4 + 63) // 64 * 64
+        cdef int64_t need = (fs_attn_scratch_floats(D, Dp) * 4 + 63) // 64 * 64
         if need > self.scratch_bytes:
             free(self.scratch)
             self.scratch = <uint8_t *>malloc(need * self.n_scratch)
@@ -324,10 +341,19 @@ cdef class Attention:
         job.c = scale * FS_LOG2E
         job.scratch, job.scratch_busy, job.n_scratch, job.scratch_bytes = self.scratch, self.busy, self.n_scratch, self.scratch_bytes
         job.isa = self.kern
+        cdef int64_t n_items = fs_attn_plan(&job), need = fs_attn_partial_floats(&job)
+        if need > self.partial_floats:
+            free(self.partial)
+            self.partial = <float *>malloc(need * sizeof(float))
+            self.partial_floats = need if self.partial != NULL else 0
+            if self.partial == NULL:
+                raise MemoryError("Attention: out of memory for the segments' states")
+        job.partial = self.partial
         cdef fs_pool *pl = (<Pool>self.pool).pl if self.pool is not None else NULL
         with nogil:
             if pl != NULL:
-                pool_run(pl, <fs_task_fn>fs_attn_task, &job, nq * Hkv, 1)
+                pool_run(pl, <fs_task_fn>fs_attn_task, &job, n_items, 1)
             else:
-                fs_attn_task(&job, 0, nq * Hkv)
+                fs_attn_task(&job, 0, n_items)
+            fs_attn_merge(&job)
         return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 KT = 64                 # keys per tile, at positions 0, 64, 128, ...
+SEG = 128               # keys per segment, at positions 0, 128, ...: each its own online softmax, then merged
 QB = 32                 # values per q8_0 block
 KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 2}
 MAX_HEAD_DIM = 1024
@@ -178,9 +179,10 @@ def cache_values(type_k, type_v, k_cache, v_cache, head_dim):
 
 
 def attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window=0, ring=0):
-    """q float32 [n, H, D]; out [>= n, H * D]: rows < n written. The online softmax over key tiles,
-    all rows at once, each row's operations those of the C kernel. window: 0 causal; w > 0 a query
-    at q sees the keys at q - w < p <= q. ring: 0, or the caches are a ring of that many positions."""
+    """q float32 [n, H, D]; out [>= n, H * D]: rows < n written. The online softmax over each key
+    segment's tiles, the segments' states merged in order, all rows at once, each row's operations
+    those of the C kernel. window: 0 causal; w > 0 a query at q sees the keys at q - w < p <= q.
+    ring: 0, or the caches are a ring of that many positions."""
     if window < 0:
         raise ValueError(f"window must be 0 (causal) or a count of keys > 0, got {window}")
     if ring and not 0 < window <= ring:
@@ -197,10 +199,32 @@ def attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, wi
     pos_r = np.repeat(np.asarray(positions[:n], np.int64), H)
     kvh_r = np.tile(np.arange(H) // G, n)
     lo_r = np.maximum(pos_r - window + 1, 0) if window > 0 else np.zeros_like(pos_r)     # first visible key
-    m = np.full(n * H, -np.inf, F32)
-    l = np.zeros(n * H, F32)
-    acc = np.zeros((n * H, D), F32)
-    for k0 in range(int(lo_r.min()) // KT * KT, int(pos_r.max()) + 1, KT):
+    M = np.full(n * H, -np.inf, F32)          # the segments merged so far
+    L = np.zeros(n * H, F32)
+    ACC = np.zeros((n * H, D), F32)
+    for z0 in range(int(lo_r.min()) // SEG * SEG, int(pos_r.max()) + 1, SEG):
+        rows = np.flatnonzero((pos_r >= z0) & (lo_r < z0 + SEG))
+        if len(rows) == 0:                      # between the windows of rows far apart
+            continue
+        m, l, acc = _segment(qs[rows], K, V, slot_r[rows], kvh_r[rows], pos_r[rows], lo_r[rows], z0, ring)
+        first = lo_r[rows] >= z0                # the row's first segment: taken as it is
+        mn = np.where(m > M[rows], m, M[rows])
+        a = exp2(np.where(first, F32(0.0), M[rows] - mn))
+        b = exp2(m - mn)
+        M[rows] = np.where(first, m, mn)
+        L[rows] = np.where(first, l, L[rows] * a + l * b)
+        ACC[rows] = np.where(first[:, None], acc, ACC[rows] * a[:, None] + acc * b[:, None])
+    out[:n] = (ACC / L[:, None]).reshape(n, H * D)
+    return out
+
+
+def _segment(qs, K, V, slot_r, kvh_r, pos_r, lo_r, z0, ring):
+    """The rows' (m, l, acc) over the keys of the segment at z0, tile by tile from a fresh state."""
+    R, D = qs.shape
+    m = np.full(R, -np.inf, F32)
+    l = np.zeros(R, F32)
+    acc = np.zeros((R, D), F32)
+    for k0 in range(max(z0, int(lo_r.min()) // KT * KT), min(z0 + SEG, int(pos_r.max()) + 1), KT):
         a = np.flatnonzero((pos_r >= k0) & (lo_r < k0 + KT))
         col = np.arange(KT)[None, :]
         valid = (col < np.minimum(KT, pos_r[a] - k0 + 1)[:, None]) & (col >= (lo_r[a] - k0)[:, None])
@@ -221,8 +245,7 @@ def attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, wi
             aa = np.where(vj[:, None], aa + p[:, j, None] * vg[:, j, :], aa)
             la = np.where(vj, la + p[:, j], la)
         m[a], l[a], acc[a] = mnew, la, aa
-    out[:n] = (acc / l[:, None]).reshape(n, H * D)
-    return out
+    return m, l, acc
 
 
 class Attention:

@@ -224,6 +224,12 @@ def test_long_context_positions_match_twin(tk, G, window):
     want = _run(R.Attention(), q, kc, vc, tk, tk, np.zeros(6), pos, 0.125, window)
     for isa in C.isas():
         _same_bits(_run(C.Attention(isa=isa), q, kc, vc, tk, tk, np.zeros(6), pos, 0.125, window), want)
+        # decode steps: each row alone, its key segments spread over the threads
+        for threads in (2, 3):
+            attn = C.Attention(Pool(threads), isa=isa)
+            for i in range(6):
+                _same_bits(_run(attn, q[i:i + 1], kc, vc, tk, tk, np.zeros(1), pos[i:i + 1], 0.125, window),
+                           want[i:i + 1])
 
 
 @pytest.mark.parametrize("tk,window", [(t, 0) for t in TYPES] + [("f16", 50), ("q8_0", 129)])
@@ -369,19 +375,26 @@ HARNESS = r"""
 static uint32_t rs = 12345;
 static uint32_t rnd(void) { rs = rs * 1664525u + 1013904223u; return rs >> 8; }
 static float frnd(void) { return ((float)(rnd() % 20001) - 10000.0f) / 3000.0f; }
-static void run(int isa, const float *q, const uint8_t *k, const uint8_t *v, const int64_t *slots, const int64_t *pos,
-                int64_t n, int64_t H, int64_t Hkv, int64_t D, int64_t n_ctx, int tk, int tv, int64_t window, float *out) {
+/* threads > 1: planned as for that many threads (few items: split by key segment), run here on one. */
+static void run(int isa, int threads, const float *q, const uint8_t *k, const uint8_t *v, const int64_t *slots,
+                const int64_t *pos, int64_t n, int64_t H, int64_t Hkv, int64_t D, int64_t n_ctx, int tk, int tv,
+                int64_t window, float *out) {
     int64_t G = H / Hkv, Dp = (D + 15) / 16 * 16, per = fs_attn_tokens_per_item(G), nq = 0;
     int64_t ts[64], tl[64];
     for (int64_t i = 0; i < n; i++)           /* token tiles as _attention.pyx makes them */
         if (nq > 0 && slots[i] == slots[ts[nq - 1]] && tl[nq - 1] < per) tl[nq - 1]++;
         else { ts[nq] = i; tl[nq] = 1; nq++; }
-    int64_t sb = (fs_attn_scratch_floats(D, Dp, per * G) * 4 + 63) / 64 * 64;
-    int busy = 0;
+    int64_t sb = (fs_attn_scratch_floats(D, Dp) * 4 + 63) / 64 * 64;
+    int busy[64] = {0};
     fs_attn_job jb = {q, k, v, slots, pos, ts, tl, out, nq, H, Hkv, D, Dp, G, n_ctx, (n_ctx + FS_KT - 1) / FS_KT,
-                      window, tk, tv, 0.125f * FS_LOG2E, malloc(sb), &busy, 1, sb, fs_attn_isa_for(isa)};
-    fs_attn_task(&jb, 0, nq * Hkv);
+                      window, tk, tv, 0.125f * FS_LOG2E, malloc(sb), busy, threads, sb, fs_attn_isa_for(isa)};
+    int64_t items = fs_attn_plan(&jb);
+    if (threads > 1 && !jb.split) { printf("not split\n"); exit(2); }
+    jb.partial = malloc((fs_attn_partial_floats(&jb) + 1) * sizeof(float));
+    fs_attn_task(&jb, 0, items);              /* one call: it takes the first scratch area */
+    fs_attn_merge(&jb);
     free(jb.scratch);
+    free(jb.partial);
 }
 int main(void) {
     const int64_t Ds[] = {32, 48, 64, 128, 256}, Gs[] = {1, 8}, windows[] = {0, 1, 17, 100};
@@ -389,7 +402,7 @@ int main(void) {
     int fails = 0, checks = 0;
     for (int isa = 0; isa <= 3; isa++) printf("isa %d supported %d\n", isa, fs_attn_isa_supported(isa));
     for (int di = 0; di < 5; di++) for (int gi = 0; gi < 2; gi++) for (int t = 0; t < 3; t++) {
-        int64_t D = Ds[di], G = Gs[gi], Hkv = 1 + (di + gi) % 2, H = Hkv * G, n_slots = 2, n_ctx = 150, n = 24;
+        int64_t D = Ds[di], G = Gs[gi], Hkv = 1 + (di + gi) % 2, H = Hkv * G, n_slots = 2, n_ctx = 200, n = 24;
         int tk = t, tv = (t + di) % 3;
         if ((tk == FS_KV_Q8_0 || tv == FS_KV_Q8_0) && D % FS_QB) continue;
         int64_t ntile = (n_ctx + FS_KT - 1) / FS_KT, kb = fs_k_tile_bytes(tk, D), vb = fs_kv_row_bytes(tv, D);
@@ -409,16 +422,17 @@ int main(void) {
         for (int64_t i = 8; i < 16; i++) { slots[i] = 0; pos[i] = 58 + i; }   /* a run across a tile edge */
         pos[0] = 0; pos[1] = n_ctx - 1;
         for (int w = 0; w < 4; w++) {
-            run(FS_ATTN_SCALAR, q, kc, vc, slots, pos, n, H, Hkv, D, n_ctx, tk, tv, windows[w], o0);
+            run(FS_ATTN_SCALAR, 1, q, kc, vc, slots, pos, n, H, Hkv, D, n_ctx, tk, tv, windows[w], o0);
             const uint8_t *b = (const uint8_t *)o0;
             for (int64_t i = 0; i < n * H * D * 4; i++) hash = (hash ^ b[i]) * 1099511628211ull;
-            for (int isa = 1; isa <= 3; isa++) {
-                if (!fs_attn_isa_supported(isa)) continue;
-                memset(o1, 0xff, n * H * D * 4);
-                run(isa, q, kc, vc, slots, pos, n, H, Hkv, D, n_ctx, tk, tv, windows[w], o1);
-                checks++;
-                if (memcmp(o0, o1, n * H * D * 4)) { fails++; printf("MISMATCH isa %d D %ld G %ld types %d %d window %ld\n", isa, (long)D, (long)G, tk, tv, (long)windows[w]); }
-            }
+            for (int isa = 0; isa <= 3; isa++)
+                for (int threads = 1; threads <= 64; threads += 63) {   /* 64: split by key segment */
+                    if (!fs_attn_isa_supported(isa) || (isa == 0 && threads == 1)) continue;
+                    memset(o1, 0xff, n * H * D * 4);
+                    run(isa, threads, q, kc, vc, slots, pos, n, H, Hkv, D, n_ctx, tk, tv, windows[w], o1);
+                    checks++;
+                    if (memcmp(o0, o1, n * H * D * 4)) { fails++; printf("MISMATCH isa %d threads %d D %ld G %ld types %d %d window %ld\n", isa, threads, (long)D, (long)G, tk, tv, (long)windows[w]); }
+                }
         }
         free(kc); free(vc); free(q); free(o0); free(o1);
     }
