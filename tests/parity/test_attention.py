@@ -287,23 +287,25 @@ def test_ring_gives_the_bits_of_the_whole_cache(tk, tv, window, ring, chunk):
     C.store(tk, tv, *full, kx, vx, slots, pos)
     want = _run(C.Attention(), q, *full, tk, tv, slots, pos, 0.125, window)
     rings = {mod: _ring_caches(tk, tv, 2, ring, Hkv, D) for mod in (C, R)}
-    outs = {isa: [] for isa in C.isas()}
+    kernels = {isa: C.Attention(isa=isa) for isa in C.isas()}
+    kernels["2 threads"] = C.Attention(Pool(2))          # the work split over threads (and key segments)
+    outs = {isa: [] for isa in kernels}
     twin = []
     for i in range(0, n, chunk):
         c = slice(i, i + chunk)
         for mod, (kc, vc) in rings.items():
             mod.store(tk, tv, kc, vc, kx[c], vx[c], slots[c], pos[c], ring=ring)
         assert all(np.array_equal(a, b) for a, b in zip(rings[C], rings[R]))
-        for isa in C.isas():
+        for isa, attn in kernels.items():
             out = np.full((len(q[c]), Hkv * G * D), np.nan, np.float32)
-            C.Attention(isa=isa)(q[c], *rings[C], tk, tv, slots[c], pos[c], out, 0.125, window=window, ring=ring)
+            attn(q[c], *rings[C], tk, tv, slots[c], pos[c], out, 0.125, window=window, ring=ring)
             outs[isa].append(out)
         if i % (3 * chunk) == 0 or i + chunk >= n:          # the twin is slow: every third chunk
             out = np.full((len(q[c]), Hkv * G * D), np.nan, np.float32)
             R.Attention()(q[c], *rings[R], tk, tv, slots[c], pos[c], out, 0.125, window=window, ring=ring)
             _same_bits(out, want[c])
             twin.append(i)
-    for isa in C.isas():
+    for isa in kernels:
         _same_bits(np.concatenate(outs[isa]), want)
     assert n // ring >= 3 and len(twin) >= 3
 
