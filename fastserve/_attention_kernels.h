@@ -14,23 +14,34 @@
  *      tile transposed so that one dimension d of the tile's 64 keys is contiguous, the layout the
  *      score product reads: f32/f16 [D][KT]; q8_0 the scales fp16 [D/32][KT], then q int8 [D][KT].
  *
+ * Rings (ring = R > 0, a multiple of FS_KT): a sliding-window layer's cache holds only R positions per
+ * slot, position p at row p mod R of V and in K tile (p / FS_KT) mod (R / FS_KT), n_ctx = R and n_tiles =
+ * R / FS_KT. The caller keeps every key a query sees in the ring (R >= window + the tokens one step writes
+ * into one slot - 1); the numbers below are unchanged, only where a position's row lives.
+ *
  * Visible keys: a query at position pos sees the keys at positions lo .. pos, lo = 0 (window = 0: causal
  * attention) or lo = max(0, pos - window + 1) (a sliding window of `window` keys, the query's own
  * included: key p is visible iff pos - window < p <= pos).
  *
  * Numbers (the contract fastserve/ref/attention.py restates in NumPy): for each batch row t and head h
- * (KV head h / G), with c = float(scale) * float(log2 e) and qs[d] = q[t, h, d] * c,
- *   m = -inf, l = 0, acc[d] = 0; for the key tiles k0 = 0, KT, 2 KT, ... with lo < k0 + KT and k0 <= pos,
- *   IN THAT ORDER, over the tile's visible keys j = max(k0, lo) .. min(k0 + KT - 1, pos):
+ * (KV head h / G), with c = float(scale) * float(log2 e) and qs[d] = q[t, h, d] * c, the keys are taken
+ * in segments of SEG = FS_SEG positions at fixed places (0, SEG, 2 SEG, ...); for each segment
+ * z0 = 0, SEG, ... with lo < z0 + SEG and z0 <= pos, IN THAT ORDER:
+ *   m = -inf, l = 0, acc[d] = 0; for the key tiles k0 = z0, z0 + KT, ..., z0 + SEG - KT with lo < k0 + KT
+ *   and k0 <= pos, IN THAT ORDER, over the tile's visible keys j = max(k0, lo) .. min(k0 + KT - 1, pos):
  *     s_j   = 0; s_j = s_j + qs[d] * k_j[d] for d = 0, 1, ..., D-1 in that order;
  *     m'    = max(m, max_j s_j);  alpha = exp2(m - m');  p_j = exp2(s_j - m');
  *     l     = l * alpha;  acc[d] = acc[d] * alpha;
  *     then for j ascending:  acc[d] = acc[d] + p_j * v_j[d];  l = l + p_j;   m = m';
- *   out[t, h*D + d] = acc[d] / l.
+ *   then the segment's (m, l, acc) merges into the running (M, L, ACC): the first segment is taken as
+ *   it is; after it  M' = max(M, m);  a = exp2(M - M');  b = exp2(m - M');  L = L * a + l * b;
+ *   ACC[d] = ACC[d] * a + acc[d] * b;  M = M'.
+ * out[t, h*D + d] = ACC[d] / L.
  * exp2 is fs_exp2 below, float32 throughout; every product and sum rounded to float32, no fused
  * multiply-add (built with -ffp-contract=off). Nothing depends on the batch, the other rows, how rows
- * are grouped into work items, the thread count or the kernel (scalar, AVX2, AVX-512): a token's output
- * is the same in a decode step and in any prefill chunk.
+ * are grouped into work items (a row's segments may run on different threads: the merge is the same),
+ * the thread count or the kernel (scalar, AVX2, AVX-512, NEON): a token's output is the same in a decode
+ * step and in any prefill chunk.
  */
 #ifndef FASTSERVE_ATTENTION_KERNELS_H
 #define FASTSERVE_ATTENTION_KERNELS_H
@@ -53,6 +64,9 @@
 #define FS_QB 32                  /* values per q8_0 block */
 #define FS_Q8_BLOCK 34            /* bytes per q8_0 block: fp16 scale + 32 int8 */
 #define FS_ROWS 64                /* most query rows (tokens x heads of a KV head) in one work item */
+#define FS_SEG 128                /* keys per segment (positions 0, 128, ...), a multiple of FS_KT */
+#define FS_SPLIT_BELOW 4          /* fewer (token tile, KV head) items than this per thread: split by segment */
+#define FS_MAX_DP 1024            /* most head_dim (padded to 16) */
 
 enum { FS_KV_F32 = 0, FS_KV_F16 = 1, FS_KV_Q8_0 = 2 };
 enum { FS_ATTN_SCALAR = 0, FS_ATTN_AVX2 = 1, FS_ATTN_AVX512 = 2, FS_ATTN_NEON = 3 };
@@ -231,7 +245,7 @@ static inline float fs_exp2(float x)
     return x < -126.0f ? 0.0f : r;
 }
 
-/* ---- one work item: the query rows of a (token tile, KV head) against the slot's key tiles ------ */
+/* ---- one work item: the query rows of a (token tile, KV head) against the slot's key segments --- */
 
 typedef struct {
     const float *q;               /* [n, H, D] */
@@ -248,28 +262,34 @@ typedef struct {
     int n_scratch;
     int64_t scratch_bytes;
     const struct fs_attn_isa *isa;
+    /* set by fs_attn_plan: */
+    int split;                    /* 1: an item is one segment of a (token tile, KV head), see fs_attn_plan */
+    int64_t n_seg;                /* segments up to the batch's last position */
+    int64_t heads_per_item;       /* KV heads of an item: all (tiles of few tokens) or 1 */
+    float *partial;               /* split: [n][H][n_seg][2 + Dp] a segment's m, l, acc; else unused */
+    int64_t ring;                 /* 0: position p at row p; else at row p mod ring (see Rings above) */
 } fs_attn_job;
 
-/* The kernel pieces an ISA provides (see _attention_simd.h); rows are padded to FS_RB[isa]. */
+/* The kernel pieces an ISA provides (see _attention_simd.h): blocks of nr <= rb rows. */
 typedef struct fs_attn_isa {
-    int rb;                                                                       /* rows per block */
+    int rb;                                                                       /* most rows per block */
     const float *(*k_tile)(int type, const uint8_t *src, int64_t D, float *kt);   /* -> [D][KT] f32 */
     void (*v_tile)(int type, const uint8_t *src, int64_t stride, int64_t D, int64_t Dp, int64_t nk, float *vt);
-    void (*qk)(const float *const *q, const float *kt, int64_t D, float *const *s);
-    void (*qk_f16)(const float *const *q, const uint16_t *kt, int64_t D, float *const *s);     /* fp16 tile */
+    void (*qk)(const float *const *q, const float *kt, int64_t D, float *const *s, int nr);
+    void (*qk_f16)(const float *const *q, const uint16_t *kt, int64_t D, float *const *s, int nr);   /* fp16 tile */
     void (*probs)(float *s, int64_t n, float *m, float *l, float *acc, int64_t Dp);
     void (*pv)(float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1,
-               const float *vt, int64_t Dp);
+               const float *vt, int64_t Dp, int nr);
     void (*pv_f16)(float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1,
-                   const uint16_t *v, int64_t ldv, int64_t D);                                 /* fp16 rows */
+                   const uint16_t *v, int64_t ldv, int64_t D, int nr);                         /* fp16 rows */
     void (*finish)(const float *acc, float l, int64_t D, float *out);
 } fs_attn_isa;
 
-/* Scratch of one running task (all float32): qs [ROWS][D], acc [ROWS + 1][Dp] (the last: padding
- * rows' sink), s [ROWS + 1][KT], m, l [ROWS + 1], kt [D][KT], vt [KT][Dp]. */
-static inline int64_t fs_attn_scratch_floats(int64_t D, int64_t Dp, int64_t rows)
+/* Scratch of one running task (all float32; an item has at most ROWS rows): qs [ROWS][D], acc [ROWS][Dp], s [ROWS][KT], m, l [ROWS]
+ * (a segment's state), racc [ROWS][Dp], rm, rl [ROWS] (the merged segments'), kt [D][KT], vt [KT][Dp]. */
+static inline int64_t fs_attn_scratch_floats(int64_t D, int64_t Dp)
 {
-    return rows * D + (rows + 1) * Dp + (rows + 1) * FS_KT + 2 * (rows + 1) + D * FS_KT + FS_KT * Dp + 64;
+    return FS_ROWS * D + 2 * FS_ROWS * Dp + FS_ROWS * FS_KT + 4 * FS_ROWS + D * FS_KT + FS_KT * Dp + 64;
 }
 
 static inline int64_t fs_attn_tokens_per_item(int64_t G)
@@ -277,148 +297,201 @@ static inline int64_t fs_attn_tokens_per_item(int64_t G)
     return G >= FS_ROWS ? 1 : FS_ROWS / G;
 }
 
-/* acc += p v over keys j0..j1-1: from the fp16 cache rows (vdirect, ldv values apart) or the float32 tile vt. */
-static inline void fs_attn_pv(const fs_attn_isa *isa, float *const *a, const float *const *p, float *const *l,
-                              int64_t j0, int64_t j1, const uint8_t *vdirect, int64_t ldv, const float *vt, int64_t Dp)
+/* First visible key of a query at position p. */
+static inline int64_t fs_attn_lo(int64_t p, int64_t window)
 {
-    if (vdirect)
-        isa->pv_f16(a, p, l, j0, j1, (const uint16_t *)vdirect, ldv, Dp);
-    else
-        isa->pv(a, p, l, j0, j1, vt, Dp);
+    return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
 }
 
-/* One row's keys j0..j1-1 (nothing when j1 <= j0): a block whose other rows write into the sinks. */
-static inline void fs_attn_pv_row(const fs_attn_isa *isa, float *a, const float *p, float *l, int64_t j0, int64_t j1,
-                                  const uint8_t *vdirect, int64_t ldv, const float *vt, int64_t Dp,
-                                  float *acc_sink, float *l_sink)
+/* (rm, rl, racc) <- the segments merged so far, then this one's (m, l, acc): a row's first segment as it
+ * is; after that mn = max(rm, m), a = exp2(rm - mn), b = exp2(m - mn), rl = rl * a + l * b,
+ * racc[d] = racc[d] * a + acc[d] * b, rm = mn. */
+static inline void fs_attn_merge_state(float *rm, float *rl, float *racc, float m, float l, const float *acc,
+                                       int64_t Dp, int first)
+{
+    if (first) {
+        *rm = m;
+        *rl = l;
+        memcpy(racc, acc, (size_t)Dp * 4);
+        return;
+    }
+    float mn = m > *rm ? m : *rm;
+    float a = fs_exp2(*rm - mn), b = fs_exp2(m - mn);
+    *rl = *rl * a + l * b;
+    for (int64_t d = 0; d < Dp; d++)
+        racc[d] = racc[d] * a + acc[d] * b;
+    *rm = mn;
+}
+
+/* acc += p v over keys j0..j1-1 of nr rows: from the fp16 cache rows (vdirect, ldv values apart) or the
+ * float32 tile vt; nothing when j1 <= j0. */
+static inline void fs_attn_pv(const fs_attn_isa *isa, float *const *a, const float *const *p, float *const *l,
+                              int64_t j0, int64_t j1, const uint8_t *vdirect, int64_t ldv, const float *vt, int64_t Dp,
+                              int nr)
 {
     if (j1 <= j0)
         return;
-    float *a1[8], *l1[8];
-    const float *p1[8];
-    for (int z = 0; z < isa->rb; z++) {
-        a1[z] = z == 0 ? a : acc_sink;
-        p1[z] = p;
-        l1[z] = z == 0 ? l : l_sink;
-    }
-    fs_attn_pv(isa, a1, p1, l1, j0, j1, vdirect, ldv, vt, Dp);
+    if (vdirect)
+        isa->pv_f16(a, p, l, j0, j1, (const uint16_t *)vdirect, ldv, Dp, nr);
+    else
+        isa->pv(a, p, l, j0, j1, vt, Dp, nr);
 }
 
-static void fs_attn_item(const fs_attn_job *jb, int64_t item, float *sc)
+/* The rows of one key tile: those of the token tile [b0, b0 + nt) that see one of its keys, in blocks of
+ * at most rb rows, from the scores to acc and l. s, m, l, acc: the segment's state per row. */
+static void fs_attn_key_tile(const fs_attn_job *jb, int64_t b0, int64_t nt, int64_t kvh, int64_t kt, int64_t maxpos,
+                             const float *qs, float *s, float *m, float *l, float *acc, float *ktbuf, float *vt)
 {
     const fs_attn_isa *isa = jb->isa;
-    int64_t D = jb->D, Dp = jb->Dp, G = jb->G, H = jb->H, Hkv = jb->Hkv;
-    int64_t qt = jb->n_tiles_q - 1 - item / Hkv;      /* later (longer) token tiles first */
-    int64_t kvh = item % Hkv;
-    int64_t b0 = jb->tile_start[qt], nt = jb->tile_len[qt];
-    int64_t rows_cap = fs_attn_tokens_per_item(G) * G;
-    float *qs = sc, *acc = qs + rows_cap * D, *s = acc + (rows_cap + 1) * Dp;
-    float *m = s + (rows_cap + 1) * FS_KT, *l = m + rows_cap + 1, *ktbuf = l + rows_cap + 1;
-    float *vt = ktbuf + D * FS_KT;
-    float *acc_sink = acc + rows_cap * Dp, *s_sink = s + rows_cap * FS_KT;
-    int64_t slot = jb->slots[b0], maxpos = 0, minlo = INT64_MAX, W = jb->window;
+    int64_t D = jb->D, Dp = jb->Dp, G = jb->G, Hkv = jb->Hkv, k0 = kt * FS_KT;
+    int64_t nk = maxpos - k0 + 1 < FS_KT ? maxpos - k0 + 1 : FS_KT;    /* keys any row needs */
+    const float *qp[FS_ROWS];
+    float *sp[FS_ROWS], *ap[FS_ROWS], *lp[FS_ROWS], *mp[FS_ROWS];
+    int64_t nk_row[FS_ROWS], lo_row[FS_ROWS];
+    int64_t na = 0, rb = isa->rb;
+    /* Active rows: tokens that see a key of this tile, each with its own keys lo_row .. nk_row - 1. */
     for (int64_t t = 0; t < nt; t++) {
-        int64_t p = jb->pos[b0 + t], lo = W > 0 && p - W + 1 > 0 ? p - W + 1 : 0;
+        int64_t p = jb->pos[b0 + t], lo = fs_attn_lo(p, jb->window);
+        if (p < k0 || lo >= k0 + FS_KT)
+            continue;
+        for (int64_t g = 0; g < G; g++) {
+            int64_t r = t * G + g;
+            qp[na] = qs + r * D;
+            sp[na] = s + r * FS_KT;
+            ap[na] = acc + r * Dp;
+            lp[na] = l + r;
+            mp[na] = m + r;
+            nk_row[na] = p - k0 + 1 < FS_KT ? p - k0 + 1 : FS_KT;
+            lo_row[na] = lo > k0 ? lo - k0 : 0;
+            na++;
+        }
+    }
+    if (na == 0)
+        return;
+    int64_t krow = fs_k_tile_bytes(jb->type_k, D), vrow = fs_kv_row_bytes(jb->type_v, D);
+    int64_t slot = jb->slots[b0];
+    /* One block of rows (a decode step's G heads): the products read the fp16 cache as they go;
+     * more rows share one conversion of the tile to float32. The values are the same. */
+    int64_t kslot = jb->ring ? kt % jb->n_ktiles : kt, vrow0 = jb->ring ? k0 % jb->ring : k0;
+    const uint8_t *ksrc = jb->k + ((slot * jb->n_ktiles + kslot) * Hkv + kvh) * krow;
+    const uint8_t *vsrc = jb->v + ((slot * jb->n_ctx + vrow0) * Hkv + kvh) * vrow;
+    int k_direct = jb->type_k == FS_KV_F16 && na <= rb;
+    int v_direct = jb->type_v == FS_KV_F16 && na <= rb && D == Dp;
+    const float *ktile = k_direct ? NULL : isa->k_tile(jb->type_k, ksrc, D, ktbuf);
+    if (!v_direct)
+        isa->v_tile(jb->type_v, vsrc, Hkv * vrow, D, Dp, nk, vt);
+    for (int64_t i = 0; i < na; i += rb) {
+        int nr = (int)(na - i < rb ? na - i : rb);
+        if (k_direct)
+            isa->qk_f16(qp + i, (const uint16_t *)ksrc, D, sp + i, nr);
+        else
+            isa->qk(qp + i, ktile, D, sp + i, nr);
+    }
+    for (int64_t i = 0; i < na; i++) {
+        for (int64_t j = 0; j < lo_row[i]; j++)     /* keys before the window: out of the max, p = 0 */
+            sp[i][j] = -INFINITY;
+        isa->probs(sp[i], nk_row[i], mp[i], lp[i], ap[i], Dp);
+    }
+    const uint8_t *vd = v_direct ? vsrc : NULL;
+    const float *const *pp = (const float *const *)sp;
+    for (int64_t i = 0; i < na; i += rb) {
+        int nr = (int)(na - i < rb ? na - i : rb);
+        int64_t lmax = lo_row[i], nmin = nk_row[i];
+        for (int k = 1; k < nr; k++) {
+            lmax = lo_row[i + k] > lmax ? lo_row[i + k] : lmax;
+            nmin = nk_row[i + k] < nmin ? nk_row[i + k] : nmin;
+        }
+        if (lmax >= nmin) {                         /* no key common to the block: row by row */
+            for (int k = 0; k < nr; k++)
+                fs_attn_pv(isa, ap + i + k, pp + i + k, lp + i + k, lo_row[i + k], nk_row[i + k], vd, Hkv * D, vt,
+                           Dp, 1);
+            continue;
+        }
+        /* keys in order: each row's own before the common ones, those of every row, each row's own after */
+        for (int k = 0; k < nr; k++)
+            fs_attn_pv(isa, ap + i + k, pp + i + k, lp + i + k, lo_row[i + k], lmax, vd, Hkv * D, vt, Dp, 1);
+        fs_attn_pv(isa, ap + i, pp + i, lp + i, lmax, nmin, vd, Hkv * D, vt, Dp, nr);
+        for (int k = 0; k < nr; k++)
+            fs_attn_pv(isa, ap + i + k, pp + i + k, lp + i + k, nmin, nk_row[i + k], vd, Hkv * D, vt, Dp, 1);
+    }
+}
+
+/* Item of a job (fs_attn_plan): token tile qt, KV heads h0 .. h0 + nh - 1 (all of them for a decode row:
+ * a key tile's K and V are then read in address order, which the memory prefetchers follow), and
+ * either every segment its rows see, merged here, or (split) one segment, its state left in
+ * jb->partial for fs_attn_merge. Rows: r = (hh * nt + t) * G + g for KV head h0 + hh, token t. */
+static void fs_attn_item(const fs_attn_job *jb, int64_t item, float *sc)
+{
+    int64_t D = jb->D, Dp = jb->Dp, G = jb->G, H = jb->H, W = jb->window, nh = jb->heads_per_item;
+    int64_t per_tile = jb->split ? jb->n_seg : 1, groups = jb->Hkv / nh;
+    int64_t h0 = item % groups * nh, qt = jb->n_tiles_q - 1 - item / groups / per_tile;   /* later (longer) tiles first */
+    int64_t b0 = jb->tile_start[qt], nt = jb->tile_len[qt], ng = nt * G;   /* rows per KV head */
+    int64_t rows_cap = FS_ROWS;
+    float *qs = sc, *acc = qs + rows_cap * D, *s = acc + rows_cap * Dp, *m = s + rows_cap * FS_KT, *l = m + rows_cap;
+    float *racc = l + rows_cap, *rm = racc + rows_cap * Dp, *rl = rm + rows_cap, *ktbuf = rl + rows_cap;
+    float *vt = ktbuf + D * FS_KT;
+    int64_t maxpos = 0, minlo = INT64_MAX;
+    for (int64_t t = 0; t < nt; t++) {
+        int64_t p = jb->pos[b0 + t], lo = fs_attn_lo(p, W);
         maxpos = p > maxpos ? p : maxpos;
         minlo = lo < minlo ? lo : minlo;
     }
-    for (int64_t t = 0; t < nt; t++)
-        for (int64_t g = 0; g < G; g++) {
-            int64_t r = t * G + g;
-            const float *qr = jb->q + ((b0 + t) * H + kvh * G + g) * D;
-            for (int64_t d = 0; d < D; d++)
-                qs[r * D + d] = qr[d] * jb->c;
+    int64_t sg0 = minlo / FS_SEG, sg1 = maxpos / FS_SEG + 1;     /* segments some row sees */
+    if (jb->split) {
+        int64_t sg = item / groups % per_tile;
+        if (sg < sg0 || sg >= sg1)
+            return;
+        sg0 = sg;
+        sg1 = sg + 1;
+    }
+    for (int64_t hh = 0; hh < nh; hh++)
+        for (int64_t t = 0; t < nt; t++)
+            for (int64_t g = 0; g < G; g++) {
+                int64_t r = hh * ng + t * G + g;
+                const float *qr = jb->q + ((b0 + t) * H + (h0 + hh) * G + g) * D;
+                for (int64_t d = 0; d < D; d++)
+                    qs[r * D + d] = qr[d] * jb->c;
+            }
+    for (int64_t sg = sg0; sg < sg1; sg++) {
+        for (int64_t r = 0; r < nh * ng; r++) {
             memset(acc + r * Dp, 0, (size_t)Dp * 4);
             m[r] = -INFINITY;
             l[r] = 0.0f;
         }
-    int64_t krow = fs_k_tile_bytes(jb->type_k, D), vrow = fs_kv_row_bytes(jb->type_v, D);
-    const float *qp[FS_ROWS + 8];
-    float *sp[FS_ROWS + 8], *ap[FS_ROWS + 8], *lp[FS_ROWS + 8], *mp[FS_ROWS + 8];
-    const float *pp[FS_ROWS + 8];
-    int64_t nk_row[FS_ROWS + 8], lo_row[FS_ROWS + 8];
-    int rb = isa->rb;
-    for (int64_t kt = minlo / FS_KT; kt * FS_KT <= maxpos; kt++) {
-        int64_t k0 = kt * FS_KT;
-        int64_t nk = maxpos - k0 + 1 < FS_KT ? maxpos - k0 + 1 : FS_KT;    /* keys any row needs */
-        /* Active rows: tokens that see a key of this tile, each with its own keys lo_row .. nk_row - 1. */
-        int64_t na = 0;
-        for (int64_t t = 0; t < nt; t++) {
-            int64_t p = jb->pos[b0 + t], lo = W > 0 && p - W + 1 > 0 ? p - W + 1 : 0;
-            if (p < k0 || lo >= k0 + FS_KT)
+        int64_t k_first = sg * FS_SEG > minlo ? sg * FS_SEG : minlo, k_last = (sg + 1) * FS_SEG - 1;
+        k_last = k_last < maxpos ? k_last : maxpos;
+        for (int64_t kt = k_first / FS_KT; kt * FS_KT <= k_last; kt++)
+            for (int64_t hh = 0; hh < nh; hh++) {
+                int64_t r = hh * ng;
+                fs_attn_key_tile(jb, b0, nt, h0 + hh, kt, maxpos, qs + r * D, s + r * FS_KT, m + r, l + r,
+                                 acc + r * Dp, ktbuf, vt);
+            }
+        for (int64_t t = 0; t < nt; t++) {             /* the rows that see this segment */
+            int64_t p = jb->pos[b0 + t], rs0 = fs_attn_lo(p, W) / FS_SEG;
+            if (sg < rs0 || sg > p / FS_SEG)
                 continue;
-            for (int64_t g = 0; g < G; g++) {
-                int64_t r = t * G + g;
-                qp[na] = qs + r * D;
-                sp[na] = s + r * FS_KT;
-                ap[na] = acc + r * Dp;
-                lp[na] = l + r;
-                mp[na] = m + r;
-                pp[na] = sp[na];
-                nk_row[na] = p - k0 + 1 < FS_KT ? p - k0 + 1 : FS_KT;
-                lo_row[na] = lo > k0 ? lo - k0 : 0;
-                na++;
-            }
-        }
-        int64_t napad = (na + rb - 1) / rb * rb;
-        for (int64_t i = na; i < napad; i++) {          /* padding rows: a real row's input, a sink */
-            qp[i] = qp[0];
-            sp[i] = s_sink;
-            ap[i] = acc_sink;
-            lp[i] = l + rows_cap;
-            mp[i] = m + rows_cap;
-            pp[i] = pp[0];
-            nk_row[i] = nk_row[0];
-            lo_row[i] = lo_row[0];
-        }
-        /* One block of rows (a decode step's G heads): the products read the fp16 cache as they go;
-         * more rows share one conversion of the tile to float32. The values are the same. */
-        const uint8_t *ksrc = jb->k + ((slot * jb->n_ktiles + kt) * Hkv + kvh) * krow;
-        const uint8_t *vsrc = jb->v + ((slot * jb->n_ctx + k0) * Hkv + kvh) * vrow;
-        int k_direct = jb->type_k == FS_KV_F16 && napad <= rb;
-        int v_direct = jb->type_v == FS_KV_F16 && napad <= rb && D == Dp;
-        const float *ktile = k_direct ? NULL : isa->k_tile(jb->type_k, ksrc, D, ktbuf);
-        if (!v_direct)
-            isa->v_tile(jb->type_v, vsrc, Hkv * vrow, D, Dp, nk, vt);
-        for (int64_t i = 0; i < napad; i += rb) {
-            if (k_direct)
-                isa->qk_f16(qp + i, (const uint16_t *)ksrc, D, sp + i);
-            else
-                isa->qk(qp + i, ktile, D, sp + i);
-        }
-        for (int64_t i = 0; i < na; i++) {
-            for (int64_t j = 0; j < lo_row[i]; j++)     /* keys before the window: out of the max, p = 0 */
-                sp[i][j] = -INFINITY;
-            isa->probs(sp[i], nk_row[i], mp[i], lp[i], ap[i], Dp);
-        }
-        const uint8_t *vd = v_direct ? vsrc : NULL;
-        for (int64_t i = 0; i < napad; i += rb) {
-            int64_t lmax = lo_row[i], nmin = nk_row[i];
-            for (int k = 1; k < rb; k++) {
-                lmax = lo_row[i + k] > lmax ? lo_row[i + k] : lmax;
-                nmin = nk_row[i + k] < nmin ? nk_row[i + k] : nmin;
-            }
-            if (lmax >= nmin) {                         /* no key common to the block: row by row */
-                for (int k = 0; k < rb && i + k < na; k++)
-                    fs_attn_pv_row(isa, ap[i + k], pp[i + k], lp[i + k], lo_row[i + k], nk_row[i + k], vd, Hkv * D,
-                                   vt, Dp, acc_sink, l + rows_cap);
-                continue;
-            }
-            /* keys in order: each row's own before the common ones, those of every row, each row's own after */
-            for (int k = 0; k < rb && i + k < na; k++)
-                fs_attn_pv_row(isa, ap[i + k], pp[i + k], lp[i + k], lo_row[i + k], lmax, vd, Hkv * D, vt, Dp,
-                               acc_sink, l + rows_cap);
-            fs_attn_pv(isa, ap + i, pp + i, lp + i, lmax, nmin, vd, Hkv * D, vt, Dp);
-            for (int k = 0; k < rb && i + k < na; k++)
-                fs_attn_pv_row(isa, ap[i + k], pp[i + k], lp[i + k], nmin, nk_row[i + k], vd, Hkv * D, vt, Dp,
-                               acc_sink, l + rows_cap);
+            for (int64_t hh = 0; hh < nh; hh++)
+                for (int64_t g = 0; g < G; g++) {
+                    int64_t r = hh * ng + t * G + g, h = (h0 + hh) * G + g;
+                    if (jb->split) {
+                        float *pt = jb->partial + (((b0 + t) * H + h) * jb->n_seg + sg) * (2 + Dp);
+                        pt[0] = m[r];
+                        pt[1] = l[r];
+                        memcpy(pt + 2, acc + r * Dp, (size_t)Dp * 4);
+                    } else {
+                        fs_attn_merge_state(rm + r, rl + r, racc + r * Dp, m[r], l[r], acc + r * Dp, Dp, sg == rs0);
+                    }
+                }
         }
     }
-    for (int64_t t = 0; t < nt; t++)
-        for (int64_t g = 0; g < G; g++) {
-            int64_t r = t * G + g;
-            isa->finish(acc + r * Dp, l[r], D, jb->out + (b0 + t) * H * D + (kvh * G + g) * D);
-        }
+    if (jb->split)
+        return;
+    for (int64_t hh = 0; hh < nh; hh++)
+        for (int64_t t = 0; t < nt; t++)
+            for (int64_t g = 0; g < G; g++) {
+                int64_t r = hh * ng + t * G + g;
+                jb->isa->finish(racc + r * Dp, rl[r], D, jb->out + (b0 + t) * H * D + ((h0 + hh) * G + g) * D);
+            }
 }
 
 static void fs_attn_task(void *ctx, int64_t begin, int64_t end)
@@ -433,6 +506,54 @@ static void fs_attn_task(void *ctx, int64_t begin, int64_t end)
     for (int64_t i = begin; i < end; i++)
         fs_attn_item(jb, i, sc);
     __atomic_store_n(&jb->scratch_busy[k], 0, __ATOMIC_RELEASE);
+}
+
+/* The job's work items, given its token tiles: one per (token tile, KV head) when there are enough
+ * of them to keep n_scratch threads busy (a prefill chunk, a batch of decode rows); else (a few long
+ * decode rows) one per (token tile, KV head, segment), split = 1, so that the threads share a row's
+ * keys. Either way every row's numbers are the same: only who computes a segment changes. Sets
+ * split and n_seg; returns the item count. A split job needs partial (fs_attn_partial_floats) and,
+ * after its items ran, fs_attn_merge. */
+static int64_t fs_attn_plan(fs_attn_job *jb)
+{
+    int64_t n = jb->tile_start[jb->n_tiles_q - 1] + jb->tile_len[jb->n_tiles_q - 1], maxpos = 0;
+    for (int64_t i = 0; i < n; i++)
+        maxpos = jb->pos[i] > maxpos ? jb->pos[i] : maxpos;
+    int64_t longest = 0;
+    for (int64_t i = 0; i < jb->n_tiles_q; i++)
+        longest = jb->tile_len[i] > longest ? jb->tile_len[i] : longest;
+    jb->heads_per_item = longest * jb->H <= FS_ROWS ? jb->Hkv : 1;
+    int64_t items = jb->n_tiles_q * (jb->Hkv / jb->heads_per_item);
+    jb->n_seg = maxpos / FS_SEG + 1;
+    jb->split = jb->n_scratch > 1 && jb->n_seg > 1 && items < FS_SPLIT_BELOW * jb->n_scratch;
+    return jb->split ? items * jb->n_seg : items;
+}
+
+/* Floats of jb->partial a planned job needs (0 unless split). */
+static inline int64_t fs_attn_partial_floats(const fs_attn_job *jb)
+{
+    int64_t n = jb->tile_start[jb->n_tiles_q - 1] + jb->tile_len[jb->n_tiles_q - 1];
+    return jb->split ? n * jb->H * jb->n_seg * (2 + jb->Dp) : 0;
+}
+
+/* A split job's outputs: each (row, head)'s segments merged in segment order, then acc / l. */
+static void fs_attn_merge(const fs_attn_job *jb)
+{
+    if (!jb->split)
+        return;
+    int64_t n = jb->tile_start[jb->n_tiles_q - 1] + jb->tile_len[jb->n_tiles_q - 1];
+    int64_t H = jb->H, D = jb->D, Dp = jb->Dp;
+    float racc[FS_MAX_DP], rm = 0.0f, rl = 0.0f;
+    for (int64_t b = 0; b < n; b++) {
+        int64_t p = jb->pos[b], rs0 = fs_attn_lo(p, jb->window) / FS_SEG;
+        for (int64_t h = 0; h < H; h++) {
+            const float *pt = jb->partial + (b * H + h) * jb->n_seg * (2 + Dp);
+            for (int64_t sg = rs0; sg <= p / FS_SEG; sg++)
+                fs_attn_merge_state(&rm, &rl, racc, pt[sg * (2 + Dp)], pt[sg * (2 + Dp) + 1], pt + sg * (2 + Dp) + 2,
+                                    Dp, sg == rs0);
+            jb->isa->finish(racc, rl, D, jb->out + b * H * D + h * D);
+        }
+    }
 }
 
 /* ---- the kernels: one template, instantiated per ISA ------------------------------------------ */

@@ -188,14 +188,14 @@ FS_ATTR static void FS_S(fs_v_tile)(int type, const uint8_t *src, int64_t stride
     }
 }
 
-/* s[r][0..KT) = sum over d in order of q[r][d] * kt[d][j], for RB rows (vectorised over keys); kt is
- * float32, or (f16 = 1) the cache's own fp16 tile, converted as it is read (the same values). */
+/* s[r][0..KT) = sum over d in order of q[r][d] * kt[d][j], for nr (<= RB) rows (vectorised over keys);
+ * kt is float32, or (f16 = 1) the cache's own fp16 tile, converted as it is read (the same values). */
 FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_qk_any)(const float *const *q, const void *kt,
-                                                                         int f16, int64_t D, float *const *s)
+                                                                         int f16, int64_t D, float *const *s, int nr)
 {
     for (int64_t j0 = 0; j0 < FS_KT; j0 += NV * VL) {
         VF acc[RB][NV];
-        for (int r = 0; r < RB; r++)
+        for (int r = 0; r < nr; r++)
             for (int v = 0; v < NV; v++)
                 acc[r][v] = VSET1(0.0f);
         for (int64_t d = 0; d < D; d++) {
@@ -204,26 +204,34 @@ FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_qk_any)(const 
                 int64_t i = d * FS_KT + j0 + v * VL;
                 kv[v] = f16 ? VLOAD_F16((const uint16_t *)kt + i) : VLOAD((const float *)kt + i);
             }
-            for (int r = 0; r < RB; r++) {
+            for (int r = 0; r < nr; r++) {
                 VF qb = VSET1(q[r][d]);
                 for (int v = 0; v < NV; v++)
                     acc[r][v] = VADD(acc[r][v], VMUL(qb, kv[v]));
             }
         }
-        for (int r = 0; r < RB; r++)
+        for (int r = 0; r < nr; r++)
             for (int v = 0; v < NV; v++)
                 VSTORE(s[r] + j0 + v * VL, acc[r][v]);
     }
 }
 
-FS_ATTR static void FS_S(fs_qk)(const float *const *q, const float *kt, int64_t D, float *const *s)
+/* The row count as a constant in each case (the loops over rows unrolled, no padding row computed). */
+#define FS_NR_CASES(nr, call) \
+    switch (nr) { case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; default: call(RB); }
+
+FS_ATTR static void FS_S(fs_qk)(const float *const *q, const float *kt, int64_t D, float *const *s, int nr)
 {
-    FS_S(fs_qk_any)(q, kt, 0, D, s);
+#define FS_CALL(k) FS_S(fs_qk_any)(q, kt, 0, D, s, k)
+    FS_NR_CASES(nr, FS_CALL)
+#undef FS_CALL
 }
 
-FS_ATTR static void FS_S(fs_qk_f16)(const float *const *q, const uint16_t *kt, int64_t D, float *const *s)
+FS_ATTR static void FS_S(fs_qk_f16)(const float *const *q, const uint16_t *kt, int64_t D, float *const *s, int nr)
 {
-    FS_S(fs_qk_any)(q, kt, 1, D, s);
+#define FS_CALL(k) FS_S(fs_qk_any)(q, kt, 1, D, s, k)
+    FS_NR_CASES(nr, FS_CALL)
+#undef FS_CALL
 }
 
 /* One row, one tile of n keys: the running max m, scores -> probabilities p (in s), l and acc
@@ -252,13 +260,15 @@ FS_ATTR static void FS_S(fs_probs)(float *s, int64_t n, float *m, float *l, floa
         VSTORE(acc + d, VMUL(VLOAD(acc + d), ab));
 }
 
-/* One group of nv (<= NV) vectors of dimensions from d0; nv a constant where it is NV (the common case). */
+/* One group of nv (<= NV) vectors of dimensions from d0 for nr rows; nv a constant where it is NV (the
+ * common case). The first group (sums = 1) also adds the keys' p into the row sums l, keys in order: nr
+ * independent scalar chains that run beside the vector work. */
 FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_pv_group)(
-    float *const *acc, const float *const *p, int64_t j0, int64_t j1, const void *vsrc, int f16, int64_t ldv,
-    int64_t d0, int nv)
+    float *const *acc, const float *const *p, float *ls, int sums, int64_t j0, int64_t j1, const void *vsrc,
+    int f16, int64_t ldv, int64_t d0, int nv, int nr)
 {
     VF a[RB][NV];
-    for (int r = 0; r < RB; r++)
+    for (int r = 0; r < nr; r++)
         for (int v = 0; v < NV; v++)
             a[r][v] = v < nv ? VLOAD(acc[r] + d0 + v * VL) : VSET1(0.0f);
     for (int64_t j = j0; j < j1; j++) {
@@ -267,49 +277,53 @@ FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_pv_group)(
             int64_t i = j * ldv + d0 + v * VL;
             vv[v] = f16 ? VLOAD_F16((const uint16_t *)vsrc + i) : VLOAD((const float *)vsrc + i);
         }
-        for (int r = 0; r < RB; r++) {
-            VF pb = VSET1(p[r][j]);
+        for (int r = 0; r < nr; r++) {
+            float pj = p[r][j];
+            VF pb = VSET1(pj);
             for (int v = 0; v < nv; v++)
                 a[r][v] = VADD(a[r][v], VMUL(pb, vv[v]));
+            if (sums)
+                ls[r] = ls[r] + pj;
         }
     }
-    for (int r = 0; r < RB; r++)
+    for (int r = 0; r < nr; r++)
         for (int v = 0; v < nv; v++)
             VSTORE(acc[r] + d0 + v * VL, a[r][v]);
 }
 
-/* For RB rows: keys j0..j1-1 in order, acc[r][d] += p[r][j] * v[j][d] and l[r] += p[r][j]; v is float32
+/* For nr rows: keys j0..j1-1 in order, acc[r][d] += p[r][j] * v[j][d] and l[r] += p[r][j]; v is float32
  * [KT][ldv] (Dp dimensions), or (f16 = 1) the cache's own fp16 rows, ldv values apart (then D == Dp). */
 FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_pv_any)(
     float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1, const void *vsrc, int f16,
-    int64_t ldv, int64_t Dp)
+    int64_t ldv, int64_t Dp, int nr)
 {
+    float ls[RB];
+    for (int r = 0; r < nr; r++)
+        ls[r] = *l[r];
     for (int64_t d0 = 0; d0 < Dp; d0 += NV * VL) {
         if (Dp - d0 >= NV * VL)
-            FS_S(fs_pv_group)(acc, p, j0, j1, vsrc, f16, ldv, d0, NV);
+            FS_S(fs_pv_group)(acc, p, ls, d0 == 0, j0, j1, vsrc, f16, ldv, d0, NV, nr);
         else
-            FS_S(fs_pv_group)(acc, p, j0, j1, vsrc, f16, ldv, d0, (int)((Dp - d0) / VL));
+            FS_S(fs_pv_group)(acc, p, ls, d0 == 0, j0, j1, vsrc, f16, ldv, d0, (int)((Dp - d0) / VL), nr);
     }
-    float ls[RB];                                 /* row sums: RB independent chains, keys in order */
-    for (int r = 0; r < RB; r++)
-        ls[r] = *l[r];
-    for (int64_t j = j0; j < j1; j++)
-        for (int r = 0; r < RB; r++)
-            ls[r] = ls[r] + p[r][j];
-    for (int r = 0; r < RB; r++)
+    for (int r = 0; r < nr; r++)
         *l[r] = ls[r];
 }
 
 FS_ATTR static void FS_S(fs_pv)(float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1,
-                                const float *vt, int64_t Dp)
+                                const float *vt, int64_t Dp, int nr)
 {
-    FS_S(fs_pv_any)(acc, p, l, j0, j1, vt, 0, Dp, Dp);
+#define FS_CALL(k) FS_S(fs_pv_any)(acc, p, l, j0, j1, vt, 0, Dp, Dp, k)
+    FS_NR_CASES(nr, FS_CALL)
+#undef FS_CALL
 }
 
 FS_ATTR static void FS_S(fs_pv_f16)(float *const *acc, const float *const *p, float *const *l, int64_t j0,
-                                    int64_t j1, const uint16_t *v, int64_t ldv, int64_t D)
+                                    int64_t j1, const uint16_t *v, int64_t ldv, int64_t D, int nr)
 {
-    FS_S(fs_pv_any)(acc, p, l, j0, j1, v, 1, ldv, D);
+#define FS_CALL(k) FS_S(fs_pv_any)(acc, p, l, j0, j1, v, 1, ldv, D, k)
+    FS_NR_CASES(nr, FS_CALL)
+#undef FS_CALL
 }
 
 /* out[d] = acc[d] / l. */
@@ -331,6 +345,7 @@ static const fs_attn_isa FS_S(fs_attn) = {RB, FS_S(fs_k_tile), FS_S(fs_v_tile), 
 #undef VL
 #undef NV
 #undef RB
+#undef FS_NR_CASES
 #undef VF
 #undef VLOAD
 #undef VSTORE

@@ -66,6 +66,8 @@ class Snapshot:
     tokens_generated: int       # since start
     tokens_prompt: int          # prompt tokens computed since start
     slot_erased: tuple = ()     # per slot: (times its cached prefix was erased, tokens the last erase dropped)
+    slot_reuse_from: tuple = () # per slot: the shortest prefix of its cached tokens a prompt can reuse (0: any;
+                                # a sliding-window ring holds only the last positions), as of its last request
 
 
 
@@ -145,6 +147,7 @@ class Engine:
         # another (else, under load, a freed slot is taken again before an erase gets to it). slot -> replies.
         self._erase_on_end: dict[int, list] = {}
         self._erased = [(0, 0)] * self.n_slots                   # slot -> (erasures, tokens the last one dropped)
+        self._reuse_from = [0] * self.n_slots                    # slot -> backend.kv_reuse_from at its last release
         self._waiting: deque[Request] = deque()
         self._closing = False
         self._closed = False
@@ -446,6 +449,7 @@ class Engine:
 
     def _start(self, job: Request, slot: int) -> None:
         n_cached = min(slot_prefix(self.slots, slot, job.prompt), len(job.prompt) - 1) if job.cache_prompt else 0
+        n_cached = self._window_reusable(slot, n_cached)
         max_gen = job.max_tokens if job.max_tokens >= 0 else self.n_ctx_slot
         if max_gen == 0:                        # nothing to run: the request never holds the slot
             self.delivery.reject(job.buffer, FINISH_LENGTH)
@@ -472,8 +476,12 @@ class Engine:
         if n_old > slot_prefix(self.slots, slot, prompt):
             pc.save(slot, self.slots.tokens[slot, :n_old], keep=entry if n_hit > n_cached else None)
         if n_hit > n_cached and pc.restore(entry, slot, n_cached, n_hit):
-            return n_hit
+            return self._window_reusable(slot, n_hit) or self._window_reusable(slot, n_cached)
         return n_cached
+
+    def _window_reusable(self, slot: int, n: int) -> int:
+        """n, or 0 when the slot's sliding-window ring no longer holds the window before position n."""
+        return n if n >= self.backend.kv_reuse_from(slot, n) else 0
 
     def _end(self, slot: int, code: int, error: str | None = None) -> None:
         """Finish the slot's request, detach its reader, free the slot (its KV prefix stays reusable)."""
@@ -484,6 +492,7 @@ class Engine:
         self.delivery.detach(slot)
         self.slots.release(slot)
         self.backend.release(slot)
+        self._reuse_from[slot] = self.backend.kv_reuse_from(slot, int(self.slots.n_tokens[slot]))
         self._jobs[slot] = None
         self.masks.end(slot)
         if slot in self._erase_on_end:
@@ -519,6 +528,7 @@ class Engine:
         n_erased = int(self.slots.n_tokens[slot])
         self._erased[slot] = (self._erased[slot][0] + 1, n_erased)
         self.slots.forget(slot)
+        self._reuse_from[slot] = 0
         for reply in replies:
             if reply is not None:
                 reply(n_erased)
@@ -541,7 +551,7 @@ class Engine:
                         slot_past=tuple(self.slots.n_past.tolist()),
                         slot_job=tuple(0 if j is None else j.id for j in self._jobs),
                         tokens_generated=self._tokens_generated, tokens_prompt=self._tokens_prompt,
-                        slot_erased=tuple(self._erased))
+                        slot_erased=tuple(self._erased), slot_reuse_from=tuple(self._reuse_from))
 
     def _shutdown(self) -> None:
         """Decode thread exit: every reader, running, waiting or still in the inbox, ends 'closed'."""

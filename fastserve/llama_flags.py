@@ -33,7 +33,8 @@ FLAGS: list[tuple[str, str, str]] = [
     ("-ub, --ubatch-size N", DIFFERS, "a step is one forward pass, so a step carries at most min(-b, -ub) tokens"),
     ("--keep N", DIFFERS, "taken (N >= -1); fastserve never discards prompt tokens (no context shift), so all "
                           "are kept whatever N is"),
-    ("--swa-full", REFUSED, "no sliding-window-attention models yet"),
+    ("--swa-full", REFUSED, "a sliding-window model's local layers keep a ring of window + `-b` - 1 positions per slot "
+                              "(llama.cpp's default SWA cache size); no full-size option"),
     ("-fa, --flash-attn [on|off|auto]", DIFFERS, "attention is always fastserve's blocked (flash-style) kernel: "
                                                  "on and auto are taken, off is refused"),
     ("--perf, --no-perf", REFUSED, "timings are always on: see /metrics and `fastserve bench`"),
@@ -108,7 +109,8 @@ FLAGS: list[tuple[str, str, str]] = [
     # -- server ------------------------------------------------------------------------------------
     ("-lcs, --lookup-cache-static, -lcd, --lookup-cache-dynamic", REFUSED, "no lookup decoding"),
     ("-ctxcp, --ctx-checkpoints, --swa-checkpoints, -cms, --checkpoint-min-step", REFUSED,
-     "no context checkpoints (no SWA or recurrent models)"),
+     "no context checkpoints: a sliding-window slot's prefix is reused only where its ring still holds the "
+     "window (`/slots` `swa_reusable`), else computed again"),
     ("-cram, --cache-ram N", DIFFERS, "MiB of host RAM for reused slots' prefixes; default 0 (off), llama-server "
                                       "8192; -1 is refused"),
     ("-kvu, --kv-unified, -no-kvu, --no-kv-unified", REFUSED, "each slot has its own KV cache of -c / -np tokens"),

@@ -53,7 +53,7 @@ class Model:
         if ids.min() < 0 or ids.max() >= self.config.n_vocab:
             raise ValueError(f"token ids must be in [0, {self.config.n_vocab})")
         backend = NumpyBackend(self.config, self.weights, n_slots=1, n_ctx_slot=n, cache_type_k=cache_type_k,
-                               cache_type_v=cache_type_v)
+                               cache_type_v=cache_type_v, max_tokens=n)
         rows = np.arange(n, dtype=np.int32)
         return np.ascontiguousarray(backend.forward(ids, rows, np.zeros(n, np.int32), rows), dtype=np.float32)
 

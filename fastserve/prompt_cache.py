@@ -34,10 +34,12 @@ MIB = 1 << 20
 
 
 class Entry:
-    __slots__ = ("key", "n", "blocks")
+    __slots__ = ("key", "n", "blocks", "held_from")
 
-    def __init__(self, key: int, n: int, blocks: list[int]):
+    def __init__(self, key: int, n: int, blocks: list[int], held_from: int = 0):
         self.key, self.n, self.blocks = key, n, blocks     # n tokens in blocks[0], blocks[1], ...
+        # a sliding-window model's ring layers held only positions held_from..n-1 (backend.kv_held_from)
+        self.held_from = held_from
 
 
 class PromptCache:
@@ -130,7 +132,7 @@ class PromptCache:
         for e in superseded:
             self._drop(e)
         self._keys += 1
-        self.index[self._keys] = Entry(self._keys, n, blocks)
+        self.index[self._keys] = Entry(self._keys, n, blocks, self.backend.kv_held_from(slot, n))
         self.n_saved += 1
         return True
 
@@ -138,12 +140,13 @@ class PromptCache:
         """Write the KV of tokens start..n of entry e into slot (rows before start already hold
         the same tokens). Whole blocks are copied, as they were saved, so rows up to the end of the
         last block may be written too: they are past what the slot will hold, stale, never read.
-        False when the copy failed (logged): rows from start on are then not valid."""
+        False when the copy failed (logged): rows from start on are then not valid. (With a sliding
+        window the caller asks the backend what the slot can reuse after it: kv_reuse_from.)"""
         bt = self.block_tokens
         try:
             for i in range(start // bt, -(-n // bt)):
                 lo = i * bt
-                self.backend.restore_slot(slot, lo, min(bt, e.n - lo), self.pool[e.blocks[i]])
+                self.backend.restore_slot(slot, lo, min(bt, e.n - lo), self.pool[e.blocks[i]], e.held_from)
         except Exception as exc:
             log.warning("slot %d: prompt cache restore of %d tokens failed (%s: %s); computing them instead",
                         slot, n, type(exc).__name__, exc)

@@ -8,7 +8,9 @@ backend samples its logits on the host (backends/host_sampling.py), the CUDA bac
 
 The backend owns the KV cache, preallocated as [n_slots, n_ctx_slot] per layer; a slot's KV row at
 position p is written when a token at position p goes through a step. Rows past a slot's current
-length are stale and never read, so cutting a slot back needs no work from the backend.
+length are stale and never read, so cutting a slot back needs no work from the backend. A
+sliding-window model's local layers may keep only the last kv_ring positions of a slot (a ring): a
+prefix is then reusable only while the ring still holds the window before its end (kv_reuse_from).
 """
 from __future__ import annotations
 
@@ -70,6 +72,18 @@ class Backend(Protocol):
         restore_slot reads back). Allocates nothing: `into` belongs to the prompt cache's pool."""
         ...
 
-    def restore_slot(self, slot: int, start: int, n_tokens: int, src: np.ndarray) -> None:
-        """Write KV rows start..start+n_tokens of slot from what save_slot put in `src`."""
+    def restore_slot(self, slot: int, start: int, n_tokens: int, src: np.ndarray, held_from: int = 0) -> None:
+        """Write KV rows start..start+n_tokens of slot from what save_slot put in `src`; held_from: what
+        kv_held_from said of the slot when it was saved (the copy's ring rows before it are stale)."""
+        ...
+
+    kv_ring: int                    # positions a local layer keeps per slot (0: every position, no ring)
+
+    def kv_held_from(self, slot: int, n_tokens: int) -> int:
+        """The first position from which the rings hold every position before n_tokens of slot (0: all)."""
+        ...
+
+    def kv_reuse_from(self, slot: int, n_tokens: int) -> int:
+        """The shortest prefix (<= n_tokens) of slot's KV that a continuation can reuse (0: any): the ring
+        must hold the window before it. A shorter common prefix reuses nothing."""
         ...

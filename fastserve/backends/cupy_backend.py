@@ -405,8 +405,17 @@ class CupyBackend:
                                              self.cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
         self.stream.synchronize()
 
-    def restore_slot(self, slot: int, start: int, n_tokens: int, src: np.ndarray) -> None:
-        """The inverse of save_slot."""
+    # Its KV keeps every position of every layer (no ring; it refuses sliding-window models).
+    kv_ring = 0
+
+    def kv_held_from(self, slot: int, n_tokens: int) -> int:
+        return 0
+
+    def kv_reuse_from(self, slot: int, n_tokens: int) -> int:
+        return 0
+
+    def restore_slot(self, slot: int, start: int, n_tokens: int, src: np.ndarray, held_from: int = 0) -> None:
+        """The inverse of save_slot (held_from: nothing to do without a ring)."""
         host = self._kv_rows_host(src, n_tokens)
         with self.device, self.stream:
             stage = self._kv_stage_view(n_tokens)

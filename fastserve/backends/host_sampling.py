@@ -81,5 +81,18 @@ class HostSampled(HostSampling):
     def forward(self, tokens, positions, slots, out_rows):
         return self.model_pass.forward(tokens, positions, slots, out_rows)
 
+    # A pass that says nothing of rings (a test double over forward()) keeps every position.
+    @property
+    def kv_ring(self) -> int:
+        return getattr(self.model_pass, "kv_ring", 0)
+
+    def kv_held_from(self, slot: int, n_tokens: int) -> int:
+        inner = getattr(self.model_pass, "kv_held_from", None)
+        return inner(slot, n_tokens) if inner is not None else 0
+
+    def kv_reuse_from(self, slot: int, n_tokens: int) -> int:
+        inner = getattr(self.model_pass, "kv_reuse_from", None)
+        return inner(slot, n_tokens) if inner is not None else 0
+
     def __getattr__(self, name):
         return getattr(self.model_pass, name)

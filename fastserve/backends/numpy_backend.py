@@ -135,6 +135,10 @@ class NumpyBackend(HostSampling):
     """CPU backend. KV cache: self.kv (backends/kv_cache.py), in cache_type_k / cache_type_v
     ("f16", the default, "f32" or "q8_0"), read directly by attention.
 
+    max_tokens: the most tokens a step carries (its buffers; and the most one step writes into one
+    slot, which sizes the local layers' rings: backends/kv_cache.ring_size); a step of more tokens in
+    one slot is refused when the model has a ring (Model.logits makes its backend for the whole sequence).
+
     threads: threads of the step's loops (self.pool: the caller + threads - 1 helpers); 1 is the safe default
     on a machine whose other cores serve the event loop (see bench/bench_matmul.py).
 
@@ -156,7 +160,8 @@ class NumpyBackend(HostSampling):
         self.pool = Pool(threads)      # the step's helper threads, shared by its parallel loops
         self._mm = Matmul(pool=self.pool)
         self.n_slots, self.n_ctx_slot, self.n_vocab = n_slots, n_ctx_slot, cfg.n_vocab
-        self.kv = KVCache(cfg.n_layer, n_slots, n_ctx_slot, cfg.n_head_kv, cfg.head_dim, cache_type_k, cache_type_v)
+        self.kv = KVCache(cfg.n_layer, n_slots, n_ctx_slot, cfg.n_head_kv, cfg.head_dim, cache_type_k, cache_type_v,
+                          window=cfg.sliding_window, local_layers=cfg.local_layers, step_tokens=max(1, max_tokens))
         self._attn = Attention(self.pool)
         self.cos, self.sin = rope_tables(cfg, n_ctx_slot, weights.rope_freqs)
         # local layers' own RoPE base (gemma3: 10k beside the global layers' 1M)
@@ -176,9 +181,23 @@ class NumpyBackend(HostSampling):
         in the cache types' row formats (KVCache.save_slot). Copies into `into`, allocates nothing."""
         self.kv.save_slot(slot, start, n_tokens, into)
 
-    def restore_slot(self, slot: int, start: int, n_tokens: int, src: np.ndarray) -> None:
-        """The inverse of save_slot: KV rows start..start+n_tokens of slot from `src`."""
-        self.kv.restore_slot(slot, start, n_tokens, src)
+    def restore_slot(self, slot: int, start: int, n_tokens: int, src: np.ndarray, held_from: int = 0) -> None:
+        """The inverse of save_slot: KV rows start..start+n_tokens of slot from `src` (held_from: see kv_held_from)."""
+        self.kv.restore_slot(slot, start, n_tokens, src, held_from)
+
+    def kv_held_from(self, slot: int, n_tokens: int) -> int:
+        """The first position from which the local layers' rings still hold every position before
+        n_tokens of slot (0: every position, as without a ring)."""
+        return self.kv.held_from(slot, n_tokens)
+
+    def kv_reuse_from(self, slot: int, n_tokens: int) -> int:
+        """The shortest prefix of slot's first n_tokens a continuation can reuse, 0: any (KVCache.reuse_from)."""
+        return self.kv.reuse_from(slot, n_tokens)
+
+    @property
+    def kv_ring(self) -> int:
+        """Positions a local layer keeps per slot (0: every position, no ring)."""
+        return self.kv.ring
 
     def forward(self, tokens, positions, slots, out_rows) -> np.ndarray:
         """tokens, positions, slots [n]; out_rows [m]: logits float32 [m, n_vocab] of those rows
@@ -203,6 +222,7 @@ class NumpyBackend(HostSampling):
             if local in cfg.local_layers:
                 ropes[local] = (np.take(ct, positions, axis=0, out=cos[:n], mode="clip"),
                                 np.take(st, positions, axis=0, out=sin[:n], mode="clip"))
+        self.kv.begin_step(slots, positions)
         w.tok_embd.get_rows(np.asarray(tokens, dtype=np.int64), out=x)
         if cfg.embd_scale != 1.0:
             x *= np.float32(cfg.embd_scale)
@@ -225,7 +245,7 @@ class NumpyBackend(HostSampling):
             self.kv.store(li, k, v, slots, positions)
             # a local layer's query at q sees keys q - window < p <= q (llama.cpp's is_masked_swa, standard)
             self._attn(q, self.kv.k[li], self.kv.v[li], self.kv.type_k, self.kv.type_v, slots, positions, attn,
-                       self.scale, window=cfg.sliding_window if local else 0)
+                       self.scale, window=cfg.sliding_window if local else 0, ring=self.kv.rings[li])
             self._mm(attn, lw.wo, y)
             if lw.post_attn_norm is not None:
                 rms_norm(y, lw.post_attn_norm, cfg.norm_eps, out=y, ms=ms)

@@ -1,11 +1,13 @@
 """NumPy twin of fastserve._attention: the same cache formats and the same float32 operations in the
 same order (see the contract at the top of fastserve/_attention_kernels.h), so its outputs and cache
-bytes are bit-identical to the extension's (tests/parity/test_attention.py)."""
+bytes are bit-identical to the extension's (tests/parity/test_attention.py). ring: 0, or the cache holds
+R positions per slot, position p at row p % R (K tile (p // KT) % (R // KT)), as in the extension."""
 from __future__ import annotations
 
 import numpy as np
 
 KT = 64                 # keys per tile, at positions 0, 64, 128, ...
+SEG = 128               # keys per segment, at positions 0, 128, ...: each its own online softmax, then merged
 QB = 32                 # values per q8_0 block
 KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 2}
 MAX_HEAD_DIM = 1024
@@ -120,24 +122,32 @@ def _k_tile_column(type_name: str, tile: np.ndarray, D: int, j: int, row=None):
     return None
 
 
-def store(type_k, type_v, k_cache, v_cache, k, v, slots, positions):
+def _check_ring(k_cache, v_cache, ring):
+    if ring < 0 or ring % KT or (ring and (v_cache.shape[1] != ring or k_cache.shape[1] * KT != ring)):
+        raise ValueError(f"a ring of {ring} positions needs a multiple of {KT} and a cache of that many "
+                         f"(this one: {v_cache.shape[1]} positions, {k_cache.shape[1]} tiles)")
+
+
+def store(type_k, type_v, k_cache, v_cache, k, v, slots, positions, ring=0):
     """k, v float32 [n, Hkv, D] into the caches at (slots[i], positions[i])."""
     n, Hkv, D = k.shape
+    _check_ring(k_cache, v_cache, ring)
     for i in range(n):
-        s, p = int(slots[i]), int(positions[i])
+        s, p = int(slots[i]), int(positions[i]) % (ring or 1 << 62)
         krows = encode_rows(type_k, k[i])
         v_cache[s, p] = encode_rows(type_v, v[i])
         for h in range(Hkv):
             _k_tile_column(type_k, k_cache[s, p // KT, h], D, p % KT, krows[h])
 
 
-def move_rows(type_k, type_v, k_cache, v_cache, head_dim, slot, start, k_rows, v_rows, put):
+def move_rows(type_k, type_v, k_cache, v_cache, head_dim, slot, start, k_rows, v_rows, put, ring=0):
     """Positions start..start+n of slot <-> k_rows, v_rows uint8 [n, Hkv, row_bytes]."""
     n, Hkv = k_rows.shape[:2]
-    if not (0 <= slot < k_cache.shape[0] and 0 <= start and start + n <= v_cache.shape[1]):
+    _check_ring(k_cache, v_cache, ring)
+    if not (0 <= slot < k_cache.shape[0] and 0 <= start and (ring or start + n <= v_cache.shape[1])):
         raise ValueError(f"slot {slot}, positions {start}..{start + n} outside the cache")
     for i in range(n):
-        p = start + i
+        p = (start + i) % (ring or 1 << 62)
         for h in range(Hkv):
             tile = k_cache[slot, p // KT, h]
             if put:
@@ -168,12 +178,16 @@ def cache_values(type_k, type_v, k_cache, v_cache, head_dim):
     return K, V
 
 
-def attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window=0):
-    """q float32 [n, H, D]; out [>= n, H * D]: rows < n written. The online softmax over key tiles,
-    all rows at once, each row's operations those of the C kernel. window: 0 causal; w > 0 a query
-    at q sees the keys at q - w < p <= q."""
+def attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window=0, ring=0):
+    """q float32 [n, H, D]; out [>= n, H * D]: rows < n written. The online softmax over each key
+    segment's tiles, the segments' states merged in order, all rows at once, each row's operations
+    those of the C kernel. window: 0 causal; w > 0 a query at q sees the keys at q - w < p <= q.
+    ring: 0, or the caches are a ring of that many positions."""
     if window < 0:
         raise ValueError(f"window must be 0 (causal) or a count of keys > 0, got {window}")
+    if ring and not 0 < window <= ring:
+        raise ValueError(f"a ring of {ring} positions holds a window of at most {ring} keys, got {window}")
+    _check_ring(k_cache, v_cache, ring)
     n, H, D = q.shape
     Hkv = k_cache.shape[2]
     G = H // Hkv
@@ -185,15 +199,38 @@ def attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, wi
     pos_r = np.repeat(np.asarray(positions[:n], np.int64), H)
     kvh_r = np.tile(np.arange(H) // G, n)
     lo_r = np.maximum(pos_r - window + 1, 0) if window > 0 else np.zeros_like(pos_r)     # first visible key
-    m = np.full(n * H, -np.inf, F32)
-    l = np.zeros(n * H, F32)
-    acc = np.zeros((n * H, D), F32)
-    for k0 in range(int(lo_r.min()) // KT * KT, int(pos_r.max()) + 1, KT):
+    M = np.full(n * H, -np.inf, F32)          # the segments merged so far
+    L = np.zeros(n * H, F32)
+    ACC = np.zeros((n * H, D), F32)
+    for z0 in range(int(lo_r.min()) // SEG * SEG, int(pos_r.max()) + 1, SEG):
+        rows = np.flatnonzero((pos_r >= z0) & (lo_r < z0 + SEG))
+        if len(rows) == 0:                      # between the windows of rows far apart
+            continue
+        m, l, acc = _segment(qs[rows], K, V, slot_r[rows], kvh_r[rows], pos_r[rows], lo_r[rows], z0, ring)
+        first = lo_r[rows] >= z0                # the row's first segment: taken as it is
+        mn = np.where(m > M[rows], m, M[rows])
+        a = exp2(np.where(first, F32(0.0), M[rows] - mn))
+        b = exp2(m - mn)
+        M[rows] = np.where(first, m, mn)
+        L[rows] = np.where(first, l, L[rows] * a + l * b)
+        ACC[rows] = np.where(first[:, None], acc, ACC[rows] * a[:, None] + acc * b[:, None])
+    out[:n] = (ACC / L[:, None]).reshape(n, H * D)
+    return out
+
+
+def _segment(qs, K, V, slot_r, kvh_r, pos_r, lo_r, z0, ring):
+    """The rows' (m, l, acc) over the keys of the segment at z0, tile by tile from a fresh state."""
+    R, D = qs.shape
+    m = np.full(R, -np.inf, F32)
+    l = np.zeros(R, F32)
+    acc = np.zeros((R, D), F32)
+    for k0 in range(max(z0, int(lo_r.min()) // KT * KT), min(z0 + SEG, int(pos_r.max()) + 1), KT):
         a = np.flatnonzero((pos_r >= k0) & (lo_r < k0 + KT))
         col = np.arange(KT)[None, :]
         valid = (col < np.minimum(KT, pos_r[a] - k0 + 1)[:, None]) & (col >= (lo_r[a] - k0)[:, None])
-        kg = K[slot_r[a], k0:k0 + KT, kvh_r[a]]                      # [Ra, KT, D]
-        vg = V[slot_r[a], k0:k0 + KT, kvh_r[a]]
+        r0 = k0 % ring if ring else k0                              # the tile's first row
+        kg = K[slot_r[a], r0:r0 + KT, kvh_r[a]]                      # [Ra, KT, D]
+        vg = V[slot_r[a], r0:r0 + KT, kvh_r[a]]
         s = np.zeros((len(a), KT), F32)
         for d in range(D):
             s = s + qs[a, d, None] * kg[:, :, d]
@@ -208,8 +245,7 @@ def attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, wi
             aa = np.where(vj[:, None], aa + p[:, j, None] * vg[:, j, :], aa)
             la = np.where(vj, la + p[:, j], la)
         m[a], l[a], acc[a] = mnew, la, aa
-    out[:n] = (acc / l[:, None]).reshape(n, H * D)
-    return out
+    return m, l, acc
 
 
 class Attention:
@@ -220,5 +256,5 @@ class Attention:
             raise ValueError(f"this machine cannot run the {isa} attention kernel; it can: scalar")
         self.pool, self.isa = pool, "scalar"
 
-    def __call__(self, q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window=0):
-        return attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window)
+    def __call__(self, q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window=0, ring=0):
+        return attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window, ring)

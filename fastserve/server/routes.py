@@ -29,14 +29,26 @@ def health(app, req, ex):
 def slots(app, req, ex):
     if not app.config.slots:
         raise HttpError(501, "This server does not support slots endpoint. Start it with `--slots`")
-    snap = app.engine.snapshot
-    n_ctx = app.engine.n_ctx_slot
+    eng = app.engine
+    snap = eng.snapshot
+    n_ctx = eng.n_ctx_slot
     if req.query.get("fail_on_no_slot") not in (None, "", "0", "false") and IDLE not in snap.slot_state:
         raise HttpError(503, "no slot available")
+    # Sliding-window models: n_swa keys per local layer, which keeps swa_ring positions per slot (0: all);
+    # an idle slot's cached prefix is reused by a prompt sharing m tokens with it only for m in
+    # swa_reusable = [lo, n_tokens] (null while the slot is busy); a shorter shared prefix reuses nothing.
+    window, ring = eng.model.config.sliding_window, eng.backend.kv_ring
     return json_response([
         {"id": i, "id_task": job or -1, "n_ctx": n_ctx, "is_processing": state != IDLE,
-         "state": SlotState(state).name.lower(), "n_tokens": n_tok, "speculative": False}
-        for i, (state, n_tok, job) in enumerate(zip(snap.slot_state, snap.slot_tokens, snap.slot_job))])
+         "state": SlotState(state).name.lower(), "n_tokens": n_tok, "speculative": False,
+         "n_swa": window, "swa_ring": ring, "swa_reusable": _reusable(lo, n_tok) if state == IDLE else None}
+        for i, (state, n_tok, job, lo) in enumerate(zip(snap.slot_state, snap.slot_tokens, snap.slot_job,
+                                                         snap.slot_reuse_from))])
+
+
+def _reusable(lo: int, n_tokens: int) -> list:
+    """[lo, n_tokens], or [0, 0] when the ring holds too little of the prefix for any reuse."""
+    return [lo, n_tokens] if lo <= n_tokens else [0, 0]
 
 
 def metrics(app, req, ex):

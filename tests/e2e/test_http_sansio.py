@@ -141,7 +141,9 @@ def _call(app, method, target, body=b""):
 def test_routes_without_a_socket(app):
     r = _call(app, "GET", "/health")
     assert r.status == 200 and orjson.loads(r.body) == {"status": "ok"}
-    assert len(orjson.loads(_call(app, "GET", "/slots").body)) == 2
+    slots = orjson.loads(_call(app, "GET", "/slots").body)
+    assert len(slots) == 2 and all((s["n_swa"], s["swa_ring"], s["swa_reusable"]) == (0, 0, [0, s["n_tokens"]])
+                                   for s in slots)          # no sliding window: any prefix is reusable
     assert b"fastserve_requests_running 0" in _call(app, "GET", "/metrics").body
     toks = orjson.loads(_call(app, "POST", "/tokenize", b'{"content": "hi"}').body)["tokens"]
     assert orjson.loads(_call(app, "POST", "/detokenize", orjson.dumps({"tokens": toks})).body)["content"] == "hi"

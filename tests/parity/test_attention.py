@@ -224,6 +224,12 @@ def test_long_context_positions_match_twin(tk, G, window):
     want = _run(R.Attention(), q, kc, vc, tk, tk, np.zeros(6), pos, 0.125, window)
     for isa in C.isas():
         _same_bits(_run(C.Attention(isa=isa), q, kc, vc, tk, tk, np.zeros(6), pos, 0.125, window), want)
+        # decode steps: each row alone, its key segments spread over the threads
+        for threads in (2, 3):
+            attn = C.Attention(Pool(threads), isa=isa)
+            for i in range(6):
+                _same_bits(_run(attn, q[i:i + 1], kc, vc, tk, tk, np.zeros(1), pos[i:i + 1], 0.125, window),
+                           want[i:i + 1])
 
 
 @pytest.mark.parametrize("tk,window", [(t, 0) for t in TYPES] + [("f16", 50), ("q8_0", 129)])
@@ -257,6 +263,90 @@ def test_batch_chunking_and_threads_change_no_bit(tk, window):
         _same_bits(_run(attn, qq, kc, vc, tk, tk, ss, pp, 0.125, window)[5:6], whole[i:i + 1])
 
 
+def _ring_caches(tk, tv, n_slots, ring, Hkv, D):
+    return tuple(np.zeros((n_slots, ring // C.KT, Hkv, mod_bytes), np.uint8) if i == 0 else
+                 np.zeros((n_slots, ring, Hkv, mod_bytes), np.uint8)
+                 for i, mod_bytes in enumerate((C.k_tile_bytes(tk, D), C.row_bytes(tv, D))))
+
+
+@pytest.mark.parametrize("tk,tv,window,ring,chunk", [("f16", "f16", 50, 128, 7), ("q8_0", "f32", 64, 128, 65),
+                                                      ("f32", "f16", 1, 64, 1), ("f16", "q8_0", 100, 192, 40)])
+def test_ring_gives_the_bits_of_the_whole_cache(tk, tv, window, ring, chunk):
+    """A prefill of 700 tokens (positions wrap the ring several times) in chunks, each chunk stored then
+    attended as a step does, into a ring of `ring` positions (>= window + chunk - 1): every row's output
+    has the bits of the same rows over a cache of every position, on every kernel and the twin; the
+    ring's bytes are the twin's."""
+    assert ring >= window + chunk - 1
+    D, Hkv, G, n = 64, 2, 3, 700
+    rng = np.random.default_rng(window + chunk)
+    kx = (rng.standard_normal((n, Hkv, D)) * 2).astype(np.float32)
+    vx = rng.standard_normal((n, Hkv, D)).astype(np.float32)
+    q = rng.standard_normal((n, Hkv * G, D)).astype(np.float32)
+    pos, slots = np.arange(n, dtype=np.int64), np.ones(n, np.int64)
+    full = _caches(C, tk, tv, 2, n, Hkv, D)
+    C.store(tk, tv, *full, kx, vx, slots, pos)
+    want = _run(C.Attention(), q, *full, tk, tv, slots, pos, 0.125, window)
+    rings = {mod: _ring_caches(tk, tv, 2, ring, Hkv, D) for mod in (C, R)}
+    kernels = {isa: C.Attention(isa=isa) for isa in C.isas()}
+    kernels["2 threads"] = C.Attention(Pool(2))          # the work split over threads (and key segments)
+    outs = {isa: [] for isa in kernels}
+    twin = []
+    for i in range(0, n, chunk):
+        c = slice(i, i + chunk)
+        for mod, (kc, vc) in rings.items():
+            mod.store(tk, tv, kc, vc, kx[c], vx[c], slots[c], pos[c], ring=ring)
+        assert all(np.array_equal(a, b) for a, b in zip(rings[C], rings[R]))
+        for isa, attn in kernels.items():
+            out = np.full((len(q[c]), Hkv * G * D), np.nan, np.float32)
+            attn(q[c], *rings[C], tk, tv, slots[c], pos[c], out, 0.125, window=window, ring=ring)
+            outs[isa].append(out)
+        if i % (3 * chunk) == 0 or i + chunk >= n:          # the twin is slow: every third chunk
+            out = np.full((len(q[c]), Hkv * G * D), np.nan, np.float32)
+            R.Attention()(q[c], *rings[R], tk, tv, slots[c], pos[c], out, 0.125, window=window, ring=ring)
+            _same_bits(out, want[c])
+            twin.append(i)
+    for isa in kernels:
+        _same_bits(np.concatenate(outs[isa]), want)
+    assert n // ring >= 3 and len(twin) >= 3
+
+
+@pytest.mark.parametrize("mod", [C, R])
+def test_ring_move_rows_address_positions_mod_the_ring(mod):
+    """A save of positions past the ring's size reads them where store put them (row p % R); a restore
+    into another slot puts them back there."""
+    tk, tv, D, Hkv, ring = "q8_0", "f16", 64, 2, 128
+    rng = np.random.default_rng(3)
+    kx = rng.standard_normal((300, Hkv, D)).astype(np.float32)
+    kc, vc = _ring_caches(tk, tv, 2, ring, Hkv, D)
+    mod.store(tk, tv, kc, vc, kx, kx, np.zeros(300, np.int64), np.arange(300, dtype=np.int64), ring=ring)
+    kr = np.zeros((100, Hkv, C.row_bytes(tk, D)), np.uint8)
+    vr = np.zeros((100, Hkv, C.row_bytes(tv, D)), np.uint8)
+    mod.move_rows(tk, tv, kc, vc, D, 0, 190, kr, vr, False, ring=ring)       # positions 190..289: rows 62..127, 0..33
+    for h in range(Hkv):
+        x = np.ascontiguousarray(kx[190:290, h])
+        assert np.array_equal(kr[:, h], C.encode_rows(tk, x)) and np.array_equal(vr[:, h], C.encode_rows(tv, x))
+    mod.move_rows(tk, tv, kc, vc, D, 1, 190, kr, vr, True, ring=ring)
+    K, V = R.cache_values(tk, tv, kc, vc, D)
+    rows = np.arange(190, 290) % ring
+    assert np.array_equal(K[1, rows], K[0, rows]) and np.array_equal(V[1, rows], V[0, rows])
+
+
+def test_ring_bad_input_is_refused():
+    kc, vc = _ring_caches("f16", "f16", 1, 128, 1, 64)
+    q, out = np.zeros((1, 2, 64), np.float32), np.zeros((1, 128), np.float32)
+    one = np.zeros(1, np.int64)
+    for mod in (C, R):
+        with pytest.raises(ValueError, match="multiple of 64"):
+            mod.store("f16", "f16", kc, vc, q[:, :1], q[:, :1], one, one, ring=100)
+        with pytest.raises(ValueError, match="a cache of that many"):
+            mod.store("f16", "f16", kc, vc, q[:, :1], q[:, :1], one, one, ring=192)
+        with pytest.raises(ValueError, match="holds a window of at most"):
+            mod.Attention()(q, kc, vc, "f16", "f16", one, one, out, 0.1, window=0, ring=128)
+        with pytest.raises(ValueError, match="holds a window of at most"):
+            mod.Attention()(q, kc, vc, "f16", "f16", one, one, out, 0.1, window=129, ring=128)
+    C.Attention()(q, kc, vc, "f16", "f16", one, one + 10_000, out, 0.1, window=128, ring=128)   # any position
+
+
 def test_bad_input_is_refused():
     kc, vc = _filled("f16", "f16", 2, 100, 2, 64, seed=11)
     attn = C.Attention()
@@ -287,19 +377,26 @@ HARNESS = r"""
 static uint32_t rs = 12345;
 static uint32_t rnd(void) { rs = rs * 1664525u + 1013904223u; return rs >> 8; }
 static float frnd(void) { return ((float)(rnd() % 20001) - 10000.0f) / 3000.0f; }
-static void run(int isa, const float *q, const uint8_t *k, const uint8_t *v, const int64_t *slots, const int64_t *pos,
-                int64_t n, int64_t H, int64_t Hkv, int64_t D, int64_t n_ctx, int tk, int tv, int64_t window, float *out) {
+/* threads > 1: planned as for that many threads (few items: split by key segment), run here on one. */
+static void run(int isa, int threads, const float *q, const uint8_t *k, const uint8_t *v, const int64_t *slots,
+                const int64_t *pos, int64_t n, int64_t H, int64_t Hkv, int64_t D, int64_t n_ctx, int tk, int tv,
+                int64_t window, float *out) {
     int64_t G = H / Hkv, Dp = (D + 15) / 16 * 16, per = fs_attn_tokens_per_item(G), nq = 0;
     int64_t ts[64], tl[64];
     for (int64_t i = 0; i < n; i++)           /* token tiles as _attention.pyx makes them */
         if (nq > 0 && slots[i] == slots[ts[nq - 1]] && tl[nq - 1] < per) tl[nq - 1]++;
         else { ts[nq] = i; tl[nq] = 1; nq++; }
-    int64_t sb = (fs_attn_scratch_floats(D, Dp, per * G) * 4 + 63) / 64 * 64;
-    int busy = 0;
+    int64_t sb = (fs_attn_scratch_floats(D, Dp) * 4 + 63) / 64 * 64;
+    int busy[64] = {0};
     fs_attn_job jb = {q, k, v, slots, pos, ts, tl, out, nq, H, Hkv, D, Dp, G, n_ctx, (n_ctx + FS_KT - 1) / FS_KT,
-                      window, tk, tv, 0.125f * FS_LOG2E, malloc(sb), &busy, 1, sb, fs_attn_isa_for(isa)};
-    fs_attn_task(&jb, 0, nq * Hkv);
+                      window, tk, tv, 0.125f * FS_LOG2E, malloc(sb), busy, threads, sb, fs_attn_isa_for(isa)};
+    int64_t items = fs_attn_plan(&jb);
+    if (threads > 1 && !jb.split) { printf("not split\n"); exit(2); }
+    jb.partial = malloc((fs_attn_partial_floats(&jb) + 1) * sizeof(float));
+    fs_attn_task(&jb, 0, items);              /* one call: it takes the first scratch area */
+    fs_attn_merge(&jb);
     free(jb.scratch);
+    free(jb.partial);
 }
 int main(void) {
     const int64_t Ds[] = {32, 48, 64, 128, 256}, Gs[] = {1, 8}, windows[] = {0, 1, 17, 100};
@@ -307,7 +404,7 @@ int main(void) {
     int fails = 0, checks = 0;
     for (int isa = 0; isa <= 3; isa++) printf("isa %d supported %d\n", isa, fs_attn_isa_supported(isa));
     for (int di = 0; di < 5; di++) for (int gi = 0; gi < 2; gi++) for (int t = 0; t < 3; t++) {
-        int64_t D = Ds[di], G = Gs[gi], Hkv = 1 + (di + gi) % 2, H = Hkv * G, n_slots = 2, n_ctx = 150, n = 24;
+        int64_t D = Ds[di], G = Gs[gi], Hkv = 1 + (di + gi) % 2, H = Hkv * G, n_slots = 2, n_ctx = 200, n = 24;
         int tk = t, tv = (t + di) % 3;
         if ((tk == FS_KV_Q8_0 || tv == FS_KV_Q8_0) && D % FS_QB) continue;
         int64_t ntile = (n_ctx + FS_KT - 1) / FS_KT, kb = fs_k_tile_bytes(tk, D), vb = fs_kv_row_bytes(tv, D);
@@ -327,16 +424,17 @@ int main(void) {
         for (int64_t i = 8; i < 16; i++) { slots[i] = 0; pos[i] = 58 + i; }   /* a run across a tile edge */
         pos[0] = 0; pos[1] = n_ctx - 1;
         for (int w = 0; w < 4; w++) {
-            run(FS_ATTN_SCALAR, q, kc, vc, slots, pos, n, H, Hkv, D, n_ctx, tk, tv, windows[w], o0);
+            run(FS_ATTN_SCALAR, 1, q, kc, vc, slots, pos, n, H, Hkv, D, n_ctx, tk, tv, windows[w], o0);
             const uint8_t *b = (const uint8_t *)o0;
             for (int64_t i = 0; i < n * H * D * 4; i++) hash = (hash ^ b[i]) * 1099511628211ull;
-            for (int isa = 1; isa <= 3; isa++) {
-                if (!fs_attn_isa_supported(isa)) continue;
-                memset(o1, 0xff, n * H * D * 4);
-                run(isa, q, kc, vc, slots, pos, n, H, Hkv, D, n_ctx, tk, tv, windows[w], o1);
-                checks++;
-                if (memcmp(o0, o1, n * H * D * 4)) { fails++; printf("MISMATCH isa %d D %ld G %ld types %d %d window %ld\n", isa, (long)D, (long)G, tk, tv, (long)windows[w]); }
-            }
+            for (int isa = 0; isa <= 3; isa++)
+                for (int threads = 1; threads <= 64; threads += 63) {   /* 64: split by key segment */
+                    if (!fs_attn_isa_supported(isa) || (isa == 0 && threads == 1)) continue;
+                    memset(o1, 0xff, n * H * D * 4);
+                    run(isa, threads, q, kc, vc, slots, pos, n, H, Hkv, D, n_ctx, tk, tv, windows[w], o1);
+                    checks++;
+                    if (memcmp(o0, o1, n * H * D * 4)) { fails++; printf("MISMATCH isa %d threads %d D %ld G %ld types %d %d window %ld\n", isa, threads, (long)D, (long)G, tk, tv, (long)windows[w]); }
+                }
         }
         free(kc); free(vc); free(q); free(o0); free(o1);
     }

@@ -58,3 +58,64 @@ def test_a_type_the_head_size_cannot_hold_is_refused():
         KVCache(L, 1, 64, HKV, 48, "f16", "q8_0")
     with pytest.raises(ConfigError, match="--cache-type-k bf16: unknown KV cache type"):
         KVCache(L, 1, 64, HKV, 64, "bf16", "f16")
+
+
+# -- sliding-window layers in a ring -------------------------------------------------------------
+
+LOCAL = (True, False)           # layer 0 local (a ring), layer 1 global (every position)
+
+
+def test_ring_size_is_the_window_plus_a_step_in_whole_tiles_below_the_context():
+    from fastserve.backends.kv_cache import ring_size
+    assert ring_size(512, 512, 32768) == 1024 and ring_size(512, 1, 32768) == 512
+    assert ring_size(8, 57, 512) == 64 and ring_size(8, 58, 512) == 128
+    assert ring_size(512, 512, 1024) == 0 and ring_size(512, 512, 1000) == 0      # no smaller than the context
+    assert ring_size(0, 512, 32768) == 0
+    kv = KVCache(2, 2, 4096, HKV, D, window=100, local_layers=LOCAL, step_tokens=30)
+    assert kv.ring == 192 and kv.rings == [192, 0]
+    assert kv.v[0].shape[1] == 192 and kv.k[0].shape[1] == 3 and kv.v[1].shape[1] == 4096
+    assert KVCache(2, 2, 4096, HKV, D, window=100, local_layers=(False, False), step_tokens=30).ring == 0
+
+
+def _ring_filled(kernels=None, n=300, step=30):
+    kv = KVCache(2, 2, 1024, HKV, D, "q8_0", "f16", window=20, local_layers=LOCAL, step_tokens=step,
+                 **({"kernels": kernels} if kernels else {}))
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((n, HKV, D)).astype(np.float32)
+    for i in range(0, n, step):                 # a prefill in steps, as the forward pass stores it
+        slots, pos = np.ones(len(x[i:i + step]), np.int64), np.arange(i, min(n, i + step), dtype=np.int64)
+        kv.begin_step(slots, pos)
+        for li in range(2):
+            kv.store(li, x[i:i + step], x[i:i + step], slots, pos)
+    return kv
+
+
+def test_ring_store_save_restore_match_the_twin_and_track_what_is_held():
+    kv, ref = _ring_filled(), _ring_filled(twin)
+    assert kv.ring == 64 and all(np.array_equal(a, b) for a, b in zip(kv.k + kv.v, ref.k + ref.v))
+    # the ring holds positions 236..299 of slot 1: a continuation needs the 19 keys before it
+    assert kv.held_from(1, 300) == 236 and kv.reuse_from(1, 300) == 236 + 19
+    assert kv.held_from(1, 250) == 236 and kv.held_from(0, 10) == 10 and kv.held_from(0, 0) == 0
+    n = 300
+    buf, ref_buf = np.zeros(n * kv.bytes_per_token(), np.uint8), np.zeros(n * kv.bytes_per_token(), np.uint8)
+    kv.save_slot(1, 0, n, buf)
+    ref.save_slot(1, 0, n, ref_buf)
+    assert np.array_equal(buf, ref_buf)
+    kv.restore_slot(0, 0, n, buf, held_from=kv.held_from(1, n))
+    assert all(np.array_equal(a[0], a[1]) for a in kv.k + kv.v) and kv.held_from(0, n) == 236
+    kv.restore_slot(0, 0, n, buf, held_from=280)         # a copy whose ring held less: so does the slot
+    assert kv.held_from(0, n) == 280 and kv.reuse_from(0, n) == 299
+    kv.copy_slot(1, 0, 290)                             # positions 290.. are past the copy: not held
+    assert kv.held_from(0, 290) == 236 and kv.held_from(0, 300) == 300
+
+
+def test_ring_refuses_a_step_longer_than_it_was_sized_for():
+    kv = _ring_filled(n=60)
+    x = np.zeros((31, HKV, D), np.float32)
+    with pytest.raises(ValueError, match="more than 30 tokens into one slot"):
+        kv.begin_step(np.zeros(31, np.int64), np.arange(31, dtype=np.int64))
+    kv.begin_step(np.repeat([0, 1], [16, 15]).astype(np.int64), np.arange(31, dtype=np.int64))   # two slots
+    with pytest.raises(ValueError, match="slots must be in"):
+        kv.begin_step(np.array([2]), np.array([0]))
+    with pytest.raises(ValueError, match="positions >= 0"):
+        kv.begin_step(np.array([0]), np.array([-1]))
