@@ -4,7 +4,7 @@
 The KV cache is stored in f32, f16 or q8_0 (llama-server's cache types) and attention reads it
 directly, flash-attention style: the queries of a (token tile, KV head) run against the slot's
 keys in tiles of KT positions at fixed absolute places (0, 64, 128, ...), with an online softmax
-(running max, running sum) merged in tile order within each segment of SEG keys (0, 128, ...),
+(running max, running sum) merged in tile order within each segment of SEG keys (0, 512, ...),
 and the segments' states merged in segment order (so that the segments of one long decode row can
 run on different threads). Every (token, head) output is a fixed sequence of
 float32 operations (_attention_kernels.h states it), so it never depends on the batch, on how a
