@@ -4,7 +4,7 @@
 The KV cache is stored in f32, f16 or q8_0 (llama-server's cache types) and attention reads it
 directly, flash-attention style: the queries of a (token tile, KV head) run against the slot's
 keys in tiles of KT positions at fixed absolute places (0, 64, 128, ...), with an online softmax
-(running max, running sum) merged in tile order within each segment of SEG keys (0, 128, ...),
+(running max, running sum) merged in tile order within each segment of SEG keys (0, 512, ...),
 and the segments' states merged in segment order (so that the segments of one long decode row can
 run on different threads). Every (token, head) output is a fixed sequence of
 float32 operations (_attention_kernels.h states it), so it never depends on the batch, on how a
@@ -341,7 +341,13 @@ cdef class Attention:
         job.c = scale * FS_LOG2E
         job.scratch, job.scratch_busy, job.n_scratch, job.scratch_bytes = self.scratch, self.busy, self.n_scratch, self.scratch_bytes
         job.isa = self.kern
-        cdef int64_t n_items = fs_attn_plan(&job), need = fs_attn_partial_floats(&job)
+        self._run(&job)
+        return out
+
+    cdef int _run(self, fs_attn_job *job) except -1:
+        """A job whose inputs are set: its work items planned (the segments' states sized), run on the
+        pool without the GIL, and a split job's segments merged into out."""
+        cdef int64_t n_items = fs_attn_plan(job), need = fs_attn_partial_floats(job)
         if need > self.partial_floats:
             free(self.partial)
             self.partial = <float *>malloc(need * sizeof(float))
@@ -352,8 +358,8 @@ cdef class Attention:
         cdef fs_pool *pl = (<Pool>self.pool).pl if self.pool is not None else NULL
         with nogil:
             if pl != NULL:
-                pool_run(pl, <fs_task_fn>fs_attn_task, &job, n_items, 1)
+                pool_run(pl, <fs_task_fn>fs_attn_task, job, n_items, 1)
             else:
-                fs_attn_task(&job, 0, n_items)
-            fs_attn_merge(&job)
-        return out
+                fs_attn_task(job, 0, n_items)
+            fs_attn_merge(job)
+        return 0

@@ -64,7 +64,9 @@
 #define FS_QB 32                  /* values per q8_0 block */
 #define FS_Q8_BLOCK 34            /* bytes per q8_0 block: fp16 scale + 32 int8 */
 #define FS_ROWS 64                /* most query rows (tokens x heads of a KV head) in one work item */
-#define FS_SEG 128                /* keys per segment (positions 0, 128, ...), a multiple of FS_KT */
+#ifndef FS_SEG                    /* (the C harness of tests/parity sets it smaller) */
+#define FS_SEG 512                /* keys per segment (positions 0, 512, ...), a multiple of FS_KT */
+#endif
 #define FS_SPLIT_BELOW 4          /* fewer (token tile, KV head) items than this per thread: split by segment */
 #define FS_MAX_DP 1024            /* most head_dim (padded to 16) */
 
@@ -508,24 +510,28 @@ static void fs_attn_task(void *ctx, int64_t begin, int64_t end)
     __atomic_store_n(&jb->scratch_busy[k], 0, __ATOMIC_RELEASE);
 }
 
-/* The job's work items, given its token tiles: one per (token tile, KV head) when there are enough
- * of them to keep n_scratch threads busy (a prefill chunk, a batch of decode rows); else (a few long
- * decode rows) one per (token tile, KV head, segment), split = 1, so that the threads share a row's
- * keys. Either way every row's numbers are the same: only who computes a segment changes. Sets
- * split and n_seg; returns the item count. A split job needs partial (fs_attn_partial_floats) and,
- * after its items ran, fs_attn_merge. */
+/* The job's work items, given its token tiles: one per (token tile, KV head), or one per token tile
+ * with all its KV heads when its rows fit one item (decode rows: their K and V are then read in
+ * address order, which the memory prefetchers follow: ~1.3x on a 2k-token decode row here). When
+ * those items are too few to keep n_scratch threads busy (a few long decode rows), one per (item,
+ * key segment), split = 1, so that the threads share a row's keys; rows shorter than a segment have
+ * nothing to split, and their KV heads go to separate items. Either way every row's numbers are the
+ * same: only who computes a segment changes. Sets split, n_seg and heads_per_item; returns the item
+ * count. A split job needs partial (fs_attn_partial_floats) and, after its items ran, fs_attn_merge. */
 static int64_t fs_attn_plan(fs_attn_job *jb)
 {
-    int64_t n = jb->tile_start[jb->n_tiles_q - 1] + jb->tile_len[jb->n_tiles_q - 1], maxpos = 0;
+    int64_t n = jb->tile_start[jb->n_tiles_q - 1] + jb->tile_len[jb->n_tiles_q - 1], maxpos = 0, longest = 0;
     for (int64_t i = 0; i < n; i++)
         maxpos = jb->pos[i] > maxpos ? jb->pos[i] : maxpos;
-    int64_t longest = 0;
     for (int64_t i = 0; i < jb->n_tiles_q; i++)
         longest = jb->tile_len[i] > longest ? jb->tile_len[i] : longest;
-    jb->heads_per_item = longest * jb->H <= FS_ROWS ? jb->Hkv : 1;
-    int64_t items = jb->n_tiles_q * (jb->Hkv / jb->heads_per_item);
+    int threads = jb->n_scratch;
     jb->n_seg = maxpos / FS_SEG + 1;
-    jb->split = jb->n_scratch > 1 && jb->n_seg > 1 && items < FS_SPLIT_BELOW * jb->n_scratch;
+    jb->heads_per_item = longest * jb->H <= FS_ROWS ? jb->Hkv : 1;
+    if (jb->n_seg == 1 && jb->n_tiles_q < threads)
+        jb->heads_per_item = 1;
+    int64_t items = jb->n_tiles_q * (jb->Hkv / jb->heads_per_item);
+    jb->split = threads > 1 && jb->n_seg > 1 && items < FS_SPLIT_BELOW * threads;
     return jb->split ? items * jb->n_seg : items;
 }
 

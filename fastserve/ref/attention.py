@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 KT = 64                 # keys per tile, at positions 0, 64, 128, ...
-SEG = 128               # keys per segment, at positions 0, 128, ...: each its own online softmax, then merged
+SEG = 512               # keys per segment, at positions 0, 512, ...: each its own online softmax, then merged
 QB = 32                 # values per q8_0 block
 KV_TYPES = {"f32": 0, "f16": 1, "q8_0": 2}
 MAX_HEAD_DIM = 1024

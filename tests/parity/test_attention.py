@@ -69,6 +69,10 @@ def test_encode_decode_match_twin(t):
         assert np.all(err <= tol) and ok.sum() > 20
 
 
+def test_twin_has_the_same_tiles_and_segments():
+    assert (C.KT, C.SEG) == (R.KT, R.SEG) and C.SEG % C.KT == 0
+
+
 def test_exp2_matches_twin_and_is_accurate():
     x = np.concatenate([-np.linspace(0, 130, 20001), [-np.inf, -126.0, -126.5, 0.0, -0.0]]).astype(np.float32)
     _same_bits(C.exp2(x), R.exp2(x))
@@ -162,13 +166,13 @@ def test_sliding_window_matches_twin_every_kernel(tk, tv, D, Hkv, G, n_slots, n_
 
 
 def test_sliding_window_is_close_to_exact_softmax_over_the_window():
-    D, Hkv, G, n_ctx = 64, 2, 4, 500
+    D, Hkv, G, n_ctx = 64, 2, 4, 1100                 # key segments of 512: windows across their edges
     kc, vc = _filled("f32", "f32", 1, n_ctx, Hkv, D, seed=15)
     K, V = R.cache_values("f32", "f32", kc, vc, D)
     rng = np.random.default_rng(16)
-    pos = np.array([0, 5, 63, 64, 65, 130, 499])
+    pos = np.array([0, 5, 63, 64, 65, 130, 499, 512, 600, 1099])
     q = rng.standard_normal((len(pos), Hkv * G, D)).astype(np.float32)
-    for window in (1, 6, 64, 65, 200):
+    for window in (1, 6, 64, 65, 200, 700):
         out = _run(C.Attention(), q, kc, vc, "f32", "f32", np.zeros(len(pos)), pos, 0.125, window)
         for t, p in enumerate(pos):
             lo = max(0, p - window + 1)
@@ -197,13 +201,13 @@ def test_sliding_window_ignores_keys_outside_it():
 
 
 def test_attend_is_close_to_exact_softmax():
-    D, Hkv, G, n_ctx = 64, 2, 3, 500
+    D, Hkv, G, n_ctx = 64, 2, 3, 1100                 # three key segments of 512, merged
     kc, vc = _filled("f32", "f32", 1, n_ctx, Hkv, D, seed=5)
     K, V = R.cache_values("f32", "f32", kc, vc, D)
     rng = np.random.default_rng(6)
-    q = rng.standard_normal((4, Hkv * G, D)).astype(np.float32)
-    pos = np.array([0, 63, 64, 499])
-    out = _run(C.Attention(), q, kc, vc, "f32", "f32", np.zeros(4), pos, 0.125)
+    pos = np.array([0, 63, 64, 499, 511, 512, 1099])
+    q = rng.standard_normal((len(pos), Hkv * G, D)).astype(np.float32)
+    out = _run(C.Attention(), q, kc, vc, "f32", "f32", np.zeros(len(pos)), pos, 0.125)
     for t, p in enumerate(pos):
         for h in range(Hkv * G):
             k, v = K[0, :p + 1, h // G].astype(np.float64), V[0, :p + 1, h // G].astype(np.float64)
@@ -234,12 +238,13 @@ def test_long_context_positions_match_twin(tk, G, window):
 
 @pytest.mark.parametrize("tk,window", [(t, 0) for t in TYPES] + [("f16", 50), ("q8_0", 129)])
 def test_batch_chunking_and_threads_change_no_bit(tk, window):
-    """A prefill of 300 tokens in one call, in chunks of 7, one row at a time (decode), mixed with
-    other slots' rows, on 1 and 2 threads and every kernel: the same bits for every row."""
-    D, Hkv, G, n_ctx = 64, 3, 3, 320
+    """A prefill of 700 tokens (two key segments) in one call, in chunks of 7, one row at a time
+    (decode: on threads, its segments split between them), mixed with other slots' rows, on 1 to 3
+    threads and every kernel: the same bits for every row."""
+    D, Hkv, G, n_ctx = 64, 3, 3, 720
     kc, vc = _filled(tk, tk, 3, n_ctx, Hkv, D, seed=9)
     rng = np.random.default_rng(10)
-    n = 300
+    n = 700
     q = rng.standard_normal((n, Hkv * G, D)).astype(np.float32)
     pos = np.arange(n)
     slots = np.ones(n)
@@ -254,7 +259,7 @@ def test_batch_chunking_and_threads_change_no_bit(tk, window):
                                      for i in range(0, n, 7)])
             _same_bits(chunks, whole)
     attn = C.Attention(Pool(2))
-    for i in rng.choice(n, 12, replace=False):
+    for i in [511, 512, n - 1, *rng.choice(n, 12, replace=False)]:
         _same_bits(_run(attn, q[i:i + 1], kc, vc, tk, tk, slots[i:i + 1], pos[i:i + 1], 0.125, window), whole[i:i + 1])
         # the same row among rows of other slots, before and after it
         qq = np.concatenate([q[:5], q[i:i + 1], q[:4]])
@@ -444,7 +449,8 @@ int main(void) {
 }
 """
 HEADER_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "fastserve")
-CFLAGS = ["-O2", "-ffp-contract=off", "-Wall", "-Wextra", "-Werror", "-Wno-unused-function",
+# FS_SEG=128: several key segments (and split plans) within the harness's 200 positions
+CFLAGS = ["-O2", "-ffp-contract=off", "-DFS_SEG=128", "-Wall", "-Wextra", "-Werror", "-Wno-unused-function",
           "-Wno-missing-field-initializers"]
 
 
