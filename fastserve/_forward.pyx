@@ -339,3 +339,50 @@ cdef class Forward:
         if f.softcap > 0:
             self._rows(_softcap, m)
         return 0
+
+
+# ---- the element-wise operations one by one, for their parity tests (tests/parity/test_layer_ops.py) ----
+
+def rms_norm(const float[:, ::1] x, const float[::1] w, float eps):
+    """x [n, d], w [d] -> float32 [n, d]: each row / rms(row) * w."""
+    out = np.zeros((x.shape[0], x.shape[1]), np.float32)
+    cdef float[:, ::1] o = out
+    cdef Py_ssize_t i
+    if w.shape[0] != x.shape[1]:
+        raise ValueError("rms_norm: w does not fit the rows")
+    for i in range(x.shape[0]):
+        fs_rms_norm(&x[i, 0], x.shape[1], &w[0], eps, &o[i, 0])
+    return out
+
+
+def rope(const float[:, :, ::1] x, const float[:, ::1] cos, const float[:, ::1] sin, int64_t rope_dim, bint neox):
+    """x [n, heads, D]; cos, sin [n, rope_dim / 2] -> float32 [n, heads, D] rotated."""
+    out = np.array(x, np.float32)
+    cdef float[:, :, ::1] o = out
+    cdef Py_ssize_t i
+    if rope_dim > x.shape[2] or cos.shape[0] != x.shape[0] or cos.shape[1] != rope_dim // 2 \
+            or sin.shape[0] != cos.shape[0] or sin.shape[1] != cos.shape[1]:
+        raise ValueError("rope: the tables do not fit x")
+    for i in range(x.shape[0]):
+        fs_rope(&o[i, 0, 0], x.shape[1], x.shape[2], rope_dim, neox, &cos[i, 0], &sin[i, 0])
+    return out
+
+
+def glu(const float[::1] gate, const float[::1] up, bint gelu):
+    """gate, up [n] -> float32 [n]: gelu(gate) * up (gelu) or silu(gate) * up."""
+    out = np.zeros(gate.shape[0], np.float32)
+    cdef float[::1] o = out
+    if up.shape[0] != gate.shape[0]:
+        raise ValueError("glu: gate and up differ in size")
+    if gate.shape[0]:
+        (fs_geglu if gelu else fs_swiglu)(&gate[0], &up[0], gate.shape[0], &o[0])
+    return out
+
+
+def softcap(const float[::1] x, float c):
+    """x [n] -> float32 [n]: c * tanh(x / c)."""
+    out = np.array(x, np.float32)
+    cdef float[::1] o = out
+    if x.shape[0]:
+        fs_softcap(&o[0], x.shape[0], c)
+    return out

@@ -21,14 +21,15 @@ def sum_squares(x: np.ndarray) -> np.ndarray:
     n, d = x.shape
     blocks = -(-d // NORM_LANES)
     sq = np.zeros((n, blocks * NORM_LANES), F32)          # the tail's missing lanes add +0: exact
-    np.multiply(x, x, out=sq[:, :d])
     acc = np.zeros((n, NORM_LANES), F32)
-    for b in range(blocks):
-        acc += sq[:, b * NORM_LANES:(b + 1) * NORM_LANES]
-    w = NORM_LANES // 2
-    while w >= 1:
-        acc = acc[:, :w] + acc[:, w:2 * w]
-        w //= 2
+    with np.errstate(over="ignore"):                       # overflow: inf, as in C
+        np.multiply(x, x, out=sq[:, :d])
+        for b in range(blocks):
+            acc += sq[:, b * NORM_LANES:(b + 1) * NORM_LANES]
+        w = NORM_LANES // 2
+        while w >= 1:
+            acc = acc[:, :w] + acc[:, w:2 * w]
+            w //= 2
     return acc[:, 0]
 
 
@@ -37,7 +38,8 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = 
     (the NumPy forward's old scratch; kept so callers need not change)."""
     ss = sum_squares(x)
     r = F32(1.0) / np.sqrt(ss / F32(x.shape[1]) + F32(eps))
-    return np.multiply(x * r[:, None], w, out=out)
+    with np.errstate(invalid="ignore"):                    # inf rows: x * 0, as in C
+        return np.multiply(x * r[:, None], w, out=out)
 
 
 def head_norm(x: np.ndarray, w: np.ndarray, eps: float, ms=None) -> None:
