@@ -40,8 +40,7 @@ cdef extern from "_layer_ops.h" nogil:
     void fs_softcap(float *x, int64_t n, float c)
 
 # Rows from which an element-wise stage is split over the pool (below, the hand-off costs more).
-cdef enum:
-    PARALLEL_ROWS = 16
+PARALLEL_ROWS = 16
 
 
 cdef struct fs_layer:
@@ -175,6 +174,7 @@ cdef class Forward:
     cdef list _keep
     cdef list _bufs                 # the activations' arrays
     cdef readonly int64_t rows
+    cdef public int64_t parallel_rows   # batches of this many rows split their element-wise stages over the pool
     cdef int64_t n_vocab, n_slots, n_ctx
 
     def __cinit__(self):
@@ -226,6 +226,7 @@ cdef class Forward:
         f.out_norm = self._vec(weights.out_norm, f.d)
         self.rows = 0
         self._grow(max(1, rows))
+        self.parallel_rows = PARALLEL_ROWS
 
     cdef const float *_vec(self, a, int64_t n) except? NULL:
         """A float32 vector of n (kept), or NULL for None."""
@@ -304,7 +305,7 @@ cdef class Forward:
     cdef void _rows(self, fs_task_fn stage, int64_t n) noexcept nogil:
         """stage over batch rows [0, n): on the pool when the batch is big, else on this thread."""
         cdef int threads = self.pool.threads
-        if threads > 1 and n >= PARALLEL_ROWS:
+        if threads > 1 and n >= self.parallel_rows:
             pool_run(self.pool.pl, stage, &self.f, n, (n + 2 * threads - 1) // (2 * threads))
         else:
             stage(&self.f, 0, n)
