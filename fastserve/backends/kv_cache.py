@@ -86,6 +86,9 @@ class KVCache:
         if not self.ring:
             return
         n = len(positions)
+        if n and (slots.min() < 0 or slots.max() >= self.n_slots or positions.min() < 0):
+            raise ValueError(f"slots must be in [0, {self.n_slots}) and positions >= 0, got slots "
+                             f"{slots.min()}..{slots.max()}, positions from {positions.min()}")
         if n > self.step_tokens and np.bincount(slots, minlength=self.n_slots).max() > self.step_tokens:
             raise ValueError(f"a step wrote more than {self.step_tokens} tokens into one slot: the ring of "
                              f"{self.ring} positions holds a window of {self.window} only for that many")

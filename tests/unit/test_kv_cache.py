@@ -115,3 +115,7 @@ def test_ring_refuses_a_step_longer_than_it_was_sized_for():
     with pytest.raises(ValueError, match="more than 30 tokens into one slot"):
         kv.begin_step(np.zeros(31, np.int64), np.arange(31, dtype=np.int64))
     kv.begin_step(np.repeat([0, 1], [16, 15]).astype(np.int64), np.arange(31, dtype=np.int64))   # two slots
+    with pytest.raises(ValueError, match="slots must be in"):
+        kv.begin_step(np.array([2]), np.array([0]))
+    with pytest.raises(ValueError, match="positions >= 0"):
+        kv.begin_step(np.array([0]), np.array([-1]))
