@@ -77,6 +77,22 @@ def test_a_tokens_logits_do_not_depend_on_its_batch_chunk_or_threads(models, arc
         assert np.array_equal(r, results[0])
 
 
+def test_a_ring_is_the_reference_bit_for_bit(models):
+    """Gemma's local layers in a ring (window 5, steps of 8: 64 positions, wrapped 3 times): the C
+    forward and the reference the same bits, through a chunked prefill and decode steps."""
+    model = models["gemma3"]
+    cfg = model.config
+    toks = np.random.default_rng(3).integers(0, cfg.n_vocab, 200)
+    outs = []
+    for kw in ({"threads": 2}, {"reference": True}):
+        be = NumpyBackend(cfg, model.weights, 1, 256, max_tokens=8, **kw)
+        assert be.kv_ring == 64
+        outs.append([be.forward(toks[c:c + 8], np.arange(c, min(200, c + 8)), np.zeros(len(toks[c:c + 8]), int),
+                                [len(toks[c:c + 8]) - 1]).copy() for c in range(0, 200, 8)])
+    for got, want in zip(*outs):
+        assert np.array_equal(got, want)
+
+
 def test_bad_rows_are_refused(models):
     model = models["llama"]
     be = NumpyBackend(model.config, model.weights, 2, 16)
