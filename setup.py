@@ -67,6 +67,13 @@ def extensions():
             depends += [os.path.join("fastserve", "_attention_kernels.h"), os.path.join("fastserve", "_attention_simd.h")]
             # The same: every float operation of attention is specified (twin: fastserve/ref/attention.py).
             ext_args += ["-ffp-contract=off"]
+        if name == "fastserve._forward":
+            depends += [os.path.join("fastserve", h) for h in ("_layer_ops.h", "_attention_kernels.h", "_attention_simd.h",
+                                                               "_matmul.pxd", "_attention.pxd")]
+            # The element-wise operations are specified operation by operation too (twin: fastserve/ref/layer_ops.py).
+            # -fno-trapping-math changes no result (only whether FP exceptions may be raised): it lets GCC
+            # vectorise the selects of exp2 / sigmoid (else "control flow in loop").
+            ext_args += ["-ffp-contract=off", "-fno-trapping-math"]
         exts.append(Extension(name, [pyx], define_macros=macros, extra_compile_args=ext_args,
                               extra_link_args=link_args, depends=depends))
     return cythonize(

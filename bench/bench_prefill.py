@@ -101,6 +101,8 @@ def _attention_share(model, nb, n_slots: int, n_held: int, threads: int, np) -> 
             return r
         return call
 
+    if hasattr(be, "reference"):            # the C forward calls attention from C: time the reference
+        be.reference = True                 # forward's calls (the same attention; its glue is NumPy's)
     if hasattr(be, "_attn"):
         be._attn = timed(be._attn)
     else:                                   # an older tree: a module-level attend()

@@ -40,8 +40,6 @@ cdef extern from "_attention_kernels.h" nogil:
         FS_ATTN_AVX2
         FS_ATTN_AVX512
         FS_ATTN_NEON
-    ctypedef struct fs_attn_isa:
-        int rb
     ctypedef struct fs_attn_job:
         const float *q
         const uint8_t *k
@@ -199,16 +197,34 @@ def store(str type_k, str type_v, uint8_t[:, :, :, ::1] k_cache, uint8_t[:, :, :
         raise ValueError(f"store: k {np.shape(k)}, v {np.shape(v)} and the cache's {k_cache.shape[2]} KV heads disagree")
     _check_cache(k_cache, v_cache, tk, tv, D, ring)
     _check_rows(slots, positions, n, k_cache.shape[0], v_cache.shape[1], ring)
-    cdef uint8_t row[4096]              # one head row of up to MAX_HEAD_DIM float32
-    cdef int64_t p
-    with nogil:
-        for i in range(n):
-            p = _row(positions[i], ring)
-            for h in range(Hkv):
-                fs_kv_encode(tk, &k[i, h, 0], 1, D, row)
-                fs_k_tile_move(tk, &k_cache[slots[i], p // FS_KT, h, 0], D, p % FS_KT, row, 1)
-                fs_kv_encode(tv, &v[i, h, 0], 1, D, &v_cache[slots[i], p, h, 0])
+    cdef kv_layer kv = _layer(k_cache, v_cache, tk, tv, D, ring)
+    if n:
+        with nogil:
+            store_rows(&kv, &k[0, 0, 0], &v[0, 0, 0], Hkv * D, &slots[0], &positions[0], n)
     return None
+
+
+cdef kv_layer _layer(const uint8_t[:, :, :, ::1] k_cache, const uint8_t[:, :, :, ::1] v_cache, int tk, int tv,
+                     int64_t D, int64_t ring):
+    cdef kv_layer kv
+    kv.k, kv.v = <uint8_t *>&k_cache[0, 0, 0, 0], <uint8_t *>&v_cache[0, 0, 0, 0]
+    kv.n_slots, kv.n_ktiles, kv.n_ctx, kv.Hkv, kv.D = k_cache.shape[0], k_cache.shape[1], v_cache.shape[1], k_cache.shape[2], D
+    kv.type_k, kv.type_v, kv.ring = tk, tv, ring
+    return kv
+
+
+cdef void store_rows(const kv_layer *kv, const float *k, const float *v, int64_t ld, const int64_t *slots,
+                     const int64_t *positions, int64_t n) noexcept nogil:
+    cdef uint8_t row[4096]              # one head row of up to MAX_HEAD_DIM float32
+    cdef int64_t i, h, p, D = kv.D, Hkv = kv.Hkv
+    cdef int64_t kb = fs_k_tile_bytes(kv.type_k, D), vb = fs_kv_row_bytes(kv.type_v, D)
+    for i in range(n):
+        p = _row(positions[i], kv.ring)
+        for h in range(Hkv):
+            fs_kv_encode(kv.type_k, k + i * ld + h * D, 1, D, row)
+            fs_k_tile_move(kv.type_k, kv.k + ((slots[i] * kv.n_ktiles + p // FS_KT) * Hkv + h) * kb, D, p % FS_KT,
+                           row, 1)
+            fs_kv_encode(kv.type_v, v + i * ld + h * D, 1, D, kv.v + ((slots[i] * kv.n_ctx + p) * Hkv + h) * vb)
 
 
 def move_rows(str type_k, str type_v, uint8_t[:, :, :, ::1] k_cache, uint8_t[:, :, :, ::1] v_cache,
@@ -245,23 +261,15 @@ cdef class Attention:
     split over (token tile, KV head) items, or, when those are too few for the threads (long decode
     rows), over (token tile, KV head, key segment) items whose states are merged after (the same
     numbers either way). isa: "auto" or a name from isas(). Holds the per-thread scratch and the
-    segments' states (grown on demand, never shrunk). One caller at a time."""
-    cdef readonly str isa
-    cdef readonly object pool
-    cdef const fs_attn_isa *kern
-    cdef uint8_t *scratch
-    cdef float *partial
-    cdef int64_t partial_floats
-    cdef int *busy
-    cdef int n_scratch
-    cdef int64_t scratch_bytes
-    cdef int64_t[::1] tile_start, tile_len
+    segments' states (grown on demand, never shrunk). One caller at a time. (Attributes: _attention.pxd.)"""
 
     def __cinit__(self):
         self.scratch = NULL
         self.partial = NULL
         self.partial_floats = 0
         self.busy = NULL
+        self.tile_start = self.tile_len = NULL
+        self.tile_cap = 0
 
     def __init__(self, Pool pool=None, str isa="auto"):
         if isa == "auto":
@@ -278,26 +286,75 @@ cdef class Attention:
             raise MemoryError("Attention: out of memory")
         memset(self.busy, 0, self.n_scratch * sizeof(int))
         self.scratch_bytes = 0
-        self.tile_start = np.zeros(0, np.int64)
-        self.tile_len = np.zeros(0, np.int64)
 
     def __dealloc__(self):
         free(self.scratch)
         free(self.partial)
         free(self.busy)
+        free(self.tile_start)
+        free(self.tile_len)
 
-    cdef int _reserve(self, int64_t D, int64_t Dp, int64_t G, int64_t n) except -1:
+    cdef int _reserve(self, int64_t D, int64_t Dp, int64_t G, int64_t n) noexcept nogil:
+        """Grows the scratch to fit; -1 when out of memory."""
         cdef int64_t need = (fs_attn_scratch_floats(D, Dp) * 4 + 63) // 64 * 64
         if need > self.scratch_bytes:
             free(self.scratch)
             self.scratch = <uint8_t *>malloc(need * self.n_scratch)
             if self.scratch == NULL:
                 self.scratch_bytes = 0
-                raise MemoryError("Attention: out of memory for the scratch")
+                return -1
             self.scratch_bytes = need
-        if self.tile_start.shape[0] < n:
-            self.tile_start = np.zeros(n, np.int64)
-            self.tile_len = np.zeros(n, np.int64)
+        if self.tile_cap < n:
+            free(self.tile_start)
+            free(self.tile_len)
+            self.tile_start = <int64_t *>malloc(n * sizeof(int64_t))
+            self.tile_len = <int64_t *>malloc(n * sizeof(int64_t))
+            self.tile_cap = n if self.tile_start != NULL and self.tile_len != NULL else 0
+            if self.tile_cap == 0:
+                return -1
+        return 0
+
+    cdef int run(self, const float *q, int64_t n, int64_t H, const kv_layer *kv, const int64_t *slots,
+                 const int64_t *positions, float *out, float scale, int64_t window) noexcept nogil:
+        """__call__ on raw pointers (q [n, H, D] and out [n, H * D] contiguous), checked by the caller.
+        0, or -1 when the scratch could not grow (nothing written)."""
+        cdef int64_t D = kv.D, Hkv = kv.Hkv
+        cdef int64_t G = H // Hkv, Dp = (D + 15) // 16 * 16, per = fs_attn_tokens_per_item(G), nq = 0, i
+        if n == 0:
+            return 0
+        if self._reserve(D, Dp, G, n) < 0:
+            return -1
+        for i in range(n):              # token tiles: runs of consecutive rows of one slot, at most `per`
+            if nq > 0 and slots[i] == slots[self.tile_start[nq - 1]] and self.tile_len[nq - 1] < per:
+                self.tile_len[nq - 1] += 1
+            else:
+                self.tile_start[nq], self.tile_len[nq] = i, 1
+                nq += 1
+        cdef fs_attn_job job
+        job.q, job.k, job.v = q, kv.k, kv.v
+        job.slots, job.pos = slots, positions
+        job.tile_start, job.tile_len = self.tile_start, self.tile_len
+        job.out = out
+        job.n_tiles_q, job.H, job.Hkv, job.D, job.Dp, job.G = nq, H, Hkv, D, Dp, G
+        job.n_ctx, job.n_ktiles, job.window, job.ring = kv.n_ctx, kv.n_ktiles, window, kv.ring
+        job.type_k, job.type_v = kv.type_k, kv.type_v
+        job.c = scale * FS_LOG2E
+        job.scratch, job.scratch_busy, job.n_scratch, job.scratch_bytes = self.scratch, self.busy, self.n_scratch, self.scratch_bytes
+        job.isa = self.kern
+        # the work items planned: a split job's segments' states go to self.partial, merged after
+        cdef int64_t n_items = fs_attn_plan(&job), need = fs_attn_partial_floats(&job)
+        if need > self.partial_floats:
+            free(self.partial)
+            self.partial = <float *>malloc(need * sizeof(float))
+            self.partial_floats = need if self.partial != NULL else 0
+            if self.partial == NULL:
+                return -1
+        job.partial = self.partial
+        if self.pool is not None and self.pool.pl != NULL:
+            pool_run(self.pool.pl, <fs_task_fn>fs_attn_task, &job, n_items, 1)
+        else:
+            fs_attn_task(&job, 0, n_items)
+        fs_attn_merge(&job)
         return 0
 
     def __call__(self, const float[:, :, ::1] q, const uint8_t[:, :, :, ::1] k_cache,
@@ -322,44 +379,10 @@ cdef class Attention:
         _check_rows(slots, positions, n, k_cache.shape[0], v_cache.shape[1], ring)
         if n == 0:
             return out
-        cdef int64_t G = H // Hkv, Dp = (D + 15) // 16 * 16, per = fs_attn_tokens_per_item(G), nq = 0, i
-        self._reserve(D, Dp, G, n)
-        for i in range(n):              # token tiles: runs of consecutive rows of one slot, at most `per`
-            if nq > 0 and slots[i] == slots[self.tile_start[nq - 1]] and self.tile_len[nq - 1] < per:
-                self.tile_len[nq - 1] += 1
-            else:
-                self.tile_start[nq], self.tile_len[nq] = i, 1
-                nq += 1
-        cdef fs_attn_job job
-        job.q, job.k, job.v = &q[0, 0, 0], &k_cache[0, 0, 0, 0], &v_cache[0, 0, 0, 0]
-        job.slots, job.pos = &slots[0], &positions[0]
-        job.tile_start, job.tile_len = &self.tile_start[0], &self.tile_len[0]
-        job.out = &out[0, 0]
-        job.n_tiles_q, job.H, job.Hkv, job.D, job.Dp, job.G = nq, H, Hkv, D, Dp, G
-        job.n_ctx, job.n_ktiles, job.window, job.ring = v_cache.shape[1], k_cache.shape[1], window, ring
-        job.type_k, job.type_v = tk, tv
-        job.c = scale * FS_LOG2E
-        job.scratch, job.scratch_busy, job.n_scratch, job.scratch_bytes = self.scratch, self.busy, self.n_scratch, self.scratch_bytes
-        job.isa = self.kern
-        self._run(&job)
-        return out
-
-    cdef int _run(self, fs_attn_job *job) except -1:
-        """A job whose inputs are set: its work items planned (the segments' states sized), run on the
-        pool without the GIL, and a split job's segments merged into out."""
-        cdef int64_t n_items = fs_attn_plan(job), need = fs_attn_partial_floats(job)
-        if need > self.partial_floats:
-            free(self.partial)
-            self.partial = <float *>malloc(need * sizeof(float))
-            self.partial_floats = need if self.partial != NULL else 0
-            if self.partial == NULL:
-                raise MemoryError("Attention: out of memory for the segments' states")
-        job.partial = self.partial
-        cdef fs_pool *pl = (<Pool>self.pool).pl if self.pool is not None else NULL
+        cdef kv_layer kv = _layer(k_cache, v_cache, tk, tv, D, ring)
+        cdef int rc
         with nogil:
-            if pl != NULL:
-                pool_run(pl, <fs_task_fn>fs_attn_task, job, n_items, 1)
-            else:
-                fs_attn_task(job, 0, n_items)
-            fs_attn_merge(job)
-        return 0
+            rc = self.run(&q[0, 0, 0], n, H, &kv, &slots[0], &positions[0], &out[0, 0], scale, window)
+        if rc < 0:
+            raise MemoryError("Attention: out of memory for the scratch or the segments' states")
+        return out

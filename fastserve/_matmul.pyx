@@ -40,24 +40,6 @@ cdef extern from "_matmul_kernels.h" nogil:
         FS_N_KINDS
     ctypedef struct fs_type_info:
         int block_inputs, block_bytes, kind
-    ctypedef struct fs_job:
-        const uint8_t *w
-        int valid
-        int64_t nb
-        const int8_t *xq
-        const float *dx
-        const int32_t *xs
-        const int32_t *xh
-        const float *sx
-        const float *xf
-        int64_t n
-        float *y
-        int64_t ldy
-    ctypedef void (*fs_kernel)(const fs_job *)
-    ctypedef struct fs_part:
-        int type, kind
-        const uint8_t *data
-        int64_t rows, row_bytes, col0, first_panel
     ctypedef struct fs_product:
         const fs_part *parts
         int n_parts
@@ -160,14 +142,8 @@ def quantize_rows(const float[:, ::1] x):
 cdef class BlockMatrix:
     """A weight matrix [n_out, n_in] as GGUF blocks: parts stacked by rows, each (label, type name,
     data, rows) with data any C-contiguous array whose bytes are the part's rows as the file stores
-    them (kept referenced, never copied). nbytes: the bytes a product reads. types: each part's type."""
-    cdef readonly int64_t n_out, n_in, nbytes
-    cdef readonly tuple types, labels
-    cdef readonly bint has_int, has_float
-    cdef list _keep
-    cdef fs_part *parts
-    cdef int n_parts
-    cdef int64_t n_panels, stage_bytes
+    them (kept referenced, never copied). nbytes: the bytes a product reads. types: each part's type.
+    (Attributes: _matmul.pxd.)"""
 
     def __cinit__(self):
         self.parts = NULL
@@ -223,6 +199,12 @@ cdef class BlockMatrix:
             labels.append(label)
         self.types, self.labels = tuple(types), tuple(labels)
 
+    cdef fs_matrix view(self):
+        cdef fs_matrix m
+        m.parts, m.n_parts, m.n_out, m.n_in = self.parts, self.n_parts, self.n_out, self.n_in
+        m.n_panels, m.stage_bytes, m.has_int, m.has_float = self.n_panels, self.stage_bytes, self.has_int, self.has_float
+        return m
+
     @staticmethod
     def from_float(w, label="matrix"):
         """A float32 matrix [n_out, n_in] (C-contiguous, kept referenced) as an F32 BlockMatrix."""
@@ -248,8 +230,8 @@ cdef class BlockMatrix:
         """Rows ids of the matrix as float32 [len(ids), n_in]: d * (s * q) + m per input (the
         embedding lookup: only these rows are decoded). out: a float32 array to write, or None."""
         cdef int64_t[::1] iv = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1)
-        cdef int64_t k, r, n = iv.shape[0]
-        cdef int pi
+        cdef int64_t k, n = iv.shape[0]
+        cdef fs_matrix m = self.view()
         if out is None:
             out = np.empty((n, self.n_in), np.float32)
         cdef float[:, ::1] ov = out
@@ -258,15 +240,9 @@ cdef class BlockMatrix:
         for k in range(n):
             if iv[k] < 0 or iv[k] >= self.n_out:
                 raise IndexError(f"get_rows: row {iv[k]} is outside [0, {self.n_out})")
-        with nogil:
-            for k in range(n):
-                r = iv[k]
-                pi = 0
-                while r >= self.parts[pi].rows:
-                    r -= self.parts[pi].rows
-                    pi += 1
-                fs_dequantize_row(self.parts[pi].type, self.parts[pi].data + r * self.parts[pi].row_bytes,
-                                  self.n_in, &ov[k, 0])
+        if n:
+            with nogil:
+                matrix_rows(&m, &iv[0], n, &ov[0, 0])
         return out
 
     def to_float(self):
@@ -295,6 +271,18 @@ cdef class BlockMatrix:
         return f"BlockMatrix({self.n_out}x{self.n_in}, {'+'.join(self.types)}, {self.nbytes} bytes)"
 
 
+cdef void matrix_rows(const fs_matrix *w, const int64_t *ids, int64_t n, float *out) noexcept nogil:
+    cdef int64_t k, r
+    cdef int pi
+    for k in range(n):
+        r = ids[k]
+        pi = 0
+        while r >= w.parts[pi].rows:
+            r -= w.parts[pi].rows
+            pi += 1
+        fs_dequantize_row(w.parts[pi].type, w.parts[pi].data + r * w.parts[pi].row_bytes, w.n_in, out + k * w.n_in)
+
+
 cdef class Matmul:
     """y = x . W^T for BlockMatrix weights. pool: a fastserve._pool.Pool whose threads the products
     run on (shared with the backend's other loops), or None: then threads (the calling thread plus
@@ -302,22 +290,7 @@ cdef class Matmul:
     kernel of this machine) or a name from isas(). fused: small batches (n <= 4) of the types the
     isa has a fused kernel for (fused_types()) compute straight from the file's rows instead of
     staging panels (the same bits; False: always stage, for comparison). Holds the activation scratch and one staging
-    panel per task (grown on demand, never shrunk)."""
-    cdef readonly int threads
-    cdef readonly str isa
-    cdef readonly Pool pool
-    cdef public bint fused
-    cdef int isa_id
-    cdef fs_kernel kern[4]
-    cdef int8_t *xq
-    cdef float *dx
-    cdef int32_t *xs
-    cdef int32_t *xh
-    cdef float *sx
-    cdef float *xf
-    cdef uint8_t *stage
-    cdef int64_t cap_q, cap_b, cap_f, cap_stage
-    cdef bint busy
+    panel per task (grown on demand, never shrunk). (Attributes: _matmul.pxd.)"""
 
     def __cinit__(self):
         self.xq = NULL
@@ -345,9 +318,11 @@ cdef class Matmul:
         free(self.xf)
         free(self.stage)
 
-    cdef int _reserve(self, int64_t n, int64_t nb, bint ints, bint floats, int64_t stage) except -1:
+    cdef int _reserve(self, int64_t n, int64_t nb, bint ints, bint floats, int64_t stage) noexcept nogil:
+        """Grows the scratch to fit; -1 when out of memory."""
         cdef int64_t need_q = n * nb * FS_QK if ints else 0, need_b = n * nb if ints else 0
         cdef int64_t need_f = n * nb * FS_QK if floats else 0
+        cdef bint ok
         if need_q > self.cap_q:
             free(self.xq)
             self.xq = <int8_t *>malloc(need_q)
@@ -372,26 +347,22 @@ cdef class Matmul:
             self.stage = <uint8_t *>malloc(stage)
             self.cap_stage = stage if self.stage != NULL else 0
         if self.cap_q < need_q or self.cap_b < need_b or self.cap_f < need_f or self.cap_stage < stage:
-            raise MemoryError("Matmul: out of memory for the activation scratch")
+            return -1
         return 0
 
-    def __call__(self, x, BlockMatrix w, out):
-        """x [n, w.n_in] float32, out [n, w.n_out] float32 (both C-contiguous; out is written). Returns out."""
-        cdef const float[:, ::1] xv = x
-        cdef float[:, ::1] ov = out
-        cdef int64_t n = xv.shape[0], nb = _blocks(w.n_in), n_tasks
+    cdef int run(self, const float *x, int64_t ldx, int64_t n, const fs_matrix *w, float *y,
+                 int64_t ldy) noexcept nogil:
+        """y[i, :w.n_out] = x[i, :w.n_in] . W^T for rows i < n (row strides ldx, ldy floats), on the
+        pool's threads. 0, or -1 when the scratch could not grow (nothing written)."""
+        cdef int64_t nb = _blocks(w.n_in), n_tasks
         cdef fs_product pr
-        cdef fs_pool *pl = self.pool.pl
-        if xv.shape[1] != w.n_in or ov.shape[0] != n or ov.shape[1] != w.n_out:
-            raise ValueError(f"Matmul: x {np.shape(x)} . W^T {w.shape} does not fit out {np.shape(out)}")
+        cdef int k
         if n == 0:
-            return out
-        if self.busy:
-            raise RuntimeError("Matmul: called from two threads at once; give each thread its own")
+            return 0
         pr.chunk = fs_product_chunk(self.threads, w.n_panels, nb, n)
         n_tasks = (w.n_panels + pr.chunk - 1) // pr.chunk
-        self._reserve(n, nb, w.has_int, w.has_float, n_tasks * w.stage_bytes)
-        self.busy = True
+        if self._reserve(n, nb, w.has_int, w.has_float, n_tasks * w.stage_bytes) < 0:
+            return -1
         pr.parts, pr.n_parts, pr.n_in, pr.n_panels = w.parts, w.n_parts, w.n_in, w.n_panels
         pr.isa = self.isa_id
         pr.fused = self.fused
@@ -400,15 +371,34 @@ cdef class Matmul:
         pr.act.nb = nb
         pr.act.xq, pr.act.dx, pr.act.xs, pr.act.xh, pr.act.sx = self.xq, self.dx, self.xs, self.xh, self.sx
         pr.act.xf = self.xf
-        pr.act.n, pr.act.y, pr.act.ldy = n, &ov[0, 0], ov.shape[1]
+        pr.act.n, pr.act.y, pr.act.ldy = n, y, ldy
         pr.stage, pr.stage_bytes = self.stage, w.stage_bytes
+        if w.has_int:
+            fs_quantize_rows(x, n, w.n_in, ldx, self.xq, self.dx, self.xs, self.xh, self.sx)
+        if w.has_float:
+            fs_pad_rows(x, n, w.n_in, ldx, self.xf)
+        pool_run(self.pool.pl, fs_product_task, &pr, w.n_panels, pr.chunk)
+        return 0
+
+    def __call__(self, x, BlockMatrix w, out):
+        """x [n, w.n_in] float32, out [n, w.n_out] float32 (both C-contiguous; out is written). Returns out."""
+        cdef const float[:, ::1] xv = x
+        cdef float[:, ::1] ov = out
+        cdef int64_t n = xv.shape[0]
+        cdef fs_matrix m = w.view()
+        cdef int rc
+        if xv.shape[1] != w.n_in or ov.shape[0] != n or ov.shape[1] != w.n_out:
+            raise ValueError(f"Matmul: x {np.shape(x)} . W^T {w.shape} does not fit out {np.shape(out)}")
+        if n == 0:
+            return out
+        if self.busy:
+            raise RuntimeError("Matmul: called from two threads at once; give each thread its own")
+        self.busy = True
         try:
             with nogil:
-                if w.has_int:
-                    fs_quantize_rows(&xv[0, 0], n, w.n_in, w.n_in, self.xq, self.dx, self.xs, self.xh, self.sx)
-                if w.has_float:
-                    fs_pad_rows(&xv[0, 0], n, w.n_in, w.n_in, self.xf)
-                pool_run(pl, fs_product_task, &pr, w.n_panels, pr.chunk)
+                rc = self.run(&xv[0, 0], w.n_in, n, &m, &ov[0, 0], ov.shape[1])
         finally:
             self.busy = False
+        if rc < 0:
+            raise MemoryError("Matmul: out of memory for the activation scratch")
         return out

@@ -1,0 +1,106 @@
+"""The C forward pass (fastserve._forward, NumpyBackend's default) against the NumPy reference forward
+(fastserve.ref.forward: the element-wise twins composed with the same products and attention), bit for
+bit, on a small synthetic model of every family of the architecture table, through prefill chunks and
+decode steps of several slots; and a token's logits the same alone, in a batch, in any chunk and on any
+thread count."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+import fastserve
+from fastserve.backends.numpy_backend import NumpyBackend
+from fastserve.models.synthetic import write_llama_gguf
+
+FAMILIES = {"llama": {}, "qwen2": {}, "qwen3": {}, "gemma3": {"sliding_window": 5}}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fwd")
+    return {arch: fastserve.load_model(write_llama_gguf(d / f"{arch}.gguf", architecture=arch, weight_type="Q8_0",
+                                                        n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=96,
+                                                        n_layer=3, seed=7, **kw))
+            for arch, kw in FAMILIES.items()}
+
+
+def _steps(n_vocab):
+    """(tokens, positions, slots, out_rows): a prefill of 20 on slot 0, one of 3 on slot 1 (batches of 16
+    rows and more have their element-wise stages split over the pool's threads), then mixed decode steps of both."""
+    rng = np.random.default_rng(1)
+    toks = rng.integers(0, n_vocab, 40)
+    yield toks[:20], np.arange(20), np.zeros(20, int), np.arange(20)
+    yield toks[20:23], np.arange(3), np.ones(3, int), [2]
+    for i in range(4):
+        yield toks[23 + 2 * i:25 + 2 * i], [20 + i, 3 + i], [0, 1], [0, 1]
+
+
+def _run(model, cfg, **kw):
+    be = NumpyBackend(cfg, model.weights, 2, 64, max_tokens=8, **kw)
+    return [be.forward(*s).copy() for s in _steps(cfg.n_vocab)]
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_c_forward_is_the_reference_bit_for_bit(models, arch, threads):
+    cfg = models[arch].config
+    for got, want in zip(_run(models[arch], cfg, threads=threads), _run(models[arch], cfg, reference=True)):
+        assert np.array_equal(got, want)
+        assert np.isfinite(got).all()
+
+
+def test_logit_softcap_and_linear_rope_scaling(models):
+    """What no synthetic row turns on: a final logit softcap (gemma2-style) and scaled positions."""
+    cfg = dataclasses.replace(models["gemma3"].config, logit_softcap=3.0, rope_scale=2.0)
+    got, want = _run(models["gemma3"], cfg), _run(models["gemma3"], cfg, reference=True)
+    for g, w in zip(got, want):
+        assert np.array_equal(g, w)
+        assert np.abs(g).max() < 3.0
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_a_tokens_logits_do_not_depend_on_its_batch_chunk_or_threads(models, arch):
+    model = models[arch]
+    cfg = model.config
+    toks = np.random.default_rng(2).integers(0, cfg.n_vocab, 24)
+    results = []
+    for threads, chunk in ((1, 24), (2, 24), (2, 5), (1, 1)):
+        be = NumpyBackend(cfg, model.weights, 3, 64, threads=threads, max_tokens=4)
+        out = []
+        for c in range(0, 24, chunk):                       # slot 1's prompt in chunks, beside slot 0's decode
+            n = min(chunk, 24 - c)
+            t = np.concatenate([toks[:1], toks[c:c + n]])
+            pos = np.concatenate([[c % 7], np.arange(c, c + n)])
+            out.append(be.forward(t, pos, np.array([0] + [1] * n), np.arange(1, n + 1)))
+        results.append(np.concatenate(out))
+    for r in results[1:]:
+        assert np.array_equal(r, results[0])
+
+
+def test_a_ring_is_the_reference_bit_for_bit(models):
+    """Gemma's local layers in a ring (window 5, steps of 8: 64 positions, wrapped 3 times): the C
+    forward and the reference the same bits, through a chunked prefill and decode steps."""
+    model = models["gemma3"]
+    cfg = model.config
+    toks = np.random.default_rng(3).integers(0, cfg.n_vocab, 200)
+    outs = []
+    for kw in ({"threads": 2}, {"reference": True}):
+        be = NumpyBackend(cfg, model.weights, 1, 256, max_tokens=8, **kw)
+        assert be.kv_ring == 64
+        outs.append([be.forward(toks[c:c + 8], np.arange(c, min(200, c + 8)), np.zeros(len(toks[c:c + 8]), int),
+                                [len(toks[c:c + 8]) - 1]).copy() for c in range(0, 200, 8)])
+    for got, want in zip(*outs):
+        assert np.array_equal(got, want)
+
+
+def test_bad_rows_are_refused(models):
+    model = models["llama"]
+    be = NumpyBackend(model.config, model.weights, 2, 16)
+    with pytest.raises(ValueError, match="positions"):
+        be.forward([1], [16], [0], [0])
+    with pytest.raises(ValueError, match="slots"):
+        be.forward([1], [0], [2], [0])
+    with pytest.raises(ValueError, match="out_rows"):
+        be.forward([1], [0], [0], [1])
+    with pytest.raises(IndexError, match="vocabulary"):
+        be.forward([model.config.n_vocab], [0], [0], [0])
