@@ -25,8 +25,8 @@ def models(tmp_path_factory):
 
 
 def _steps(n_vocab):
-    """(tokens, positions, slots, out_rows): a prefill of 20 on slot 0, one of 3 on slot 1 (batches of 16
-    rows and more have their element-wise stages split over the pool's threads), then mixed decode steps of both."""
+    """(tokens, positions, slots, out_rows): a prefill of 20 on slot 0, one of 3 on slot 1 (its element-wise
+    stages split over the pool's threads), then mixed decode steps of both."""
     rng = np.random.default_rng(1)
     toks = rng.integers(0, n_vocab, 40)
     yield toks[:20], np.arange(20), np.zeros(20, int), np.arange(20)
@@ -37,6 +37,8 @@ def _steps(n_vocab):
 
 def _run(model, cfg, **kw):
     be = NumpyBackend(cfg, model.weights, 2, 64, max_tokens=8, **kw)
+    if not be.reference:
+        be._forward.parallel_rows = 16              # the prefill of 20 splits its element-wise stages
     return [be.forward(*s).copy() for s in _steps(cfg.n_vocab)]
 
 
@@ -66,6 +68,7 @@ def test_a_tokens_logits_do_not_depend_on_its_batch_chunk_or_threads(models, arc
     results = []
     for threads, chunk in ((1, 24), (2, 24), (2, 5), (1, 1)):
         be = NumpyBackend(cfg, model.weights, 3, 64, threads=threads, max_tokens=4)
+        be._forward.parallel_rows = 4                   # batches of 4 rows and more split over the threads
         out = []
         for c in range(0, 24, chunk):                       # slot 1's prompt in chunks, beside slot 0's decode
             n = min(chunk, 24 - c)
