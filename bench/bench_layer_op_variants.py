@@ -41,9 +41,12 @@ divergences beyond the 0.02 bar, position and llama.cpp's top-two gap; "pin": on
                    gemma3 .983/.0071 code_js@1, long_history@0, qa_format_immediate_eos@1, both pins
   f64_norm         f16 .991/.0090 chat_chatml@14 .026; f32 .991/.0095 chat_chatml@14 .026
                    gemma3 .985/.0075 code_js@1, qa_format_immediate_eos@1, both pins
+  main, NumPy without its AVX2 / AVX-512 kernels (NPY_DISABLE_CPU_FEATURES=X86_V3,X86_V4,AVX512_ICL,AVX512_SPR:
+                   np.exp / np.tanh as on an x86-64-v2 machine): f16, f32 pass
+                   gemma3 .983/.0076 code_python@3 .066, code_js@1 .031, long_history@0 .051, pin short_word@8
   The synthetic qwen2 / qwen3 / llama3 pass under every variant (largest gap of a divergence 0.0035).
 Only main's own ops (np.einsum sums, NumPy's SIMD np.exp / np.tanh, together; each half alone fails) meet the
-bars with main's pins; even the exact functions (f64: each op in float64, rounded once) leave Gemma 3 beyond the
+bars with main's pins, and only where NumPy runs its AVX2 or AVX-512 exp / tanh; even the exact functions (f64: each op in float64, rounded once) leave Gemma 3 beyond the
 bar on 3-4 prompts. No element-wise accuracy fixes the misses: they are the int8 activation rounding's noise
 (bench/bench_rounding_sensitivity.py), and main's pass is one draw of it.
 """
