@@ -45,10 +45,11 @@ divergences beyond the 0.02 bar, position and llama.cpp's top-two gap; "pin": on
                    np.exp / np.tanh as on an x86-64-v2 machine): f16, f32 pass
                    gemma3 .983/.0076 code_python@3 .066, code_js@1 .031, long_history@0 .051, pin short_word@8
   The synthetic qwen2 / qwen3 / llama3 pass under every variant (largest gap of a divergence 0.0035).
-Only main's own ops (np.einsum sums, NumPy's SIMD np.exp / np.tanh, together; each half alone fails) meet the
-bars with main's pins, and only where NumPy runs its AVX2 or AVX-512 exp / tanh; even the exact functions (f64: each op in float64, rounded once) leave Gemma 3 beyond the
-bar on 3-4 prompts. No element-wise accuracy fixes the misses: they are the int8 activation rounding's noise
-(bench/bench_rounding_sensitivity.py), and main's pass is one draw of it.
+Only main's own ops (np.einsum sums, NumPy's SIMD np.exp / np.tanh, together; each half alone fails) meet
+the bars with main's pins, and only where NumPy runs its AVX2 or AVX-512 exp / tanh; even the exact functions
+(f64: each op in float64, rounded once) leave Gemma 3 beyond the bar on 3-4 prompts. No element-wise accuracy
+fixes the misses: they are the int8 activation rounding's noise (bench/bench_rounding_sensitivity.py), and
+main's pass is one draw of it.
 """
 from __future__ import annotations
 
