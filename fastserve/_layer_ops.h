@@ -9,8 +9,11 @@
  *   sum of squares of x[0..d): 16 lanes, lane j adding x[i]^2 for i = j, j + 16, ... in order of i, then
  *     lanes folded in halves (j += j + 8, then j + 4, j + 2, j + 1);
  *   rms_norm:  r = 1 / sqrt(ss / d + eps), out[i] = (x[i] * r) * w[i];
- *   sigmoid(z) = (z >= 0 ? 1 : t) / (1 + t) with t = fs_exp2(-|z| * log2 e) (attention's exp2: no
- *     overflow, as t <= 1);  tanh(z) = sign(z) * (1 - t) / (1 + t) with t = fs_exp2(-2|z| * log2 e);
+ *   e^x for x <= 0 (fs_exp_neg, ~1 ulp): x clamped to [-87, 0] (0 below -87); n = rint(x * log2 e),
+ *     r = (x - n * LN2_HI) - n * LN2_LO (Cody-Waite: n * LN2_HI and the first difference exact, |r| <= 0.35),
+ *     p = Horner of the degree-7 Taylor polynomial of e^r (1/7!, 1/6!, ..., 1, 1), result p * 2^n;
+ *   sigmoid(z) = (z >= 0 ? 1 : t) / (1 + t) with t = e^-|z| (no overflow, as t <= 1);
+ *     tanh(z) = sign(z) * (1 - t) / (1 + t) with t = e^(-2|z|);
  *   silu(g) * u = (g * sigmoid(g)) * u;
  *   gelu(g) * u = (g * sigmoid(k * (g * (1 + 0.044715 g^2)))) * u, k = 2 sqrt(2/pi): GELU's tanh form,
  *     as 0.5 (1 + tanh(y)) = sigmoid(2y);
@@ -22,11 +25,13 @@
 #include <stdint.h>
 #include <math.h>
 
-#include "_attention_kernels.h"     /* fs_exp2, FS_LOG2E: the one exp of the model math */
+#include "_attention_kernels.h"     /* fs_rintf, fs_bits_f32, FS_LOG2E */
 
 #define FS_NORM_LANES 16
 #define FS_GELU_K 0x1.988454p+0f    /* float32(2 * sqrt(2 / pi)) */
 #define FS_GELU_C 0x1.6e4e26p-5f    /* float32(0.044715) */
+#define FS_LN2_HI 0x1.62e400p-1f    /* ln 2's first 15 bits: n * FS_LN2_HI is exact for |n| < 512 */
+#define FS_LN2_LO 0x1.7f7d1cp-20f   /* float32(ln 2 - FS_LN2_HI) */
 
 static inline float fs_sum_squares(const float *x, int64_t d)
 {
@@ -90,15 +95,35 @@ static inline void fs_rope(float *x, int64_t heads, int64_t D, int64_t rope_dim,
     }
 }
 
+/* e^x for x <= 0, float32 within ~1 ulp (the contract above). Not attention's fs_exp2(x * log2 e): there the
+ * rounding of x * log2 e alone costs |x| * 2^-24 relative (measured: up to ~60 ulp near -87, ~8 above -8). */
+static inline float fs_exp_neg(float x)
+{
+    float xc = x > -87.0f ? x : -87.0f;
+    xc = xc < 0.0f ? xc : 0.0f;
+    float n = fs_rintf(xc * FS_LOG2E);
+    float r = (xc - n * FS_LN2_HI) - n * FS_LN2_LO;
+    float p = 0x1.a01a02p-13f;               /* 1/7! */
+    p = p * r + 0x1.6c16c2p-10f;             /* 1/6! */
+    p = p * r + 0x1.111112p-7f;              /* 1/5! */
+    p = p * r + 0x1.555556p-5f;              /* 1/4! */
+    p = p * r + 0x1.555556p-3f;              /* 1/3! */
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    float e = p * fs_bits_f32((uint32_t)((int32_t)n + 127) << 23);
+    return x < -87.0f ? 0.0f : e;
+}
+
 static inline float fs_sigmoid(float z)
 {
-    float t = fs_exp2(-fabsf(z) * FS_LOG2E);
+    float t = fs_exp_neg(-fabsf(z));
     return (z >= 0.0f ? 1.0f : t) / (1.0f + t);
 }
 
 static inline float fs_tanh(float z)
 {
-    float t = fs_exp2(-2.0f * fabsf(z) * FS_LOG2E);
+    float t = fs_exp_neg(-2.0f * fabsf(z));
     float r = (1.0f - t) / (1.0f + t);
     return z < 0.0f ? -r : r;
 }

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from .attention import LOG2E, exp2
+from .attention import LOG2E, MAGIC
 
 F32 = np.float32
 NORM_LANES = 16
 GELU_K = F32(2 * np.sqrt(2 / np.pi))
 GELU_C = F32(0.044715)
+LN2_HI = F32(float.fromhex("0x1.62e400p-1"))       # ln 2's first 15 bits: n * LN2_HI exact for |n| < 512
+LN2_LO = F32(float.fromhex("0x1.7f7d1cp-20"))      # float32(ln 2 - LN2_HI)
+EXP_TAYLOR = [F32(float.fromhex(h)) for h in ("0x1.a01a02p-13", "0x1.6c16c2p-10", "0x1.111112p-7", "0x1.555556p-5",
+                                              "0x1.555556p-3", "0x1p-1", "0x1p0", "0x1p0")]   # 1/7!, ..., 1/1!, 1/0!
 
 
 def sum_squares(x: np.ndarray) -> np.ndarray:
@@ -59,13 +63,28 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rope_dim: int, t
     x[:, :, second] = a * s + b * c
 
 
+def exp_neg(x: np.ndarray) -> np.ndarray:
+    """e^x for x <= 0 (float32, ~1 ulp), operation by operation as fs_exp_neg: Cody-Waite reduction
+    r = (x - n LN2_HI) - n LN2_LO with n = rint(x log2 e), e^r by Horner of its degree-7 Taylor polynomial,
+    times 2^n; x clamped to [-87, 0], 0 below -87."""
+    x = np.asarray(x, F32)
+    xc = np.minimum(np.maximum(x, F32(-87.0)), F32(0.0))
+    n = (xc * LOG2E + MAGIC) - MAGIC
+    r = (xc - n * LN2_HI) - n * LN2_LO
+    p = np.full_like(r, EXP_TAYLOR[0])
+    for c in EXP_TAYLOR[1:]:
+        p = p * r + c
+    scale = ((n.astype(np.int32) + 127).astype(np.uint32) << np.uint32(23)).view(F32)
+    return np.where(x < F32(-87.0), F32(0.0), p * scale).astype(F32)
+
+
 def sigmoid(z: np.ndarray) -> np.ndarray:
-    t = exp2(-np.abs(z) * LOG2E)
+    t = exp_neg(-np.abs(z))
     return np.where(z >= 0, F32(1.0), t) / (F32(1.0) + t)
 
 
 def tanh(z: np.ndarray) -> np.ndarray:
-    t = exp2(F32(-2.0) * np.abs(z) * LOG2E)
+    t = exp_neg(F32(-2.0) * np.abs(z))
     r = (F32(1.0) - t) / (F32(1.0) + t)
     return np.where(z < 0, -r, r)
 
