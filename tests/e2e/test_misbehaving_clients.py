@@ -55,8 +55,10 @@ def _metric(c: httpx.Client, name: str, **labels) -> float:
 
 
 def test_disconnect_frees_the_slot(make_server):
-    srv = make_server("-c", "4096", "-np", "2", "--timeout", "30")
-    long = {"prompt": "never ending", "n_predict": 2000, "temperature": 0, "stream": True, "logit_bias": NO_EOG}
+    # 60,000 tokens: the tiny model decodes thousands a second, so a request must be long to be still running
+    # when its client goes (2,000 once ended before the disconnect, and nothing was cancelled)
+    srv = make_server("-c", "131072", "-np", "2", "--timeout", "30")
+    long = {"prompt": "never ending", "n_predict": 60000, "temperature": 0, "stream": True, "logit_bias": NO_EOG}
     with httpx.Client(base_url=srv.url, timeout=10) as c:
         for how in ("rst", "fin", "rst-nonstream", "fin-nonstream"):
             s = socket.create_connection((srv.host, srv.port), timeout=10)
