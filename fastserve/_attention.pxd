@@ -34,7 +34,7 @@ cdef class Attention:
     cdef int64_t *tile_start
     cdef int64_t *tile_len
     cdef int64_t tile_cap
-    cdef int _reserve(self, int64_t D, int64_t Dp, int64_t G, int64_t n) noexcept nogil
+    cdef int _reserve(self, int64_t D, int64_t Dp, int64_t n) noexcept nogil
     cdef int run(self, const float *q, int64_t n, int64_t H, const kv_layer *kv, const int64_t *slots,
                  const int64_t *positions, float *out, float scale, int64_t window) noexcept nogil
 

@@ -294,7 +294,7 @@ cdef class Attention:
         free(self.tile_start)
         free(self.tile_len)
 
-    cdef int _reserve(self, int64_t D, int64_t Dp, int64_t G, int64_t n) noexcept nogil:
+    cdef int _reserve(self, int64_t D, int64_t Dp, int64_t n) noexcept nogil:
         """Grows the scratch to fit; -1 when out of memory."""
         cdef int64_t need = (fs_attn_scratch_floats(D, Dp) * 4 + 63) // 64 * 64
         if need > self.scratch_bytes:
@@ -322,7 +322,7 @@ cdef class Attention:
         cdef int64_t G = H // Hkv, Dp = (D + 15) // 16 * 16, per = fs_attn_tokens_per_item(G), nq = 0, i
         if n == 0:
             return 0
-        if self._reserve(D, Dp, G, n) < 0:
+        if self._reserve(D, Dp, n) < 0:
             return -1
         for i in range(n):              # token tiles: runs of consecutive rows of one slot, at most `per`
             if nq > 0 and slots[i] == slots[self.tile_start[nq - 1]] and self.tile_len[nq - 1] < per:
