@@ -12,7 +12,7 @@ once, from memory) against the floor; (3) a decode step of the whole model (Nump
 slots holding 64 tokens each) at batch 1, 8 and 32 on 1 and 2 threads (batch 1 also staged), with the
 machine's read bandwidth measured in the same run (a NumPy sum over 256 MB, on 1 and 2 threads) and
 the floor it sets for batch 1 (weight bytes / bandwidth); (4) where a batch-1 step's time goes
-(products, attention, norms, RoPE, SiLU, embedding rows, the rest). The configurations
+(the C forward's phase clocks: products, attention, element-wise ops, output product). The configurations
 take turns within each round, so the ratios compare runs made under the same load; a shared machine
 still moves every figure, so read medians over rounds. --busy adds a process that keeps one core
 busy and measures everything again beside it.
@@ -251,61 +251,30 @@ def step_table(times: dict, wbytes: int) -> list[str]:
 
 
 def forward_breakdown(model, threads: int, steps: int = 40) -> list[str]:
-    """Where a batch-1 decode step's time goes: the backend's pieces timed by wrappers (products of
-    the layers, the output product, attention, norms, RoPE, SiLU, the embedding rows; the rest is
-    Python and NumPy glue), fused and staged."""
-    from fastserve.backends import numpy_backend as nbk
-
+    """Where a batch-1 decode step's time goes: the C forward's own phase clocks (Forward.profile:
+    layer products, attention, element-wise ops and KV stores, output product); the rest is the
+    backend's Python around the one C call. Fused and staged products."""
     be = make_backend(model, threads)
-    acc: dict = {}
-
-    def timed(name, fn):
-        def call(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                acc[name] = acc.get(name, 0.0) + time.perf_counter() - t0
-        return call
-
-    out_m, inner = model.weights.output, be._matmul
-    be._matmul = lambda x, m: timed("output product" if m is out_m else "layer products", inner)(x, m)
-    saved = {name: getattr(nbk, name) for name in ("rms_norm", "apply_rope", "attend", "silu")}
-    emb = model.weights.tok_embd
+    toks, slots = np.full(1, 100, np.int32), np.arange(1)
     lines = [f"batch-1 step on {threads} thread(s), {steps} steps: ms per step (share)"]
+    be._forward.profile = True
     try:
-        for name, fn in saved.items():
-            setattr(nbk, name, timed(name, fn))
-        model.weights.tok_embd = _RowsTimed(emb, timed)
-        toks, slots = np.full(1, 100, np.int32), np.arange(1)
         for fused in (True, False):
             be._mm.fused = fused
-            acc.clear()
+            be._forward.phase_seconds(reset=True)
             total = 0.0
             for i in range(steps):
                 pos = np.full(1, N_CTX_FILLED + i % 8)
                 t0 = time.perf_counter()
                 be.forward(toks, pos, slots, slots)
                 total += time.perf_counter() - t0
-            parts = sorted(acc.items(), key=lambda kv: -kv[1]) + [("rest (Python, NumPy glue)", total - sum(acc.values()))]
+            acc = be._forward.phase_seconds(reset=True)
+            parts = sorted(acc.items(), key=lambda kv: -kv[1]) + [("rest (Python around the call)", total - sum(acc.values()))]
             lines.append(f"  {'fused' if fused else 'staged'}: {total / steps * 1e3:.2f} ms: " +
                          ", ".join(f"{k} {v / steps * 1e3:.2f} ({100 * v / total:.0f} %)" for k, v in parts))
     finally:
-        for name, fn in saved.items():
-            setattr(nbk, name, fn)
-        model.weights.tok_embd = emb
-        be._mm.fused = True
+        be._mm.fused, be._forward.profile = True, False
     return lines
-
-
-class _RowsTimed:
-    """A BlockMatrix whose get_rows (the embedding lookup) is timed; all else passes through."""
-
-    def __init__(self, m, timed):
-        self._m, self.get_rows = m, timed("embedding rows", m.get_rows)
-
-    def __getattr__(self, name):
-        return getattr(self._m, name)
 
 
 class BusyCore:

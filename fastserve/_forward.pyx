@@ -15,12 +15,16 @@ threads, as for the products and attention. The activations live in buffers size
 
     fwd = Forward(cfg, weights, kv, (cos, sin), (cos_local, sin_local), mm, attn, rows)
     fwd(tokens, positions, slots, out_rows, logits)      # int64 [n] x3, int64 [m], float32 [>= m, vocab]
+
+With fwd.profile set, each call adds its time per phase to fwd.phase_seconds() (two clock reads per
+stage: for a breakdown of a step that runs as one call, bench/bench_matmul.py; off by default).
 """
 import numpy as np
 
 from libc.stdint cimport int64_t, uint8_t
 from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 from fastserve._pool cimport Pool, fs_task_fn, pool_run
 from fastserve._matmul cimport BlockMatrix, Matmul, fs_matrix, matrix_rows
@@ -163,6 +167,16 @@ cdef void _softcap(void *ctx, int64_t b, int64_t e) noexcept nogil:
         fs_softcap(f.logits + j * f.ld_logits, f.output.n_out, f.softcap)
 
 
+PHASES = ("layer products", "attention", "element-wise ops and KV stores", "output product")
+DEF N_PHASES = 4
+
+
+cdef inline double _now() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
 cdef class Forward:
     """The forward pass over one model's weights and KV cache (kv: backends.kv_cache.KVCache), with
     the products on mm (a fastserve._matmul.Matmul) and attention on attn (a fastserve._attention.
@@ -178,6 +192,9 @@ cdef class Forward:
     cdef readonly int64_t rows
     cdef public int64_t parallel_rows   # batches of this many rows split their element-wise stages over the pool
     cdef int64_t n_vocab, n_slots, n_ctx
+    cdef public bint profile            # add each phase's time to _phase (phase_seconds)
+    cdef double _phase[N_PHASES]
+    cdef double _mark
 
     def __cinit__(self):
         self.f.layers = NULL
@@ -304,6 +321,22 @@ cdef class Forward:
             raise MemoryError("forward: out of memory for a product's or attention's scratch")
         return logits[:m]
 
+    def phase_seconds(self, bint reset=False):
+        """{phase: seconds} summed over the calls made with profile set (PHASES); reset: zero them after."""
+        out = {name: self._phase[i] for i, name in enumerate(PHASES)}
+        if reset:
+            for i in range(N_PHASES):
+                self._phase[i] = 0.0
+        return out
+
+    cdef inline void _lap(self, int phase) noexcept nogil:
+        """With profile set: the time since the last lap goes to phase."""
+        cdef double t
+        if self.profile:
+            t = _now()
+            self._phase[phase] += t - self._mark
+            self._mark = t
+
     cdef void _rows(self, fs_task_fn stage, int64_t n) noexcept nogil:
         """stage over batch rows [0, n): on the pool when the batch is big, else on this thread."""
         cdef int threads = self.pool.threads
@@ -316,31 +349,46 @@ cdef class Forward:
         cdef fs_fwd *f = &self.f
         cdef const fs_layer *L
         cdef int64_t li, wq = f.q_dim + 2 * f.kv_dim
+        if self.profile:
+            self._mark = _now()
         self._rows(_embed, n)
+        self._lap(2)
         for li in range(f.n_layer):
             L = &f.layers[li]
             f.layer, f.next = L, (&f.layers[li + 1] if li + 1 < f.n_layer else NULL)
             if self.mm.run(f.h, f.d, n, &L.wqkv, f.qkv, wq) < 0:
                 return -1
+            self._lap(0)
             self._rows(_qkv, n)
+            self._lap(2)
             if self.attn.run(f.q, n, f.H, &L.kv, f.slots, f.pos, f.att, f.attn_scale, L.window) < 0:
                 return -1
+            self._lap(1)
             if self.mm.run(f.att, f.q_dim, n, &L.wo, f.y, f.d) < 0:
                 return -1
+            self._lap(0)
             self._rows(_attn_out, n)
+            self._lap(2)
             if self.mm.run(f.h, f.d, n, &L.wgu, f.gu, 2 * f.n_ff) < 0:
                 return -1
+            self._lap(0)
             self._rows(_glu, n)
+            self._lap(2)
             if self.mm.run(f.act, f.n_ff, n, &L.wdown, f.y, f.d) < 0:
                 return -1
+            self._lap(0)
             self._rows(_ffn_out, n)
+            self._lap(2)
         if m == 0:
             return 0
         self._rows(_out_norm, m)
+        self._lap(2)
         if self.mm.run(f.h, f.d, m, &f.output, f.logits, f.ld_logits) < 0:
             return -1
+        self._lap(3)
         if f.softcap > 0:
             self._rows(_softcap, m)
+            self._lap(2)
         return 0
 
 

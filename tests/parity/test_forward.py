@@ -4,6 +4,7 @@ bit, on a small synthetic model of every family of the architecture table, throu
 decode steps of several slots; and a token's logits the same alone, in a batch, in any chunk and on any
 thread count."""
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -107,3 +108,25 @@ def test_bad_rows_are_refused(models):
         be.forward([1], [0], [0], [1])
     with pytest.raises(IndexError, match="vocabulary"):
         be.forward([model.config.n_vocab], [0], [0], [0])
+
+
+def test_the_phase_clocks_change_no_number_and_sum_under_the_call(models):
+    """Forward.profile (bench/bench_matmul.py's breakdown): the same logits; every phase timed, their sum
+    within the calls' own time; nothing counted with profile off; reset zeroes them."""
+    model = models["gemma3"]
+    cfg = model.config
+    be = NumpyBackend(cfg, model.weights, 2, 64, max_tokens=8, threads=2)
+    be._forward.profile = True
+    t0 = time.perf_counter()
+    got = [be.forward(*s).copy() for s in _steps(cfg.n_vocab)]
+    elapsed = time.perf_counter() - t0
+    phases = be._forward.phase_seconds(reset=True)
+    for g, w in zip(got, _run(model, cfg, threads=2)):
+        assert np.array_equal(g, w)
+    assert set(phases) == {"layer products", "attention", "element-wise ops and KV stores", "output product"}
+    assert all(v > 0 for v in phases.values()), phases
+    assert sum(phases.values()) <= elapsed
+    assert not any(be._forward.phase_seconds().values())
+    be._forward.profile = False
+    be.forward(*next(_steps(cfg.n_vocab)))
+    assert not any(be._forward.phase_seconds().values())
