@@ -15,9 +15,11 @@ from .test_misbehaving_clients import NO_EOG, _metric, _request
 
 def test_deadlines_and_queue(make_server, tmp_path):
     stall = tmp_path / "stall"
-    srv = make_server("-c", "4096", "-np", "1", "--max-queue", "1", "--stall-limit", "30",
+    srv = make_server("-c", "65536", "-np", "1", "--max-queue", "1", "--stall-limit", "30",
                       stall_file=str(stall))
-    long = {"prompt": "hold the slot", "n_predict": 4000, "temperature": 0, "logit_bias": NO_EOG}
+    # the holder reads 64 bytes and then nothing: its stream must outlast the checks whatever the socket
+    # buffers take (the tiny model decodes thousands of tokens a second)
+    long = {"prompt": "hold the slot", "n_predict": 60000, "temperature": 0, "logit_bias": NO_EOG}
     with httpx.Client(base_url=srv.url, timeout=30) as c:
         holder = socket.create_connection((srv.host, srv.port), timeout=10)
         holder.sendall(_request("/completion", {**long, "stream": True}))
