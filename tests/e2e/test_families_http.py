@@ -1,10 +1,11 @@
 """Every family over HTTP (issue 13, point 5): one server per model, the same requests to each.
 
-    gemma3-tiny   the synthetic Gemma 3 of tests/golden/test_swa_ring.py (window 8; with -b 32 its local
-                  layers keep a ring of 64 positions per slot), written here: needs nothing
+    gemma3-tiny   the synthetic Gemma 3 of tests/golden/test_swa_ring.py (window 8), written here: needs nothing
     qwen2, qwen3, llama3
                   ../shared/reference/models/<family>-synth.gguf (skipped without ../shared)
-    gemma3-270m   Gemma 3 270M Q4_K_M (`fastserve pull gemma3-270m`; marked `model`)
+    gemma3-270m   Gemma 3 270M Q4_K_M (`fastserve pull gemma3-270m`; marked `model`; window 512)
+
+Both Gemmas are served with -b 32, so that their local layers keep a ring smaller than a slot's context.
 
 Each server gets /v1/completions and /v1/chat/completions (streamed and not, logprobs, stop strings),
 /completion (n_probs, tokens), prefix reuse (cache_prompt: the second request reuses its prefix and gives
@@ -14,6 +15,7 @@ and two prompts decoded together giving what each gives alone. Greedy throughout
 from __future__ import annotations
 
 import json
+from typing import NamedTuple
 
 import httpx
 import pytest
@@ -23,37 +25,48 @@ from tests.reference_data import shared_model
 from .conftest import ServerProc
 
 N_PREDICT = 8
-RING = 64           # the tiny Gemma's ring with -b 32: window 8 + 31 tokens, in whole K tiles
-# Text prompts: a short one, a long one (past the tiny Gemma's ring in its tokens), and one per test
-# that must find no other request's prefix in the server.
+# Text prompts: a short one, a long one, and a distinct one per test, so that no test finds another's
+# prefix in the server.
 SHORT = "The quick brown fox"
 LONG = ("Once upon a time, in a small village by the sea, there lived an old fisherman who every morning "
         "walked to the harbour, checked his nets, mended the torn ones, and told the children stories "
         "about the storms he had seen and the fish that got away.")
 # The synthetic files and Gemma 3 270M's GGUF carry no chat template: chat goes through ChatML
 NO_TEMPLATE = ("--chat-template", "chatml")
+
+
+class Family(NamedTuple):
+    flags: tuple        # server flags beyond the common ones
+    window: int = 0     # sliding window (0: none)
+    ring: int = 0       # positions its local layers keep per slot with those flags (0: every position)
+    n_long: int = 1     # copies of LONG in the prefix-reuse prompt: enough to wrap the ring
+
+
+# -b 32: rings of window + 31 positions in whole K tiles, below the slot's context
+FAMILY = {"gemma3-tiny": Family(("-c", "1024", "-b", "32"), 8, 64),
+          "qwen2": Family(("-c", "1024", *NO_TEMPLATE)), "qwen3": Family(("-c", "1024", *NO_TEMPLATE)),
+          "llama3": Family(("-c", "1024", *NO_TEMPLATE)),
+          "gemma3-270m": Family(("-c", "2048", "-b", "32", *NO_TEMPLATE), 512, 576, 14)}
 FAMILIES = ["gemma3-tiny", "qwen2", "qwen3", "llama3", pytest.param("gemma3-270m", marks=pytest.mark.model)]
 
 
-def _model_path(name: str, tmp_path_factory) -> tuple[str, tuple]:
-    """The family's model file and the server flags it needs beyond the common ones."""
+def _model_path(name: str, tmp_path_factory) -> str:
     if name == "gemma3-tiny":
         from fastserve.models.synthetic import write_llama_gguf
         return write_llama_gguf(tmp_path_factory.mktemp("gemma") / "gemma3.gguf", architecture="gemma3",
-                                n_layer=7, head_dim=24, sliding_window=8, seed=3), ("-b", "32")
+                                n_layer=7, head_dim=24, sliding_window=8, seed=3)
     if name == "gemma3-270m":
         from fastserve.catalog import model_path
-        return model_path("gemma3-270m"), NO_TEMPLATE
-    return shared_model(f"{name}-synth.gguf"), NO_TEMPLATE
+        return model_path("gemma3-270m")
+    return shared_model(f"{name}-synth.gguf")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def served(request, tmp_path_factory):
-    """(family, httpx client) of a server on the family's model: 2 slots of 512 tokens, 64 MiB host cache."""
+    """(family name, httpx client) of a server on the family's model: 2 slots, 64 MiB of host-RAM cache."""
     name = request.param
-    path, flags = _model_path(name, tmp_path_factory)
-    srv = ServerProc(path, tmp_path_factory.mktemp("srv") / f"{name}.log", "-c", "1024", "-np", "2",
-                     "--cache-ram", "64", "-n", str(N_PREDICT), "--timeout", "30", *flags)
+    srv = ServerProc(_model_path(name, tmp_path_factory), tmp_path_factory.mktemp("srv") / f"{name}.log",
+                     "-np", "2", "--cache-ram", "64", "-n", str(N_PREDICT), "--timeout", "30", *FAMILY[name].flags)
     try:
         with httpx.Client(base_url=srv.url, timeout=120) as c:
             yield name, c
@@ -148,7 +161,8 @@ def test_prefix_reuse(served):
     """The same long prompt twice: the second reuses all of it but its last token, with the same tokens;
     a prompt sharing only its first half reuses that half, except where a ring no longer holds it."""
     name, c = served
-    prompt = "Prefix reuse. " + LONG
+    fam = FAMILY[name]
+    prompt = "Prefix reuse. " + " ".join([LONG] * fam.n_long)
     cold = _completion(c, prompt, cache_prompt=False)
     warm = _completion(c, prompt)
     n = warm["tokens_evaluated"]
@@ -156,18 +170,19 @@ def test_prefix_reuse(served):
     slot = next(s for s in c.get("/slots").json() if s["id"] == warm["id_slot"])
     n_held = n + len(warm["tokens"]) - 1
     assert slot["n_tokens"] == n_held
-    if name == "gemma3-tiny":
-        assert n_held > RING and (slot["n_swa"], slot["swa_ring"], slot["swa_reusable"]) == (
-            8, RING, [n_held - RING + 7, n_held])
+    if fam.ring:    # the ring holds the last `ring` positions: a continuation needs the window before it
+        assert n_held > fam.ring
+        assert (slot["n_swa"], slot["swa_ring"], slot["swa_reusable"]) == (
+            fam.window, fam.ring, [n_held - fam.ring + fam.window - 1, n_held])
     else:
-        assert slot["swa_ring"] == 0 and slot["swa_reusable"] == [0, n_held]
+        assert (slot["swa_ring"], slot["swa_reusable"]) == (0, [0, n_held])
     # a prompt sharing the first half, on that slot (its reference computed on the other one)
     half = prompt[:len(prompt) // 2] + " and then something else entirely happened."
     cold = _completion(c, half, cache_prompt=False, id_slot=1 - slot["id"])
     warm = _completion(c, half, id_slot=slot["id"])
     shared = warm["timings"]["cache_n"]
     assert warm["tokens"] == cold["tokens"]
-    if name == "gemma3-tiny":   # the ring holds too little of the first half: nothing is reused, rather than garbage
+    if fam.ring:    # the ring holds too little of the first half: nothing is reused, rather than garbage
         assert shared == 0
     else:
         assert 0 < shared < n - 1
