@@ -76,14 +76,12 @@ class PromptCache:
 
     def lookup(self, prompt: np.ndarray, n_max: int | None = None) -> tuple[Entry | None, int]:
         """The entry sharing the longest prefix with prompt that a restore can reuse, and that prefix's
-        length (0: none). Judged at n_max (the most of it the caller reuses; default: all): under
-        min_tokens it is not worth a copy (a BOS alone, say), and a sliding-window entry's shared prefix
-        counts only from its reuse_from on."""
+        length (0: none). A sliding-window entry's shared prefix counts only from its reuse_from on,
+        judged at n_max (the most of it the caller reuses; default: all)."""
         best, best_len = None, 0
         for e in self.index.values():
             n = self._common_prefix(e, prompt)
-            used = n if n_max is None else min(n, n_max)
-            if n > best_len and used >= max(self.min_tokens, e.reuse_from):
+            if n > best_len and (n if n_max is None else min(n, n_max)) >= e.reuse_from:
                 best, best_len = e, n
         return best, best_len
 

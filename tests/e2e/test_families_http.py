@@ -182,8 +182,9 @@ def test_prefix_reuse(served):
     warm = _completion(c, half, id_slot=slot["id"])
     shared = warm["timings"]["cache_n"]
     assert warm["tokens"] == cold["tokens"]
-    if fam.ring:    # the ring holds too little of the first half: nothing is reused, rather than garbage
-        assert shared == 0
+    if fam.ring:    # the ring holds too little of the first half: none of it is reused, rather than garbage
+        # (Gemma 3 270M's prompts begin with BOS, which the host-RAM cache restores when it holds an entry)
+        assert shared in ((0, 1) if name == "gemma3-270m" else (0,))
     else:
         assert 0 < shared < n - 1
 
