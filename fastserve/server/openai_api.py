@@ -129,9 +129,9 @@ def _legacy_logprobs(tok, ids, probs, k: int, offset: int) -> dict:
         text = tok.token_bytes(tid).decode("utf-8", "replace")
         tokens.append(text)
         token_lp.append(_log(next((q for t, q in zip(top_ids, top_ps) if t == tid), 0.0)))
-        alts = {}
-        for t, q in zip(top_ids[:k], top_ps[:k]):       # most probable first: two byte tokens that both
-            alts.setdefault(tok.token_bytes(t).decode("utf-8", "replace"), _log(q))   # read U+FFFD keep the first
+        alts = {}       # most probable first: of two tokens that read alike (byte tokens read as U+FFFD), the first
+        for t, q in zip(top_ids[:k], top_ps[:k]):
+            alts.setdefault(tok.token_bytes(t).decode("utf-8", "replace"), _log(q))
         top.append(alts)
         offsets.append(offset)
         offset += len(text)
