@@ -39,7 +39,7 @@ class Family(NamedTuple):
     flags: tuple        # server flags beyond the common ones
     window: int = 0     # sliding window (0: none)
     ring: int = 0       # positions its local layers keep per slot with those flags (0: every position)
-    n_long: int = 1     # copies of LONG in the prefix-reuse prompt: enough to wrap the ring
+    n_long: int = 1     # copies of LONG in its long prompt (_story): enough to wrap the ring
 
 
 # -b 32: rings of window + 31 positions in whole K tiles, below the slot's context
@@ -48,6 +48,11 @@ FAMILY = {"gemma3-tiny": Family(("-c", "1024", "-b", "32"), 8, 64),
           "llama3": Family(("-c", "1024", *NO_TEMPLATE)),
           "gemma3-270m": Family(("-c", "2048", "-b", "32", *NO_TEMPLATE), 512, 576, 14)}
 FAMILIES = ["gemma3-tiny", "qwen2", "qwen3", "llama3", pytest.param("gemma3-270m", marks=pytest.mark.model)]
+
+
+def _story(name: str, title: str) -> str:
+    """A long prompt: longer than the family's ring, in tokens."""
+    return title + " " + " ".join([LONG] * FAMILY[name].n_long)
 
 
 def _model_path(name: str, tmp_path_factory) -> str:
@@ -159,10 +164,10 @@ def test_llama_completion(served):
 
 def test_prefix_reuse(served):
     """The same long prompt twice: the second reuses all of it but its last token, with the same tokens;
-    a prompt sharing only its first half reuses that half, except where a ring no longer holds it."""
+    a prompt sharing only its beginning reuses that, except where a ring no longer holds it."""
     name, c = served
     fam = FAMILY[name]
-    prompt = "Prefix reuse. " + " ".join([LONG] * fam.n_long)
+    prompt = _story(name, "Prefix reuse.")
     cold = _completion(c, prompt, cache_prompt=False)
     warm = _completion(c, prompt)
     n = warm["tokens_evaluated"]
@@ -176,17 +181,41 @@ def test_prefix_reuse(served):
             fam.window, fam.ring, [n_held - fam.ring + fam.window - 1, n_held])
     else:
         assert (slot["swa_ring"], slot["swa_reusable"]) == (0, [0, n_held])
-    # a prompt sharing the first half, on that slot (its reference computed on the other one)
-    half = prompt[:len(prompt) // 2] + " and then something else entirely happened."
-    cold = _completion(c, half, cache_prompt=False, id_slot=1 - slot["id"])
-    warm = _completion(c, half, id_slot=slot["id"])
+    # a prompt sharing its first sixth, on that slot (its reference computed on the other one)
+    part = prompt[:len(prompt) // 6] + " and then something else entirely happened."
+    cold = _completion(c, part, cache_prompt=False, id_slot=1 - slot["id"])
+    warm = _completion(c, part, id_slot=slot["id"])
     shared = warm["timings"]["cache_n"]
     assert warm["tokens"] == cold["tokens"]
-    if fam.ring:    # the ring holds too little of the first half: none of it is reused, rather than garbage
+    if fam.ring:    # the ring holds too little of that part: none of it is reused, rather than garbage
         # (Gemma 3 270M's prompts begin with BOS, which the host-RAM cache restores when it holds an entry)
         assert shared in ((0, 1) if name == "gemma3-270m" else (0,))
     else:
         assert 0 < shared < n - 1
+
+
+def test_a_free_slot_is_chosen_by_the_prefix_it_can_reuse(served):
+    """Slot 0 holds a long prompt a, slot 1 a short b sharing k tokens with it; the prompt shares 2k with a.
+    Without a window it goes to slot 0 and reuses 2k. With one, slot 0's ring no longer holds those 2k
+    (/slots: reusable only from lo > 2k) while slot 1 holds all of b: it goes to slot 1 and reuses k."""
+    name, c = served
+    fam = FAMILY[name]
+    tokenize = lambda text, bos=False: _post(c, "/tokenize", {"content": text, "add_special": bos})["tokens"]
+    a = tokenize(_story(name, "Slot choice."), True)
+    tail = [t for t in range(3, 500) if t not in a][:3]         # ids a does not hold: it diverges there
+    n_held_a = len(a) + N_PREDICT - 1
+    # windowed: b all in slot 1's ring, and 2k short of what slot 0's ring can reuse (from lo on); short
+    k = (min(48, fam.ring - len(tail) - N_PREDICT + 1, (n_held_a - fam.ring + fam.window - 2) // 2)
+         if fam.ring else len(a) // 3)
+    b, prompt = a[:k] + tail, a[:2 * k] + tail
+    _completion(c, a, id_slot=0, cache_prompt=False)
+    _completion(c, b, id_slot=1, cache_prompt=False)
+    s0, s1 = c.get("/slots").json()
+    if fam.ring:
+        assert s0["swa_reusable"][0] > 2 * k and s1["swa_reusable"] == [0, len(b) + N_PREDICT - 1]
+    r = _completion(c, prompt)
+    assert (r["id_slot"], r["timings"]["cache_n"]) == ((1, k) if fam.ring else (0, 2 * k))
+    assert r["tokens"] == _completion(c, prompt, cache_prompt=False)["tokens"]
 
 
 def test_host_ram_cache_restores_an_evicted_prefix(served):
