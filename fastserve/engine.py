@@ -425,7 +425,7 @@ class Engine:
         while self._waiting and not self._closing:
             job = self._waiting[0]
             slot = pick_slot(self.slots, job.prompt, id_slot=job.id_slot, cache_prompt=job.cache_prompt,
-                             similarity=self.slot_prompt_similarity)
+                             similarity=self.slot_prompt_similarity, reusable=self._window_allows)
             if slot < 0:
                 if job.id_slot >= 0:
                     self._waiting.rotate(-1)     # a pinned job waits without blocking the others
@@ -470,7 +470,7 @@ class Engine:
         and bring back a longer prefix of the prompt when the cache holds one. Returns the new n_cached.
         Neither copy can fail the request: a refused save is logged, a failed restore computes instead."""
         pc, prompt = self.prompt_cache, job.prompt
-        entry, n_hit = pc.lookup(prompt) if job.cache_prompt else (None, 0)
+        entry, n_hit = pc.lookup(prompt, len(prompt) - 1) if job.cache_prompt else (None, 0)
         n_hit = min(n_hit, len(prompt) - 1)
         n_old = int(self.slots.n_tokens[slot])
         if n_old > slot_prefix(self.slots, slot, prompt):
@@ -481,7 +481,11 @@ class Engine:
 
     def _window_reusable(self, slot: int, n: int) -> int:
         """n, or 0 when the slot's sliding-window ring no longer holds the window before position n."""
-        return n if n >= self.backend.kv_reuse_from(slot, n) else 0
+        return n if self._window_allows(slot, n) else 0
+
+    def _window_allows(self, slot: int, n: int) -> bool:
+        """Whether slot's KV serves a continuation after its first n tokens (always, without a window)."""
+        return n >= self.backend.kv_reuse_from(slot, n)
 
     def _end(self, slot: int, code: int, error: str | None = None) -> None:
         """Finish the slot's request, detach its reader, free the slot (its KV prefix stays reusable)."""

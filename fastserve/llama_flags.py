@@ -172,7 +172,9 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--chat-template-file FILE", SAME, "a Jinja template file"),
     ("--prefill-assistant, --no-prefill-assistant", REFUSED, "a last assistant message is rendered by the "
                                                              "template as it is"),
-    ("-sps, --slot-prompt-similarity SIMILARITY", SAME, "default 0.1"),
+    ("-sps, --slot-prompt-similarity SIMILARITY", SAME, "default 0.1; a sliding-window model's slots and host-RAM "
+     "cache entries count a shared prefix only where their rings still hold the window before it "
+     "(`/slots` `swa_reusable`)"),
     ("--sleep-idle-seconds SECONDS", REFUSED, "the server never sleeps"),
     ("--log-prompts-dir PATH", REFUSED, "prompts are never logged"),
     ("--embd-gemma-default, --fim-qwen-*-default, --fim-qwen-*-spec, --gpt-oss-*-default, "

@@ -34,12 +34,13 @@ MIB = 1 << 20
 
 
 class Entry:
-    __slots__ = ("key", "n", "blocks", "held_from")
+    __slots__ = ("key", "n", "blocks", "held_from", "reuse_from")
 
-    def __init__(self, key: int, n: int, blocks: list[int], held_from: int = 0):
+    def __init__(self, key: int, n: int, blocks: list[int], held_from: int = 0, reuse_from: int = 0):
         self.key, self.n, self.blocks = key, n, blocks     # n tokens in blocks[0], blocks[1], ...
-        # a sliding-window model's ring layers held only positions held_from..n-1 (backend.kv_held_from)
-        self.held_from = held_from
+        # a sliding-window model's ring layers held only positions held_from..n-1 (backend.kv_held_from),
+        # so a restore serves a shared prefix m only for reuse_from <= m <= n (backend.kv_reuse_from; 0: any m)
+        self.held_from, self.reuse_from = held_from, reuse_from
 
 
 class PromptCache:
@@ -73,12 +74,14 @@ class PromptCache:
 
     # -- lookups --------------------------------------------------------------------------
 
-    def lookup(self, prompt: np.ndarray) -> tuple[Entry | None, int]:
-        """The entry sharing the longest prefix with prompt, and that prefix's length (0: none)."""
+    def lookup(self, prompt: np.ndarray, n_max: int | None = None) -> tuple[Entry | None, int]:
+        """The entry sharing the longest prefix with prompt that a restore can reuse, and that prefix's
+        length (0: none). A sliding-window entry's shared prefix counts only from its reuse_from on,
+        judged at n_max (the most of it the caller reuses; default: all)."""
         best, best_len = None, 0
         for e in self.index.values():
             n = self._common_prefix(e, prompt)
-            if n > best_len:
+            if n > best_len and (n if n_max is None else min(n, n_max)) >= e.reuse_from:
                 best, best_len = e, n
         return best, best_len
 
@@ -104,13 +107,16 @@ class PromptCache:
         n = len(tokens)
         if n < self.min_tokens:
             return False
+        # with a sliding window an entry serves only the shared prefixes from its reuse_from on: a longer
+        # entry holds all of a shorter one only if it serves every prefix that one serves
+        reuse_from = self.backend.kv_reuse_from(slot, n)
         superseded = []
         for e in self.index.values():
             common = self._common_prefix(e, tokens)
-            if common == n:                         # an entry already holds all of it
+            if common == n and e.reuse_from <= reuse_from:      # an entry already holds all of it
                 self.index.move_to_end(e.key)
                 return False
-            if common == e.n and e is not keep:     # this copy holds all of that entry
+            if common == e.n and reuse_from <= e.reuse_from and e is not keep:   # this copy holds all of e
                 superseded.append(e)
         k = -(-n // self.block_tokens)
         try:
@@ -132,7 +138,7 @@ class PromptCache:
         for e in superseded:
             self._drop(e)
         self._keys += 1
-        self.index[self._keys] = Entry(self._keys, n, blocks, self.backend.kv_held_from(slot, n))
+        self.index[self._keys] = Entry(self._keys, n, blocks, self.backend.kv_held_from(slot, n), reuse_from)
         self.n_saved += 1
         return True
 

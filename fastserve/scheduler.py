@@ -1,9 +1,11 @@
-"""Which free slot a waiting request takes: prefix reuse by longest common prefix (ints only).
+"""Which free slot a waiting request takes: prefix reuse by longest reusable prefix (ints only).
 
 Like llama.cpp's slot selection: the free slot whose cached tokens share the
 longest prefix with the prompt, when that prefix is more than `similarity` of
 the prompt (lowest id on ties); else the least recently admitted free slot,
 whose cached prefix is the least likely to be wanted again. `id_slot` pins one.
+A sliding-window model's slot counts its shared prefix only where its ring still
+holds the window before it (else the prefix reuses nothing, and counts 0).
 """
 from __future__ import annotations
 
@@ -39,8 +41,10 @@ def slot_prefix(slots, slot: int, prompt: np.ndarray) -> int:
     return common_prefix(slots.tokens[slot, :int(slots.n_tokens[slot])], prompt)
 
 
-def pick_slot(slots, prompt: np.ndarray, *, id_slot: int, cache_prompt: bool, similarity: float) -> int:
-    """The free slot for a request (-1: none free now)."""
+def pick_slot(slots, prompt: np.ndarray, *, id_slot: int, cache_prompt: bool, similarity: float,
+              reusable=None) -> int:
+    """The free slot for a request (-1: none free now). reusable(slot, n) -> bool: whether slot's KV can
+    still serve a continuation after its first n tokens (the backend's window; None: always)."""
     if id_slot >= 0:
         return id_slot if slots.state[id_slot] == IDLE else -1
     free = np.flatnonzero(slots.state == IDLE)
@@ -50,7 +54,8 @@ def pick_slot(slots, prompt: np.ndarray, *, id_slot: int, cache_prompt: bool, si
         best, best_len = -1, 0
         for s in free:
             n = slot_prefix(slots, int(s), prompt)
-            if n > best_len:
+            # judged at the length admission reuses (the prompt's last token is always computed)
+            if n > best_len and (reusable is None or reusable(int(s), min(n, len(prompt) - 1))):
                 best, best_len = int(s), n
         if best >= 0 and best_len > similarity * len(prompt):
             return best

@@ -129,7 +129,10 @@ def _legacy_logprobs(tok, ids, probs, k: int, offset: int) -> dict:
         text = tok.token_bytes(tid).decode("utf-8", "replace")
         tokens.append(text)
         token_lp.append(_log(next((q for t, q in zip(top_ids, top_ps) if t == tid), 0.0)))
-        top.append({tok.token_bytes(t).decode("utf-8", "replace"): _log(q) for t, q in zip(top_ids[:k], top_ps[:k])})
+        alts = {}       # most probable first: of two tokens that read alike (byte tokens read as U+FFFD), the first
+        for t, q in zip(top_ids[:k], top_ps[:k]):
+            alts.setdefault(tok.token_bytes(t).decode("utf-8", "replace"), _log(q))
+        top.append(alts)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lp, "top_logprobs": top, "text_offset": offsets}

@@ -106,3 +106,65 @@ def test_the_host_ram_cache_restores_what_the_ring_held(gemma, full):
             assert r.timings["cache_n"] == reused, diverge
             assert (r.token_ids, r.probs) == _run(full, prompt, cache_prompt=False), diverge
             e.generate(b, max_tokens=10, temperature=0, cache_prompt=False)
+
+
+def test_a_free_slot_is_chosen_by_the_prefix_its_ring_can_reuse(gemma, full):
+    """Slot 0 shares 100 tokens with the prompt but its ring holds only its last 64 positions; slot 1 shares
+    50 and holds them all: slot 1 reuses its 50, where counting the bare common prefix would take slot 0
+    and reuse nothing."""
+    a = _prompt(8, 300)
+    b = a[:50] + _prompt(9, 6)
+    prompt = a[:100] + _prompt(10, 30)
+    with fastserve.Engine(gemma, n_parallel=2, n_ctx=2 * N_CTX, n_batch=32, threads=1) as e:
+        e.generate(a, max_tokens=10, temperature=0, id_slot=0)
+        e.generate(b, max_tokens=5, temperature=0, id_slot=1)
+        s0, s1 = _slots(e)
+        assert s0["swa_reusable"] == [309 - RING + 7, 309] and s1["swa_reusable"] == [0, 60]
+        r = e.generate(prompt, max_tokens=12, temperature=0, n_probs=5)
+        assert (r.id_slot, r.timings["cache_n"]) == (1, 50)
+        assert (r.token_ids, r.probs) == _run(full, prompt, cache_prompt=False)
+        assert _slots(e)[0]["swa_reusable"] == s0["swa_reusable"]        # slot 0 kept a's prefix
+
+
+def test_the_host_ram_cache_chooses_the_entry_a_restore_can_reuse(gemma, full):
+    """Entries sharing 100 tokens with the prompt whose rings hold only their last 64 positions (a's, q's),
+    and c's sharing 50 with every ring row held: the lookup gives c's 50. Before c is there, nothing
+    reusable is in the cache, and the lookup costs no copy."""
+    a = _prompt(11, 300)
+    q = a[:100] + _prompt(12, 100)
+    c = a[:50] + _prompt(13, 6)
+    other = _prompt(14, 40)
+    prompt = a[:100] + _prompt(15, 30)
+    with fastserve.Engine(gemma, n_parallel=1, n_ctx=N_CTX, n_batch=32, threads=1, cache_ram_mib=64) as e:
+        pc = e.prompt_cache
+        e.generate(a, max_tokens=10, temperature=0)
+        e.generate(other, max_tokens=1, temperature=0)      # a's prefix goes to the host-RAM cache
+        assert [(x.n, x.held_from) for x in pc.index.values()] == [(309, 309 - RING)]
+        restored = pc.n_restored
+        r = e.generate(q, max_tokens=10, temperature=0)
+        assert r.timings["cache_n"] == 0 and pc.n_restored == restored    # nothing reusable: no copy
+        e.generate(c, max_tokens=5, temperature=0)          # q's prefix goes to the cache
+        e.generate(other, max_tokens=1, temperature=0)      # and c's
+        assert sorted((x.n, x.held_from) for x in pc.index.values()) == [
+            (40, 0), (60, 0), (209, 209 - RING), (309, 309 - RING)]
+        restored = pc.n_restored
+        r = e.generate(prompt, max_tokens=12, temperature=0, n_probs=5)
+        assert r.timings["cache_n"] == 50 and pc.n_restored == restored + 1
+        assert (r.token_ids, r.probs) == _run(full, prompt, cache_prompt=False)
+
+
+def test_a_longer_entry_replaces_a_shorter_one_only_if_it_serves_its_prefixes(gemma, full):
+    """s (40 tokens, every ring row held) is a prefix of l (240): without a window l's copy would replace
+    s's; with one, l serves only shared prefixes from 183 on, so s's entry stays and serves s's 40."""
+    s = _prompt(16, 40)
+    long = s + _prompt(17, 200)
+    other = _prompt(18, 30)
+    prompt = s + _prompt(19, 30)
+    with fastserve.Engine(gemma, n_parallel=1, n_ctx=N_CTX, n_batch=32, threads=1, cache_ram_mib=64) as e:
+        pc = e.prompt_cache
+        for p in (s, other, long, other):                   # s's, then long's prefixes go to the cache
+            e.generate(p, max_tokens=1, temperature=0)
+        assert sorted((x.n, x.held_from) for x in pc.index.values()) == [(30, 0), (40, 0), (240, 240 - RING)]
+        r = e.generate(prompt, max_tokens=12, temperature=0, n_probs=5)
+        assert r.timings["cache_n"] == 40
+        assert (r.token_ids, r.probs) == _run(full, prompt, cache_prompt=False)
