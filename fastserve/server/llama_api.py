@@ -243,10 +243,11 @@ async def completion(app, req, ex):
     seed = request_seed(body, app)
     samp = sampling(body, app)
     cache_prompt = body.bool("cache_prompt", True)
+    compiled = await app.compile(constraint(body))          # in a worker thread: a big schema takes long
     gens = start_all(app, ex, prompts, lambda i: {}, stop=stop, limits=limits(body, app.config),
                      max_tokens=n_predict, seed=seed, cache_prompt=cache_prompt,
                      id_slot=body.int("id_slot", -1, lo=-1), n_probs=n_probs, post_sampling_probs=post,
-                     **constraint(body), **samp)
+                     constraint=compiled, **samp)
     settings = params_json(app, {k: v for k, v in samp.items() if k != "logit_bias"}, seed, n_predict,
                            stream=stream, n_probs=n_probs, post_sampling_probs=post, timings_per_token=per_token,
                            stop=stop, cache_prompt=cache_prompt, ignore_eos=body.bool("ignore_eos"))

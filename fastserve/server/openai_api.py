@@ -16,7 +16,6 @@ import os
 import time
 
 from ..errors import RequestError
-from ..grammar import compile_grammar
 from . import sse
 from .errors import OPENAI, HttpError
 from .fields import Body, parse_object
@@ -85,10 +84,12 @@ async def completions(app, req, ex):
     logprobs = body.int("logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     n_probs = 0 if logprobs is None else max(LOGPROB_POOL, logprobs)
     seed = request_seed(body, app)
+    samp = sampling(body, app)
+    compiled = await app.compile(constraint(body))
     gens = start_all(app, ex, [ids for ids in prompts for _ in range(n)],
                      lambda i: {"seed": None if seed is None else (seed + i % n) % 2 ** 64},
                      stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens, n_probs=n_probs,
-                     **constraint(body), **sampling(body, app))
+                     constraint=compiled, **samp)
     rid, created = _new_id("cmpl-"), int(time.time())
     tok = app.engine.tokenizer
 
@@ -189,11 +190,7 @@ async def chat_completions(app, req, ex):
         constrain = {"json_schema": plan.schema}
     elif fmt_schema is not None:
         constrain = {"json_schema": fmt_schema}
-    if constrain:                   # the compiler's message before the prompt's size is judged
-        try:
-            compile_grammar(**constrain)
-        except RequestError as exc:
-            raise HttpError(400, str(exc)) from None
+    compiled = await app.compile(constrain)     # the compiler's message before the prompt's size is judged
     tok = app.engine.tokenizer
     native = tok.chat_template_takes_tools
     messages = chat_messages(body.raw("messages"), native)
@@ -220,7 +217,7 @@ async def chat_completions(app, req, ex):
     # n choices of one prompt: a given seed seeds the i-th choice with seed + i, so that they differ
     gens = start_all(app, ex, [ids] * n, lambda i: {"seed": None if seed is None else (seed + i) % 2 ** 64},
                      stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens, n_probs=n_probs,
-                     **constrain, **sampling(body, app))
+                     constraint=compiled, **sampling(body, app))
     rid, created = _new_id("chatcmpl-"), int(time.time())
 
     def reply(g):
