@@ -258,7 +258,7 @@ def serve(args, backend=None) -> int:
                        request_timeout=args.request_timeout, token_timeout=args.token_timeout,
                        n_predict=args.n_predict, cors_origin=args.cors_origin, body_limit=args.body_limit,
                        alias=args.alias, log_requests=llama["log_requests"], metrics=args.metrics,
-                       slots=args.slots, props=args.props, seed=llama["seed"],
+                       slots=args.slots, props=args.props, seed=llama["seed"], ignore_eos=llama["ignore_eos"],
                        sampling=sampling_defaults(model.config.n_vocab, llama["sampling"]),
                        webui=not args.no_webui)
     if llama["chat_template"] is not None:

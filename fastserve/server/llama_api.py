@@ -82,11 +82,16 @@ def sampling(body: Body, app) -> dict:
         raise HttpError(400, f"'samplers' must be fastserve's chain {SAMPLER_CHAIN} (in that order; samplers that "
                              f"are off may be named too), got {chain!r}")
     bias = body.logit_bias("logit_bias", app.engine.tokenizer) or {}
-    if body.bool("ignore_eos"):           # as llama-server: the end-of-generation tokens are never sampled
+    if ignore_eos(body, app):             # as llama-server: the end-of-generation tokens are never sampled
         bias.update({tok: -math.inf for tok in app.engine.tokenizer.eog_ids})
     if bias:
         out["logit_bias"] = bias
     return out
+
+
+def ignore_eos(body: Body, app) -> bool:
+    """The request's ignore_eos; absent, the server's --ignore-eos."""
+    return body.bool("ignore_eos", app.config.ignore_eos)
 
 
 def constraint(body: Body) -> dict:
@@ -123,7 +128,7 @@ def params_json(app, samp: dict, seed, n_predict: int, **extra) -> dict:
     for name in ("repeat_last_n", "repeat_penalty", "presence_penalty", "frequency_penalty"):
         out[name] = eff[name]
     out.update({"dry_multiplier": 0.0, "mirostat": 0, "max_tokens": n_predict, "n_predict": n_predict, "n_keep": 0,
-                "ignore_eos": bool(extra.pop("ignore_eos", False)), "stream": False, "n_probs": eff["n_probs"], "min_keep": 0,
+                "ignore_eos": bool(extra.pop("ignore_eos", app.config.ignore_eos)), "stream": False, "n_probs": eff["n_probs"], "min_keep": 0,
                 "samplers": SAMPLER_CHAIN, "timings_per_token": False,
                 "post_sampling_probs": eff["post_sampling_probs"]})
     out.update(extra)
@@ -250,7 +255,7 @@ async def completion(app, req, ex):
                      constraint=compiled, **samp)
     settings = params_json(app, {k: v for k, v in samp.items() if k != "logit_bias"}, seed, n_predict,
                            stream=stream, n_probs=n_probs, post_sampling_probs=post, timings_per_token=per_token,
-                           stop=stop, cache_prompt=cache_prompt, ignore_eos=body.bool("ignore_eos"))
+                           stop=stop, cache_prompt=cache_prompt, ignore_eos=ignore_eos(body, app))
     raws = raw if len(prompts) > 1 else [raw]
     texts = [r if isinstance(r, str) else engine.tokenizer.decode(ids) for r, ids in zip(raws, prompts)]
 

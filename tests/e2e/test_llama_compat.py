@@ -169,6 +169,30 @@ def test_ignore_eos(http):
     error(http.post("/completion", json={"prompt": "a", "ignore_eos": "yes"}), 400)
 
 
+def test_ignore_eos_flag(make_server):
+    """--ignore-eos: every request that does not say ignore_eos gets it (/props shows it), on every route;
+    a request's own ignore_eos: false wins, and a request's logit_bias adds to the ban rather than dropping it."""
+    eog = {"0": 100.0, "2": 100.0}          # the tiny model's end-of-generation tokens, made the likeliest
+    srv = make_server("-c", "512", "-np", "2", "--ignore-eos")
+    with httpx.Client(base_url=srv.url, timeout=20) as c:
+        assert c.get("/props").json()["default_generation_settings"]["params"]["ignore_eos"] is True
+        for extra in ({}, {"ignore_eos": None}):
+            runs = c.post("/completion", json={"prompt": "a", **GREEDY, "logit_bias": eog, "return_tokens": True,
+                                               **extra}).json()
+            assert runs["stop_type"] == "limit" and runs["tokens_predicted"] == GREEDY["n_predict"], runs
+            assert not {0, 2} & set(runs["tokens"]) and runs["generation_settings"]["ignore_eos"] is True
+        ends = c.post("/completion", json={"prompt": "a", **GREEDY, "logit_bias": eog, "ignore_eos": False}).json()
+        assert ends["stop_type"] == "eos" and ends["tokens_predicted"] <= 1, ends
+        assert ends["generation_settings"]["ignore_eos"] is False
+        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}], "max_tokens": 8,
+                                                    "temperature": 0, "logit_bias": eog}).json()
+        assert chat["choices"][0]["finish_reason"] == "length" and chat["usage"]["completion_tokens"] == 8, chat
+        legacy = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 8, "temperature": 0,
+                                                 "logit_bias": eog, "ignore_eos": False}).json()
+        assert legacy["choices"][0]["finish_reason"] == "stop", legacy
+        error(c.post("/completion", json={"prompt": "a", "ignore_eos": "yes"}), 400)
+
+
 def test_exceed_context_size_error(http):
     """The slot holds 256 tokens: llama-server's error type, with n_prompt_tokens and n_ctx, streamed or not."""
     long_ids = [5] * 300
