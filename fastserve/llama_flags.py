@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+from .chat_template import CHATML
+
 SAME, DIFFERS, REFUSED = "same", "differs", "refused"
 
 # (flags as llama-server spells them, status, note). Grouped as llama-server's --help groups them.
@@ -269,11 +271,8 @@ def add_taken(parser: argparse.ArgumentParser) -> None:
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
                   "frequency_penalty")
 
-# llama-server's built-in chat template names that fastserve has: written here (the ChatML format).
-BUILTIN_TEMPLATES = {
-    "chatml": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
-}
+# llama-server's built-in chat template names that fastserve has (the ChatML format).
+BUILTIN_TEMPLATES = {"chatml": CHATML}
 
 
 def resolve(args) -> dict:

@@ -263,6 +263,9 @@ def serve(args, backend=None) -> int:
                        webui=not args.no_webui)
     if llama["chat_template"] is not None:
         model.tokenizer.set_chat_template(llama["chat_template"])
+    elif model.tokenizer.chat_template_is_fallback:
+        print("fastserve: the model has no chat template: chat uses ChatML, as llama-server's fallback "
+              "(--chat-template sets another)", file=sys.stderr, flush=True)
     device = llama["device"]
     check_gpu_layers(llama["n_gpu_layers"], device, model.config.n_layer)
     threads = args.threads if args.threads and args.threads > 0 else default_threads()

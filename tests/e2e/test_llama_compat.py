@@ -193,6 +193,30 @@ def test_ignore_eos_flag(make_server):
         error(c.post("/completion", json={"prompt": "a", "ignore_eos": "yes"}), 400)
 
 
+def test_chat_without_a_template_falls_back_to_chatml(tmp_path):
+    """A model whose file has no chat template chats in ChatML, as llama-server does (common/chat.cpp), and
+    says so at start; /props shows the template in use."""
+    from fastserve.chat_template import CHATML
+    from fastserve.models.synthetic import write_llama_gguf
+
+    from .conftest import ServerProc
+
+    path = write_llama_gguf(tmp_path / "no_template.gguf", chat_template=None)
+    srv = ServerProc(path, tmp_path / "server.log", "-c", "512", "-np", "1")
+    try:
+        assert "no chat template: chat uses ChatML" in srv.log()
+        with httpx.Client(base_url=srv.url, timeout=20) as c:
+            assert c.get("/props").json()["chat_template"] == CHATML
+            messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+            r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+            chatml = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+            assert r.json()["usage"]["prompt_tokens"] == len(tokens(c, chatml, add_special=True))
+            error(c.post("/v1/chat/completions", json={"messages": [{"role": "user"}]}), 400)
+    finally:
+        srv.kill()
+
+
 def test_exceed_context_size_error(http):
     """The slot holds 256 tokens: llama-server's error type, with n_prompt_tokens and n_ctx, streamed or not."""
     long_ids = [5] * 300
