@@ -252,7 +252,8 @@ async def completion(app, req, ex):
     gens = start_all(app, ex, prompts, lambda i: {}, stop=stop, limits=limits(body, app.config),
                      max_tokens=n_predict, seed=seed, cache_prompt=cache_prompt,
                      id_slot=body.int("id_slot", -1, lo=-1), n_probs=n_probs, post_sampling_probs=post,
-                     constraint=compiled, **samp)
+                     constraint=compiled, settings={"stream": stream, "ignore_eos": ignore_eos(body, app),
+                                                    "timings_per_token": per_token}, **samp)
     settings = params_json(app, {k: v for k, v in samp.items() if k != "logit_bias"}, seed, n_predict,
                            stream=stream, n_probs=n_probs, post_sampling_probs=post, timings_per_token=per_token,
                            stop=stop, cache_prompt=cache_prompt, ignore_eos=ignore_eos(body, app))

@@ -20,7 +20,8 @@ from . import sse
 from .errors import OPENAI, HttpError
 from .fields import Body, parse_object
 from .fanout import interleave, run_all, start_all
-from .llama_api import _log, check_context, check_prompt_length, constraint, limits, prompt_list, request_seed, sampling
+from .llama_api import (_log, check_context, check_prompt_length, constraint, ignore_eos, limits, prompt_list,
+                        request_seed, sampling)
 from .response import StreamResponse, json_response
 from .tools import history_message, response_format, tool_plan, with_tools
 
@@ -59,6 +60,11 @@ def _usage(per_prompt: list) -> dict:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
 
 
+def _settings(body: Body, app, stream: bool) -> dict:
+    """The request's /slots params beyond its sampling (Generation.settings)."""
+    return {"stream": stream, "ignore_eos": ignore_eos(body, app)}
+
+
 def _new_id(prefix: str) -> str:
     return prefix + os.urandom(12).hex()
 
@@ -89,7 +95,7 @@ async def completions(app, req, ex):
     gens = start_all(app, ex, [ids for ids in prompts for _ in range(n)],
                      lambda i: {"seed": None if seed is None else (seed + i % n) % 2 ** 64},
                      stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens, n_probs=n_probs,
-                     constraint=compiled, **samp)
+                     constraint=compiled, settings=_settings(body, app, stream), **samp)
     rid, created = _new_id("cmpl-"), int(time.time())
     tok = app.engine.tokenizer
 
@@ -217,7 +223,7 @@ async def chat_completions(app, req, ex):
     # n choices of one prompt: a given seed seeds the i-th choice with seed + i, so that they differ
     gens = start_all(app, ex, [ids] * n, lambda i: {"seed": None if seed is None else (seed + i) % 2 ** 64},
                      stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens, n_probs=n_probs,
-                     constraint=compiled, **sampling(body, app))
+                     constraint=compiled, settings=_settings(body, app, stream), **sampling(body, app))
     rid, created = _new_id("chatcmpl-"), int(time.time())
 
     def reply(g):
