@@ -140,3 +140,33 @@ def test_a_client_gone_while_its_grammar_compiles_leaves_nothing(srv, slow_compi
     assert (after.tokens_prompt, after.tokens_generated) == (before.tokens_prompt, before.tokens_generated)
     with httpx.Client(base_url=f"http://{srv.host}:{srv.port}", timeout=30) as c:
         assert not any(slot["is_processing"] for slot in json.loads(c.get("/slots").text))
+
+
+def test_shutdown_during_a_compile_answers_at_once(tiny_model, slow_compile):
+    """SIGTERM's path (Server.stop) while a grammar compiles: the request ends with 503 (or its connection is
+    dropped) at once, not after the compile, and the server's loop is gone well before the compile ends."""
+    answer = {}
+    with InProcessServer(tiny_model, n_parallel=1, n_ctx=1024) as s:
+        def constrained():
+            try:
+                with httpx.Client(base_url=f"http://{s.host}:{s.port}", timeout=30) as c:
+                    answer["status"] = c.post("/completion", json={"prompt": "x", "grammar": GRAMMAR}).status_code
+            except httpx.TransportError as exc:
+                answer["status"] = type(exc).__name__
+            answer["t"] = time.monotonic()
+
+        worker = threading.Thread(target=constrained, daemon=True)
+        worker.start()
+        deadline = time.monotonic() + 10
+        while not slow_compile and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert slow_compile, "the compile did not start"
+        t_stop = time.monotonic()
+        s.loop.call_soon_threadsafe(s.server.stop)
+        s._thread.join(SLOW_S)
+        t_loop_gone = time.monotonic()
+        assert not s._thread.is_alive(), "the server's loop waited for the compile"
+        s.loop = None                   # stopped already: the context's exit has no loop to tell
+        worker.join(10)
+    assert answer["status"] in (503, "RemoteProtocolError", "ReadError"), answer
+    assert answer["t"] - t_stop < SLOW_S / 2 and t_loop_gone - t_stop < SLOW_S / 2, (answer, t_loop_gone - t_stop)
