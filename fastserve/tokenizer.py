@@ -160,7 +160,8 @@ class Tokenizer:
         self._pieces = self._all_pieces()
         self._attr = self._attr.tolist()            # per-token lookups on the hot paths: a list is faster
         # as llama-server: the model's template, else its tool_use variant, else ChatML (chat_template.py)
-        self._template = ChatTemplate(md.get("tokenizer.chat_template") or md.get("tokenizer.chat_template.tool_use"),
+        self._template = ChatTemplate(md.get("tokenizer.chat_template")
+                                      or md.get("tokenizer.chat_template.tool_use"),
                                       self._text[self.bos_id] if self.bos_id is not None else "",
                                       self._text[self.eos_id] if self.eos_id is not None else "")
 

@@ -128,7 +128,8 @@ def params_json(app, samp: dict, seed, n_predict: int, **extra) -> dict:
     for name in ("repeat_last_n", "repeat_penalty", "presence_penalty", "frequency_penalty"):
         out[name] = eff[name]
     out.update({"dry_multiplier": 0.0, "mirostat": 0, "max_tokens": n_predict, "n_predict": n_predict, "n_keep": 0,
-                "ignore_eos": bool(extra.pop("ignore_eos", app.config.ignore_eos)), "stream": False, "n_probs": eff["n_probs"], "min_keep": 0,
+                "ignore_eos": bool(extra.pop("ignore_eos", app.config.ignore_eos)), "stream": False,
+                "n_probs": eff["n_probs"], "min_keep": 0,
                 "samplers": SAMPLER_CHAIN, "timings_per_token": False,
                 "post_sampling_probs": eff["post_sampling_probs"]})
     out.update(extra)
