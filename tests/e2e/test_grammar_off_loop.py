@@ -28,20 +28,29 @@ def srv(tiny_model):
         yield s
 
 
-@pytest.fixture
-def slow_compile(monkeypatch):
-    """Every compile of a grammar or schema takes SLOW_S longer; returns the names of the threads they ran in."""
+def _hook(monkeypatch, delay: float) -> list:
+    """Every compile of a grammar or schema takes `delay` s longer; returns the names of the threads they ran in."""
     real = fastserve.engine.compile_grammar
     threads = []
 
     def slow(**kw):
         if any(v is not None for v in kw.values()):         # a constraint to compile, not "none given"
             threads.append(threading.current_thread().name)
-            time.sleep(SLOW_S)
+            time.sleep(delay)
         return real(**kw)
 
     monkeypatch.setattr(fastserve.engine, "compile_grammar", slow)
     return threads
+
+
+@pytest.fixture
+def slow_compile(monkeypatch):
+    return _hook(monkeypatch, SLOW_S)
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+    return _hook(monkeypatch, 0.0)
 
 
 def _stream(url: str, arrivals: list, stop: threading.Event) -> None:
@@ -100,7 +109,7 @@ def test_a_slow_compile_stalls_neither_health_nor_other_streams(srv, slow_compil
     assert slow_compile and all(name.startswith("fastserve-grammar") for name in slow_compile), slow_compile
 
 
-def test_a_bad_grammar_is_still_a_400_with_the_compilers_message(srv, slow_compile):
+def test_a_bad_grammar_is_still_a_400_with_the_compilers_message(srv, compiles):
     with httpx.Client(base_url=f"http://{srv.host}:{srv.port}", timeout=30) as c:
         for path, body in (("/completion", {"prompt": "x", "grammar": "root ::= [a-"}),
                            ("/completion", {"prompt": "x", "json_schema": {"type": "object", "properties": 3}}),
@@ -111,7 +120,7 @@ def test_a_bad_grammar_is_still_a_400_with_the_compilers_message(srv, slow_compi
             assert r.status_code == 400, r.text
             err = r.json()["error"]
             assert err["type"] == "invalid_request_error" and err["message"].startswith("invalid "), err
-    assert len(slow_compile) == 3           # each went through the (slow) worker
+    assert len(compiles) == 3 and all(t.startswith("fastserve-grammar") for t in compiles), compiles   # the worker
 
 
 def test_n_choices_share_one_compile(srv, slow_compile):
