@@ -5,6 +5,11 @@ and any attempt to reach an unsafe attribute (``''.__class__`` ...) fails the re
 rendering as an empty string. The environment mirrors what HF transformers gives templates
 (trim_blocks, lstrip_blocks, loop controls, a non-escaping ``tojson``, ``raise_exception``,
 ``strftime_now``), since templates are written against it.
+
+A model whose file has no template (Gemma 3 270M, many base models) chats in ChatML, as llama-server does
+(common/chat.cpp: the model's template, else its `tool_use` variant, else ChatML); /props shows the template
+in use. CHATML is fastserve's own ChatML template; it renders exactly as llama-server's fallback
+(tests/unit/test_tokenizer.py checks it against the source llama-server's /props recorded).
 """
 from __future__ import annotations
 
@@ -15,11 +20,17 @@ from typing import Any
 from .errors import RequestError
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 class ChatTemplate:
-    """Compiled lazily on first use: a model with a broken template still serves plain completions."""
+    """Compiled lazily on first use: a model with a broken template still serves plain completions.
+    source None or empty (the model has none): CHATML, with fallback True."""
 
     def __init__(self, source: str | None, bos_token: str = "", eos_token: str = ""):
-        self.source = source or None
+        self.fallback = not source
+        self.source = source or CHATML
         self.bos_token = bos_token
         self.eos_token = eos_token
         self._compiled = None
@@ -27,13 +38,10 @@ class ChatTemplate:
     @property
     def takes_tools(self) -> bool:
         """The template renders an OpenAI `tools` list itself (it names the variable)."""
-        return self.source is not None and "tools" in self.source
+        return "tools" in self.source
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                tools: list[dict] | None = None) -> str:
-        if self.source is None:
-            raise RequestError("this model has no chat template (tokenizer.chat_template); "
-                               "send a plain prompt instead of chat messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise RequestError("messages must be a list of objects like {\"role\": \"user\", \"content\": \"...\"}")
         try:

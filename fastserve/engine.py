@@ -195,17 +195,22 @@ class Engine:
 
     def submit(self, prompt, *, max_tokens: int = -1, stop=(), seed: int | None = None,
                add_special: bool = True, cache_prompt: bool = True, id_slot: int = -1,
-               truncate: bool = False, grammar: str | None = None, json_schema=None, **sampling) -> TextReader:
+               truncate: bool = False, grammar: str | None = None, json_schema=None,
+               constraint: Constraint | None = None, **sampling) -> TextReader:
         """Queue a request; returns its Reader at once. prompt: text or a list of token ids.
 
         sampling: temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
         presence_penalty, frequency_penalty, logit_bias, n_probs, post_sampling_probs.
         grammar (GBNF text) or json_schema (a dict or its JSON text): only output it accepts is
-        sampled (fastserve/grammar.py); it is compiled here, in the caller's thread.
+        sampled (fastserve/grammar.py); it is compiled here, in the caller's thread. constraint: one
+        compiled beforehand (Engine.constraint(), e.g. in a worker thread), for this request alone.
         Raises RequestError (bad request), ServerBusy (queue full), EngineClosed."""
         if self._closing:
             raise EngineClosed("the engine is closed")
-        constraint = self._constraint(grammar, json_schema)
+        if constraint is None:
+            constraint = self.constraint(grammar, json_schema)
+        elif grammar is not None or json_schema is not None:
+            raise RequestError("give a compiled constraint or a grammar / json_schema, not both")
         ids = self._prompt_ids(prompt, add_special, truncate)
         params = SamplingParams.make(self.model.config.n_vocab, seed=seed, max_penalty_window=MAX_PENALTY_WINDOW,
                                      max_logit_bias=MAX_LOGIT_BIAS, **sampling)
@@ -387,7 +392,9 @@ class Engine:
             self.tracer.lap("build")
         return StepPlan(n_decode, tuple(chunks))
 
-    def _constraint(self, grammar, json_schema) -> Constraint | None:
+    def constraint(self, grammar=None, json_schema=None) -> Constraint | None:
+        """The compiled matcher of a GBNF grammar or a JSON schema (None for neither), for submit(constraint=).
+        Any thread; takes as long as llguidance's compiler (it drops the GIL). Raises RequestError."""
         text = compile_grammar(grammar=grammar, json_schema=json_schema)
         return None if text is None else Constraint(self.tokenizer, text)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+from .chat_template import CHATML
+
 SAME, DIFFERS, REFUSED = "same", "differs", "refused"
 
 # (flags as llama-server spells them, status, note). Grouped as llama-server's --help groups them.
@@ -88,7 +90,9 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--samplers, --sampler-seq, --sampling-seq", REFUSED, "one sampler chain: penalties, top-k, top-p, min-p, "
                                                            "temperature"),
     ("-s, --seed SEED", SAME, "the seed of requests that give none (-1, the default: a random one each)"),
-    ("--ignore-eos", REFUSED, "not yet"),
+    ("--ignore-eos", DIFFERS, "every request's default for ignore_eos (the end-of-generation tokens are never "
+                              "sampled); a request's own ignore_eos: false wins, and its logit_bias adds to the ban "
+                              "(llama-server 34af94cd keeps the ban for the first and drops it for the second)"),
     ("--temp, --temperature N", SAME, "server-wide default (0.8); a request's own value wins"),
     ("--top-k N", SAME, "server-wide default (40)"),
     ("--top-p N", SAME, "server-wide default (0.95)"),
@@ -193,7 +197,7 @@ _REFUSED_OPTIONS: list[tuple[tuple[str, ...], int | str | None]] = [
     (("--rope-freq-scale",), None), (("-kvu", "--kv-unified"), 0), (("-no-kvu", "--no-kv-unified"), 0),
     (("--context-shift",), 0), (("-nocb", "--no-cont-batching"), 0), (("--no-jinja",), 0),
     (("--embedding", "--embeddings"), 0), (("--rerank", "--reranking"), 0), (("--mmproj", "-mm"), None),
-    (("--ignore-eos",), 0), (("-l", "--logit-bias"), None), (("--grammar",), None), (("--grammar-file",), None),
+    (("-l", "--logit-bias"), None), (("--grammar",), None), (("--grammar-file",), None),
     (("-j", "--json-schema"), None), (("-jf", "--json-schema-file"), None), (("--samplers",), None),
     (("--sampling-seq", "--sampler-seq"), None), (("--mirostat",), None), (("--typical", "--typical-p"), None),
     (("--dry-multiplier",), None), (("--xtc-probability",), None), (("--top-nsigma", "--top-n-sigma"), None),
@@ -262,21 +266,20 @@ def add_taken(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--repeat-last-n", dest="repeat_last_n", type=int)
     g.add_argument("--presence-penalty", dest="presence_penalty", type=float)
     g.add_argument("--frequency-penalty", dest="frequency_penalty", type=float)
+    g.add_argument("--ignore-eos", dest="ignore_eos", action="store_true",
+                   help="requests that do not say ignore_eos never sample the end-of-generation tokens")
 
 
 SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
                   "frequency_penalty")
 
-# llama-server's built-in chat template names that fastserve has: written here (the ChatML format).
-BUILTIN_TEMPLATES = {
-    "chatml": ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
-}
+# llama-server's built-in chat template names that fastserve has (the ChatML format).
+BUILTIN_TEMPLATES = {"chatml": CHATML}
 
 
 def resolve(args) -> dict:
     """What llama-server's flags on `fastserve serve` ask for, checked (ValueError names the flag):
-    n_batch, device, sampling (ServerConfig.sampling), log_requests, log_file, chat_template (source or
+    n_batch, device, sampling (ServerConfig.sampling), ignore_eos, log_requests, log_file, chat_template (source or
     None), n_gpu_layers (None, "all" or an int: check_gpu_layers() needs the model's depth)."""
     out = {"n_batch": args.batch_size, "device": getattr(args, "device", None), "log_file": args.log_file,
            "log_requests": not args.log_disable, "chat_template": None, "n_gpu_layers": None}
@@ -330,6 +333,7 @@ def resolve(args) -> dict:
             elif out["n_gpu_layers"] == 0 and out["device"] in ("cuda", "auto"):
                 out["device"] = "cpu"                  # 0 layers in VRAM: the model stays on the CPU
     out["sampling"] = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    out["ignore_eos"] = args.ignore_eos
     out["seed"] = None
     if args.seed is not None and args.seed != -1:
         if not 0 <= args.seed < 2 ** 64:

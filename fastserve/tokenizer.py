@@ -159,7 +159,9 @@ class Tokenizer:
         self._specials = self._special_cache(str(md.get("general.name", "")).lower())
         self._pieces = self._all_pieces()
         self._attr = self._attr.tolist()            # per-token lookups on the hot paths: a list is faster
-        self._template = ChatTemplate(md.get("tokenizer.chat_template"),
+        # as llama-server: the model's template, else its tool_use variant, else ChatML (chat_template.py)
+        self._template = ChatTemplate(md.get("tokenizer.chat_template")
+                                      or md.get("tokenizer.chat_template.tool_use"),
                                       self._text[self.bos_id] if self.bos_id is not None else "",
                                       self._text[self.eos_id] if self.eos_id is not None else "")
 
@@ -401,8 +403,14 @@ class Tokenizer:
 
     # ---- chat ----------------------------------------------------------------------------
     @property
-    def chat_template(self) -> str | None:
+    def chat_template(self) -> str:
+        """The template in use: the model's, --chat-template's, or ChatML when the model has none."""
         return self._template.source
+
+    @property
+    def chat_template_is_fallback(self) -> bool:
+        """The model has no template: chat uses ChatML (chat_template.CHATML), as llama-server's."""
+        return self._template.fallback
 
     def set_chat_template(self, source: str) -> None:
         """Use source (Jinja) instead of the model's template (llama-server's --chat-template)."""
@@ -410,8 +418,8 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None) -> str:
-        """Render the model's chat template (sandboxed jinja2), with OpenAI `tools` when given. Raises
-        RequestError when the model has no template or the template refuses the messages."""
+        """Render the chat template (sandboxed jinja2), with OpenAI `tools` when given. Raises RequestError
+        when the template refuses the messages."""
         return self._template.render(messages, add_generation_prompt, tools)
 
     @property

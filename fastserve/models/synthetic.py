@@ -49,12 +49,14 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
                      n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 512, n_ctx: int = 2048,
                      weight_type: str = "F32", tied: bool = False, seed: int = 0,
                      architecture: str = "llama", head_dim: int | None = None, sliding_window: int = 0,
-                     extra_tensors: tuple[str, ...] = (), rope_scale: float = 1.0) -> str:
+                     extra_tensors: tuple[str, ...] = (), rope_scale: float = 1.0,
+                     chat_template: str | None = CHAT_TEMPLATE) -> str:
     """Write a GGUF of one architecture of the table (models/architecture.py) with random weights: the
     llama tensors plus what the row adds (biases, q/k norms, sandwich norms); head_dim: when not
     n_embd / n_head (written as key_length); sliding_window: for a row with local layers;
     extra_tensors: names of further [n_embd] tensors (a tensor no row knows, for error tests);
-    rope_scale: linear RoPE position scaling (rope.scaling.type linear) when not 1.
+    rope_scale: linear RoPE position scaling (rope.scaling.type linear) when not 1; chat_template: None
+    writes none (a model that chats in the fallback template).
     weight_type: F32, F16, a type gguf.quants can quantize,
     Q4_K, Q5_K, Q6_K (fastserve.ref.blocks' encoder; rows of a multiple of 256 inputs), or "Q4_K_M"
     (llama.cpp's mix: attn_v and ffn_down in Q6_K, the other matrices in Q4_K)."""
@@ -92,7 +94,8 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
 
     def mat(name, rows, cols, scale):
         t = weight_type

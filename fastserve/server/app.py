@@ -20,6 +20,8 @@ import sys
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from ..errors import RequestError
 from . import routes
@@ -34,6 +36,7 @@ from .watchdog import Watchdog
 
 EXIT_DEADLINE_S = 2.8           # after SIGTERM, the process is gone by then whatever happens
 GRACE_S = 0.05                  # time given to cancelled requests to write their last bytes
+GRAMMAR_WORKERS = 2             # grammars / JSON schemas compiled at once off the loop; more wait their turn
 
 
 class App:
@@ -51,6 +54,7 @@ class App:
         self.watchdog = Watchdog(self)
         key = self.config.api_key
         self._key_digest = hashlib.sha256(key.encode()).digest() if key else None
+        self._compiler: ThreadPoolExecutor | None = None     # started on the first constrained request
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -116,6 +120,28 @@ class App:
             self.metrics.rejected.inc(1, "stalled")
             raise HttpError(503, stall)
         return Generation(self, ex, ids, **kwargs)
+
+    async def compile(self, constrain: dict):
+        """The engine's Constraint of a request's grammar or json_schema (None for neither), compiled in a worker
+        thread: llguidance takes tens of ms for a large schema and much more for a pathological one, which on the
+        loop would stall every stream and /health (it drops the GIL while it compiles). An invalid grammar or
+        schema is a 400 with the compiler's message."""
+        if not constrain:
+            return None
+        if self.closing:
+            raise HttpError(503, "the server is shutting down")
+        if self._compiler is None:
+            self._compiler = ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="fastserve-grammar")
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._compiler, partial(self.engine.constraint, **constrain))
+        except RequestError as exc:
+            raise HttpError(400, str(exc)) from None
+
+    def stop_workers(self) -> None:
+        """Shutdown: compiles not started are dropped; one running ends on its own (its request is gone)."""
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
 
     def fail(self, ex, err: HttpError) -> None:
         """End ex's request with err (deadline, stall, disconnect, shutdown): its task writes the error."""
@@ -196,6 +222,7 @@ class Server:
         if self._server is not None:
             self._server.close()
         app.watchdog.stop()
+        app.stop_workers()
         for conn in list(app.connections):
             ex = conn.exchange
             if ex is not None and ex.task is not None:
@@ -231,11 +258,14 @@ def serve(args, backend=None) -> int:
                        request_timeout=args.request_timeout, token_timeout=args.token_timeout,
                        n_predict=args.n_predict, cors_origin=args.cors_origin, body_limit=args.body_limit,
                        alias=args.alias, log_requests=llama["log_requests"], metrics=args.metrics,
-                       slots=args.slots, props=args.props, seed=llama["seed"],
+                       slots=args.slots, props=args.props, seed=llama["seed"], ignore_eos=llama["ignore_eos"],
                        sampling=sampling_defaults(model.config.n_vocab, llama["sampling"]),
                        webui=not args.no_webui)
     if llama["chat_template"] is not None:
         model.tokenizer.set_chat_template(llama["chat_template"])
+    elif model.tokenizer.chat_template_is_fallback:
+        print("fastserve: the model has no chat template: chat uses ChatML, as llama-server's fallback "
+              "(--chat-template sets another)", file=sys.stderr, flush=True)
     device = llama["device"]
     check_gpu_layers(llama["n_gpu_layers"], device, model.config.n_layer)
     threads = args.threads if args.threads and args.threads > 0 else default_threads()

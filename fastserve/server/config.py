@@ -34,6 +34,7 @@ class ServerConfig:
     # field it does not give; its seed field is unused: `seed` (--seed) is the seed of requests without one
     sampling: SamplingParams = SamplingParams()
     seed: int | None = None          # None: a random seed per request (llama-server's -1)
+    ignore_eos: bool = False         # --ignore-eos: a request's ignore_eos when it does not give one
     webui: bool = True               # GET / serves the chat page (--no-webui: 404)
 
     def __post_init__(self):

@@ -29,13 +29,16 @@ class Generations(list):
         return [t for g in self for t in g.ids]
 
 
-def start_all(app, ex, prompts: list, per_choice, **kwargs) -> list[Generation]:
-    """One Generation per prompt; per_choice(i) -> kwargs overriding kwargs for the i-th one.
+def start_all(app, ex, prompts: list, per_choice, constraint=None, **kwargs) -> list[Generation]:
+    """One Generation per prompt; per_choice(i) -> kwargs overriding kwargs for the i-th one; constraint
+    (App.compile's): each generation gets a matcher of its own, copied before any runs.
     If one cannot start (queue full, bad request), those already started are closed."""
     gens = Generations()
+    own = [{}] * len(prompts) if constraint is None else \
+        [{"constraint": constraint if i == 0 else constraint.copy()} for i in range(len(prompts))]
     try:
         for i, ids in enumerate(prompts):
-            gens.append(app.start_generation(ex, ids, **{**kwargs, **per_choice(i)}))
+            gens.append(app.start_generation(ex, ids, **{**kwargs, **per_choice(i), **own[i]}))
     except BaseException:
         gens.close()
         raise

@@ -40,10 +40,12 @@ class Delta(NamedTuple):
 
 class Generation:
     __slots__ = ("app", "reader", "request", "n_prompt", "n_probs", "limits", "probs", "t_admit",
-                 "progress_seen", "t_progress", "outcome", "exchange", "_closed", "queued_behind")
+                 "progress_seen", "t_progress", "outcome", "exchange", "_closed", "queued_behind", "settings")
 
-    def __init__(self, app, exchange, ids: list, *, stop: list, limits: Limits, **submit_kwargs):
-        """ids: the prompt's token ids (tokenized on the loop by the route)."""
+    def __init__(self, app, exchange, ids: list, *, stop: list, limits: Limits, settings: dict | None = None,
+                 **submit_kwargs):
+        """ids: the prompt's token ids (tokenized on the loop by the route); settings: the request's llama-server
+        params that its SamplingParams do not hold (stream, ignore_eos, ...), for /slots."""
         engine = app.engine
         snap = engine.snapshot
         n = submit_kwargs.get("max_tokens", -1)
@@ -59,6 +61,7 @@ class Generation:
         except RequestError as exc:
             raise HttpError(400, str(exc)) from None
         self.request = self.reader.request         # slot and cached prompt tokens, set at admission
+        self.settings = settings or {}
         self.app = app
         self.exchange = exchange
         self.n_prompt = len(ids)

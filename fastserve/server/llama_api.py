@@ -82,11 +82,16 @@ def sampling(body: Body, app) -> dict:
         raise HttpError(400, f"'samplers' must be fastserve's chain {SAMPLER_CHAIN} (in that order; samplers that "
                              f"are off may be named too), got {chain!r}")
     bias = body.logit_bias("logit_bias", app.engine.tokenizer) or {}
-    if body.bool("ignore_eos"):           # as llama-server: the end-of-generation tokens are never sampled
+    if ignore_eos(body, app):             # as llama-server: the end-of-generation tokens are never sampled
         bias.update({tok: -math.inf for tok in app.engine.tokenizer.eog_ids})
     if bias:
         out["logit_bias"] = bias
     return out
+
+
+def ignore_eos(body: Body, app) -> bool:
+    """The request's ignore_eos; absent, the server's --ignore-eos."""
+    return body.bool("ignore_eos", app.config.ignore_eos)
 
 
 def constraint(body: Body) -> dict:
@@ -123,7 +128,8 @@ def params_json(app, samp: dict, seed, n_predict: int, **extra) -> dict:
     for name in ("repeat_last_n", "repeat_penalty", "presence_penalty", "frequency_penalty"):
         out[name] = eff[name]
     out.update({"dry_multiplier": 0.0, "mirostat": 0, "max_tokens": n_predict, "n_predict": n_predict, "n_keep": 0,
-                "ignore_eos": bool(extra.pop("ignore_eos", False)), "stream": False, "n_probs": eff["n_probs"], "min_keep": 0,
+                "ignore_eos": bool(extra.pop("ignore_eos", app.config.ignore_eos)), "stream": False,
+                "n_probs": eff["n_probs"], "min_keep": 0,
                 "samplers": SAMPLER_CHAIN, "timings_per_token": False,
                 "post_sampling_probs": eff["post_sampling_probs"]})
     out.update(extra)
@@ -243,13 +249,15 @@ async def completion(app, req, ex):
     seed = request_seed(body, app)
     samp = sampling(body, app)
     cache_prompt = body.bool("cache_prompt", True)
+    compiled = await app.compile(constraint(body))          # in a worker thread: a big schema takes long
     gens = start_all(app, ex, prompts, lambda i: {}, stop=stop, limits=limits(body, app.config),
                      max_tokens=n_predict, seed=seed, cache_prompt=cache_prompt,
                      id_slot=body.int("id_slot", -1, lo=-1), n_probs=n_probs, post_sampling_probs=post,
-                     **constraint(body), **samp)
+                     constraint=compiled, settings={"stream": stream, "ignore_eos": ignore_eos(body, app),
+                                                    "timings_per_token": per_token}, **samp)
     settings = params_json(app, {k: v for k, v in samp.items() if k != "logit_bias"}, seed, n_predict,
                            stream=stream, n_probs=n_probs, post_sampling_probs=post, timings_per_token=per_token,
-                           stop=stop, cache_prompt=cache_prompt, ignore_eos=body.bool("ignore_eos"))
+                           stop=stop, cache_prompt=cache_prompt, ignore_eos=ignore_eos(body, app))
     raws = raw if len(prompts) > 1 else [raw]
     texts = [r if isinstance(r, str) else engine.tokenizer.decode(ids) for r, ids in zip(raws, prompts)]
 

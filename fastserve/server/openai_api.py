@@ -16,12 +16,12 @@ import os
 import time
 
 from ..errors import RequestError
-from ..grammar import compile_grammar
 from . import sse
 from .errors import OPENAI, HttpError
 from .fields import Body, parse_object
 from .fanout import interleave, run_all, start_all
-from .llama_api import _log, check_context, check_prompt_length, constraint, limits, prompt_list, request_seed, sampling
+from .llama_api import (_log, check_context, check_prompt_length, constraint, ignore_eos, limits, prompt_list,
+                        request_seed, sampling)
 from .response import StreamResponse, json_response
 from .tools import history_message, response_format, tool_plan, with_tools
 
@@ -60,6 +60,11 @@ def _usage(per_prompt: list) -> dict:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
 
 
+def _settings(body: Body, app, stream: bool) -> dict:
+    """The request's /slots params beyond its sampling (Generation.settings)."""
+    return {"stream": stream, "ignore_eos": ignore_eos(body, app)}
+
+
 def _new_id(prefix: str) -> str:
     return prefix + os.urandom(12).hex()
 
@@ -85,10 +90,12 @@ async def completions(app, req, ex):
     logprobs = body.int("logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     n_probs = 0 if logprobs is None else max(LOGPROB_POOL, logprobs)
     seed = request_seed(body, app)
+    samp = sampling(body, app)
+    compiled = await app.compile(constraint(body))
     gens = start_all(app, ex, [ids for ids in prompts for _ in range(n)],
                      lambda i: {"seed": None if seed is None else (seed + i % n) % 2 ** 64},
                      stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens, n_probs=n_probs,
-                     **constraint(body), **sampling(body, app))
+                     constraint=compiled, settings=_settings(body, app, stream), **samp)
     rid, created = _new_id("cmpl-"), int(time.time())
     tok = app.engine.tokenizer
 
@@ -192,11 +199,7 @@ async def chat_completions(app, req, ex):
         constrain = {"json_schema": plan.schema}
     elif fmt_schema is not None:
         constrain = {"json_schema": fmt_schema}
-    if constrain:                   # the compiler's message before the prompt's size is judged
-        try:
-            compile_grammar(**constrain)
-        except RequestError as exc:
-            raise HttpError(400, str(exc)) from None
+    compiled = await app.compile(constrain)     # the compiler's message before the prompt's size is judged
     tok = app.engine.tokenizer
     native = tok.chat_template_takes_tools
     messages = chat_messages(body.raw("messages"), native)
@@ -223,7 +226,7 @@ async def chat_completions(app, req, ex):
     # n choices of one prompt: a given seed seeds the i-th choice with seed + i, so that they differ
     gens = start_all(app, ex, [ids] * n, lambda i: {"seed": None if seed is None else (seed + i) % 2 ** 64},
                      stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens, n_probs=n_probs,
-                     **constrain, **sampling(body, app))
+                     constraint=compiled, settings=_settings(body, app, stream), **sampling(body, app))
     rid, created = _new_id("chatcmpl-"), int(time.time())
 
     def reply(g):

@@ -38,12 +38,35 @@ def slots(app, req, ex):
     # an idle slot's cached prefix is reused by a prompt sharing m tokens with it only for m in
     # swa_reusable = [lo, n_tokens] (null while the slot is busy); a shorter shared prefix reuses nothing.
     window, ring = eng.model.config.sliding_window, eng.backend.kv_ring
+    running = {g.request.id: g for g in app.inflight}
     return json_response([
         {"id": i, "id_task": job or -1, "n_ctx": n_ctx, "is_processing": state != IDLE,
          "state": SlotState(state).name.lower(), "n_tokens": n_tok, "speculative": False,
-         "n_swa": window, "swa_ring": ring, "swa_reusable": _reusable(lo, n_tok) if state == IDLE else None}
+         "n_swa": window, "swa_ring": ring, "swa_reusable": _reusable(lo, n_tok) if state == IDLE else None,
+         **(_request_fields(app, running[job]) if job in running else {})}
         for i, (state, n_tok, job, lo) in enumerate(zip(snap.slot_state, snap.slot_tokens, snap.slot_job,
                                                          snap.slot_reuse_from))])
+
+
+def _request_fields(app, gen) -> dict:
+    """llama-server's fields of the request a slot runs (its names; llama-server's n_prompt_tokens counts the
+    slot's tokens so far, here it is the prompt's, and `n_tokens` says the other): the prompt's tokens,
+    computed and reused, the request's sampling `params` (seed: the one in use, drawn at random when the
+    request gave none) and `next_token`: whether more are coming, a newline among them so far, tokens
+    left (-1: until the slot is full) and generated. Read on the loop from the request's own objects."""
+    job, reader = gen.request, gen.reader
+    samp = job.sampling
+    n_decoded = reader.count
+    fields = {name: getattr(samp, name) for name in (*llama_api.SERVER_WIDE, "n_probs", "post_sampling_probs")}
+    return {
+        "n_prompt_tokens": gen.n_prompt,
+        "n_prompt_tokens_processed": gen.n_prompt - job.n_cached,
+        "n_prompt_tokens_cache": job.n_cached,
+        "params": llama_api.params_json(app, fields, samp.seed, job.max_tokens, **gen.settings),
+        "next_token": [{"has_next_token": not reader.finished, "has_new_line": "\n" in gen.text.text,
+                        "n_remain": -1 if job.max_tokens < 0 else max(0, job.max_tokens - n_decoded),
+                        "n_decoded": n_decoded}],
+    }
 
 
 def _reusable(lo: int, n_tokens: int) -> list:

@@ -91,6 +91,8 @@ def test_prompt_longer_than_a_slot(http):
     ({"messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"},
       "grammar": "root ::= \"a\""}, "one constraint"),
     ({"messages": [{"role": "user", "content": "a"}], "stream_options": 5}, "stream_options"),
+    ({"messages": [{"role": "user", "content": "a"}], "ignore_eos": "yes"}, "ignore_eos"),
+    ({"messages": [{"role": "user", "content": "a"}], "grammar": "root ::= [a-"}, "invalid grammar"),
 ])
 def test_chat_bad_input(http, body, needle):
     msg = _openai_error(http.post(CHAT, json=body), 400)

@@ -16,7 +16,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import REPO_ROOT
+from .conftest import REPO_ROOT, wait_until
 
 GREEDY = {"temperature": 0, "n_predict": 8}
 
@@ -169,6 +169,54 @@ def test_ignore_eos(http):
     error(http.post("/completion", json={"prompt": "a", "ignore_eos": "yes"}), 400)
 
 
+def test_ignore_eos_flag(make_server):
+    """--ignore-eos: every request that does not say ignore_eos gets it (/props shows it), on every route;
+    a request's own ignore_eos: false wins, and a request's logit_bias adds to the ban rather than dropping it."""
+    eog = {"0": 100.0, "2": 100.0}          # the tiny model's end-of-generation tokens, made the likeliest
+    srv = make_server("-c", "512", "-np", "2", "--ignore-eos")
+    with httpx.Client(base_url=srv.url, timeout=20) as c:
+        assert c.get("/props").json()["default_generation_settings"]["params"]["ignore_eos"] is True
+        for extra in ({}, {"ignore_eos": None}):
+            runs = c.post("/completion", json={"prompt": "a", **GREEDY, "logit_bias": eog, "return_tokens": True,
+                                               **extra}).json()
+            assert runs["stop_type"] == "limit" and runs["tokens_predicted"] == GREEDY["n_predict"], runs
+            assert not {0, 2} & set(runs["tokens"]) and runs["generation_settings"]["ignore_eos"] is True
+        ends = c.post("/completion", json={"prompt": "a", **GREEDY, "logit_bias": eog, "ignore_eos": False}).json()
+        assert ends["stop_type"] == "eos" and ends["tokens_predicted"] <= 1, ends
+        assert ends["generation_settings"]["ignore_eos"] is False
+        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a"}], "max_tokens": 8,
+                                                    "temperature": 0, "logit_bias": eog}).json()
+        assert chat["choices"][0]["finish_reason"] == "length" and chat["usage"]["completion_tokens"] == 8, chat
+        legacy = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 8, "temperature": 0,
+                                                 "logit_bias": eog, "ignore_eos": False}).json()
+        assert legacy["choices"][0]["finish_reason"] == "stop", legacy
+        error(c.post("/completion", json={"prompt": "a", "ignore_eos": "yes"}), 400)
+
+
+def test_chat_without_a_template_falls_back_to_chatml(tmp_path):
+    """A model whose file has no chat template chats in ChatML, as llama-server does (common/chat.cpp), and
+    says so at start; /props shows the template in use."""
+    from fastserve.chat_template import CHATML
+    from fastserve.models.synthetic import write_llama_gguf
+
+    from .conftest import ServerProc
+
+    path = write_llama_gguf(tmp_path / "no_template.gguf", chat_template=None)
+    srv = ServerProc(path, tmp_path / "server.log", "-c", "512", "-np", "1")
+    try:
+        assert "no chat template: chat uses ChatML" in srv.log()
+        with httpx.Client(base_url=srv.url, timeout=20) as c:
+            assert c.get("/props").json()["chat_template"] == CHATML
+            messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+            r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+            chatml = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+            assert r.json()["usage"]["prompt_tokens"] == len(tokens(c, chatml, add_special=True))
+            error(c.post("/v1/chat/completions", json={"messages": [{"role": "user"}]}), 400)
+    finally:
+        srv.kill()
+
+
 def test_exceed_context_size_error(http):
     """The slot holds 256 tokens: llama-server's error type, with n_prompt_tokens and n_ctx, streamed or not."""
     long_ids = [5] * 300
@@ -264,6 +312,62 @@ def test_props_fields(http, server):
     assert p["modalities"] == {"vision": False, "video": False, "audio": False} and p["build_info"]
     assert (p["endpoint_metrics"], p["endpoint_slots"], p["endpoint_props"]) == (True, True, False)
     error(http.post("/props", json={}), 501, "not_supported_error")
+
+
+# llama-server 34af94cd's /slots params of a running request (its metrics-only set) that fastserve has a value for
+SLOT_PARAMS = ("seed", "temperature", "dynatemp_range", "top_k", "top_p", "min_p", "top_n_sigma", "xtc_probability",
+               "typical_p", "repeat_last_n", "repeat_penalty", "presence_penalty", "frequency_penalty",
+               "dry_multiplier", "mirostat", "max_tokens", "n_predict", "n_keep", "ignore_eos", "stream", "n_probs",
+               "min_keep", "samplers", "timings_per_token", "post_sampling_probs")
+
+
+def _first_event(lines) -> str:
+    for line in lines:
+        if line.startswith("data: "):
+            return line[6:]
+    raise AssertionError("the stream ended before its first event")
+
+
+def _busy(c) -> list:
+    return [s for s in c.get("/slots").json() if s["is_processing"]]
+
+
+def test_slots_show_the_running_requests_params_and_progress(make_server):
+    srv = make_server("-c", "8192", "-np", "2")
+    body = {"prompt": "hello there", "n_predict": 4000, "temperature": 0.5, "top_k": 7, "seed": 11,
+            "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=srv.url, timeout=20) as c:
+        idle = c.get("/slots").json()
+        assert not any(k in s for s in idle for k in ("params", "next_token", "n_prompt_tokens"))
+        with c.stream("POST", "/completion", json=body) as r:
+            lines = r.iter_lines()          # kept: a generator closed early closes the response
+            first = json.loads(_first_event(lines))
+            (slot,) = _busy(c)
+            assert slot["id"] == first["id_slot"] and slot["id_task"] > 0
+            assert slot["n_prompt_tokens"] == first["tokens_evaluated"] == \
+                slot["n_prompt_tokens_processed"] + slot["n_prompt_tokens_cache"]
+            p = slot["params"]
+            assert set(SLOT_PARAMS) <= set(p), set(SLOT_PARAMS) - set(p)
+            assert (p["temperature"], p["top_k"], p["seed"], p["n_predict"], p["max_tokens"], p["stream"],
+                    p["ignore_eos"]) == (0.5, 7, 11, 4000, 4000, True, True), p
+            assert p["samplers"] == ["penalties", "top_k", "top_p", "min_p", "temperature"]
+            (nt,) = slot["next_token"]
+            assert set(nt) == {"has_next_token", "has_new_line", "n_remain", "n_decoded"}
+            assert nt["has_next_token"] is True and nt["n_decoded"] >= 1 and nt["n_remain"] == 4000 - nt["n_decoded"]
+            later = [s for s in c.get("/slots").json() if s["id"] == slot["id"]][0]["next_token"][0]
+            assert later["n_decoded"] >= nt["n_decoded"]
+        assert wait_until(lambda: not _busy(c))          # the client went away: the slot is free, its fields gone
+        assert not any("params" in s for s in c.get("/slots").json())
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000, "stream": True,
+                "logit_bias": {"0": False, "2": False}}
+        with c.stream("POST", "/v1/chat/completions", json=chat) as r:
+            lines = r.iter_lines()
+            _first_event(lines)
+            assert wait_until(lambda: _busy(c))
+            p = _busy(c)[0]["params"]
+            # no seed given: the one drawn for it (a request can be replayed with it), never -1
+            assert isinstance(p["seed"], int) and p["seed"] >= 0 and p["stream"] is True and p["ignore_eos"] is False
+            assert (p["temperature"], p["top_k"], p["max_tokens"]) == (0.8, 40, 4000)
 
 
 # -- flags ---------------------------------------------------------------------------------------------

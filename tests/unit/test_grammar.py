@@ -132,3 +132,21 @@ def test_sentencepiece_vocabulary():
     assert ids[0] in ok and not ok & {0, 1, 2}
     assert c.accepts(ids)
     assert not c.accepts(tok.encode(" b", add_special=False, space_prefix=False), prefix=True)
+
+
+def test_a_compiled_constraint_is_submitted_as_is_and_copies_are_independent(engine):
+    """Engine.constraint() compiles (any thread); submit(constraint=) takes it without a second compile, never
+    beside a grammar; a copy (Constraint.copy) starts where the original stood and moves on its own."""
+    g = 'root ::= [a-z ]{5,30} "."'
+    c = engine.constraint(grammar=g)
+    twin = c.copy()
+    assert twin.matcher is not c.matcher
+    want = engine.generate("the", grammar=g, max_tokens=24, temperature=0.0).token_ids
+    assert engine.generate("the", constraint=c, max_tokens=24, temperature=0.0).token_ids == want
+    # c's matcher has run to its end; the twin, copied before, still stands at the start
+    assert engine.generate("the", constraint=twin, max_tokens=24, temperature=0.0).token_ids == want
+    assert engine.constraint() is None
+    with pytest.raises(RequestError, match="not both"):
+        engine.submit("the", constraint=engine.constraint(grammar=g), grammar=g)
+    with pytest.raises(RequestError, match="invalid grammar"):
+        engine.constraint(grammar='root ::= "a')

@@ -128,7 +128,8 @@ def test_resolve_maps_the_flags():
     r = llama_flags.resolve(parse(["-b", "256", "-ub", "64", "--temp", "0", "--top-k", "5", "-s", "9",
                                    "--device", "cuda", "-ngl", "0", "-lv", "2"]))
     assert r["n_batch"] == 64 and r["device"] == "cpu" and r["seed"] == 9 and not r["log_requests"]
-    assert r["sampling"] == {"temperature": 0.0, "top_k": 5}
+    assert r["sampling"] == {"temperature": 0.0, "top_k": 5} and r["ignore_eos"] is False
+    assert llama_flags.resolve(parse(["--ignore-eos"]))["ignore_eos"] is True
     r = llama_flags.resolve(parse(["-ub", "1024", "-ngl", "all", "--seed", "-1", "-v"]))
     assert r["n_batch"] == 512 and r["n_gpu_layers"] == "all" and r["seed"] is None and r["log_requests"]
     assert llama_flags.resolve(parse(["--chat-template", "chatml"]))["chat_template"] == \

@@ -257,11 +257,35 @@ def test_chat_template_sandbox_refuses(tpl):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
-def test_chat_template_missing_or_broken():
-    md = gpt2_md()
-    del md["tokenizer.chat_template"]
-    with pytest.raises(RequestError, match="no chat template"):
-        Tokenizer.from_metadata(md).apply_chat_template([{"role": "user", "content": "hi"}])
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "Hello!\n"}, {"role": "user", "content": " two  words "}]
+
+
+def test_a_model_without_a_template_chats_in_chatml_as_llama_server():
+    """No tokenizer.chat_template: llama-server renders ChatML (common/chat.cpp); the source its /props showed
+    for such a model (Gemma 3 270M, recorded in the golden data) renders as fastserve's fallback does."""
+    from fastserve.chat_template import CHATML, ChatTemplate
+    from tests.reference_data import GOLDEN_DATA, load_reference
+
+    llama_fallback = load_reference(GOLDEN_DATA / "gemma3_270m_q4km_llamacpp_greedy.json")["metadata"]["props"]
+    theirs = ChatTemplate(llama_fallback["chat_template"])
+    without = gpt2_md()
+    del without["tokenizer.chat_template"]
+    for md in (without, gpt2_md(**{"tokenizer.chat_template": ""})):
+        tok = Tokenizer.from_metadata(md)
+        assert tok.chat_template == CHATML and tok.chat_template_is_fallback
+        for gen in (True, False):
+            for n in (1, 2, len(CONVERSATION)):
+                assert tok.apply_chat_template(CONVERSATION[:n], add_generation_prompt=gen) == \
+                    theirs.render(CONVERSATION[:n], add_generation_prompt=gen)
+    assert tok.apply_chat_template(CONVERSATION[1:2]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    tool_use = "{{ 'T:' + messages[0]['content'] }}"        # only the tool_use variant: llama-server takes it
+    tok = Tokenizer.from_metadata({**md, "tokenizer.chat_template.tool_use": tool_use})
+    assert tok.apply_chat_template(CONVERSATION[1:2]) == "T:hi" and not tok.chat_template_is_fallback
+    assert not Tokenizer.from_metadata(gpt2_md()).chat_template_is_fallback
+
+
+def test_chat_template_broken():
     broken = Tokenizer.from_metadata(gpt2_md(**{"tokenizer.chat_template": "{% for %}"}))
     with pytest.raises(RequestError):
         broken.apply_chat_template([{"role": "user", "content": "hi"}])
