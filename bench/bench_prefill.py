@@ -21,6 +21,8 @@ Run: python bench/bench_prefill.py --llama-server /work/llama-peer/build/bin/lla
 Without a llama-server binary it says why and measures fastserve alone. Gemma 3 at long context:
     python bench/bench_prefill.py -m "$(python -c 'from fastserve.catalog import model_path; print(model_path("gemma3-270m"))')" \
          -c 16384 --sizes 2000,8000 --decode-context 8000 --llama-server /work/llama-peer/build/bin/llama-server
+On a machine whose cores other processes share, use --threads 1: llama-server's threads wait on each other
+(at -t 2 on 2 busy cores its decoding fell to 0.7-18 tok/s from 45 at -t 1).
 """
 from __future__ import annotations
 
