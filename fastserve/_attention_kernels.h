@@ -523,9 +523,10 @@ static void fs_attn_task(void *ctx, int64_t begin, int64_t end)
  * with all its KV heads when its rows fit one item (decode rows: their K and V are then read in
  * address order, which the memory prefetchers follow: ~1.3x on a 2k-token decode row here). When
  * those items are too few to keep n_scratch threads busy (a few long decode rows), one per (item,
- * key segment), split = 1, n_seg items per tile counted from the tile's first segment (a sliding
- * window's, not position 0's: a local layer at position 32k has a window's worth, not 64), so that the threads share a row's keys; rows shorter than a segment have
- * nothing to split, and their KV heads go to separate items. Either way every row's numbers are the
+ * key segment), split = 1, so that the threads share a row's keys: n_seg items per tile, counted from
+ * the tile's first segment (a sliding window's, not position 0's: a local layer of window 512 at
+ * position 32k has 1 or 2, not 64). Rows shorter than a segment have nothing to split, and their KV
+ * heads go to separate items. Either way every row's numbers are the
  * same: only who computes a segment changes. Sets split, n_seg and heads_per_item; returns the item
  * count. A split job needs partial (fs_attn_partial_floats) and, after its items ran, fs_attn_merge. */
 static int64_t fs_attn_plan(fs_attn_job *jb)
