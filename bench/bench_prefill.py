@@ -1,5 +1,6 @@
-"""Long prompts on the default model, side by side: fastserve (this tree), optionally an older
-fastserve tree (--before, e.g. /work/main) and llama-server (--llama-server PATH). Issue 19's bars.
+"""Long prompts on one model (-m; the default model unless given), side by side: fastserve (this tree),
+optionally an older fastserve tree (--before, e.g. /work/main) and llama-server (--llama-server PATH).
+Issue 19's bars.
 
 1. Prefill: prompts of --sizes tokens (default 700, 1k, 2k, 4k, 6k; one slot, n_predict 1, no prompt
    reuse): seconds from the request to its answer and prompt tokens/s.
@@ -8,16 +9,20 @@ fastserve tree (--before, e.g. /work/main) and llama-server (--llama-server PATH
    token to the last (llama-server: its own `timings.predicted_per_second`).
 3. The share of a decode step spent in attention, at 1 slot holding 2k tokens and at 32 slots
    holding 256 each (fastserve trees only; --no-share skips it).
-fastserve runs in-process (in a worker process per tree, so that two trees can be compared);
-llama-server runs as `-np 1 -c 8192 -t THREADS` and is asked POST /completion {prompt: ids,
-n_predict, cache_prompt: false}. The systems take turns, prompt by prompt, repeat by repeat (noisy
+fastserve runs in-process (in a worker process per tree, so that two trees can be compared), with one
+slot of -c tokens (default 8192); llama-server runs as `-np 1 -c CTX -t THREADS` and is asked
+POST /completion {prompt: ids, n_predict, cache_prompt: false}. The systems take turns, prompt by prompt, repeat by repeat (noisy
 shared machines: only ratios from one run mean anything); the best of --repeat is reported (the
 --before tree runs once). --json FILE writes every figure; --plot FILE.png the prefill time against
 prompt length of every system (matplotlib, Agg).
 
 Run: python bench/bench_prefill.py --llama-server /work/llama-peer/build/bin/llama-server --threads 2 \
          --repeat 2 --json /tmp/prefill.json --plot /tmp/prefill.png
-Without a llama-server binary it says why and measures fastserve alone.
+Without a llama-server binary it says why and measures fastserve alone. Gemma 3 at long context:
+    python bench/bench_prefill.py -m "$(python -c 'from fastserve.catalog import model_path; print(model_path("gemma3-270m"))')" \
+         -c 16384 --sizes 2000,8000 --decode-context 8000 --llama-server /work/llama-peer/build/bin/llama-server
+On a machine whose cores other processes share, use --threads 1: llama-server's threads wait on each other
+(at -t 2 on 2 busy cores its decoding fell to 0.7-18 tok/s from 45 at -t 1).
 """
 from __future__ import annotations
 
@@ -48,17 +53,17 @@ def prompt_ids(tokenizer, n: int) -> list:
 
 # -- a fastserve worker: one process per tree, commands on stdin, one JSON line per answer ----------
 
-def worker(threads: int) -> None:
+def worker(threads: int, model_file: str, n_ctx: int) -> None:
     import numpy as np
     import fastserve
     from fastserve.backends import numpy_backend
 
-    model = fastserve.load_model(fastserve.default_model_path())
+    model = fastserve.load_model(model_file)
     kw = {"threads": threads}
     try:                    # an f16 KV cache on every tree that has the choice
-        engine = fastserve.Engine(model, n_parallel=1, n_ctx=8192, cache_type_k="f16", cache_type_v="f16", **kw)
+        engine = fastserve.Engine(model, n_parallel=1, n_ctx=n_ctx, cache_type_k="f16", cache_type_v="f16", **kw)
     except TypeError:       # a tree from before the KV cache types
-        engine = fastserve.Engine(model, n_parallel=1, n_ctx=8192, **kw)
+        engine = fastserve.Engine(model, n_parallel=1, n_ctx=n_ctx, **kw)
     print(json.dumps({"ready": fastserve.__file__, "kv": getattr(engine, "cache_type_k", "f32")}), flush=True)
     for line in sys.stdin:
         cmd = line.split()
@@ -123,9 +128,10 @@ def _attention_share(model, nb, n_slots: int, n_held: int, threads: int, np) -> 
 
 
 class Worker:
-    def __init__(self, tree: Path, threads: int):
+    def __init__(self, tree: Path, threads: int, model: str, n_ctx: int):
         env = {**os.environ, "PYTHONPATH": str(tree)}
-        self.p = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", "--threads", str(threads)],
+        self.p = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", "--threads", str(threads),
+                                   "-m", model, "-c", str(n_ctx)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=str(tree))
         self.info = self._read()
 
@@ -146,11 +152,11 @@ class Worker:
 
 
 class LlamaServer:
-    def __init__(self, binary: str, model: str, threads: int):
+    def __init__(self, binary: str, model: str, threads: int, n_ctx: int):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.p = subprocess.Popen([binary, "-m", model, "-np", "1", "-c", "8192", "-t", str(threads),
+        self.p = subprocess.Popen([binary, "-m", model, "-np", "1", "-c", str(n_ctx), "-t", str(threads),
                                    "--port", str(self.port), "--host", "127.0.0.1"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
@@ -200,7 +206,8 @@ def plot(report: dict, path: str) -> None:
         ax.plot(xs, [pts[str(n)] for n in xs], marker="o", label=name)
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("seconds to the answer (n_predict 1)")
-    ax.set_title(f"prefill, default model, -np 1, {report['threads']} threads (best of {report['repeat']})")
+    ax.set_title(f"prefill, {Path(report['model']).name}, -np 1 -c {report['n_ctx']}, {report['threads']} threads "
+                 f"(best of {report['repeat']})", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -213,6 +220,8 @@ def main() -> int:
     ap.add_argument("--llama-server", help="path of a llama-server binary to compare against")
     ap.add_argument("--llama-commit", help="the llama.cpp commit of --llama-server, when its --version cannot say")
     ap.add_argument("--before", help="another fastserve tree (built in place) to compare against")
+    ap.add_argument("-m", "--model", help="the GGUF file (default: the default model)")
+    ap.add_argument("-c", "--ctx", type=int, default=8192, help="context of the one slot, both systems")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
@@ -223,13 +232,20 @@ def main() -> int:
     ap.add_argument("--plot", help="write prefill seconds against prompt tokens to this PNG")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.model is None:
+        sys.path.insert(0, str(REPO))
+        import fastserve
+        a.model = fastserve.default_model_path()
     if a.worker:
-        worker(a.threads)
+        worker(a.threads, a.model, a.ctx)
         return 0
     sizes = [int(s) for s in a.sizes.split(",")]
-    systems = {"fastserve": Worker(REPO, a.threads)}
+    too_long = [n for n in sizes + [a.decode_context + a.decode_tokens] if n >= a.ctx]
+    if too_long:
+        ap.error(f"-c {a.ctx} does not hold {too_long[0]} tokens")
+    systems = {"fastserve": Worker(REPO, a.threads, a.model, a.ctx)}
     if a.before:
-        systems["before"] = Worker(Path(a.before).resolve(), a.threads)
+        systems["before"] = Worker(Path(a.before).resolve(), a.threads, a.model, a.ctx)
     for name, w in systems.items():
         print(f"{name}: {w.info['ready']} (KV {w.info['kv']}, {a.threads} threads)")
     if a.llama_server and os.access(a.llama_server, os.X_OK):
@@ -238,10 +254,10 @@ def main() -> int:
         sys.path.insert(0, str(REPO / "bench"))
         from bench_vs_llama import llama_version
         llama = llama_version(a.llama_server, a.llama_commit)
-        systems["llama-server"] = LlamaServer(a.llama_server, fastserve.default_model_path(), a.threads)
+        systems["llama-server"] = LlamaServer(a.llama_server, a.model, a.threads, a.ctx)
         print(f"llama-server: {a.llama_server} (llama.cpp {llama['commit']}, from {llama['commit_from']}), "
-              f"-np 1 -c 8192 -t {a.threads}")
-        tok = fastserve.load_model(fastserve.default_model_path()).tokenizer
+              f"-np 1 -c {a.ctx} -t {a.threads}")
+        tok = fastserve.load_model(a.model).tokenizer
     else:
         print("llama-server: skipped (" + ("no --llama-server given" if not a.llama_server else
                                          f"{a.llama_server} is not an executable") + ")")
@@ -292,7 +308,7 @@ def main() -> int:
                     shares[f"{name} {slots}x{held}"] = r
                     print(f"  {name:10s} {slots:2d} slot(s) x {held} tokens: step {r['step_ms']:.1f} ms, attention "
                           f"{r['attn_ms']:.2f} ms ({100 * r['attn_ms'] / r['step_ms']:.0f} %)", flush=True)
-        report = {"threads": a.threads, "repeat": a.repeat, "load_avg": os.getloadavg(),
+        report = {"model": a.model, "n_ctx": a.ctx, "threads": a.threads, "repeat": a.repeat, "load_avg": os.getloadavg(),
                   "systems": {x: (systems[x].info if x != "llama-server" else
                                   {"binary": a.llama_server, **llama}) for x in names},
                   "prefill_s": {x: {str(n): best[x, n] for n in sizes if (x, n) in best} for x in names},

@@ -266,9 +266,10 @@ typedef struct {
     const struct fs_attn_isa *isa;
     /* set by fs_attn_plan: */
     int split;                    /* 1: an item is one segment of a (token tile, KV head), see fs_attn_plan */
-    int64_t n_seg;                /* segments up to the batch's last position */
+    int64_t n_seg;                /* most segments a token tile's rows see (a window's: from its first) */
     int64_t heads_per_item;       /* KV heads of an item: all (tiles of few tokens) or 1 */
-    float *partial;               /* split: [n][H][n_seg][2 + Dp] a segment's m, l, acc; else unused */
+    float *partial;               /* split: [n][H][n_seg][2 + Dp] a segment's m, l, acc, the row's first
+                                     segment (fs_attn_lo(pos) / SEG) at 0; else unused */
     int64_t ring;                 /* 0: position p at row p; else at row p mod ring (see Rings above) */
 } fs_attn_job;
 
@@ -418,6 +419,18 @@ static void fs_attn_key_tile(const fs_attn_job *jb, int64_t b0, int64_t nt, int6
     }
 }
 
+/* The keys some row of token tile qt sees: positions *minlo .. *maxpos. */
+static inline void fs_attn_tile_keys(const fs_attn_job *jb, int64_t qt, int64_t *minlo, int64_t *maxpos)
+{
+    *maxpos = 0;
+    *minlo = INT64_MAX;
+    for (int64_t b = jb->tile_start[qt]; b < jb->tile_start[qt] + jb->tile_len[qt]; b++) {
+        int64_t p = jb->pos[b], lo = fs_attn_lo(p, jb->window);
+        *maxpos = p > *maxpos ? p : *maxpos;
+        *minlo = lo < *minlo ? lo : *minlo;
+    }
+}
+
 /* Item of a job (fs_attn_plan): token tile qt, KV heads h0 .. h0 + nh - 1 (all of them for a decode row:
  * a key tile's K and V are then read in address order, which the memory prefetchers follow), and
  * either every segment its rows see, merged here, or (split) one segment, its state left in
@@ -432,16 +445,12 @@ static void fs_attn_item(const fs_attn_job *jb, int64_t item, float *sc)
     float *qs = sc, *acc = qs + rows_cap * D, *s = acc + rows_cap * Dp, *m = s + rows_cap * FS_KT, *l = m + rows_cap;
     float *racc = l + rows_cap, *rm = racc + rows_cap * Dp, *rl = rm + rows_cap, *ktbuf = rl + rows_cap;
     float *vt = ktbuf + D * FS_KT;
-    int64_t maxpos = 0, minlo = INT64_MAX;
-    for (int64_t t = 0; t < nt; t++) {
-        int64_t p = jb->pos[b0 + t], lo = fs_attn_lo(p, W);
-        maxpos = p > maxpos ? p : maxpos;
-        minlo = lo < minlo ? lo : minlo;
-    }
+    int64_t maxpos, minlo;
+    fs_attn_tile_keys(jb, qt, &minlo, &maxpos);
     int64_t sg0 = minlo / FS_SEG, sg1 = maxpos / FS_SEG + 1;     /* segments some row sees */
     if (jb->split) {
-        int64_t sg = item / groups % per_tile;
-        if (sg < sg0 || sg >= sg1)
+        int64_t sg = sg0 + item / groups % per_tile;          /* counted from the tile's first segment */
+        if (sg >= sg1)
             return;
         sg0 = sg;
         sg1 = sg + 1;
@@ -476,7 +485,7 @@ static void fs_attn_item(const fs_attn_job *jb, int64_t item, float *sc)
                 for (int64_t g = 0; g < G; g++) {
                     int64_t r = hh * ng + t * G + g, h = (h0 + hh) * G + g;
                     if (jb->split) {
-                        float *pt = jb->partial + (((b0 + t) * H + h) * jb->n_seg + sg) * (2 + Dp);
+                        float *pt = jb->partial + (((b0 + t) * H + h) * jb->n_seg + sg - rs0) * (2 + Dp);
                         pt[0] = m[r];
                         pt[1] = l[r];
                         memcpy(pt + 2, acc + r * Dp, (size_t)Dp * 4);
@@ -514,19 +523,24 @@ static void fs_attn_task(void *ctx, int64_t begin, int64_t end)
  * with all its KV heads when its rows fit one item (decode rows: their K and V are then read in
  * address order, which the memory prefetchers follow: ~1.3x on a 2k-token decode row here). When
  * those items are too few to keep n_scratch threads busy (a few long decode rows), one per (item,
- * key segment), split = 1, so that the threads share a row's keys; rows shorter than a segment have
- * nothing to split, and their KV heads go to separate items. Either way every row's numbers are the
+ * key segment), split = 1, so that the threads share a row's keys: n_seg items per tile, counted from
+ * the tile's first segment (a sliding window's, not position 0's: a local layer of window 512 at
+ * position 32k has 1 or 2, not 64). Rows shorter than a segment have nothing to split, and their KV
+ * heads go to separate items. Either way every row's numbers are the
  * same: only who computes a segment changes. Sets split, n_seg and heads_per_item; returns the item
  * count. A split job needs partial (fs_attn_partial_floats) and, after its items ran, fs_attn_merge. */
 static int64_t fs_attn_plan(fs_attn_job *jb)
 {
-    int64_t n = jb->tile_start[jb->n_tiles_q - 1] + jb->tile_len[jb->n_tiles_q - 1], maxpos = 0, longest = 0;
-    for (int64_t i = 0; i < n; i++)
-        maxpos = jb->pos[i] > maxpos ? jb->pos[i] : maxpos;
-    for (int64_t i = 0; i < jb->n_tiles_q; i++)
+    int64_t longest = 0;
+    jb->n_seg = 1;
+    for (int64_t i = 0; i < jb->n_tiles_q; i++) {     /* a windowed tile's segments start at its window's */
+        int64_t minlo, maxpos;
+        fs_attn_tile_keys(jb, i, &minlo, &maxpos);
+        int64_t segs = maxpos / FS_SEG - minlo / FS_SEG + 1;
+        jb->n_seg = segs > jb->n_seg ? segs : jb->n_seg;
         longest = jb->tile_len[i] > longest ? jb->tile_len[i] : longest;
+    }
     int threads = jb->n_scratch;
-    jb->n_seg = maxpos / FS_SEG + 1;
     jb->heads_per_item = longest * jb->H <= FS_ROWS ? jb->Hkv : 1;
     if (jb->n_seg == 1 && jb->n_tiles_q < threads)
         jb->heads_per_item = 1;
@@ -554,9 +568,9 @@ static void fs_attn_merge(const fs_attn_job *jb)
         int64_t p = jb->pos[b], rs0 = fs_attn_lo(p, jb->window) / FS_SEG;
         for (int64_t h = 0; h < H; h++) {
             const float *pt = jb->partial + (b * H + h) * jb->n_seg * (2 + Dp);
-            for (int64_t sg = rs0; sg <= p / FS_SEG; sg++)
-                fs_attn_merge_state(&rm, &rl, racc, pt[sg * (2 + Dp)], pt[sg * (2 + Dp) + 1], pt + sg * (2 + Dp) + 2,
-                                    Dp, sg == rs0);
+            for (int64_t i = 0; i <= p / FS_SEG - rs0; i++)       /* the row's segments, from its first */
+                fs_attn_merge_state(&rm, &rl, racc, pt[i * (2 + Dp)], pt[i * (2 + Dp) + 1], pt + i * (2 + Dp) + 2,
+                                    Dp, i == 0);
             jb->isa->finish(racc, rl, D, jb->out + b * H * D + h * D);
         }
     }

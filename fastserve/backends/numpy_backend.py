@@ -20,20 +20,7 @@ from ..ref import forward as ref_forward
 from ..ref.layer_ops import apply_rope, geglu, head_norm, rms_norm, swiglu  # noqa: F401
 from .host_sampling import HostSampling
 from .kv_cache import DEFAULT_CACHE_TYPE, KVCache
-
-
-def rope_tables(cfg: ModelConfig, n_pos: int, freq_factors: np.ndarray | None, local: bool = False):
-    """cos, sin [n_pos, rope_dim/2] in float32: angle (pos / scale) * base^(-2i/rope_dim) (/ factor i), the
-    same for llama.cpp's adjacent-pair and NeoX layouts. local: the local layers' table (their own base,
-    and no position scaling: llama.cpp's rope_freq_scale_train_swa is 1)."""
-    half = cfg.rope_dim // 2
-    base, scale = (cfg.rope_base_local, 1.0) if local else (cfg.rope_base, cfg.rope_scale)
-    inv_freq = base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rope_dim)
-    if freq_factors is not None:
-        inv_freq = inv_freq / freq_factors[:half].astype(np.float64)
-    pos = np.arange(n_pos, dtype=np.float64) / scale
-    theta = np.outer(pos, inv_freq)
-    return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+from .rope import RopeTables, rope_tables  # noqa: F401 (rope_tables: the GPU backend's and the tests')
 
 
 class NumpyBackend(HostSampling):
@@ -72,10 +59,10 @@ class NumpyBackend(HostSampling):
         self.kv = KVCache(cfg.n_layer, n_slots, n_ctx_slot, cfg.n_head_kv, cfg.head_dim, cache_type_k, cache_type_v,
                           window=cfg.sliding_window, local_layers=cfg.local_layers, step_tokens=max(1, max_tokens))
         self._attn = Attention(self.pool)
-        self.cos, self.sin = rope_tables(cfg, n_ctx_slot, weights.rope_freqs)
-        # local layers' own RoPE base (gemma3: 10k beside the global layers' 1M)
-        self.cos_local, self.sin_local = (rope_tables(cfg, n_ctx_slot, weights.rope_freqs, local=True)
-                                          if any(cfg.local_layers) else (self.cos, self.sin))
+        # local layers' own RoPE base (gemma3: 10k beside the global layers' 1M); rows filled as reached
+        self.rope = RopeTables(cfg, n_ctx_slot, weights.rope_freqs)
+        self.cos, self.sin, self.cos_local, self.sin_local = (self.rope.cos, self.rope.sin, self.rope.cos_local,
+                                                              self.rope.sin_local)
         self.scale = cfg.attn_scale
         self._forward = Forward(cfg, weights, self.kv, (self.cos, self.sin), (self.cos_local, self.sin_local),
                                 self._mm, self._attn, self.pool, max(1, max_tokens))
@@ -120,6 +107,8 @@ class NumpyBackend(HostSampling):
             logits = self._logits
         tokens, positions, slots, out_rows = _int64(tokens), _int64(positions), _int64(slots), _int64(out_rows)
         self.kv.begin_step(slots, positions)        # what the local layers' rings hold after this step
+        if len(positions):
+            self.rope.cover(int(positions.max()))   # the RoPE rows this step reads
         if self.reference:
             return ref_forward.forward(self, tokens, positions, slots, out_rows, logits)
         return self._forward(tokens, positions, slots, out_rows, logits)

@@ -315,6 +315,48 @@ def test_ring_gives_the_bits_of_the_whole_cache(tk, tv, window, ring, chunk):
     assert n // ring >= 3 and len(twin) >= 3
 
 
+@pytest.mark.parametrize("tk,tv", [("f16", "f16"), ("q8_0", "f32")])
+def test_window_far_from_zero_on_a_wrapped_ring(tk, tv):
+    """A local layer at position 20k (Gemma 3's shape: 1 KV head of 4 queries, head_dim 256) on a ring
+    wrapped ~40 times, its window across a key-segment edge: the work is planned from the window's
+    first segment, not position 0's. A decode row, a 64-row prefill chunk, and the decode row batched
+    with a row of another slot near position 0, on 1 and 2 threads (2: the window's segments split
+    between them) and every kernel: the twin's bits, the bits of a cache of every position, and the
+    same bits for a row whatever it is batched with."""
+    D, Hkv, G, window, ring, P = 256, 1, 4, 400, 512, 20001       # last position 20000: keys 19601..20000
+    rng = np.random.default_rng(21)
+    kx = (rng.standard_normal((ring, Hkv, D)) * 2).astype(np.float32)
+    vx = rng.standard_normal((ring, Hkv, D)).astype(np.float32)
+    far = np.arange(P - ring, P, dtype=np.int64)                   # what the ring of slot 0 holds
+    near = np.arange(64, dtype=np.int64)                           # slot 1: its first 64 positions
+    rings = {mod: _ring_caches(tk, tv, 2, ring, Hkv, D) for mod in (C, R)}
+    full = _caches(C, tk, tv, 2, P, Hkv, D)
+    for mod, caches in [*rings.items(), (C, full)]:
+        r = ring if caches is not full else 0
+        mod.store(tk, tv, *caches, kx, vx, np.zeros(ring, np.int64), far, ring=r)
+        mod.store(tk, tv, *caches, kx[:64], vx[:64], np.ones(64, np.int64), near, ring=r)
+    assert (P - window) // C.SEG < (P - 1) // C.SEG            # a window across a segment edge
+    q = rng.standard_normal((65, Hkv * G, D)).astype(np.float32)
+    cases = {"decode": (q[63:64], [0], [P - 1]), "chunk": (q[:64], [0] * 64, far[-64:]),
+             "with a row near 0": (q[[64, 63]], [1, 0], [63, P - 1])}
+
+    def run(attn, caches, case, r):
+        qq, sl, ps = cases[case]
+        out = np.full((len(qq), Hkv * G * D), np.nan, np.float32)
+        attn(qq, *caches, tk, tv, np.asarray(sl, np.int64), np.asarray(ps, np.int64), out, 0.0625, window=window, ring=r)
+        return out
+
+    want = {case: run(R.Attention(), rings[R], case, ring) for case in cases}
+    kernels = {isa: C.Attention(isa=isa) for isa in C.isas()}
+    kernels["2 threads"] = C.Attention(Pool(2))
+    for name, attn in kernels.items():
+        for case in cases:
+            _same_bits(run(attn, rings[C], case, ring), want[case])
+            _same_bits(run(attn, full, case, 0), want[case])
+    _same_bits(want["with a row near 0"][1:], want["decode"])
+    _same_bits(want["chunk"][-1:], want["decode"])
+
+
 @pytest.mark.parametrize("mod", [C, R])
 def test_ring_move_rows_address_positions_mod_the_ring(mod):
     """A save of positions past the ring's size reads them where store put them (row p % R); a restore
@@ -403,6 +445,20 @@ static void run(int isa, int threads, const float *q, const uint8_t *k, const ui
     free(jb.scratch);
     free(jb.partial);
 }
+/* A windowed layer's plan far from position 0: the segments of the windows, not those from position 0. */
+static int plan_check(void) {
+    int64_t pos[3] = {40000, 40001, 10}, slots[3] = {0, 0, 1}, ts[2] = {0, 2}, tl[2] = {2, 1};
+    int busy[2] = {0};
+    fs_attn_job jb = {NULL, NULL, NULL, slots, pos, ts, tl, NULL, 2, 4, 1, 64, 64, 4, 0, 0, 300, 0, 0, 0.0f,
+                      NULL, busy, 2, 0, fs_attn_isa_for(0)};
+    int64_t items = fs_attn_plan(&jb);          /* keys 39701 .. 40001 (segments 310 .. 312), 0 .. 10 */
+    int ok = jb.split && jb.n_seg == 3 && items == 2 * 3 && fs_attn_partial_floats(&jb) == 3 * 4 * 3 * (2 + 64);
+    jb.window = 0;                              /* causal: every segment from position 0 */
+    items = fs_attn_plan(&jb);
+    ok = ok && jb.split && jb.n_seg == 40001 / FS_SEG + 1 && items == 2 * jb.n_seg;
+    printf("plan check %s\n", ok ? "ok" : "FAILED");
+    return ok;
+}
 int main(void) {
     const int64_t Ds[] = {32, 48, 64, 128, 256}, Gs[] = {1, 8}, windows[] = {0, 1, 17, 100};
     uint64_t hash = 1469598103934665603ull;
@@ -443,6 +499,7 @@ int main(void) {
         }
         free(kc); free(vc); free(q); free(o0); free(o1);
     }
+    fails += !plan_check();
     printf("scalar hash %016llx\n", (unsigned long long)hash);
     printf("%d checks, %d mismatches\n", checks, fails);
     return fails != 0;

@@ -1,0 +1,39 @@
+"""backends/rope.RopeTables: rows computed block by block as positions are reached hold the bits of
+rope_tables over the whole context, for the global and the local tables."""
+from types import SimpleNamespace
+
+import numpy as np
+
+from fastserve.backends.rope import FILL, RopeTables, rope_tables
+
+
+def _cfg(local):
+    return SimpleNamespace(rope_dim=64, rope_base=1e6, rope_base_local=1e4, rope_scale=8.0,
+                           local_layers=(True, True, False) if local else (False,))
+
+
+def _same_bits(a, b):
+    assert a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_tables_filled_as_reached_have_the_bits_of_the_whole_context():
+    n_pos = 5 * FILL + 123
+    factors = np.random.default_rng(0).uniform(1, 4, 32).astype(np.float32)
+    cfg = _cfg(local=True)
+    want = rope_tables(cfg, n_pos, factors) + rope_tables(cfg, n_pos, factors, local=True)
+    t = RopeTables(cfg, n_pos, factors)
+    assert t.filled == FILL                             # the first block only, at start-up
+    for p in (5, FILL - 1, FILL, 3 * FILL + 7, 2 * FILL, n_pos - 1):
+        t.cover(p)
+        assert t.filled > p and (t.filled % FILL == 0 or t.filled == n_pos)
+        for got, w in zip((t.cos, t.sin, t.cos_local, t.sin_local), want):
+            _same_bits(got[:t.filled], w[:t.filled])
+    assert t.filled == n_pos
+    assert not np.array_equal(want[0], want[2])           # the local base differs
+
+
+def test_without_local_layers_the_local_tables_are_the_global_ones():
+    t = RopeTables(_cfg(local=False), 3000, None)
+    assert t.cos_local is t.cos and t.sin_local is t.sin
+    t.cover(2999)
+    _same_bits(t.cos, rope_tables(_cfg(local=False), 3000, None)[0])
