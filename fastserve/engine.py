@@ -448,8 +448,7 @@ class Engine:
                 if self._jobs[slot] is job:
                     self._end(slot, FINISH_ERROR, f"admission failed: {exc}")
                 else:
-                    self.slots.release(slot)
-                    self.backend.release(slot)
+                    self._release(slot)
                     self.delivery.reject(job.buffer, FINISH_ERROR, f"admission failed: {exc}")
         if self.tracer is not None:
             self.tracer.lap("admit")
@@ -501,13 +500,17 @@ class Engine:
             return
         self.delivery.finish(slot, code, error)
         self.delivery.detach(slot)
-        self.slots.release(slot)
-        self.backend.release(slot)
-        self._reuse_from[slot] = self.backend.kv_reuse_from(slot, int(self.slots.n_tokens[slot]))
+        self._release(slot)
         self._jobs[slot] = None
         self.masks.end(slot)
         if slot in self._erase_on_end:
             self._forget(slot, self._erase_on_end.pop(slot))
+
+    def _release(self, slot: int) -> None:
+        """Free the slot; what of its KV prefix a next prompt can reuse is recorded for /slots."""
+        self.slots.release(slot)
+        self.backend.release(slot)
+        self._reuse_from[slot] = self.backend.kv_reuse_from(slot, int(self.slots.n_tokens[slot]))
 
     def _cancel(self, job_id: int) -> None:
         for slot, job in enumerate(self._jobs):

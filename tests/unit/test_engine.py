@@ -267,6 +267,27 @@ def test_forward_failure_fails_only_that_batch(tiny_model):
         assert e.generate("after", max_tokens=5, temperature=0).token_ids == want
 
 
+def test_admission_failure_fails_that_request_only(tiny_model, monkeypatch):
+    """A request whose admission raises (here the backend's configure) ends with an error naming it; the
+    slot is free again, the snapshot's slot_reuse_from is the backend's, the next request is served."""
+    with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=512) as e:
+        want = e.generate("after", max_tokens=5, temperature=0).token_ids
+        real = e.backend.configure
+
+        def configure(slot, sampling, prompt, **kw):
+            if list(prompt) == e.tokenizer.encode("victim"):
+                raise RuntimeError("no room for its sampler")
+            return real(slot, sampling, prompt, **kw)
+
+        monkeypatch.setattr(e.backend, "configure", configure)
+        res = e.generate("victim", max_tokens=5, temperature=0)
+        assert res.finish_reason == "error" and "admission failed: no room for its sampler" in res.error
+        assert _slots_free(e)
+        snap = e.snapshot
+        assert snap.slot_reuse_from == (e.backend.kv_reuse_from(0, int(e.slots.n_tokens[0])),)
+        assert e.generate("after", max_tokens=5, temperature=0).token_ids == want
+
+
 def test_tracer_summary(tiny_model):
     with fastserve.Engine(tiny_model, n_parallel=2, n_ctx=256, trace=True) as e:
         e.generate("trace me", max_tokens=8, temperature=0)
