@@ -39,6 +39,16 @@ GRACE_S = 0.05                  # time given to cancelled requests to write thei
 GRAMMAR_WORKERS = 2             # grammars / JSON schemas compiled at once off the loop; more wait their turn
 
 
+def _compile_limit(limits) -> tuple[str, float | None]:
+    """(deadline kind, seconds) bounding a request's grammar compile: the shorter of its queue and total
+    limits (None: no limit)."""
+    bounds = [(v, kind) for kind, v in (("queue", getattr(limits, "queue", 0)), ("total", getattr(limits, "total", 0))) if v]
+    if not bounds:
+        return "queue", None
+    v, kind = min(bounds)
+    return kind, v
+
+
 class App:
     def __init__(self, engine, config: ServerConfig | None = None, log_stream=None):
         self.engine = engine
@@ -121,22 +131,30 @@ class App:
             raise HttpError(503, stall)
         return Generation(self, ex, ids, **kwargs)
 
-    async def compile(self, constrain: dict):
+    async def compile(self, constrain: dict, limits=None):
         """The engine's Constraint of a request's grammar or json_schema (None for neither), compiled in a worker
         thread: llguidance takes tens of ms for a large schema and much more for a pathological one, which on the
         loop would stall every stream and /health (it drops the GIL while it compiles). An invalid grammar or
-        schema is a 400 with the compiler's message."""
+        schema is a 400 with the compiler's message. limits (generation.Limits): the wait for a worker and the
+        compile count against the request's queue and total limits, as its wait for a slot does (503 / 504;
+        the compile itself runs on, its result dropped)."""
         if not constrain:
             return None
         if self.closing:
             raise HttpError(503, "the server is shutting down")
         if self._compiler is None:
             self._compiler = ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="fastserve-grammar")
+        kind, limit = _compile_limit(limits)
+        work = asyncio.get_running_loop().run_in_executor(self._compiler, partial(self.engine.constraint, **constrain))
         try:
-            return await asyncio.get_running_loop().run_in_executor(
-                self._compiler, partial(self.engine.constraint, **constrain))
+            return await asyncio.wait_for(work, limit)
         except RequestError as exc:
             raise HttpError(400, str(exc)) from None
+        except asyncio.TimeoutError:
+            self.metrics.deadlines.inc(1, kind)
+            if kind == "queue":
+                raise HttpError(503, f"the grammar was not compiled within the queue limit of {limit:g} s") from None
+            raise HttpError(504, f"the request ran past its time limit of {limit:g} s compiling its grammar") from None
 
     def stop_workers(self) -> None:
         """Shutdown: compiles not started are dropped; one running ends on its own (its request is gone)."""

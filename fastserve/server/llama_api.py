@@ -249,8 +249,9 @@ async def completion(app, req, ex):
     seed = request_seed(body, app)
     samp = sampling(body, app)
     cache_prompt = body.bool("cache_prompt", True)
-    compiled = await app.compile(constraint(body))          # in a worker thread: a big schema takes long
-    gens = start_all(app, ex, prompts, lambda i: {}, stop=stop, limits=limits(body, app.config),
+    lim = limits(body, app.config)
+    compiled = await app.compile(constraint(body), lim)     # in a worker thread: a big schema takes long
+    gens = start_all(app, ex, prompts, lambda i: {}, stop=stop, limits=lim,
                      max_tokens=n_predict, seed=seed, cache_prompt=cache_prompt,
                      id_slot=body.int("id_slot", -1, lo=-1), n_probs=n_probs, post_sampling_probs=post,
                      constraint=compiled, settings={"stream": stream, "ignore_eos": ignore_eos(body, app),

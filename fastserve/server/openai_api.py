@@ -91,10 +91,11 @@ async def completions(app, req, ex):
     n_probs = 0 if logprobs is None else max(LOGPROB_POOL, logprobs)
     seed = request_seed(body, app)
     samp = sampling(body, app)
-    compiled = await app.compile(constraint(body))
+    lim = limits(body, app.config)
+    compiled = await app.compile(constraint(body), lim)
     gens = start_all(app, ex, [ids for ids in prompts for _ in range(n)],
                      lambda i: {"seed": None if seed is None else (seed + i % n) % 2 ** 64},
-                     stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens, n_probs=n_probs,
+                     stop=body.stop(), limits=lim, max_tokens=max_tokens, n_probs=n_probs,
                      constraint=compiled, settings=_settings(body, app, stream), **samp)
     rid, created = _new_id("cmpl-"), int(time.time())
     tok = app.engine.tokenizer
@@ -199,7 +200,8 @@ async def chat_completions(app, req, ex):
         constrain = {"json_schema": plan.schema}
     elif fmt_schema is not None:
         constrain = {"json_schema": fmt_schema}
-    compiled = await app.compile(constrain)     # the compiler's message before the prompt's size is judged
+    lim = limits(body, app.config)
+    compiled = await app.compile(constrain, lim)    # the compiler's message before the prompt's size is judged
     tok = app.engine.tokenizer
     native = tok.chat_template_takes_tools
     messages = chat_messages(body.raw("messages"), native)
@@ -225,7 +227,7 @@ async def chat_completions(app, req, ex):
     seed = request_seed(body, app)
     # n choices of one prompt: a given seed seeds the i-th choice with seed + i, so that they differ
     gens = start_all(app, ex, [ids] * n, lambda i: {"seed": None if seed is None else (seed + i) % 2 ** 64},
-                     stop=body.stop(), limits=limits(body, app.config), max_tokens=max_tokens, n_probs=n_probs,
+                     stop=body.stop(), limits=lim, max_tokens=max_tokens, n_probs=n_probs,
                      constraint=compiled, settings=_settings(body, app, stream), **sampling(body, app))
     rid, created = _new_id("chatcmpl-"), int(time.time())
 

@@ -16,6 +16,7 @@ import pytest
 
 import fastserve.engine
 from .killed_streams import InProcessServer, request_bytes
+from .test_misbehaving_clients import _metric
 
 SLOW_S = 1.5          # how long the hook makes every compile take
 BOUND_S = 0.5         # the most /health or another stream may wait meanwhile (the loop is shared by all)
@@ -24,7 +25,7 @@ GRAMMAR = 'root ::= "<" [a-z]{2,5} ">"'
 
 @pytest.fixture(scope="module")
 def srv(tiny_model):
-    with InProcessServer(tiny_model, n_parallel=2, n_ctx=16384, timeout=20) as s:
+    with InProcessServer(tiny_model, n_parallel=2, n_ctx=16384, timeout=20, metrics=True) as s:
         yield s
 
 
@@ -179,3 +180,21 @@ def test_shutdown_during_a_compile_answers_at_once(tiny_model, slow_compile):
         worker.join(10)
     assert answer["status"] in (503, "RemoteProtocolError", "ReadError"), answer
     assert answer["t"] - t_stop < SLOW_S / 2 and t_loop_gone - t_stop < SLOW_S / 2, (answer, t_loop_gone - t_stop)
+
+
+@pytest.mark.parametrize("limit, status, words", [("queue_timeout", 503, "queue limit"),
+                                                  ("request_timeout", 504, "time limit")])
+def test_a_compile_counts_against_the_requests_limits(srv, slow_compile, limit, status, words):
+    """The wait for a compile is the request's time too: a compile longer than its queue or total limit
+    ends the request with that limit's error when the limit runs out, not after the compile."""
+    assert srv.idle(10)
+    with httpx.Client(base_url=f"http://{srv.host}:{srv.port}", timeout=30) as c:
+        kind = {"queue_timeout": "queue", "request_timeout": "total"}[limit]
+        before = _metric(c, "fastserve_deadlines_expired_total", kind=kind)
+        t0 = time.monotonic()
+        r = c.post("/completion", json={"prompt": "x", "grammar": GRAMMAR, "n_predict": 8, limit: 0.3})
+        dt = time.monotonic() - t0
+        assert r.status_code == status and words in r.json()["error"]["message"] and "grammar" in r.text, r.text
+        assert 0.3 <= dt < SLOW_S, dt
+        assert _metric(c, "fastserve_deadlines_expired_total", kind=kind) == before + 1
+
