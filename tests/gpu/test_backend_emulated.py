@@ -203,3 +203,22 @@ def test_other_rows_match_numpy_backend(fake, tmp_path, arch):
     want = _prefill_then_decode(ref, prompts, 6, rng)
     worst = max(rel_err(g, r) for g, r in zip(got, want))
     assert worst <= 1e-2, f"{arch}: worst per-step relative error {worst:.2e}"
+
+
+def test_gemma3_row_matches_numpy_backend(fake, tiny_gemma3):
+    """gemma3's row (tests/gpu/conftest.tiny_gemma3: GeGLU, sandwich norms, scaled embedding, a local layer
+    with its own RoPE table and window 8, 256-wide heads, soft-capping): every launch's arguments against
+    the kernels' signatures, the logits against the NumPy backend over a prompt past the window, and decode
+    steps through graphs."""
+    from fastserve.backends.cupy_backend import CupyBackend, unsupported_features
+    cfg, w = tiny_gemma3
+    assert unsupported_features(cfg) == []
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, cfg.n_vocab, n).astype(np.int32) for n in (21, 3, 12)]
+    gpu = CupyBackend(cfg, w, n_slots=4, n_ctx_slot=64, dtype="f16", attn_chunk=4)
+    ref = _numpy_backend(cfg, rounded_weights(w, "f16"), 4, 64)
+    got = _prefill_then_decode(gpu, prompts, 6, rng)
+    want = _prefill_then_decode(ref, prompts, 6, rng)
+    worst = max(rel_err(g, r) for g, r in zip(got, want))
+    assert worst <= 1e-2, f"gemma3: worst per-step relative error {worst:.2e}"
+    assert gpu._graphs, "decode steps did not go through a CUDA graph"

@@ -186,6 +186,45 @@ def test_memory_pools_flat_over_1000_steps(cupy, tiny_model, graphs):
     assert after == before
 
 
+# -- a tiny gemma3 (GeGLU, sandwich norms, scaled embedding, local layers, 256-wide heads, soft-cap) ----
+
+GEMMA_PROMPTS = (21, 3, 12)        # one prompt well past the window (8), slots 0-2 in one prefill batch
+
+
+def _gemma_prompts(cfg):
+    rng = np.random.default_rng(11)
+    return [rng.integers(0, cfg.n_vocab, n).astype(np.int32) for n in GEMMA_PROMPTS]
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16"])
+def test_tiny_gemma3_logits_within_bar_of_numpy(cupy, tiny_gemma3, dtype):
+    """Prefill of three slots (one prompt 21 tokens, past the window of 8) then 8 decode steps of the three
+    at once through CUDA graphs (positions up to 29): the logits against the NumPy backend's on the weights
+    rounded as the GPU holds them, within the llama path's bar."""
+    cfg, w = tiny_gemma3
+    prompts = _gemma_prompts(cfg)
+    gpu = _cupy_backend(cfg, w, 4, 64, dtype=dtype, attn_chunk=8)
+    got = _logit_steps(gpu, prompts, 8, np.random.default_rng(5))
+    want = _logit_steps(_numpy_backend(cfg, rounded_weights(w, dtype), 4, 64), prompts, 8, np.random.default_rng(5))
+    err = max(rel_err(g, r) for g, r in zip(got, want))
+    print(f"tiny gemma3, {dtype} weights: worst relative error of the logits {err:.2e}")
+    assert err <= BAR[dtype]
+    assert gpu._graphs, "decode steps did not go through a CUDA graph"
+
+
+def test_tiny_gemma3_greedy_identical_and_graphs_equal_eager(cupy, tiny_gemma3):
+    """12 greedy tokens of each slot (the device's argmax, graphs) equal the NumPy backend's on the same
+    rounded weights; and a graph replay gives the eager launches' logits."""
+    cfg, w = tiny_gemma3
+    prompts = _gemma_prompts(cfg)
+    got, _ = _greedy(_cupy_backend(cfg, w, 3, 64), prompts, 12)
+    want, rows = _greedy(_numpy_backend(cfg, rounded_weights(w, "f16"), 3, 64), prompts, 12)
+    assert got == want, _explain(got, want, rows, [f"prompt {i}" for i in range(len(prompts))])
+    a = _logit_steps(_cupy_backend(cfg, w, 3, 64, graphs=True), prompts, 3, np.random.default_rng(6))
+    b = _logit_steps(_cupy_backend(cfg, w, 3, 64, graphs=False), prompts, 3, np.random.default_rng(6))
+    assert max(rel_err(x, y) for x, y in zip(a, b)) <= 1e-6
+
+
 # -- the default model (SmolLM2-135M-Instruct Q4_1) ---------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
