@@ -90,7 +90,7 @@ def reference_cases() -> list:
 
 @pytest.fixture(scope="session")
 def tiny_gemma3(tmp_path_factory):
-    """(cfg, weights) of a tiny gemma3 (fastserve.models.synthetic, random weights): window 8, GQA 4/1 with
+    """A tiny gemma3 Model (fastserve.models.synthetic, random weights): window 8, GQA 4/1 with
     gemma3's 256-wide heads, tied output, the embedding scaled by sqrt(64). Two layers, one local and one
     global (the file's default pattern would make both local), the global layers' RoPE base 1e6 as
     Gemma 3's (the local ones keep 10k), and a final-logit soft-cap of 30 (Gemma 2 style), so that every
@@ -103,5 +103,5 @@ def tiny_gemma3(tmp_path_factory):
                             n_embd=64, n_head=4, n_head_kv=1, head_dim=256, n_ff=128, n_vocab=320,
                             sliding_window=8, tied=True, seed=5)
     model = fastserve.load_model(path)
-    cfg = dataclasses.replace(model.config, local_layers=(True, False), rope_base=1e6, logit_softcap=30.0)
-    return cfg, model.weights
+    model.config = dataclasses.replace(model.config, local_layers=(True, False), rope_base=1e6, logit_softcap=30.0)
+    return model

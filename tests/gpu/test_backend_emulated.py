@@ -170,12 +170,14 @@ def test_launchers_refuse_wrong_arrays(fake):
         K.gemm(cp.zeros((4, 8), np.float16), cp.zeros((3, 8), np.uint16), cp.zeros((4, 3), np.float32), 4)
 
 
-def test_engine_runs_on_the_backend(fake, tiny_model):
-    """The engine drives the GPU backend like any other: greedy text equals the NumPy backend's on the
-    same (rounded) weights."""
+@pytest.mark.parametrize("model_name", ["tiny_model", "tiny_gemma3"])
+def test_engine_runs_on_the_backend(fake, request, model_name):
+    """The engine drives the GPU backend like any other, for llama's row and gemma3's (prompts past its
+    window of 8, and generation past it): greedy text equals the NumPy backend's on the same (rounded) weights."""
     import fastserve
     from fastserve.backends.cupy_backend import CupyBackend
-    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    tiny_model = request.getfixturevalue(model_name)
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
     with fastserve.Engine(tiny_model, n_parallel=2, n_ctx=128,
                           backend=lambda cfg, w, ns, nc: CupyBackend(cfg, w, ns, nc)) as e:
         got = [r.result().token_ids for r in [e.submit(p, max_tokens=8, temperature=0) for p in prompts]]
@@ -217,5 +219,5 @@ def test_gemma3_row_matches_numpy_backend(fake, tiny_gemma3):
     with its own RoPE table and window 8, 256-wide heads, soft-capping): every launch's arguments against
     the kernels' signatures, the logits against the NumPy backend over a prompt past the window, and decode
     steps through graphs."""
-    worst = _row_against_numpy(*tiny_gemma3, (21, 3, 12))
+    worst = _row_against_numpy(tiny_gemma3.config, tiny_gemma3.weights, (21, 3, 12))
     assert worst <= 1e-2, f"gemma3: worst per-step relative error {worst:.2e}"

@@ -204,7 +204,7 @@ def test_tiny_gemma3_logits_within_bar_of_numpy(cupy, tiny_gemma3, dtype):
     """Prefill of three slots (one prompt 21 tokens, past the window of 8) then 8 decode steps of the three
     at once through CUDA graphs (positions up to 29): the logits against the NumPy backend's on the weights
     rounded as the GPU holds them, within the llama path's bar."""
-    cfg, w = tiny_gemma3
+    cfg, w = tiny_gemma3.config, tiny_gemma3.weights
     prompts = _gemma_prompts(cfg)
     gpu = _cupy_backend(cfg, w, 4, 64, dtype=dtype, attn_chunk=8)
     got = _logit_steps(gpu, prompts, 8, np.random.default_rng(5))
@@ -218,7 +218,7 @@ def test_tiny_gemma3_logits_within_bar_of_numpy(cupy, tiny_gemma3, dtype):
 def test_tiny_gemma3_greedy_identical_and_graphs_equal_eager(cupy, tiny_gemma3):
     """12 greedy tokens of each slot (the device's argmax, graphs) equal the NumPy backend's on the same
     rounded weights; and a graph replay gives the eager launches' logits."""
-    cfg, w = tiny_gemma3
+    cfg, w = tiny_gemma3.config, tiny_gemma3.weights
     prompts = _gemma_prompts(cfg)
     got, _ = _greedy(_cupy_backend(cfg, w, 3, 64), prompts, 12)
     want, rows = _greedy(_numpy_backend(cfg, rounded_weights(w, "f16"), 3, 64), prompts, 12)
