@@ -66,7 +66,9 @@ SYNTH_DEFAULT = dict(n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, n
 SYNTH_GEMMA3 = dict(architecture="gemma3", n_layer=18, n_embd=640, n_head=4, n_head_kv=1, head_dim=256, n_ff=2048,
                     n_vocab=262144, n_ctx=32768, sliding_window=512, tied=True)
 DRY_GEMMA3 = dict(SYNTH_GEMMA3, n_layer=6, n_embd=64, n_ff=128, n_vocab=320, n_ctx=512, sliding_window=8)
-GEMMA3_BAR = {"f16": 1e-2, "bf16": 2e-2}     # tests/gpu/test_parity.py's bars against the CPU backend (f32)
+# Bars against the CPU backend in f32: tests/gpu/test_parity.py's for f16; bf16's 3e-2 because rounding the real
+# 270M's weights to bf16 alone moves its logits by 1.6e-2 (its worst row 2.4e-2 on the kernels' NumPy emulation).
+GEMMA3_BAR = {"f16": 1e-2, "bf16": 3e-2}
 
 
 class Check:

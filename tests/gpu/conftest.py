@@ -68,17 +68,31 @@ def on_gpu(cupy) -> bool:
     return not hasattr(cupy, "fake_kernels")
 
 
-@pytest.fixture(scope="module")
-def default_model_on_disk(cupy):
+def _model_on_disk(cupy, path: str, what: str, variable: str):
+    """The model at path, loaded; skips on the CPU kernel emulator (minutes a step) unless
+    FASTSERVE_EMULATE_DEFAULT_MODEL=1, and where the file is not (the device machine cannot pull it)."""
     if not on_gpu(cupy) and os.environ.get("FASTSERVE_EMULATE_DEFAULT_MODEL") != "1":
-        pytest.skip("the default model on the CPU kernel emulator takes minutes a step; "
+        pytest.skip(f"{what} on the CPU kernel emulator takes minutes a step; "
                     "FASTSERVE_EMULATE_DEFAULT_MODEL=1 runs it anyway")
-    from fastserve.default_model import FILENAME, home
-    path = os.environ.get("FASTSERVE_MODEL") or os.path.join(home(), FILENAME)
     if not os.path.isfile(path):
-        pytest.skip(f"default model not at {path} (set FASTSERVE_MODEL; the device machine cannot pull it)")
+        pytest.skip(f"{what} not at {path} (set {variable}; the device machine cannot pull it)")
     import fastserve
     return fastserve.load_model(path)
+
+
+@pytest.fixture(scope="module")
+def default_model_on_disk(cupy):
+    from fastserve.default_model import FILENAME, home
+    return _model_on_disk(cupy, os.environ.get("FASTSERVE_MODEL") or os.path.join(home(), FILENAME),
+                          "the default model", "FASTSERVE_MODEL")
+
+
+@pytest.fixture(scope="module")
+def gemma3_on_disk(cupy):
+    """Gemma 3 270M Q4_K_M (`fastserve pull gemma3-270m`), or the file at $FASTSERVE_GEMMA3_MODEL."""
+    from fastserve.catalog import GEMMA3_270M
+    return _model_on_disk(cupy, os.environ.get("FASTSERVE_GEMMA3_MODEL") or GEMMA3_270M.path(), "Gemma 3 270M",
+                          "FASTSERVE_GEMMA3_MODEL")
 
 
 @pytest.fixture(scope="session")
