@@ -4,6 +4,7 @@ On a machine with an NVIDIA GPU, from the repository root:
 
     python3 bench/gpu_check.py                      # everything, ~5-7 minutes; the table is printed last
     python3 bench/gpu_check.py --phases build,stash # the first of two calls (see bench/gpu_carry.sh)
+    python3 bench/gpu_check.py --phases setup,build,bandwidth,gemma3   # Gemma 3 alone (~2 minutes)
 
 Phases, in order (--phases picks some; each is timed; a failing phase is reported and the next runs):
   setup     carried wheels (.devcarry/wheels, e.g. gguf, which the device image lacks) on sys.path;
@@ -21,6 +22,11 @@ Phases, in order (--phases picks some; each is timed; a failing phase is reporte
             device time of one graph replay, the weight-read floor (weight bytes / copy bandwidth)
   engine    the Engine at 32 slots on each model, closed loop: host share of the step from the tracer
   pool      CuPy's device and pinned pools over 1,000 decode steps on the 1.1B model
+  gemma3    Gemma 3 270M (the pulled file from $FASTSERVE_GEMMA3_MODEL or the cache; else a synthetic model of
+            its shape): logits of a prompt past the window (3 slots) and 4 decode steps through graphs against
+            the CPU backend on the weights in float32 (the same math; on the file's quantized blocks the CPU
+            also rounds activations to int8, ~6e-2 on this model, reported beside), in f16 and bf16;
+            decode step at batch 1 and 8 (rows of the table)
 
 Writes $OUT (or --out) / gpu_check.json, gpu_check.log, ptxas.txt, pytest.log. With --dry-run, on a
 machine without a GPU, every phase runs at a small scale with the real kernels executed on the CPU
@@ -45,8 +51,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CARRY = REPO / ".devcarry"
 STAGE = Path(os.environ.get("FASTSERVE_STAGE", "/tmp/fastserve_stage"))
-PHASES = ("setup", "build", "nvcc", "stash", "model", "tests", "bandwidth", "timing", "engine", "pool")
-DEFAULT_PHASES = ("setup", "build", "nvcc", "stash", "model", "tests", "bandwidth", "timing", "engine", "pool")
+PHASES = ("setup", "build", "nvcc", "stash", "model", "tests", "bandwidth", "timing", "engine", "pool", "gemma3")
+DEFAULT_PHASES = PHASES
 BATCHES = (1, 8, 32)
 # --dry-run's models: the kernels run on the CPU there, a few thousand times slower than on a GPU.
 DRY_SHAPE = dict(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_vocab=320, n_ctx=512)
@@ -55,6 +61,14 @@ DRY_STEPS = 0           # --dry-run: at most this many steps per measurement
 SYNTH_1B = dict(n_layer=22, n_embd=2048, n_head=32, n_head_kv=4, n_ff=5632, n_vocab=32000, n_ctx=2048)
 # SmolLM2-135M's shape (the default model), for when the real file is not here.
 SYNTH_DEFAULT = dict(n_layer=30, n_embd=576, n_head=9, n_head_kv=3, n_ff=1536, n_vocab=49152, n_ctx=2048)
+# Gemma 3 270M's shape (5 local layers of each 6, window 512, 256-wide heads, tied output), for when the
+# pulled file is not here; --dry-run's: the same row at a size the CPU-run kernels can take.
+SYNTH_GEMMA3 = dict(architecture="gemma3", n_layer=18, n_embd=640, n_head=4, n_head_kv=1, head_dim=256, n_ff=2048,
+                    n_vocab=262144, n_ctx=32768, sliding_window=512, tied=True)
+DRY_GEMMA3 = dict(SYNTH_GEMMA3, n_layer=6, n_embd=64, n_ff=128, n_vocab=320, n_ctx=512, sliding_window=8)
+# Bars against the CPU backend in f32: tests/gpu/test_parity.py's for f16; bf16's 3e-2 because rounding the real
+# 270M's weights to bf16 alone moves its logits by 1.6e-2 (its worst row 2.4e-2 on the kernels' NumPy emulation).
+GEMMA3_BAR = {"f16": 1e-2, "bf16": 3e-2}
 
 
 class Check:
@@ -509,6 +523,88 @@ def phase_pool(c: Check) -> dict:
     return {"flat": before == after}
 
 
+def _gemma3_model(c: Check):
+    """(label, Model): the pulled Gemma 3 270M when it is here (not in a dry run), else a synthetic one."""
+    import fastserve
+    from fastserve.catalog import GEMMA3_270M
+    from fastserve.models.synthetic import write_llama_gguf
+    real = os.environ.get("FASTSERVE_GEMMA3_MODEL") or GEMMA3_270M.path()
+    if not c.dry and os.path.isfile(real) and os.path.getsize(real) == GEMMA3_270M.size:
+        return "Gemma 3 270M Q4_K_M", fastserve.load_model(real)
+    shape = SYNTH_GEMMA3 if not c.dry else DRY_GEMMA3
+    path = STAGE / ("synth_gemma3.gguf" if not c.dry else "synth_gemma3_dry.gguf")
+    STAGE.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        write_llama_gguf(path, weight_type="F16", seed=3, **shape)
+    return "synthetic gemma3 270M" if not c.dry else "synthetic gemma3 (dry)", fastserve.load_model(path)
+
+
+def _gemma3_steps(be, prompts, n_steps: int) -> list:
+    """prompts prefilled into slots 0.. in one batch, then n_steps decode steps of every slot (fixed tokens,
+    so that both backends see the same ones; the steps run through graphs on the GPU): each step's logits."""
+    import numpy as np
+    toks = np.concatenate(prompts).astype(np.int32)
+    pos = np.concatenate([np.arange(len(p)) for p in prompts]).astype(np.int32)
+    slots = np.concatenate([np.full(len(p), i) for i, p in enumerate(prompts)]).astype(np.int32)
+    last = (np.cumsum([len(p) for p in prompts]) - 1).astype(np.int32)
+    out = [np.array(be.forward(toks, pos, slots, last))]
+    cur, ids = np.array([len(p) for p in prompts], np.int32), np.arange(len(prompts), dtype=np.int32)
+    for i in range(n_steps):
+        nxt = ((ids * 31 + i * 7 + 11) % be.n_vocab).astype(np.int32)    # fixed tokens: the same on both sides
+        out.append(np.array(be.forward(nxt, cur, ids, ids)))
+        cur += 1
+    return out
+
+
+def phase_gemma3(c: Check) -> dict:
+    import numpy as np
+    import cupy as cp
+    from fastserve.backends.cupy_backend import CupyBackend
+    from fastserve.backends.numpy_backend import NumpyBackend
+    from tests.gpu.helpers import rel_err, rounded_weights
+    label, model = _gemma3_model(c)
+    cfg = model.config
+    window = cfg.sliding_window
+    rng = np.random.default_rng(0)
+    lengths = (window + 64 if not c.dry else window + 5, 7, 30)        # the first past the window
+    prompts = [rng.integers(3, cfg.n_vocab, n).astype(np.int32) for n in lengths]
+    n_ctx = 1024 if not c.dry else 512
+    t = time.monotonic()
+    threads = max(1, min(8, os.cpu_count() or 1))
+    # the CPU backend in float32 (weights dequantized: no int8 activations), and on the file's own blocks
+    want = _gemma3_steps(NumpyBackend(cfg, rounded_weights(model.weights, "f32"), len(prompts), n_ctx,
+                                      threads=threads), prompts, 4)
+    file_cpu = _gemma3_steps(NumpyBackend(cfg, model.weights, len(prompts), n_ctx, threads=threads), prompts, 4)
+    info: dict = {"model": label, "window": window, "local_layers": sum(cfg.local_layers), "n_layer": cfg.n_layer,
+                  "prompt_tokens": [len(p) for p in prompts], "cpu_backend_s": time.monotonic() - t}
+    for dtype in ("f16", "bf16"):
+        be = CupyBackend(cfg, model.weights, len(prompts), n_ctx, dtype=dtype)
+        got = _gemma3_steps(be, prompts, 4)
+        err = max(rel_err(g, r) for g, r in zip(got, want))
+        agree = sum(int((g.argmax(1) == r.argmax(1)).sum()) for g, r in zip(got, file_cpu))
+        info[dtype] = {"rel_err": err, "rel_err_vs_file_blocks": max(rel_err(g, r) for g, r in zip(got, file_cpu)),
+                       "greedy_agree": f"{agree}/{sum(len(r) for r in want)}",
+                       "graphs": sorted(be._graphs), "finite": bool(all(np.isfinite(g).all() for g in got))}
+        c.log(f"{label} {dtype}: logits within {err:.2e} of the CPU backend in float32 (bar {GEMMA3_BAR[dtype]}), "
+              f"{info[dtype]['rel_err_vs_file_blocks']:.2e} of it on the file's blocks, greedy equal to that "
+              f"{info[dtype]['greedy_agree']}, graphs {info[dtype]['graphs']}")
+        del be
+        cp.get_default_memory_pool().free_all_blocks()
+    c.results["gemma3"] = info
+    c.save()
+    be = CupyBackend(cfg, model.weights, n_slots=8, n_ctx_slot=n_ctx, max_tokens=512)
+    bw = c.results.get("bandwidth_Bps")
+    floor_ms = be.weight_bytes_per_step() / bw * 1e3 if bw else float("nan")
+    rows = c.results.setdefault("timing", [])
+    for b in (1, 8) if not c.dry else (1,):     # dry: the 3-slot decode above went through a padded graph
+        _time_batch(c, be, label, b, len(prompts[0]) if not c.dry else 4, floor_ms, rows)
+        c.save()
+    del be
+    cp.get_default_memory_pool().free_all_blocks()
+    ok = all(info[d]["rel_err"] <= GEMMA3_BAR[d] and info[d]["finite"] for d in GEMMA3_BAR)
+    return {"status": "ok" if ok else "failed", **{d: info[d]["rel_err"] for d in GEMMA3_BAR}}
+
+
 # -- the table ----------------------------------------------------------------------------------
 
 def _f(x, fmt="{:.3f}"):
@@ -536,6 +632,13 @@ def format_table(r: dict) -> str:
                          + ", ".join(f"{k} {v:.0f}" for k, v in m["kernels_b1_us"].items()))
     bw = r.get("bandwidth_Bps")
     lines.append(f"copy bandwidth (read+write): {_f(bw / 1e9 if bw else None, '{:.0f}')} GB/s")
+    g3 = r.get("gemma3")
+    if g3:
+        lines.append(f"{g3['model']} (window {g3['window']}, {g3['local_layers']} of {g3['n_layer']} layers local, "
+                     f"prompts {g3['prompt_tokens']}): logits vs the CPU backend in f32 / on the file's blocks "
+                     + ", ".join(f"{d} {_f(g3[d]['rel_err'], '{:.2e}')} / "
+                                 f"{_f(g3[d]['rel_err_vs_file_blocks'], '{:.2e}')} (greedy {g3[d]['greedy_agree']})"
+                                 for d in GEMMA3_BAR if d in g3))
     pool = r.get("pool")
     if pool:
         lines.append(f"memory pools over 1,000 steps ({pool['model']}): {'flat' if pool['flat'] else 'GREW'} "
@@ -568,6 +671,14 @@ def targets(r: dict) -> list[str]:
                    f"({', '.join(f'{s:.1%}' for s in shares)})")
     else:
         out.append("target host share <= 5% at 32 slots: not measured")
+    g3 = r.get("gemma3", {})
+    for d, bar in GEMMA3_BAR.items():
+        if d in g3:
+            ok = g3[d]["rel_err"] <= bar and g3[d]["finite"]
+            out.append(f"target gemma3 {d} logits within {bar:g} of the CPU backend (f32): "
+                       f"{'PASS' if ok else 'FAIL'} ({g3[d]['rel_err']:.2e})")
+        else:
+            out.append(f"target gemma3 {d} logits within {bar:g} of the CPU backend (f32): not measured")
     pool = r.get("pool")
     out.append(f"target pool flat over 1,000 steps: {('PASS' if pool['flat'] else 'FAIL') if pool else 'not measured'}")
     return out
@@ -579,7 +690,9 @@ def main(argv=None) -> int:
                     help=f"comma-separated, from: {', '.join(PHASES)}")
     ap.add_argument("--out", default=os.environ.get("OUT") or str(REPO / "build" / "gpu_check"),
                     help="folder for gpu_check.json and logs (default: $OUT, else build/gpu_check)")
-    ap.add_argument("--budget-s", type=float, default=450.0, help="skip phases that would end after this")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="skip phases that would end after this (default 450; none with --dry-run, whose "
+                         "point is that every phase runs)")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: check the script itself")
     ap.add_argument("--tests-k", default="", help="pytest -k expression for the tests phase (e.g. default)")
     args = ap.parse_args(argv)
@@ -589,10 +702,11 @@ def main(argv=None) -> int:
         ap.error(f"unknown phase(s) {', '.join(sorted(unknown))}; known: {', '.join(PHASES)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    c = Check(out, args.budget_s, args.dry_run)
+    budget = args.budget_s if args.budget_s is not None else (float("inf") if args.dry_run else 450.0)
+    c = Check(out, budget, args.dry_run)
     c.tests_k = args.tests_k
     need = {"setup": 0, "build": 60, "nvcc": 15, "stash": 0, "model": 5, "tests": 90, "bandwidth": 5,
-            "timing": 60, "engine": 40, "pool": 20}
+            "timing": 60, "engine": 40, "pool": 20, "gemma3": 90}
     fns = {p: globals()[f"phase_{p}"] for p in PHASES}
     if args.dry_run:
         global DRY_STEPS

@@ -1,5 +1,6 @@
 // Causal attention of a batch's query tokens over each one's slot in the KV cache, for decode and
-// prefill alike: token t (slot s, position p) attends keys 0..p of slot s, with grouped-query heads
+// prefill alike: token t (slot s, position p) attends keys 0..p of slot s (a sliding-window layer,
+// window > 0: keys p - window < k <= p, as the CPU's attention and llama.cpp's), with grouped-query heads
 // (G = n_head / n_head_kv query heads share one KV head). Prefill tokens of one prompt chunk are
 // separate queries like any other: their K/V rows were written by kv_store before this runs.
 //
@@ -7,7 +8,8 @@
 // softmax over its share of the keys for the G heads of its group and writes an unnormalised partial
 // result; attention_combine merges the splits. The grid is fixed by the slot length (S = n_split =
 // ceil(n_ctx_slot / chunk)), not by the positions, so a decode step can be captured once in a CUDA
-// graph and replayed at any position. A token's n = p + 1 keys are cut into S runs of `span` keys,
+// graph and replayed at any position (the window is an argument, fixed per layer, so one graph serves
+// every position too). A token's n keys (p + 1, or at most `window`) are cut into S runs of `span` keys,
 // span = ceil(n / S) rounded up to whole block steps (ATTN_WARPS * 32 / LPK * ATTN_KEYS_PER_GROUP
 // keys): at any position the keys spread over as many blocks as they fill, so a short decode still
 // runs on many SMs. Splits past the last key exit at once, writing an empty partial (m = -inf,
@@ -22,7 +24,7 @@
 // Every (token, head) is computed on its own, in an order that depends only on its position and on
 // the launch shape: a token's result does not depend on the other tokens in the batch.
 //
-// Shapes (n tokens, H = n_head, Hkv = n_head_kv, D = head_dim, a multiple of 8, <= 128, S = n_split):
+// Shapes (n tokens, H = n_head, Hkv = n_head_kv, D = head_dim, a multiple of 8, <= 256, S = n_split):
 //   qkv      float32 [n, qkv_stride]: Q heads first (after RoPE); only Q is read here
 //   k_cache  [n_slots, n_ctx_slot, Hkv, D] storage type T, 16-byte aligned; v_cache the same
 //   slots, positions  int32 [n]
@@ -30,7 +32,7 @@
 //   part_ml  float32 [n, H, S, 2]   (max score in log2 units, sum of 2^(score - max)) over the split
 //   out      [n, H * D] type TOut (what the output projection reads)
 // attention_split_<T>_d<8 LPK>_g<G>: grid (S, Hkv, n), block ATTN_WARPS * 32 threads; LPK lanes per
-// key: 4 for D <= 32, 8 for D <= 64, 16 for D <= 128.
+// key: 4 for D <= 32, 8 for D <= 64, 16 for D <= 128, 32 (a whole warp) for D <= 256.
 // attention_combine_*: grid (H, n), block ATTN_COMBINE_THREADS.
 #include "common.cuh"
 
@@ -109,7 +111,8 @@ __device__ __forceinline__ void attention_split(const float* __restrict__ qkv, c
                                                 const T* __restrict__ v_cache, const int* __restrict__ slots,
                                                 const int* __restrict__ positions, float* __restrict__ part_o,
                                                 float* __restrict__ part_ml, int qkv_stride, int n_head,
-                                                int n_head_kv, int head_dim, int n_ctx_slot, float scale) {
+                                                int n_head_kv, int head_dim, int n_ctx_slot, float scale,
+                                                int window) {
     constexpr int GROUPS = 32 / LPK;                  // keys a warp reads at once
     constexpr int U = ATTN_KEYS_PER_GROUP;
     constexpr int STEP = ATTN_WARPS * GROUPS * U;     // keys a block reads per step
@@ -121,12 +124,14 @@ __device__ __forceinline__ void attention_split(const float* __restrict__ qkv, c
     const int n_split = gridDim.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int grp = lane / LPK, c = lane % LPK;       // this lane: key group grp, dimensions 8c..8c+7
-    const int n_keys = positions[t] + 1;
+    const int end = positions[t] + 1;                  // keys first .. end - 1
+    const int first = window > 0 ? max(0, end - window) : 0;
+    const int n_keys = end - first;
     const int span = ((n_keys + n_split - 1) / n_split + STEP - 1) / STEP * STEP;
-    const int k0 = split * span;
-    const int k1 = min(k0 + span, n_keys);
+    const int k0 = first + split * span;
+    const int k1 = min(k0 + span, end);
     const size_t part = ((size_t)t * n_head + (size_t)kvh * G) * n_split + split;   // head g: part + g * S
-    if (k0 >= n_keys) {
+    if (k0 >= end) {
         if (threadIdx.x < G) {
             part_ml[(part + (size_t)threadIdx.x * n_split) * 2] = -FS_INF;
             part_ml[(part + (size_t)threadIdx.x * n_split) * 2 + 1] = 0.0f;
@@ -331,14 +336,14 @@ __device__ __forceinline__ void attention_combine(const float* __restrict__ part
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                                             \
     NAME(const float* qkv, const T* k_cache, const T* v_cache, const int* slots, const int* positions,        \
          float* part_o, float* part_ml, int qkv_stride, int n_head, int n_head_kv, int head_dim,              \
-         int n_ctx_slot, int chunk, float scale) {                                                            \
+         int n_ctx_slot, int chunk, float scale, int window) {                                                \
         (void)chunk;        /* S = gridDim.x = ceil(n_ctx_slot / chunk) is all the kernel needs */            \
         attention_split<T, LPK, G>(qkv, k_cache, v_cache, slots, positions, part_o, part_ml, qkv_stride,      \
-                                   n_head, n_head_kv, head_dim, n_ctx_slot, scale);                           \
+                                   n_head, n_head_kv, head_dim, n_ctx_slot, scale, window);                   \
     }
 
 // attention_split_<T>_d<D>_g<G>: every G = 1..8 (the query heads per KV head of llama-family models)
-// for head_dim <= D = 32, 64, 128 (LPK = D / 8 lanes per key).
+// for head_dim <= D = 32, 64, 128, 256 (LPK = D / 8 lanes per key; gemma3's heads are 256).
 ATTENTION_SPLIT(attention_split_f16_d32_g1, f16, 4, 1)
 ATTENTION_SPLIT(attention_split_f16_d32_g2, f16, 4, 2)
 ATTENTION_SPLIT(attention_split_f16_d32_g3, f16, 4, 3)
@@ -363,6 +368,14 @@ ATTENTION_SPLIT(attention_split_f16_d128_g5, f16, 16, 5)
 ATTENTION_SPLIT(attention_split_f16_d128_g6, f16, 16, 6)
 ATTENTION_SPLIT(attention_split_f16_d128_g7, f16, 16, 7)
 ATTENTION_SPLIT(attention_split_f16_d128_g8, f16, 16, 8)
+ATTENTION_SPLIT(attention_split_f16_d256_g1, f16, 32, 1)
+ATTENTION_SPLIT(attention_split_f16_d256_g2, f16, 32, 2)
+ATTENTION_SPLIT(attention_split_f16_d256_g3, f16, 32, 3)
+ATTENTION_SPLIT(attention_split_f16_d256_g4, f16, 32, 4)
+ATTENTION_SPLIT(attention_split_f16_d256_g5, f16, 32, 5)
+ATTENTION_SPLIT(attention_split_f16_d256_g6, f16, 32, 6)
+ATTENTION_SPLIT(attention_split_f16_d256_g7, f16, 32, 7)
+ATTENTION_SPLIT(attention_split_f16_d256_g8, f16, 32, 8)
 ATTENTION_SPLIT(attention_split_bf16_d32_g1, bf16, 4, 1)
 ATTENTION_SPLIT(attention_split_bf16_d32_g2, bf16, 4, 2)
 ATTENTION_SPLIT(attention_split_bf16_d32_g3, bf16, 4, 3)
@@ -387,6 +400,14 @@ ATTENTION_SPLIT(attention_split_bf16_d128_g5, bf16, 16, 5)
 ATTENTION_SPLIT(attention_split_bf16_d128_g6, bf16, 16, 6)
 ATTENTION_SPLIT(attention_split_bf16_d128_g7, bf16, 16, 7)
 ATTENTION_SPLIT(attention_split_bf16_d128_g8, bf16, 16, 8)
+ATTENTION_SPLIT(attention_split_bf16_d256_g1, bf16, 32, 1)
+ATTENTION_SPLIT(attention_split_bf16_d256_g2, bf16, 32, 2)
+ATTENTION_SPLIT(attention_split_bf16_d256_g3, bf16, 32, 3)
+ATTENTION_SPLIT(attention_split_bf16_d256_g4, bf16, 32, 4)
+ATTENTION_SPLIT(attention_split_bf16_d256_g5, bf16, 32, 5)
+ATTENTION_SPLIT(attention_split_bf16_d256_g6, bf16, 32, 6)
+ATTENTION_SPLIT(attention_split_bf16_d256_g7, bf16, 32, 7)
+ATTENTION_SPLIT(attention_split_bf16_d256_g8, bf16, 32, 8)
 ATTENTION_SPLIT(attention_split_f32_d32_g1, float, 4, 1)
 ATTENTION_SPLIT(attention_split_f32_d32_g2, float, 4, 2)
 ATTENTION_SPLIT(attention_split_f32_d32_g3, float, 4, 3)
@@ -411,6 +432,14 @@ ATTENTION_SPLIT(attention_split_f32_d128_g5, float, 16, 5)
 ATTENTION_SPLIT(attention_split_f32_d128_g6, float, 16, 6)
 ATTENTION_SPLIT(attention_split_f32_d128_g7, float, 16, 7)
 ATTENTION_SPLIT(attention_split_f32_d128_g8, float, 16, 8)
+ATTENTION_SPLIT(attention_split_f32_d256_g1, float, 32, 1)
+ATTENTION_SPLIT(attention_split_f32_d256_g2, float, 32, 2)
+ATTENTION_SPLIT(attention_split_f32_d256_g3, float, 32, 3)
+ATTENTION_SPLIT(attention_split_f32_d256_g4, float, 32, 4)
+ATTENTION_SPLIT(attention_split_f32_d256_g5, float, 32, 5)
+ATTENTION_SPLIT(attention_split_f32_d256_g6, float, 32, 6)
+ATTENTION_SPLIT(attention_split_f32_d256_g7, float, 32, 7)
+ATTENTION_SPLIT(attention_split_f32_d256_g8, float, 32, 8)
 
 extern "C" __global__ void attention_combine_f16(const float* part_o, const float* part_ml, f16* out, int n_head,
                                                  int head_dim, int n_split) {

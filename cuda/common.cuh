@@ -59,7 +59,7 @@ template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) {
     return h;
 }
 
-// RMSNorm and SwiGLU, each written once: cuda/rms_norm.cu and cuda/swiglu.cu apply them to whole rows,
+// RMSNorm and SwiGLU / GeGLU, each written once: cuda/rms_norm.cu and cuda/swiglu.cu apply them to whole rows,
 // cuda/matvec.cu's fused products to the elements they read, with the same float32 operations.
 // rms_inv: 1 / sqrt(mean square + eps) from a row's sum of squares over d elements; rms_apply: one
 // normed element x * inv * w, rounded to the type the next product reads; silu_mul: silu(g) * u.
@@ -71,6 +71,19 @@ template <typename T>
 __device__ __forceinline__ T rms_apply(float x, float inv, float w) { return from_float<T>(x * inv * w); }
 
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+
+// gelu_mul: GELU's tanh form times u, as fastserve/ref/layer_ops.geglu writes it:
+// 0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2))) = g sigmoid(2 sqrt(2/pi) g (1 + 0.044715 g^2)).
+// gate_mul: the gated FFN's activation, silu_mul (SwiGLU) or gelu_mul (GeGLU, gelu != 0).
+#define FS_GELU_K 1.5957691216057308f     // 2 sqrt(2 / pi)
+#define FS_GELU_C 0.044715f
+
+__device__ __forceinline__ float gelu_mul(float g, float u) {
+    const float y = ((g * g) * FS_GELU_C + 1.0f) * g;
+    return g / (1.0f + expf(-(y * FS_GELU_K))) * u;
+}
+
+__device__ __forceinline__ float gate_mul(int gelu, float g, float u) { return gelu ? gelu_mul(g, u) : silu_mul(g, u); }
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -27,7 +27,8 @@
 // row against the weights' MiBs, read from HBM once.
 // norm_matvec_swiglu: w = w_gate_up [2 F, k] (gate rows, then up rows); the warp of output column r
 // sums gate row r and up row F + r together (one h element serves both) and writes
-// act[j, r] = silu_mul(g, u) rounded to T, as cuda/swiglu.cu on the float32 sums: act T [n, F].
+// act[j, r] = gate_mul(gelu, g, u) (SwiGLU, or GeGLU when gelu != 0) rounded to T, as cuda/swiglu.cu on
+// the float32 sums: act T [n, F].
 //
 // Grid: (ceil(m / MATVEC_WARPS), ceil(n / MAXN)) blocks of MATVEC_WARPS * 32 threads (m = F for
 // norm_matvec_swiglu).
@@ -249,12 +250,12 @@ __device__ __forceinline__ void matvec(const T* __restrict__ w, const T* __restr
 }
 
 // R = 1: out[j, row] = the product (float32 [n, m]); R = 2: w holds 2 m rows (gate, then up) and
-// act[j, row] = silu_mul(gate row, up row m + row) rounded to T ([n, m]).
+// act[j, row] = gate_mul(gelu, gate row, up row m + row) rounded to T ([n, m]).
 template <typename T, int MAXN, int R>
 __device__ __forceinline__ void norm_matvec(const T* __restrict__ w, const float* __restrict__ x,
                                             const int* __restrict__ rows, const float* __restrict__ norm_w,
                                             float* __restrict__ out, T* __restrict__ act, int n, int m, int k,
-                                            float eps) {
+                                            float eps, int gelu) {
     __shared__ float inv[MAXN];
     __shared__ int src[MAXN];
     __shared__ uint4 staged[NORM_STAGE];
@@ -271,7 +272,7 @@ __device__ __forceinline__ void norm_matvec(const T* __restrict__ w, const float
         for (int j = 0; j < MAXN; ++j) {
             if (j < nj) {
                 const float g = warp_sum(acc[0][j]), u = warp_sum(acc[1][j]);
-                if ((threadIdx.x & 31) == 0) act[(size_t)(j0 + j) * m + row] = from_float<T>(silu_mul(g, u));
+                if ((threadIdx.x & 31) == 0) act[(size_t)(j0 + j) * m + row] = from_float<T>(gate_mul(gelu, g, u));
             }
         }
     }
@@ -287,13 +288,14 @@ __device__ __forceinline__ void norm_matvec(const T* __restrict__ w, const float
     extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32, 1)                                  \
     NAME(const T* w, const float* x, const int* rows, const float* norm_w, float* out, int n, int m, int k, \
          float eps) {                                                                                  \
-        norm_matvec<T, MAXN, 1>(w, x, rows, norm_w, out, nullptr, n, m, k, eps);                       \
+        norm_matvec<T, MAXN, 1>(w, x, rows, norm_w, out, nullptr, n, m, k, eps, 0);                       \
     }
 
 #define NORM_MATVEC_SWIGLU(NAME, T, MAXN)                                                             \
     extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32, 1)                                  \
-    NAME(const T* w, const float* x, const float* norm_w, T* act, int n, int n_ff, int k, float eps) { \
-        norm_matvec<T, MAXN, 2>(w, x, nullptr, norm_w, nullptr, act, n, n_ff, k, eps);                 \
+    NAME(const T* w, const float* x, const float* norm_w, T* act, int n, int n_ff, int k, float eps,   \
+         int gelu) {                                                                                   \
+        norm_matvec<T, MAXN, 2>(w, x, nullptr, norm_w, nullptr, act, n, n_ff, k, eps, gelu);           \
     }
 
 // MAXN: the x rows one block takes (the launcher picks the smallest that fits n, or 32 per block row).

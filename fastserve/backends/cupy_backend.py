@@ -1,11 +1,16 @@
 """The transformer forward pass on an NVIDIA GPU: fastserve's kernels (cuda/*.cu) plus cuBLAS, through CuPy.
 
-Same contract as NumpyBackend (fastserve/backends/base.py); same math, in this order per layer:
-    h = rmsnorm(x) -> qkv = h Wqkv^T -> [+ bias, per-head q/k RMSNorm: qk_prep] -> RoPE(q, k)
-      -> K, V into the cache -> attention -> x += a Wo^T
-    h = rmsnorm(x) -> gu = h Wgu^T -> s = silu(g) * u -> x += s Wdown^T
-then the final norm on the output rows only, logits = h Wout^T. Products of up to matvec_max_n rows
-(decode) form h as they read it and gate/up's warp writes s: h and gu are then never stored.
+Same contract as NumpyBackend (fastserve/backends/base.py); same math, in this order per layer, the
+bracketed steps where the architecture row asks for them (models/architecture.py, read through cfg):
+    x = embedding rows [* embd_scale]
+    h = rmsnorm(x) -> qkv = h Wqkv^T -> [+ bias, per-head q/k RMSNorm: qk_prep] -> RoPE(q, k) (a local
+      layer: its own base) -> K, V into the cache -> attention (a local layer: keys q - window < p <= q)
+      -> y = a Wo^T -> [y = rmsnorm(y): post-attention norm] -> x += y
+    h = rmsnorm(x) -> gu = h Wgu^T -> s = silu(g) * u (GeGLU: gelu(g) * u) -> y = s Wdown^T
+      -> [y = rmsnorm(y): post-FFN norm] -> x += y
+then the final norm on the output rows only, logits = h Wout^T [-> c tanh(logits / c): soft-capping].
+Products of up to matvec_max_n rows (decode) form h as they read it and gate/up's warp writes s: h and
+gu are then never stored. Without sandwich norms the output products add into x directly (y unused).
 
 Precision: weights are dequantized on the host matrix by matrix (float32, BlockMatrix.to_float) and rounded once at load
 to `dtype` (f16 by default, or bf16); the residual stream x, the products' accumulation and outputs
@@ -16,11 +21,13 @@ Device memory, all allocated here, once (sizes for N = max_tokens, M = max_out r
     weights                          per layer wqkv [(H+2Hkv)D, d], wo [d, HD], w_gate_up [2F, d],
                                      w_down [d, F] in dtype; norms f32; tok_embd [V, d] dtype (the same
                                      array as the output matrix when the model ties them)
-    kv     [L, 2, n_slots + 1, n_ctx_slot, Hkv, D] dtype   (slot n_slots: scratch for padding rows)
-    cos, sin [n_ctx_slot, rope_dim / 2] f32
+    kv     [L, 2, n_slots + 1, n_ctx_slot, Hkv, D] dtype   (slot n_slots: scratch for padding rows).
+           Every layer keeps every position of a slot, the sliding-window layers too (no ring, unlike
+           the CPU's KVCache: a local layer's memory is not bounded by its window here; kv_ring = 0)
+    cos, sin [n_ctx_slot, rope_dim / 2] f32 (and cos_local, sin_local: the local layers' own base)
     x [N, d] f32, h [N, d] dtype, qkv [N, (H+2Hkv)D] f32, attn [N, HD] dtype, gu [N, 2F] f32,
-    act [N, F] dtype, part_o [N, H, S, D] f32, part_ml [N, H, S, 2] f32, hout [M, d] dtype,
-    logits [M, V] f32, ids [M] int32, inputs [4, N] int32 (tokens, positions, slots, rows)
+    act [N, F] dtype, y [N, d] f32 (sandwich norms only), part_o [N, H, S, D] f32, part_ml [N, H, S, 2] f32,
+    hout [M, d] dtype, logits [M, V] f32, ids [M] int32, inputs [4, N] int32 (tokens, positions, slots, rows)
     device sampling: rows [M] SampleRow records (after the inputs, in the same buffer), slot table
     [n_slots, W + 2B] int32 (penalty rings, bias lists), results [M + M * 2 * P] int32 (ids, lists)
 Host: pinned inputs [4, N] int32 + rows, logits [M, V] f32, ids [M] int32, slot table, results, and a
@@ -29,15 +36,16 @@ KV staging buffer.
 A decode step (every token an output row) can run as a CUDA graph captured once per batch-size
 bucket (1, 2, 4, ... up to the slot count): the batch is padded to its bucket with rows that write
 and read only the scratch slot, and one graph launch replaces 7 launches per layer (the RMSNorms and
-the SwiGLU fused into the products).
+the SwiGLU fused into the products; 9 with sandwich norms).
 
 One host synchronisation per forward (the logits, or only the ids with forward_greedy, or the ids and
 asked-for probabilities with forward_sample: the host sampler's chain on the device, cuda/sampling.cu);
 CuPy's stream synchronisation releases the GIL while it waits.
 
 It reads the same description as the CPU backend (ModelConfig and its architecture row,
-models/architecture.py); what a row asks for that these kernels do not run yet (unsupported_features)
-is refused at construction, naming it, and `auto` picks the CPU for such a model.
+models/architecture.py): every row of the table runs (llama, qwen2, qwen3, gemma3). What a model asks
+for that these kernels do not run (unsupported_features: heads over 256 wide, more than 8 query heads
+per KV head) is refused at construction, naming it, and `auto` picks the CPU for such a model.
 
 Importing this module needs no CuPy; building a CupyBackend does.
 """
@@ -82,12 +90,10 @@ def cuda_status() -> tuple[bool, str]:
 
 
 def unsupported_features(cfg: ModelConfig) -> list[str]:
-    """What cfg's architecture row asks for that the CUDA kernels do not run yet (empty: all of it runs)."""
-    a = cfg.arch
-    wanted = [(cfg.ffn_gelu, "GeGLU"), (a.sandwich_norms, "norms after attention and FFN"),
-              (cfg.embd_scale != 1.0, "a scaled embedding"), (any(cfg.local_layers), "sliding-window layers"),
-              (cfg.logit_softcap > 0, "logit soft-capping"),
-              (cfg.head_dim > K.ATTN_HEAD_DIMS[-1] or cfg.head_dim % 8,
+    """What cfg asks for that the CUDA kernels do not run (empty: all of it runs). Every row's features
+    (GeGLU, sandwich norms, the embedding scale, sliding-window layers, soft-capping) run; what is left
+    are shapes the attention kernel has no instance for."""
+    wanted = [(cfg.head_dim > K.ATTN_HEAD_DIMS[-1] or cfg.head_dim % 8,
                f"head_dim {cfg.head_dim} (cuda/attention.cu: multiples of 8 up to {K.ATTN_HEAD_DIMS[-1]})"),
               (cfg.n_head // cfg.n_head_kv > 8, f"{cfg.n_head // cfg.n_head_kv} query heads per KV head (at most 8)")]
     return [name for needed, name in wanted if needed]
@@ -221,9 +227,18 @@ class CupyBackend:
         def opt(v, idx):
             return None if v is None else self._to_device(np.ascontiguousarray(v[idx]), "f32")
 
+        from .numpy_backend import rope_tables
+        self.cos, self.sin = (self.cp.asarray(t) for t in rope_tables(c, self.n_ctx_slot, w.rope_freqs))
+        # the local layers' own RoPE base (gemma3: 10k beside the global layers' 1M)
+        self.cos_local, self.sin_local = ((self.cp.asarray(t) for t in rope_tables(
+            c, self.n_ctx_slot, w.rope_freqs, local=True)) if any(c.local_layers) else (self.cos, self.sin))
         self.layers = []
-        for lw in w.layers:
+        for li, lw in enumerate(w.layers):
+            local = c.local_layers[li]
             self.layers.append(dict(
+                cos=self.cos_local if local else self.cos, sin=self.sin_local if local else self.sin,
+                window=c.sliding_window if local else 0,
+                post_attn_norm=opt(lw.post_attn_norm, slice(None)), post_ffn_norm=opt(lw.post_ffn_norm, slice(None)),
                 attn_norm=self._to_device(lw.attn_norm, "f32"),
                 wqkv=self._to_device(lw.wqkv.to_float()[order] if c.rope_neox else lw.wqkv, dt),
                 wo=self._to_device(lw.wo, dt), ffn_norm=self._to_device(lw.ffn_norm, "f32"),
@@ -232,9 +247,6 @@ class CupyBackend:
         self.tok_embd = self._to_device(w.tok_embd, dt)
         self.output = self.tok_embd if w.output is w.tok_embd else self._to_device(w.output, dt)
         self.out_norm = self._to_device(w.out_norm, "f32")
-        from .numpy_backend import rope_tables
-        cos, sin = rope_tables(self.cfg, self.n_ctx_slot, w.rope_freqs)
-        self.cos, self.sin = self.cp.asarray(cos), self.cp.asarray(sin)
 
     def weight_bytes_per_step(self) -> int:
         """Bytes of weights one decode step reads (every matrix once; the embedding rows are negligible)."""
@@ -265,6 +277,7 @@ class CupyBackend:
         self.attn = cp.zeros((N, self.q_dim), st)
         self.gu = cp.zeros((N, 2 * c.n_ff), np.float32)
         self.act = cp.zeros((N, c.n_ff), st)
+        self.y = cp.zeros((N, c.n_embd), np.float32) if c.arch.sandwich_norms else None
         self.part_o = cp.zeros((N, c.n_head, self.n_split, c.head_dim), np.float32)
         self.part_ml = cp.zeros((N, c.n_head, self.n_split, 2), np.float32)
         self.hout = cp.zeros((M, c.n_embd), st)
@@ -405,7 +418,7 @@ class CupyBackend:
                                              self.cp.cuda.runtime.memcpyDeviceToHost, self.stream.ptr)
         self.stream.synchronize()
 
-    # Its KV keeps every position of every layer (no ring; it refuses sliding-window models).
+    # Its KV keeps every position of every layer, the sliding-window layers too (no ring).
     kv_ring = 0
 
     def kv_held_from(self, slot: int, n_tokens: int) -> int:
@@ -547,30 +560,43 @@ class CupyBackend:
         """The pass over the first n rows of the device inputs; logits of rows rows_d[:m], then their greedy
         ids, or (sample) the sampling chain over them with the records in sample_rows_d[:m].
         Products of at most matvec_max_n rows (every decode step) take each RMSNorm, and the SwiGLU after
-        the gate/up product, into the product's launch: 7 launches a layer (1 + 1 + 2 + 1 + 1 + 1); larger
-        ones run the norms, cuBLAS and the SwiGLU apart: 10 (h and gu are their scratch)."""
+        the gate/up product, into the product's launch: 7 launches a layer (1 + 1 + 2 + 1 + 1 + 1, 9 with
+        sandwich norms, 10 with q/k norms too); larger ones run the norms, cuBLAS and the SwiGLU apart: 10
+        (h and gu are their scratch). A local layer's window and RoPE table are arguments of its launches,
+        the same at every step: a captured graph replays at any position."""
         c, mv = self.cfg, self.matvec_max_n
-        K.embed_rows(self.tok_embd, self.tokens_d, self.x, n)
+        K.embed_rows(self.tok_embd, self.tokens_d, self.x, n, c.embd_scale)
         for li, lw in enumerate(self.layers):
             kc, vc = self.k_cache[li], self.v_cache[li]
             K.norm_gemm(self.x, lw["attn_norm"], lw["wqkv"], self.qkv, self.h, n, c.norm_eps, matvec_max_n=mv)
             if lw["qkv_bias"] is not None or lw["q_norm"] is not None:
                 K.qk_prep(self.qkv, lw["qkv_bias"], lw["q_norm"], lw["k_norm"], n, c.n_head, c.n_head_kv,
                           c.head_dim, c.norm_eps)
-            K.rope_store(self.qkv, self.cos, self.sin, kc, vc, self.slots_d, self.positions_d, n, c.n_head, c.rope_dim)
+            K.rope_store(self.qkv, lw["cos"], lw["sin"], kc, vc, self.slots_d, self.positions_d, n, c.n_head,
+                         c.rope_dim)
             K.attention(self.qkv, kc, vc, self.slots_d, self.positions_d, self.part_o, self.part_ml, self.attn,
-                        n, c.n_head, self.attn_chunk, self.scale)
-            K.gemm(self.attn, lw["wo"], self.x, n, accumulate=True, matvec_max_n=mv)
+                        n, c.n_head, self.attn_chunk, self.scale, window=lw["window"])
+            self._add_product(self.attn, lw["wo"], lw["post_attn_norm"], n)
             K.norm_gemm_swiglu(self.x, lw["ffn_norm"], lw["w_gate_up"], self.act, self.h, self.gu, n, c.norm_eps,
-                               matvec_max_n=mv)
-            K.gemm(self.act, lw["w_down"], self.x, n, accumulate=True, matvec_max_n=mv)
+                               matvec_max_n=mv, gelu=c.ffn_gelu)
+            self._add_product(self.act, lw["w_down"], lw["post_ffn_norm"], n)
         K.norm_gemm(self.x, self.out_norm, self.output, self.logits, self.hout, m, c.norm_eps, rows=self.rows_d,
                     matvec_max_n=mv)
+        if c.logit_softcap > 0:
+            K.softcap(self.logits, m, c.logit_softcap)
         if sample:
             K.sample_chain(self.logits, self.sample_rows_d, self.slot_tab_d, self.sample_ids_d, self.sample_probs_d, m,
                            self.sample_window, self.sample_bias, self.sample_masks_d)
         else:
             K.argmax_rows(self.logits, self.ids, m)
+
+    def _add_product(self, a, w, post_norm, n: int) -> None:
+        """x[:n] += a[:n] @ w.T, or (a sandwich norm) x[:n] += rmsnorm(a[:n] @ w.T) * post_norm."""
+        if post_norm is None:
+            K.gemm(a, w, self.x, n, accumulate=True, matvec_max_n=self.matvec_max_n)
+            return
+        K.gemm(a, w, self.y, n, matvec_max_n=self.matvec_max_n)
+        K.rms_norm_add(self.y, post_norm, self.x, n, self.cfg.norm_eps)
 
     def _run_chunked(self, tokens, positions, slots, out_rows, want: str) -> np.ndarray:
         """A batch larger than the buffers: tokens in order, max_tokens at a time (a later chunk's

@@ -29,7 +29,7 @@ STORAGE = {"f16": np.float16, "bf16": None, "f32": np.float32}   # bf16: raw uin
 ATTN_WARPS = 4          # cuda/attention.cu: ATTN_WARPS
 ATTN_COMBINE_THREADS = 256         # cuda/attention.cu: ATTN_COMBINE_THREADS
 ATTN_GROUPS = tuple(range(1, 9))   # query heads per KV head: an attention_split_*_g<G> for each
-ATTN_HEAD_DIMS = (32, 64, 128)     # attention_split_*_d<D>: head_dim <= D, a multiple of 8
+ATTN_HEAD_DIMS = (32, 64, 128, 256)   # attention_split_*_d<D>: head_dim <= D, a multiple of 8
 MATVEC_WARPS = 4        # cuda/matvec.cu: MATVEC_WARPS
 MATVEC_MAX_N = 32       # the largest matvec_*_n<N> instantiated: x rows per block (more: more blocks)
 MATVEC_ROWS = (1, 2, 4, 8, 16, 32)
@@ -58,9 +58,10 @@ KERNELS = {
     "matvec": [f"{kind}_{s}_n{n}" for kind in ("matvec", "norm_matvec", "norm_matvec_swiglu")
                for s in ("f16", "bf16") for n in MATVEC_ROWS],
     "qk_prep": ["qk_prep_f32"],
-    "rms_norm": [f"rms_norm_{s}" for s in _S3],
+    "rms_norm": [f"rms_norm_{s}" for s in _S3] + ["rms_norm_add_f32"],
     "rope": ["rope_qk_f32"],
     "sampling": ["argmax_rows_f32", "sample_chain_f32"],
+    "softcap": ["softcap_f32"],
     "swiglu": [f"swiglu_{s}" for s in _S3],
 }
 FAMILIES = tuple(KERNELS)
@@ -212,15 +213,17 @@ _NULL = np.uint64(0)     # a null pointer argument
 
 # -- launchers ---------------------------------------------------------------------------------
 
-def embed_rows(table, tokens, x, n: int) -> None:
-    """x[:n] = table[tokens[:n]] as float32. table [V, d] f16/bf16/f32; tokens int32 [>=n]; x f32 [>=n, d]."""
+def embed_rows(table, tokens, x, n: int, scale: float = 1.0) -> None:
+    """x[:n] = table[tokens[:n]] as float32, times scale (gemma3's sqrt(n_embd)). table [V, d] f16/bf16/f32;
+    tokens int32 [>=n]; x f32 [>=n, d]."""
     V, d = table.shape
     storage = storage_of(table)
     _check("table", table, _dtype_of(storage), (V, d))
     _check("tokens", tokens, np.int32, (None,), min_rows=n)
     _check("x", x, np.float32, (None, d), min_rows=n)
     if n:
-        function("embedding", f"embed_rows_{storage}")((n,), (_threads(d, 256),), (table, tokens, x, _i32(d)))
+        function("embedding", f"embed_rows_{storage}")((n,), (_threads(d, 256),),
+                                                        (table, tokens, x, _i32(d), _f32(scale)))
 
 
 def rms_norm(x, w, out, n: int, eps: float, rows=None) -> None:
@@ -236,6 +239,28 @@ def rms_norm(x, w, out, n: int, eps: float, rows=None) -> None:
     if n:
         function("rms_norm", f"rms_norm_{storage}")(
             (n,), (_threads(d),), (x, _NULL if rows is None else rows, w, out, _i32(d), _f32(eps)))
+
+
+def rms_norm_add(y, w, x, n: int, eps: float) -> None:
+    """x[:n] += rmsnorm(y[:n]) * w: a block's output normed, then added to the residual stream (the
+    sandwich norms). y f32 [>=n, d]; w f32 [d]; x f32 [>=n, d]."""
+    d = w.shape[0]
+    _check("w", w, np.float32, (d,))
+    _check("y", y, np.float32, (None, d), min_rows=n)
+    _check("x", x, np.float32, (None, d), min_rows=n)
+    if n:
+        function("rms_norm", "rms_norm_add_f32")((n,), (_threads(d),), (y, w, x, _i32(d), _f32(eps)))
+
+
+def softcap(logits, m: int, cap: float) -> None:
+    """In place: logits[:m] = cap * tanh(logits[:m] / cap) (final-logit soft-capping). logits f32 [>=m, V]."""
+    V = logits.shape[1]
+    _check("logits", logits, np.float32, (None, V), min_rows=m)
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, not {cap}")
+    if m:
+        size = m * V
+        function("softcap", "softcap_f32")((min(-(-size // 256), 65535),), (256,), (logits, _i64(size), _f32(cap)))
 
 
 def rope_qk(qkv, cos, sin, positions, n: int, n_head: int, n_head_kv: int, head_dim: int, rope_dim: int) -> None:
@@ -325,12 +350,13 @@ def attention_splits(n_ctx_slot: int, chunk: int) -> int:
 
 
 def attention(qkv, k_cache, v_cache, slots, positions, part_o, part_ml, out, n: int, n_head: int,
-              chunk: int, scale: float) -> None:
+              chunk: int, scale: float, window: int = 0) -> None:
     """out[t] = causal GQA attention of token t's Q heads (in qkv f32 [>=n, (H + 2 Hkv) D]) over keys
-    0..positions[t] of slot slots[t]. k_cache, v_cache [n_slots, n_ctx_slot, Hkv, D], 16-byte aligned,
-    D a multiple of 8, at most 128, H / Hkv at most 8; part_o f32 [>=n, H, S, D] and part_ml f32
+    0..positions[t] of slot slots[t] (window > 0, a sliding-window layer: keys p - window < k <= p, p =
+    positions[t]). k_cache, v_cache [n_slots, n_ctx_slot, Hkv, D], 16-byte aligned,
+    D a multiple of 8, at most 256, H / Hkv at most 8; part_o f32 [>=n, H, S, D] and part_ml f32
     [>=n, H, S, 2] scratch with S = ceil(n_ctx_slot / chunk) blocks per (token, KV head), each taking
-    an even share of the token's keys in whole steps of 2048 / D' keys (D' = 32, 64 or 128 >= D);
+    an even share of the token's keys in whole steps of 2048 / D' keys (D' = 32, 64, 128 or 256 >= D);
     out [>=n, H * D] f16/bf16/f32. A token's result depends on its position, its slot's KV and S, not on the batch."""
     Hkv, D = k_cache.shape[-2:]
     if n_head % Hkv or n_head // Hkv not in ATTN_GROUPS:
@@ -339,6 +365,8 @@ def attention(qkv, k_cache, v_cache, slots, positions, part_o, part_ml, out, n: 
         raise ValueError(f"head_dim {D}: cuda/attention.cu takes multiples of 8 up to {ATTN_HEAD_DIMS[-1]}")
     if chunk < 1:
         raise ValueError("chunk must be >= 1")
+    if window < 0:
+        raise ValueError("window must be >= 0 (0: every key up to the query's position)")
     storage, n_ctx, Hkv, D, stride = _check_kv(qkv, k_cache, v_cache, slots, positions, n, n_head)
     S = attention_splits(n_ctx, chunk)
     _check("part_o", part_o, np.float32, (None, n_head, S, D), min_rows=n)
@@ -354,13 +382,14 @@ def attention(qkv, k_cache, v_cache, slots, positions, part_o, part_ml, out, n: 
     function("attention", f"attention_split_{storage}_d{d}_g{n_head // Hkv}")(
         (S, Hkv, n), (ATTN_WARPS * 32,),
         (qkv, k_cache, v_cache, slots, positions, part_o, part_ml, _i32(stride), _i32(n_head), _i32(Hkv),
-         _i32(D), _i32(n_ctx), _i32(chunk), _f32(scale)))
+         _i32(D), _i32(n_ctx), _i32(chunk), _f32(scale), _i32(window)))
     function("attention", f"attention_combine_{out_storage}")(
         (n_head, n), (ATTN_COMBINE_THREADS,), (part_o, part_ml, out, _i32(n_head), _i32(D), _i32(S)))
 
 
-def swiglu(gu, out, n: int) -> None:
-    """out[t] = silu(gate) * up for gu f32 [>=n, 2 n_ff] (gate rows first); out [>=n, n_ff] f16/bf16/f32."""
+def swiglu(gu, out, n: int, gelu: bool = False) -> None:
+    """out[t] = silu(gate) * up (gelu: GeGLU, gelu(gate) * up in GELU's tanh form) for gu f32 [>=n, 2 n_ff]
+    (gate rows first); out [>=n, n_ff] f16/bf16/f32."""
     n_ff = out.shape[1]
     storage = storage_of(out)
     _check("gu", gu, np.float32, (None, 2 * n_ff), min_rows=n)
@@ -368,7 +397,8 @@ def swiglu(gu, out, n: int) -> None:
     if n:
         total = n * n_ff
         blocks = min(-(-total // 256), 65535)
-        function("swiglu", f"swiglu_{storage}")((blocks,), (256,), (gu, out, _i32(n), _i32(n_ff)))
+        function("swiglu", f"swiglu_{storage}")((blocks,), (256,), (gu, out, _i32(n), _i32(n_ff),
+                                                                    _i32(1 if gelu else 0)))
 
 
 def cast_from_f32(src, dst) -> None:
@@ -499,18 +529,20 @@ def norm_gemm(x, norm_w, w, out, h, n: int, eps: float, rows=None, matvec_max_n:
                                                     _i32(m_out), _i32(k), _f32(eps)))
 
 
-def norm_gemm_swiglu(x, norm_w, w_gate_up, act, h, gu, n: int, eps: float, matvec_max_n: int = MATVEC_MAX_N) -> None:
+def norm_gemm_swiglu(x, norm_w, w_gate_up, act, h, gu, n: int, eps: float, matvec_max_n: int = MATVEC_MAX_N,
+                     gelu: bool = False) -> None:
     """act[:n] = swiglu(rms_norm(x[:n]) * norm_w @ w_gate_up.T) (as rms_norm into h, gemm into gu, then
-    swiglu). x f32 [>=n, k]; norm_w f32 [k]; w_gate_up [2 n_ff, k] f16/bf16 (gate rows first); act [>=n,
-    n_ff] in its storage; h [>=n, k] and gu f32 [>=n, 2 n_ff]: written only when the product runs in
-    cuBLAS. On gemm's matvec path one launch (cuda/matvec.cu norm_matvec_swiglu): one warp sums a gate
-    row and its up row and writes silu(g) * u, bitwise what gemm then swiglu make of the same h."""
+    swiglu; gelu: GeGLU instead). x f32 [>=n, k]; norm_w f32 [k]; w_gate_up [2 n_ff, k] f16/bf16 (gate rows
+    first); act [>=n, n_ff] in its storage; h [>=n, k] and gu f32 [>=n, 2 n_ff]: written only when the
+    product runs in cuBLAS. On gemm's matvec path one launch (cuda/matvec.cu norm_matvec_swiglu): one warp
+    sums a gate row and its up row and writes silu(g) * u (or gelu(g) * u), bitwise what gemm then swiglu
+    make of the same h."""
     m2, k = w_gate_up.shape
     storage = storage_of(w_gate_up)
     if m2 % 2 or not _matvec_path(n, matvec_max_n, storage, k, w_gate_up, x):
         rms_norm(x, norm_w, h, n, eps)
         gemm(h, w_gate_up, gu, n, matvec_max_n=matvec_max_n)
-        swiglu(gu, act, n)
+        swiglu(gu, act, n, gelu)
         return
     n_ff = m2 // 2
     _check("w_gate_up", w_gate_up, _dtype_of(storage), (m2, k))
@@ -519,7 +551,7 @@ def norm_gemm_swiglu(x, norm_w, w_gate_up, act, h, gu, n: int, eps: float, matve
     _check("act", act, _dtype_of(storage), (None, n_ff), min_rows=n)
     if n:
         _matvec("norm_matvec_swiglu", storage, n, n_ff, (w_gate_up, x, norm_w, act, _i32(n), _i32(n_ff), _i32(k),
-                                                          _f32(eps)))
+                                                          _f32(eps), _i32(1 if gelu else 0)))
 
 
 def nvcc_available() -> str | None:

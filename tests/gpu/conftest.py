@@ -68,17 +68,31 @@ def on_gpu(cupy) -> bool:
     return not hasattr(cupy, "fake_kernels")
 
 
-@pytest.fixture(scope="module")
-def default_model_on_disk(cupy):
+def _model_on_disk(cupy, path: str, what: str, variable: str):
+    """The model at path, loaded; skips on the CPU kernel emulator (minutes a step) unless
+    FASTSERVE_EMULATE_DEFAULT_MODEL=1, and where the file is not (the device machine cannot pull it)."""
     if not on_gpu(cupy) and os.environ.get("FASTSERVE_EMULATE_DEFAULT_MODEL") != "1":
-        pytest.skip("the default model on the CPU kernel emulator takes minutes a step; "
+        pytest.skip(f"{what} on the CPU kernel emulator takes minutes a step; "
                     "FASTSERVE_EMULATE_DEFAULT_MODEL=1 runs it anyway")
-    from fastserve.default_model import FILENAME, home
-    path = os.environ.get("FASTSERVE_MODEL") or os.path.join(home(), FILENAME)
     if not os.path.isfile(path):
-        pytest.skip(f"default model not at {path} (set FASTSERVE_MODEL; the device machine cannot pull it)")
+        pytest.skip(f"{what} not at {path} (set {variable}; the device machine cannot pull it)")
     import fastserve
     return fastserve.load_model(path)
+
+
+@pytest.fixture(scope="module")
+def default_model_on_disk(cupy):
+    from fastserve.default_model import FILENAME, home
+    return _model_on_disk(cupy, os.environ.get("FASTSERVE_MODEL") or os.path.join(home(), FILENAME),
+                          "the default model", "FASTSERVE_MODEL")
+
+
+@pytest.fixture(scope="module")
+def gemma3_on_disk(cupy):
+    """Gemma 3 270M Q4_K_M (`fastserve pull gemma3-270m`), or the file at $FASTSERVE_GEMMA3_MODEL."""
+    from fastserve.catalog import GEMMA3_270M
+    return _model_on_disk(cupy, os.environ.get("FASTSERVE_GEMMA3_MODEL") or GEMMA3_270M.path(), "Gemma 3 270M",
+                          "FASTSERVE_GEMMA3_MODEL")
 
 
 @pytest.fixture(scope="session")
@@ -86,3 +100,22 @@ def reference_cases() -> list:
     """llama.cpp's completions on the default model (tests/golden/data: they travel with the tree)."""
     from ..reference_data import load_reference
     return load_reference()["completions"]
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory):
+    """A tiny gemma3 Model (fastserve.models.synthetic, random weights): window 8, GQA 4/1 with
+    gemma3's 256-wide heads, tied output, the embedding scaled by sqrt(64). Two layers, one local and one
+    global (the file's default pattern would make both local), the global layers' RoPE base 1e6 as
+    Gemma 3's (the local ones keep 10k), and a final-logit soft-cap of 30 (Gemma 2 style), so that every
+    feature of the row differs from the llama path."""
+    import dataclasses
+
+    import fastserve
+    from fastserve.models.synthetic import write_llama_gguf
+    path = write_llama_gguf(tmp_path_factory.mktemp("models") / "gemma3.gguf", architecture="gemma3", n_layer=2,
+                            n_embd=64, n_head=4, n_head_kv=1, head_dim=256, n_ff=128, n_vocab=320,
+                            sliding_window=8, tied=True, seed=5)
+    model = fastserve.load_model(path)
+    model.config = dataclasses.replace(model.config, local_layers=(True, False), rope_base=1e6, logit_softcap=30.0)
+    return model

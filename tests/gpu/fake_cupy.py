@@ -157,9 +157,9 @@ def _rows_of(grid) -> int:
 
 
 def _k_embed_rows(grid, args):
-    table, tokens, x, d = args
+    table, tokens, x, d, scale = args
     n = _rows_of(grid)
-    x[:n] = to_f32(table[tokens[:n]])
+    x[:n] = to_f32(table[tokens[:n]]) * scale
 
 
 def _k_rms_norm(grid, args):
@@ -169,6 +169,20 @@ def _k_rms_norm(grid, args):
     v = np.asarray(x[src], dtype=np.float32)
     ms = np.einsum("ij,ij->i", v, v) / np.float32(d)
     out[:n] = from_f32(v * (np.float32(1.0) / np.sqrt(ms + np.float32(eps)))[:, None] * w, out)
+
+
+def _k_rms_norm_add(grid, args):
+    y, w, x, d, eps = args
+    n = _rows_of(grid)
+    h = np.empty((n, int(d)), np.float32)
+    _k_rms_norm(grid, (y, None, w, h, d, eps))
+    x[:n] += h
+
+
+def _k_softcap(grid, args):
+    logits, size, cap = args
+    flat = np.asarray(logits).reshape(-1)[:int(size)]
+    flat[...] = np.tanh(flat / cap) * cap
 
 
 def _k_rope_qk(grid, args):
@@ -236,22 +250,24 @@ def _k_norm_matvec(grid, args):
 
 
 def _k_norm_matvec_swiglu(grid, args):
-    w, x, nw, act, n, n_ff, k, eps = args
+    w, x, nw, act, n, n_ff, k, eps, gelu = args
     n = int(n)
     gu = _normed(x, None, nw, n, eps, w) @ to_f32(w).T
-    _k_swiglu(grid, (gu, act, n, n_ff))
+    _k_swiglu(grid, (gu, act, n, n_ff, gelu))
 
 
 def _k_attention_split(grid, args):
-    qkv, kc, vc, slots, positions, part_o, part_ml, stride, H, Hkv, D, n_ctx, chunk, scale = args
+    qkv, kc, vc, slots, positions, part_o, part_ml, stride, H, Hkv, D, n_ctx, chunk, scale, window = args
     S, n = int(grid[0]), int(grid[2])
     H, Hkv, D, chunk = int(H), int(Hkv), int(D), int(chunk)
     head_kv = np.arange(H) // (H // Hkv)
     for t in range(n):
-        slot, n_keys = int(slots[t]), int(positions[t]) + 1
+        slot, end = int(slots[t]), int(positions[t]) + 1
+        first = max(0, end - int(window)) if int(window) > 0 else 0     # a local layer's keys
         q = np.asarray(qkv[t, :H * D]).reshape(H, D) * np.float32(scale)
         for s in range(S):
-            k0, k1 = s * chunk, min(s * chunk + chunk, n_keys)
+            k0 = first + s * chunk
+            k1 = min(k0 + chunk, end)
             if k0 >= k1:
                 part_o[t, :, s] = 0.0
                 part_ml[t, :, s, 0], part_ml[t, :, s, 1] = -np.inf, 0.0
@@ -279,10 +295,15 @@ def _k_attention_combine(grid, args):
 
 
 def _k_swiglu(grid, args):
-    gu, out, n, n_ff = args
+    gu, out, n, n_ff, gelu = args
     n, n_ff = int(n), int(n_ff)
     g, u = gu[:n, :n_ff], gu[:n, n_ff:2 * n_ff]
-    out[:n] = from_f32(g / (np.float32(1.0) + np.exp(-g)) * u, out)
+    if int(gelu):       # GeGLU: g sigmoid(2 sqrt(2/pi) g (1 + 0.044715 g^2))
+        z = ((g * g) * np.float32(0.044715) + np.float32(1.0)) * g * np.float32(2 * np.sqrt(2 / np.pi))
+    else:
+        z = g
+    with np.errstate(over="ignore"):
+        out[:n] = from_f32(g / (np.float32(1.0) + np.exp(-z)) * u, out)
 
 
 def _k_cast(grid, args):
@@ -333,7 +354,7 @@ def _k_sample_chain(grid, args):
             out_probs[int(rec["probs_row"]), 1, :st.n_probs] = pp.view(np.int32)
 
 
-_EMULATIONS = [("embed_rows_", _k_embed_rows), ("rms_norm_", _k_rms_norm), ("rope_qk_", _k_rope_qk),
+_EMULATIONS = [("embed_rows_", _k_embed_rows), ("rms_norm_add_", _k_rms_norm_add), ("rms_norm_", _k_rms_norm), ("softcap_", _k_softcap), ("rope_qk_", _k_rope_qk),
                ("kv_store_", _k_kv_store), ("rope_store_", _k_rope_store), ("qk_prep_", _k_qk_prep), ("matvec_", _k_matvec),
                ("norm_matvec_swiglu_", _k_norm_matvec_swiglu), ("norm_matvec_", _k_norm_matvec),
                ("attention_split_", _k_attention_split),

@@ -170,12 +170,14 @@ def test_launchers_refuse_wrong_arrays(fake):
         K.gemm(cp.zeros((4, 8), np.float16), cp.zeros((3, 8), np.uint16), cp.zeros((4, 3), np.float32), 4)
 
 
-def test_engine_runs_on_the_backend(fake, tiny_model):
-    """The engine drives the GPU backend like any other: greedy text equals the NumPy backend's on the
-    same (rounded) weights."""
+@pytest.mark.parametrize("model_name", ["tiny_model", "tiny_gemma3"])
+def test_engine_runs_on_the_backend(fake, request, model_name):
+    """The engine drives the GPU backend like any other, for llama's row and gemma3's (prompts past its
+    window of 8, and generation past it): greedy text equals the NumPy backend's on the same (rounded) weights."""
     import fastserve
     from fastserve.backends.cupy_backend import CupyBackend
-    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    tiny_model = request.getfixturevalue(model_name)
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
     with fastserve.Engine(tiny_model, n_parallel=2, n_ctx=128,
                           backend=lambda cfg, w, ns, nc: CupyBackend(cfg, w, ns, nc)) as e:
         got = [r.result().token_ids for r in [e.submit(p, max_tokens=8, temperature=0) for p in prompts]]
@@ -185,21 +187,37 @@ def test_engine_runs_on_the_backend(fake, tiny_model):
     assert got == want
 
 
+def _row_against_numpy(cfg, w, lengths) -> float:
+    """Prompts of `lengths` prefilled into slots 0.., then 6 decode steps of them all (through graphs) on
+    CupyBackend and on the NumPy backend (the weights rounded as the GPU holds them): the worst relative
+    error of a step's logits."""
+    from fastserve.backends.cupy_backend import CupyBackend, unsupported_features
+    assert unsupported_features(cfg) == []
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, cfg.n_vocab, n).astype(np.int32) for n in lengths]
+    gpu = CupyBackend(cfg, w, n_slots=4, n_ctx_slot=64, dtype="f16", attn_chunk=4)
+    ref = _numpy_backend(cfg, rounded_weights(w, "f16"), 4, 64)
+    got = _prefill_then_decode(gpu, prompts, 6, rng)
+    want = _prefill_then_decode(ref, prompts, 6, rng)
+    assert gpu._graphs, "decode steps did not go through a CUDA graph"
+    return max(rel_err(g, r) for g, r in zip(got, want))
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_other_rows_match_numpy_backend(fake, tmp_path, arch):
     """The rows the kernels run besides llama's: NeoX RoPE (Q/K rows uploaded in neox_order), q/k/v biases
     and per-head q/k RMSNorm (cuda/qk_prep.cu), head_dim decoupled from n_embd / n_head."""
     import fastserve
-    from fastserve.backends.cupy_backend import CupyBackend, unsupported_features
     from fastserve.models.synthetic import write_llama_gguf
     model = fastserve.load_model(write_llama_gguf(tmp_path / f"{arch}.gguf", architecture=arch, head_dim=24))
-    cfg, w = model.config, model.weights
-    assert unsupported_features(cfg) == []
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, cfg.n_vocab, n).astype(np.int32) for n in (7, 3, 12)]
-    gpu = CupyBackend(cfg, w, n_slots=4, n_ctx_slot=64, dtype="f16", attn_chunk=4)
-    ref = _numpy_backend(cfg, rounded_weights(w, "f16"), 4, 64)
-    got = _prefill_then_decode(gpu, prompts, 6, rng)
-    want = _prefill_then_decode(ref, prompts, 6, rng)
-    worst = max(rel_err(g, r) for g, r in zip(got, want))
+    worst = _row_against_numpy(model.config, model.weights, (7, 3, 12))
     assert worst <= 1e-2, f"{arch}: worst per-step relative error {worst:.2e}"
+
+
+def test_gemma3_row_matches_numpy_backend(fake, tiny_gemma3):
+    """gemma3's row (tests/gpu/conftest.tiny_gemma3: GeGLU, sandwich norms, scaled embedding, a local layer
+    with its own RoPE table and window 8, 256-wide heads, soft-capping): every launch's arguments against
+    the kernels' signatures, the logits against the NumPy backend over a prompt past the window, and decode
+    steps through graphs."""
+    worst = _row_against_numpy(tiny_gemma3.config, tiny_gemma3.weights, (21, 3, 12))
+    assert worst <= 1e-2, f"gemma3: worst per-step relative error {worst:.2e}"

@@ -55,13 +55,17 @@ def test_cast_rounds_to_nearest_even(cupy, storage):
 
 
 @pytest.mark.parametrize("storage", STORAGES)
-def test_embed_rows(cupy, storage):
+@pytest.mark.parametrize("scale", [1.0, float(np.sqrt(np.float32(640)))])    # gemma3 270M's sqrt(n_embd)
+def test_embed_rows(cupy, storage, scale):
     rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     table = rng.standard_normal((300, 72)).astype(np.float32)
     tokens = rng.integers(0, 300, 9).astype(np.int32)
     x = _poisoned(cupy, (12, 72), np.float32)
-    K.embed_rows(_to_storage(cupy, table, storage), cupy.asarray(np.r_[tokens, 0, 0, 0].astype(np.int32)), x, 9)
-    np.testing.assert_array_equal(x.get()[:9], round_to(table, storage)[tokens])
+    K.embed_rows(_to_storage(cupy, table, storage), cupy.asarray(np.r_[tokens, 0, 0, 0].astype(np.int32)), x, 9,
+                 scale)
+    # bit for bit fastserve/ref/forward.py: the row, then one float32 multiplication
+    np.testing.assert_array_equal(x.get()[:9], round_to(table, storage)[tokens] * np.float32(scale))
+    assert np.isnan(x.get()[9:]).all()
 
 
 @pytest.mark.parametrize("storage", STORAGES)
@@ -79,6 +83,43 @@ def test_rms_norm(cupy, storage, d):
     out = _poisoned(cupy, (4, d), _np_storage(storage))
     K.rms_norm(cupy.asarray(x), cupy.asarray(w), out, 3, 1e-5, rows=cupy.asarray(rows))
     assert rel_err(_from_storage(out, storage)[:3], want[rows]) <= tol
+
+
+@pytest.mark.parametrize("d", [64, 640, 2050])
+def test_rms_norm_add_is_the_sandwich_norm(cupy, d):
+    """x += rmsnorm(y) * w (gemma3's post-attention and post-FFN norms) against fastserve/ref/layer_ops.rms_norm
+    then the add, as fastserve/ref/forward.py makes them: within float32 rounding (the sum of squares is
+    taken in another order); the rows past n untouched."""
+    from fastserve.ref.layer_ops import rms_norm
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
+    n, eps = 7, 1e-6
+    y = (rng.standard_normal((n + 1, d)) * 30).astype(np.float32)
+    x = rng.standard_normal((n + 1, d)).astype(np.float32)
+    w = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    want = x[:n] + rms_norm(y[:n], w, eps)
+    xd = cupy.asarray(x)
+    K.rms_norm_add(cupy.asarray(y), cupy.asarray(w), xd, n, eps)
+    got = xd.get()
+    assert rel_err(got[:n], want) <= 1e-6
+    assert rel_err(got[:n] - x[:n], want - x[:n]) <= 1e-6           # the normed part itself, not only the sum
+    np.testing.assert_array_equal(got[n], x[n])
+
+
+def test_softcap_matches_the_reference(cupy):
+    """logits = c tanh(logits / c) (final-logit soft-capping) against fastserve/ref/layer_ops.softcap, within
+    an ulp or two (expf against the reference's polynomial exp), on the first m rows only."""
+    from fastserve.ref.layer_ops import softcap
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
+    m, V, cap = 5, 1003, 30.0
+    logits = (rng.standard_normal((m + 1, V)) * 40).astype(np.float32)
+    logits[0, :4] = [0.0, -0.0, 1e-30, -500.0]
+    want = softcap(logits[:m].copy(), cap)
+    dev = cupy.asarray(logits)
+    K.softcap(dev, m, cap)
+    got = dev.get()
+    np.testing.assert_allclose(got[:m], want, rtol=3e-7, atol=3e-7 * cap)
+    assert np.abs(got[:m]).max() <= cap and got[0, 3] == -cap
+    np.testing.assert_array_equal(got[m], logits[m])
 
 
 def test_rope_matches_numpy_backend(cupy):
@@ -122,15 +163,17 @@ def test_kv_store(cupy, storage):
     assert np.count_nonzero(np.abs(k).sum(axis=(2, 3))) == n
 
 
-def _attention_ref(q, k, v, slots, pos, H, Hkv):
-    """float64 causal GQA attention: q [n, H, D]; k, v [n_slots, n_ctx, Hkv, D] float32."""
+def _attention_ref(q, k, v, slots, pos, H, Hkv, window=0):
+    """float64 causal GQA attention: q [n, H, D]; k, v [n_slots, n_ctx, Hkv, D] float32; window > 0: the
+    query at p sees keys p - window < k <= p (the CPU's contract for a local layer)."""
     n, _, D = q.shape
     G = H // Hkv
     out = np.zeros((n, H, D))
     for t in range(n):
+        first = max(0, pos[t] + 1 - window) if window else 0
         for h in range(H):
-            kk = k[slots[t], :pos[t] + 1, h // G].astype(np.float64)
-            vv = v[slots[t], :pos[t] + 1, h // G].astype(np.float64)
+            kk = k[slots[t], first:pos[t] + 1, h // G].astype(np.float64)
+            vv = v[slots[t], first:pos[t] + 1, h // G].astype(np.float64)
             s = kk @ q[t, h].astype(np.float64) / np.sqrt(D)
             p = np.exp(s - s.max())
             out[t, h] = p @ vv / p.sum()
@@ -146,7 +189,7 @@ def _attention_inputs(rng, storage, H, Hkv, D, n_ctx, n, n_slots=3):
     return qkv, k, v, slots, pos
 
 
-def _run_attention(cupy, storage, qkv, k, v, slots, pos, H, chunk):
+def _run_attention(cupy, storage, qkv, k, v, slots, pos, H, chunk, window=0):
     """K.attention on fresh poisoned scratch and output; returns out as stored (f32 for f32 KV)."""
     n, (_, n_ctx, _, D) = len(slots), k.shape
     S = K.attention_splits(n_ctx, chunk)
@@ -154,7 +197,7 @@ def _run_attention(cupy, storage, qkv, k, v, slots, pos, H, chunk):
     out = _poisoned(cupy, (n, H * D), _np_storage(out_storage))
     K.attention(cupy.asarray(qkv), _to_storage(cupy, k, storage), _to_storage(cupy, v, storage),
                 cupy.asarray(slots), cupy.asarray(pos), _poisoned(cupy, (n, H, S, D), np.float32),
-                _poisoned(cupy, (n, H, S, 2), np.float32), out, n, H, chunk, float(1 / np.sqrt(D)))
+                _poisoned(cupy, (n, H, S, 2), np.float32), out, n, H, chunk, float(1 / np.sqrt(D)), window=window)
     return out, out_storage
 
 
@@ -165,7 +208,8 @@ _ATTN_TOL = {"f16": 2e-3, "bf16": 1e-2, "f32": 1e-5}
 @pytest.mark.parametrize("H,Hkv,D,n_ctx,chunk", [(4, 2, 16, 64, 8), (9, 3, 64, 512, 64), (32, 4, 64, 1024, 256),
                                                  (8, 8, 128, 300, 128), (8, 1, 40, 96, 1000),
                                                  (32, 4, 64, 2048, 64),      # TinyLlama's heads, 32 splits
-                                                 (2, 1, 128, 4200, 16)])     # splits past one combine tile
+                                                 (2, 1, 128, 4200, 16),      # splits past one combine tile
+                                                 (4, 1, 256, 200, 64)])      # gemma3's heads: a warp per key
 def test_attention(cupy, storage, H, Hkv, D, n_ctx, chunk):
     rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     n = 13
@@ -190,6 +234,25 @@ def test_attention_every_group_size(cupy, H, Hkv, D):
     assert rel_err(_from_storage(out, out_storage), want) <= _ATTN_TOL["f16"]
 
 
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("H,Hkv,D,n_ctx,chunk,window", [(4, 2, 16, 64, 8, 8), (4, 1, 256, 160, 32, 20),
+                                                        (6, 3, 64, 300, 16, 100), (2, 2, 32, 40, 64, 1)])
+def test_attention_sliding_window(cupy, storage, H, Hkv, D, n_ctx, chunk, window):
+    """A local layer (window > 0): the query at p sees keys p - window < k <= p, at positions before the
+    window fills, at its edge, past it, at a split edge and at the slot's end; the answer differs from
+    the whole-causal one (so the window is really applied)."""
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
+    n = 9
+    qkv, k, v, slots, pos = _attention_inputs(rng, storage, H, Hkv, D, n_ctx, n)
+    pos[:6] = [0, window - 1, window, min(chunk, n_ctx - 1), n_ctx - 1, min(2 * window + 3, n_ctx - 1)]
+    out, out_storage = _run_attention(cupy, storage, qkv, k, v, slots, pos, H, chunk, window)
+    q = qkv[:, :H * D].reshape(n, H, D)
+    got = _from_storage(out, out_storage)
+    assert rel_err(got, _attention_ref(q, k, v, slots, pos, H, Hkv, window)) <= _ATTN_TOL[storage]
+    past = pos >= window
+    assert rel_err(got[past], _attention_ref(q, k, v, slots, pos, H, Hkv)[past]) > 10 * _ATTN_TOL[storage]
+
+
 @pytest.mark.parametrize("storage", ["f16", "f32"])
 def test_attention_token_does_not_depend_on_the_batch(cupy, storage):
     """A token's output is bitwise the same alone and among other tokens (other slots, positions)."""
@@ -206,17 +269,31 @@ def test_attention_token_does_not_depend_on_the_batch(cupy, storage):
         qkv[:4], pos[5:] = rng.standard_normal((4, qkv.shape[1])), rng.integers(0, n_ctx, n - 5)
 
 
+def _gated(g, u, gelu: bool):
+    """silu(g) * u, or GeGLU's gelu(g) * u in GELU's tanh form, in float64."""
+    if gelu:
+        return 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) * u
+    return g / (1 + np.exp(-g)) * u
+
+
 @pytest.mark.parametrize("storage", STORAGES)
-def test_swiglu(cupy, storage):
+@pytest.mark.parametrize("gelu", [False, True])
+def test_swiglu(cupy, storage, gelu):
     rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     n, n_ff = 6, 1536
     gu = (rng.standard_normal((n, 2 * n_ff)) * 4).astype(np.float32)
+    gu[0, :3] = [-60.0, 60.0, 0.0]                 # exp's overflow side: 0 (not NaN), and g itself
     g, u = gu[:, :n_ff].astype(np.float64), gu[:, n_ff:].astype(np.float64)
-    want = g / (1 + np.exp(-g)) * u
+    want = _gated(g, u, gelu)
     out = _poisoned(cupy, (n + 2, n_ff), _np_storage(storage))
-    K.swiglu(cupy.asarray(gu), out, n)
+    K.swiglu(cupy.asarray(gu), out, n, gelu=gelu)
     tol = {"f16": 1e-3, "bf16": 8e-3, "f32": 1e-6}[storage]
-    assert rel_err(_from_storage(out, storage)[:n], want) <= tol
+    got = _from_storage(out, storage)
+    assert rel_err(got[:n], want) <= tol
+    assert np.isnan(got[n:]).all()
+    if gelu and storage == "f32":                  # fastserve/ref/layer_ops.geglu, which the CPU runs
+        from fastserve.ref.layer_ops import geglu
+        np.testing.assert_allclose(got[:n], geglu(gu[:, :n_ff], gu[:, n_ff:]), rtol=2e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("bias, norms", [(True, False), (False, True), (True, True)])
@@ -359,9 +436,10 @@ def test_norm_gemm_is_rms_norm_then_gemm(cupy, storage, n, with_rows):
 
 
 @pytest.mark.parametrize("storage", ["f16", "bf16"])
-@pytest.mark.parametrize("n", [1, 3, 8, 17, 32])
-def test_norm_gemm_swiglu_is_rms_norm_gemm_swiglu(cupy, storage, n):
-    """cuda/matvec.cu norm_matvec_swiglu: silu(g) * u of the gate/up product of h (_fused_h) against
+@pytest.mark.parametrize("n,gelu", [(1, False), (3, False), (8, False), (17, False), (32, False),
+                                    (1, True), (5, True), (32, True)])
+def test_norm_gemm_swiglu_is_rms_norm_gemm_swiglu(cupy, storage, n, gelu):
+    """cuda/matvec.cu norm_matvec_swiglu: silu(g) * u (gelu: gelu(g) * u) of the gate/up product of h (_fused_h) against
     float64 within swiglu's tolerance, and against the three launches it replaces (rms_norm, gemm, swiglu)."""
     rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     k, n_ff, eps = 576, 501, 1e-5
@@ -369,13 +447,12 @@ def test_norm_gemm_swiglu_is_rms_norm_gemm_swiglu(cupy, storage, n):
     x, nw = _norm_inputs(rng, n, k)
     w = round_to((rng.standard_normal((2 * n_ff, k)) * 2 / np.sqrt(k)).astype(np.float32), storage)
     gu = _fused_h(cupy, x, nw, eps, storage) @ w.T.astype(np.float64)
-    g, u = gu[:, :n_ff], gu[:, n_ff:]
-    want = g / (1 + np.exp(-g)) * u
+    want = _gated(gu[:, :n_ff], gu[:, n_ff:], gelu)
     act = _poisoned(cupy, (n + 1, n_ff), _np_storage(storage))
     h = _poisoned(cupy, (n, k), _np_storage(storage))
     gu_d = _poisoned(cupy, (n, 2 * n_ff), np.float32)
     w_d = _to_storage(cupy, w, storage)
-    K.norm_gemm_swiglu(cupy.asarray(x), cupy.asarray(nw), w_d, act, h, gu_d, n, eps)
+    K.norm_gemm_swiglu(cupy.asarray(x), cupy.asarray(nw), w_d, act, h, gu_d, n, eps, gelu=gelu)
     got = _from_storage(act, storage)
     assert rel_err(got[:n], want) <= tol
     assert np.isnan(got[n]).all()
@@ -383,7 +460,7 @@ def test_norm_gemm_swiglu_is_rms_norm_gemm_swiglu(cupy, storage, n):
     three = _poisoned(cupy, (n, n_ff), _np_storage(storage))
     K.rms_norm(cupy.asarray(x), cupy.asarray(nw), h, n, eps)
     K.gemm(h, w_d, gu_d, n)
-    K.swiglu(gu_d, three, n)
+    K.swiglu(gu_d, three, n, gelu=gelu)
     assert rel_err(got[:n], _from_storage(three, storage)) <= tol
 
 

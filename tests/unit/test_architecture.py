@@ -106,10 +106,20 @@ def test_geglu_is_tanh_gelu_times_up():
 
 
 def test_the_gpu_backend_reads_the_same_rows(models):
-    """What a row needs that the CUDA kernels do not run is named (and `auto` then picks the CPU)."""
-    assert unsupported_features(models["llama"].config) == []
-    assert unsupported_features(models["qwen2"].config) == unsupported_features(models["qwen3"].config) == []
-    assert {"GeGLU", "sliding-window layers"} <= set(unsupported_features(models["gemma3"].config))
+    """Every row runs on the CUDA kernels (gemma3's GeGLU, sandwich norms, local layers included); what a
+    model needs that they do not run is named, and refused at construction before any CuPy is touched
+    (and `auto` then picks the CPU)."""
+    import dataclasses
+
+    from fastserve.backends.cupy_backend import CupyBackend, DeviceUnavailable
+    assert all(unsupported_features(m.config) == [] for m in models.values())
+    g = models["gemma3"]
+    for change, named in ((dict(head_dim=512), "head_dim 512"), (dict(head_dim=260), "head_dim 260"),
+                          (dict(n_head=16, n_head_kv=1), "16 query heads per KV head")):
+        cfg = dataclasses.replace(g.config, **change)
+        assert [named in f for f in unsupported_features(cfg)] == [True]
+        with pytest.raises(DeviceUnavailable, match=f"does not run {named}.*'gemma3'.*--device cpu"):
+            CupyBackend(cfg, g.weights, 1, 16)
 
 
 def _reference_logits(model, ids) -> np.ndarray:
