@@ -297,8 +297,11 @@ def serve(args, backend=None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig.name)
         port = await server.start()
+        kv = getattr(engine.backend, "kv", None)        # the CPU backend's cache comes in on a thread of its own
+        coming = ("" if kv is None or kv.resident.is_set() else
+                  f" (the KV cache's {kv.nbytes() / 2**20:.0f} MiB being made resident)")
         print(f"fastserve: {model.load_summary()}; ready {seconds_since_start():.2f} s after the process started, "
-              f"RSS {rss_bytes() / 2**20:.0f} MiB", file=sys.stderr, flush=True)
+              f"RSS {rss_bytes() / 2**20:.0f} MiB{coming}", file=sys.stderr, flush=True)
         print(f"fastserve: listening on http://{cfg.host}:{port} ({model.name}, {engine.n_slots} slots x "
               f"{engine.n_ctx_slot} tokens, KV {args.cache_type_k}/{args.cache_type_v}, {args.loop} loop, "
               f"{threads} thread(s))", file=sys.stderr, flush=True)

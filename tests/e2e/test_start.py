@@ -38,8 +38,25 @@ def test_default_model_answers_health_soon_after_start(default_model_file, tmp_p
             assert took - weights < START_BOUND_S, f"/health 200 {took:.2f} s after the start: {line.group(0)}"
             pytest.xfail(f"the weights took {weights:.2f} s of the {took:.2f} s start: {line.group(0)}")
         assert took < START_BOUND_S, f"/health 200 {took:.2f} s after the start: {line.group(0)}"
+        _kv_comes_in(srv)
     finally:
         srv.kill()
+
+
+def _kv_comes_in(srv) -> None:
+    """The KV cache made resident after the start line (its pages faulted in on a thread): RSS holds it
+    whole within seconds, so that it does not creep up later as slots reach new positions."""
+    coming = re.search(r"the KV cache's (\d+) MiB being made resident", srv.log())
+    if not coming:
+        return                              # resident before the start line already
+    deadline, rss_mib = time.monotonic() + 20, 0.0
+    while time.monotonic() < deadline:
+        with open(f"/proc/{srv.proc.pid}/status") as f:
+            rss_mib = int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) / 1024
+        if rss_mib >= int(coming.group(1)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"RSS {rss_mib:.0f} MiB 20 s after the start, below the KV cache's {coming.group(1)} MiB")
 
 
 # Imported only by the first request that needs them (or by another command), never by the start.
