@@ -19,6 +19,7 @@ it to say how much of a slot's prefix a continuation can still reuse (its window
 from __future__ import annotations
 
 import mmap
+import os
 import sys
 import threading
 
@@ -69,6 +70,17 @@ def _populate_call():
     return fn
 
 
+def _populate(arrays: list[np.ndarray], madvise, done: threading.Event) -> None:
+    """The thread that makes a cache resident. It holds the arrays (not the cache) until they are in."""
+    try:            # the lowest priority (Linux: per thread): the decode step's threads go first when both run
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (OSError, AttributeError):
+        pass
+    make_resident(arrays, madvise)              # the first array took the advice, so the kernel knows it
+    arrays.clear()                              # the maps go with the cache from now on
+    done.set()
+
+
 def make_resident(arrays: list[np.ndarray], madvise) -> bool:
     """Fault every page of arrays in (MADV_POPULATE_WRITE); their contents are not touched, so this may
     run while other threads write them. False when the kernel does not know the advice (before 5.14)."""
@@ -116,20 +128,16 @@ class KVCache:
         """Every page of the cache in memory from the start, as llama.cpp clears its KV buffer at start:
         left to the first writes, RSS would creep up for hours as slots reach positions they never
         reached before. The kernel faults the pages in (MADV_POPULATE_WRITE) on a thread of its own, the
-        GIL let go, while the server starts and serves: a step that writes a page not yet in only
-        faults it in itself. Where the advice is unknown, the pages are written now (np.full's way)."""
+        GIL let go, at the lowest priority, while the server starts and serves: a step that writes a page
+        not yet in only faults it in itself. Where the advice is unknown, the pages are written now (np.full's way)."""
         arrays = [a for a in self.k + self.v if a.nbytes]
         madvise = _populate_call() if arrays else None
         if madvise is not None and make_resident(arrays[:1], madvise):
-            threading.Thread(target=self._populate, args=(arrays[1:], madvise), name="fastserve-kv-resident",
+            threading.Thread(target=_populate, args=(arrays[1:], madvise, self.resident), name="fastserve-kv-resident",
                              daemon=True).start()
             return
         for a in arrays:
             a.fill(0)
-        self.resident.set()
-
-    def _populate(self, arrays: list[np.ndarray], madvise) -> None:
-        make_resident(arrays, madvise)          # the first array took the advice, so the kernel knows it
         self.resident.set()
 
     def bytes_per_token(self) -> int:
