@@ -9,12 +9,16 @@ same machine load; without one that side is skipped, saying why. --tree DIR (rep
 before/after in one run). The server's own start line (load time, RSS) is shown for fastserve, and
 where it names the load's phases, the start less the weights' phase too (the rest of the start).
 
-Run: python bench/bench_start.py [--rounds 5] [--llama-server PATH [--llama-commit SHA]] [--tree ../main]
+--first-request also times each server's first chat request once /health is 200 (what start-up work left
+for later costs the first user).
+
+Run: python bench/bench_start.py [--rounds 5] [--first-request] [--llama-server PATH [--llama-commit SHA]] [--tree ../main]
  or: pytest bench/bench_start.py --benchmark-only -s   (make bench)
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import socket
@@ -48,9 +52,27 @@ def health_status(port: int) -> int | None:
     return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else None
 
 
+def first_chat(port: int) -> float:
+    """Seconds of one greedy 4-token chat request, the first the server gets: what start-up work left
+    for later costs the first user (the chat template is compiled then, for one)."""
+    body = json.dumps({"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4,
+                       "temperature": 0}).encode()
+    t0 = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port), timeout=60.0) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    if not reply.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"the first chat request failed: {reply[:300]!r}")
+    return time.perf_counter() - t0
+
+
 def time_to_health(cmd: list[str], port: int, env: dict | None = None, cwd: str | None = None,
-                   timeout: float = 120.0) -> tuple[float, str]:
-    """(seconds from spawn to the first /health 200, the process's stderr up to then); the process is stopped."""
+                   timeout: float = 120.0, then=None) -> tuple[float, str, float | None]:
+    """(seconds from spawn to the first /health 200, the process's stderr up to then, then(port) or None):
+    then, when given, runs once /health has answered 200 (first_chat); the process is stopped after it."""
     log = tempfile.TemporaryFile()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env, cwd=cwd)
@@ -58,6 +80,7 @@ def time_to_health(cmd: list[str], port: int, env: dict | None = None, cwd: str 
         while time.perf_counter() - t0 < timeout:
             if health_status(port) == 200:
                 dt = time.perf_counter() - t0
+                after = then(port) if then is not None else None
                 break
             if proc.poll() is not None:
                 raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}:\n{_read(log)}")
@@ -71,7 +94,7 @@ def time_to_health(cmd: list[str], port: int, env: dict | None = None, cwd: str 
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    return dt, _read(log)
+    return dt, _read(log), after
 
 
 def _read(log) -> str:
@@ -99,8 +122,9 @@ def llama_version(binary: str) -> str:
 
 
 def run(model: str, rounds: int = 5, llama_server: str | None = None, trees: tuple[str, ...] = (),
-        llama_commit: str | None = None) -> dict:
-    """{label: [seconds per round]} plus the start lines; rounds interleaved across the servers."""
+        llama_commit: str | None = None, first_request: bool = False) -> dict:
+    """{label: [seconds per round]} plus the start lines; rounds interleaved across the servers.
+    first_request: also time each server's first chat request (first_chat), as "<label> first request"."""
     sides = {f"fastserve ({REPO.name})": str(REPO)}
     for t in trees:
         sides[f"fastserve ({Path(t).resolve().name})"] = str(Path(t).resolve())
@@ -108,24 +132,29 @@ def run(model: str, rounds: int = 5, llama_server: str | None = None, trees: tup
     lines: dict[str, str] = {}
     if llama_server:
         times["llama-server"] = []
+    then = first_chat if first_request else None
     for i in range(rounds + 1):             # round 0 warms the page cache and writes the .pyc files; not counted
         for label, tree in sides.items():
             port = free_port()
             env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}   # start as a user would
             env["PYTHONPATH"] = tree
-            dt, err = time_to_health(fastserve_cmd(model, port), port, env=env, cwd=tree)
+            dt, err, first = time_to_health(fastserve_cmd(model, port), port, env=env, cwd=tree, then=then)
             if i == 0:
                 continue
             times[label].append(dt)
+            if first is not None:
+                times.setdefault(f"{label} first request", []).append(first)
             lines[label] = next((x for x in err.splitlines() if "loaded" in x), "")
             weights = re.search(r"weights ([\d.]+) s", lines[label])   # start lines that name their phases
             if weights:
                 times.setdefault(f"{label} - weights", []).append(dt - float(weights.group(1)))
         if llama_server:
             port = free_port()
-            dt = time_to_health(llama_cmd(llama_server, model, port), port)[0]
+            dt, _, first = time_to_health(llama_cmd(llama_server, model, port), port, then=then)
             if i:
                 times["llama-server"].append(dt)
+                if first is not None:
+                    times.setdefault("llama-server first request", []).append(first)
     version = llama_version(llama_server) if llama_server else None
     if version and llama_commit:
         version += f"; built from commit {llama_commit}"
@@ -134,9 +163,9 @@ def run(model: str, rounds: int = 5, llama_server: str | None = None, trees: tup
 
 def report(out: dict) -> str:
     rows = [f"start -> /health 200, -np {N_SLOTS} -c {N_CTX} ({len(next(iter(out['times'].values())))} rounds):",
-            f"{'server':<36} {'median s':>9} {'min s':>7} {'max s':>7}"]
+            f"{'server':<44} {'median s':>9} {'min s':>7} {'max s':>7}"]
     for label, ts in out["times"].items():
-        rows.append(f"{label:<36} {statistics.median(ts):>9.3f} {min(ts):>7.3f} {max(ts):>7.3f}")
+        rows.append(f"{label:<44} {statistics.median(ts):>9.3f} {min(ts):>7.3f} {max(ts):>7.3f}")
     for label, line in out["lines"].items():
         rows.append(f"{label}: {line.strip()}")
     if out["llama_version"]:
@@ -166,12 +195,14 @@ def main() -> None:
                     help="the llama.cpp commit the binary was built from, when its --version does not say "
                          "($FASTSERVE_LLAMA_COMMIT)")
     ap.add_argument("--tree", action="append", default=[], help="another fastserve checkout to measure too")
+    ap.add_argument("--first-request", action="store_true",
+                    help="also time each server's first chat request after /health 200 (4 tokens, greedy)")
     a = ap.parse_args()
     if a.model is None:
         sys.path.insert(0, str(REPO))
         from fastserve.default_model import default_model_path
         a.model = default_model_path()
-    print(report(run(a.model, a.rounds, a.llama_server, tuple(a.tree), a.llama_commit)))
+    print(report(run(a.model, a.rounds, a.llama_server, tuple(a.tree), a.llama_commit, a.first_request)))
 
 
 if __name__ == "__main__":

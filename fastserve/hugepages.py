@@ -9,7 +9,7 @@ brings in a whole 2 MiB page (khugepaged fills in more in the background). RSS t
 requests served and never comes back, while malloc and Python hold no more memory than before:
 measured with bench/bench_killed_streams.py, +1.5 / +7.7 / +34.6 MB over three rounds of 1,200
 killed streams with the advice, +6.0 / +0.6 / +0.4 MB without it (and +0.0 / +0.0 / +0.0 once the
-KV cache is also written whole at start: numpy_backend.py).
+KV cache is also made resident whole at start: backends/kv_cache.py).
 
 An explicit NUMPY_MADVISE_HUGEPAGE in the environment is the user's choice and is left alone.
 """

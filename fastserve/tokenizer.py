@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import operator
 import re
+from functools import partial
 from itertools import chain
 from typing import Any, Iterable
 
@@ -502,14 +503,22 @@ def _merge_pairs(merges, vocab: dict[str, int]) -> list[tuple[str, str]]:
     """The (left, right) pairs HF's BPE takes, in rank order, as _merge_pairs_loop gives them. The
     common case (every merge splits, none repeats, all parts known) runs at C speed: one regex over
     the joined merges, and lookups through map(); anything else goes through the loop."""
+    pairs = _split_merges(merges)
+    if (pairs is not None and all(map(vocab.__contains__, chain.from_iterable(pairs)))
+            and all(map(vocab.__contains__, map("".join, pairs)))):
+        return pairs
+    return _merge_pairs_loop(merges, vocab)
+
+
+def _split_merges(merges) -> list[tuple[str, str]] | None:
+    """Every merge split at its first space after the first character, by one regex over the joined
+    merges; None unless each splits so and none repeats (then _merge_pairs_loop's pairs, were all parts known)."""
     joined = "\n".join(merges)
     pairs = _MERGE_SPLIT.findall(joined)
     if (len(pairs) == len(merges) and joined.count("\n") == len(merges) - 1
-            and all(map(vocab.__contains__, chain.from_iterable(pairs)))
-            and all(map(vocab.__contains__, map("".join, pairs)))
             and len(set(merges)) == len(merges)):         # equal merges <=> equal pairs (m == a + " " + b)
         return pairs
-    return _merge_pairs_loop(merges, vocab)
+    return None
 
 
 def _merge_pairs_loop(merges, vocab: dict[str, int]) -> list[tuple[str, str]]:
@@ -535,15 +544,22 @@ def _build_bpe(vocab: dict[str, int], merges: list[str] | None, regexes: list[st
 
     if merges is None or len(merges) == 0:
         raise ModelLoadError("gpt2 vocabulary without merges (tokenizer.ggml.merges is missing)")
-    pairs = _merge_pairs(merges, vocab)
     # A byte with no token of its own stays a symbol in llama.cpp, blocking merges across it, and is
     # dropped only at the end; HF would drop it first. A placeholder unknown token keeps it in place.
-    unk = None
+    unk, known = None, vocab
     if not all(c in vocab for c in _CHAR_BYTE):
         unk = max(vocab.values()) + 1
         vocab = {**vocab, "\0unk": unk}       # no real token holds a NUL
-    hf = HFTokenizer(models.BPE(vocab, pairs, unk_token="\0unk" if unk is not None else None,
-                                ignore_merges=ignore_merges))
+    bpe = partial(models.BPE, vocab, unk_token="\0unk" if unk is not None else None, ignore_merges=ignore_merges)
+    # The common case: the merges split cleanly, and HF itself checks that every part and every merged
+    # token is in the vocabulary (it refuses the list otherwise), which spares _merge_pairs' own pass.
+    pairs, model = _split_merges(merges), None
+    if pairs is not None and unk is None:      # (with the placeholder HF's check would know one token more)
+        try:
+            model = bpe(merges=pairs)
+        except Exception:               # "Token `x` out of vocabulary": the loop drops such merges
+            model = None
+    hf = HFTokenizer(model if model is not None else bpe(merges=_merge_pairs_loop(merges, known)))
     hf.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), "isolated") for r in regexes]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])

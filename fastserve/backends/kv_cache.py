@@ -18,6 +18,11 @@ it to say how much of a slot's prefix a continuation can still reuse (its window
 """
 from __future__ import annotations
 
+import mmap
+import os
+import sys
+import threading
+
 import numpy as np
 
 from .. import _attention
@@ -35,6 +40,54 @@ def ring_size(window: int, step_tokens: int, n_ctx_slot: int, kt: int = _attenti
         return 0
     r = -(-(window + max(1, step_tokens) - 1) // kt) * kt
     return r if r < n_ctx_slot else 0
+
+
+MADV_POPULATE_WRITE = 23       # Linux 5.14+: fault pages in writable, as a write would, without writing them
+
+
+def mapped_zeros(shape: tuple[int, ...]) -> np.ndarray:
+    """uint8 zeros of shape in an anonymous map of their own (no page resident yet: the kernel gives a
+    zero page at the first touch); np.full where there is no mmap with MAP_ANONYMOUS."""
+    n = int(np.prod(shape, dtype=np.int64))
+    if not hasattr(mmap, "MAP_ANONYMOUS") or n == 0:
+        return np.full(shape, 0, np.uint8)
+    buf = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return np.frombuffer(buf, np.uint8).reshape(shape)      # the array holds the map; unmapped with it
+
+
+def _populate_call():
+    """libc's madvise through ctypes (which lets the GIL go during the call), or None off Linux (the
+    advice's number is Linux's)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def _populate(arrays: list[np.ndarray], madvise, done: threading.Event) -> None:
+    """The thread that makes a cache resident. It holds the arrays (not the cache) until they are in."""
+    try:            # the lowest priority (Linux: per thread): the decode step's threads go first when both run
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (OSError, AttributeError):
+        pass
+    make_resident(arrays, madvise)              # the first array took the advice, so the kernel knows it
+    arrays.clear()                              # the maps go with the cache from now on
+    done.set()
+
+
+def make_resident(arrays: list[np.ndarray], madvise) -> bool:
+    """Fault every page of arrays in (MADV_POPULATE_WRITE); their contents are not touched, so this may
+    run while other threads write them. False when the kernel does not know the advice (before 5.14)."""
+    for a in arrays:
+        if a.nbytes and madvise(a.ctypes.data, a.nbytes, MADV_POPULATE_WRITE) != 0:
+            return False
+    return True
 
 
 class KVCache:
@@ -62,15 +115,30 @@ class KVCache:
         self.rings = [self.ring if li < len(local_layers) and local_layers[li] else 0 for li in range(n_layer)]
         self.held = np.full((n_slots, self.ring), -1, np.int64)
         self._rows = np.zeros(max(1, step_tokens), np.int64)          # store's scratch: ring rows
-        # np.full, not np.zeros: every page is written now, as llama.cpp clears its KV buffer at start.
-        # np.zeros (calloc) leaves each page to its first write, so RSS would creep up for hours as
-        # slots reach positions they never reached before.
         self.k, self.v = [], []
         for ring in self.rings:
             n_rows = ring or n_ctx_slot
-            self.k.append(np.full((n_slots, -(-n_rows // kernels.KT), n_head_kv,
-                                   kernels.k_tile_bytes(type_k, head_dim)), 0, np.uint8))
-            self.v.append(np.full((n_slots, n_rows, n_head_kv, self.row_v), 0, np.uint8))
+            self.k.append(mapped_zeros((n_slots, -(-n_rows // kernels.KT), n_head_kv,
+                                        kernels.k_tile_bytes(type_k, head_dim))))
+            self.v.append(mapped_zeros((n_slots, n_rows, n_head_kv, self.row_v)))
+        self.resident = threading.Event()       # set once every page of the cache is in memory
+        self._make_resident()
+
+    def _make_resident(self) -> None:
+        """Every page of the cache in memory from the start, as llama.cpp clears its KV buffer at start:
+        left to the first writes, RSS would creep up for hours as slots reach positions they never
+        reached before. The kernel faults the pages in (MADV_POPULATE_WRITE) on a thread of its own, the
+        GIL let go, at the lowest priority, while the server starts and serves: a step that writes a page
+        not yet in only faults it in itself. Where the advice is unknown, the pages are written now (np.full's way)."""
+        arrays = [a for a in self.k + self.v if a.nbytes]
+        madvise = _populate_call() if arrays else None
+        if madvise is not None and make_resident(arrays[:1], madvise):
+            threading.Thread(target=_populate, args=(arrays[1:], madvise, self.resident), name="fastserve-kv-resident",
+                             daemon=True).start()
+            return
+        for a in arrays:
+            a.fill(0)
+        self.resident.set()
 
     def bytes_per_token(self) -> int:
         """Bytes one token's KV takes in one slot (every layer, K and V): the size of a saved copy's row."""

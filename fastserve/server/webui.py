@@ -9,7 +9,6 @@ has an API key: the page holds no secret, and asks the user for the key on a 401
 from __future__ import annotations
 
 from functools import cache
-from importlib import resources
 
 from .errors import HttpError
 from .response import Response
@@ -25,6 +24,7 @@ HEADERS = [("cache-control", "no-cache"), ("content-security-policy", CSP), ("x-
 @cache
 def page() -> bytes:
     """The page's bytes, read from the package once."""
+    from importlib import resources     # here: it imports tempfile and zipfile support, not needed to start
     return resources.files(__package__).joinpath("webui.html").read_bytes()
 
 

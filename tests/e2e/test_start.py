@@ -38,5 +38,52 @@ def test_default_model_answers_health_soon_after_start(default_model_file, tmp_p
             assert took - weights < START_BOUND_S, f"/health 200 {took:.2f} s after the start: {line.group(0)}"
             pytest.xfail(f"the weights took {weights:.2f} s of the {took:.2f} s start: {line.group(0)}")
         assert took < START_BOUND_S, f"/health 200 {took:.2f} s after the start: {line.group(0)}"
+        _kv_comes_in(srv)
+    finally:
+        srv.kill()
+
+
+def _kv_comes_in(srv) -> None:
+    """The KV cache made resident after the start line (its pages faulted in on a thread): RSS holds it
+    whole within seconds, so that it does not creep up later as slots reach new positions."""
+    coming = re.search(r"the KV cache's (\d+) MiB being made resident", srv.log())
+    if not coming:
+        return                              # resident before the start line already
+    deadline, rss_mib = time.monotonic() + 20, 0.0
+    while time.monotonic() < deadline:
+        with open(f"/proc/{srv.proc.pid}/status") as f:
+            rss_mib = int(re.search(r"VmRSS:\s+(\d+) kB", f.read()).group(1)) / 1024
+        if rss_mib >= int(coming.group(1)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"RSS {rss_mib:.0f} MiB 20 s after the start, below the KV cache's {coming.group(1)} MiB")
+
+
+# Imported only by the first request that needs them (or by another command), never by the start.
+NOT_AT_START = ("jinja2", "llguidance", "matplotlib", "fastserve.bench", "fastserve.catalog", "zipfile", "tempfile")
+
+
+def _imported(log: str) -> set[str]:
+    """The modules a server run with PYTHONPROFILEIMPORTTIME has imported so far (its log's import lines)."""
+    return {m.group(1) for m in re.finditer(r"^import time:\s+\d+ \|\s+\d+ \|\s+(\S+)", log, re.M)}
+
+
+@pytest.mark.model
+def test_serve_imports_what_a_request_needs_only_when_one_needs_it(default_model_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")      # -X importtime: every import, on the server's stderr
+    srv = ServerProc(default_model_file, tmp_path / "server.log", "-c", "1024", "-np", "2")
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            assert c.get("/health").status_code == 200
+            at_start = _imported(srv.log())
+            assert "fastserve.engine" in at_start and "uvloop" in at_start       # the log does show imports
+            assert not [m for m in at_start if m.split(".")[0] in NOT_AT_START or m.startswith(NOT_AT_START)]
+            chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+            assert c.post("/v1/chat/completions", json=chat).status_code == 200
+            after_chat = _imported(srv.log())
+            assert "jinja2" in after_chat and "llguidance" not in after_chat     # the chat template, compiled now
+            schema = {"prompt": "{", "json_schema": {"type": "object"}, "n_predict": 2}
+            assert c.post("/completion", json=schema).status_code == 200
+            assert "llguidance" in _imported(srv.log())
     finally:
         srv.kill()

@@ -119,3 +119,18 @@ def test_ring_refuses_a_step_longer_than_it_was_sized_for():
         kv.begin_step(np.array([2]), np.array([0]))
     with pytest.raises(ValueError, match="positions >= 0"):
         kv.begin_step(np.array([0]), np.array([-1]))
+
+
+def test_the_cache_is_zeros_resident_from_the_start():
+    """Every page is in memory soon after the cache exists (RSS does not creep up as slots reach new
+    positions), zero, writable, and freed with the cache."""
+    from fastserve.resources import rss_bytes
+    before = rss_bytes()
+    kv = KVCache(4, 8, 4096, HKV, D, "f16", "f16")      # 32 MiB
+    assert kv.resident.wait(30)
+    grown = rss_bytes() - before
+    assert grown >= 0.9 * kv.nbytes(), (grown, kv.nbytes())
+    for a in kv.k + kv.v:
+        assert a.dtype == np.uint8 and a.flags.writeable and a.flags.c_contiguous and not a.any()
+    del kv, a
+    assert rss_bytes() - before < 0.5 * 32 * 2**20

@@ -357,3 +357,20 @@ def test_merge_pairs_fast_path_equals_the_loop():
     # a duplicate, an unknown part, no space after the first character, a leading space, a newline
     messy = ["Ġ t", "h e", "Ġ t", "q zz", "he", "  x", "a\nt", "a t"]
     assert _merge_pairs(messy, vocab) == _merge_pairs_loop(messy, vocab) == [("Ġ", "t"), ("h", "e"), ("a", "t")]
+
+
+def test_bpe_holds_the_merges_the_loop_keeps():
+    """_build_bpe hands cleanly split merges to HF, which checks the vocabulary itself: a merge with an
+    unknown part or merged token sends the whole list through the loop, as a messy one does."""
+    import json
+
+    from fastserve.tokenizer import _build_bpe, _merge_pairs_loop
+
+    vocab = {t: i for i, t in enumerate(gpt2_md()["tokenizer.ggml.tokens"])}
+    unknown_part, unknown_merged = ["Ġ t", "q zz", "h e"], ["Ġ t", "h e", "t Ġ"]
+    for merges in (GPT2_MERGES, unknown_part, unknown_merged, ["Ġ t", "h e", "Ġ t", "  x", "a\nt", "a t"]):
+        hf, unk = _build_bpe(vocab, merges, [r"\s+"], False)
+        assert unk is None
+        held = [tuple(p) if isinstance(p, list) else tuple(p.split(" ", 1))
+                for p in json.loads(hf.to_str())["model"]["merges"]]
+        assert held == _merge_pairs_loop(merges, vocab), merges
