@@ -137,8 +137,8 @@ class App:
         thread: llguidance takes tens of ms for a large schema and much more for a pathological one, which on the
         loop would stall every stream and /health (it drops the GIL while it compiles). An invalid grammar or
         schema is a 400 with the compiler's message. limits (generation.Limits): the wait for a worker and the
-        compile count against the request's queue and total limits, as its wait for a slot does (503 / 504;
-        the compile itself runs on, its result dropped)."""
+        compile count against the request's queue and total limits, which run from its arrival (503 / 504
+        when they run out during the compile, which runs on, its result dropped; Generation.check after)."""
         if not constrain:
             return None
         if self.closing:

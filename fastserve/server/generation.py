@@ -39,8 +39,8 @@ class Delta(NamedTuple):
 
 
 class Generation:
-    __slots__ = ("app", "reader", "request", "n_prompt", "n_probs", "limits", "probs", "t_admit",
-                 "progress_seen", "t_progress", "outcome", "exchange", "_closed", "queued_behind", "settings")
+    __slots__ = ("app", "reader", "request", "n_prompt", "n_probs", "limits", "probs", "t_admit", "progress_seen",
+                 "t_progress", "t_arrival", "outcome", "exchange", "_closed", "queued_behind", "settings")
 
     def __init__(self, app, exchange, ids: list, *, stop: list, limits: Limits, settings: dict | None = None,
                  **submit_kwargs):
@@ -67,6 +67,8 @@ class Generation:
         self.n_prompt = len(ids)
         self.n_probs = submit_kwargs.get("n_probs", 0)
         self.limits = limits
+        # the deadlines run from the request's arrival: its parse and grammar compile count (App.compile)
+        self.t_arrival = exchange.t0 if exchange is not None else self.reader.t_submit
         self.probs: list | None = [] if self.n_probs else None
         self.t_progress = self.reader.t_submit
         self.t_admit = None
@@ -178,13 +180,13 @@ class Generation:
         if self.t_admit is None:
             if self.request.slot >= 0 or reader.count or reader.finished:
                 self._admitted(now)
-            elif self.limits.queue and now - reader.t_submit > self.limits.queue:
+            elif self.limits.queue and now - self.t_arrival > self.limits.queue:
                 self.app.metrics.deadlines.inc(1, "queue")
                 return HttpError(503, f"no slot became free within the queue limit of {self.limits.queue:g} s "
                                       f"({snap.n_running} running, {snap.n_waiting} waiting)")
         if reader.finished:
             return None
-        if self.limits.total and now - reader.t_submit > self.limits.total:
+        if self.limits.total and now - self.t_arrival > self.limits.total:
             self.app.metrics.deadlines.inc(1, "total")
             return HttpError(504, f"the request ran past its time limit of {self.limits.total:g} s")
         slot = self.request.slot

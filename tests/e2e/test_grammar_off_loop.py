@@ -198,3 +198,17 @@ def test_a_compile_counts_against_the_requests_limits(srv, slow_compile, limit, 
         assert 0.3 <= dt < SLOW_S, dt
         assert _metric(c, "fastserve_deadlines_expired_total", kind=kind) == before + 1
 
+
+
+def test_the_total_limit_runs_from_arrival_through_the_compile(srv, monkeypatch):
+    """A 0.25 s compile, then a generation far longer than the rest of a 0.4 s total limit: the 504 comes
+    at 0.4 s from arrival, not 0.4 s after the compile."""
+    _hook(monkeypatch, 0.25)
+    assert srv.idle(10)
+    with httpx.Client(base_url=f"http://{srv.host}:{srv.port}", timeout=30) as c:
+        t0 = time.monotonic()
+        r = c.post("/completion", json={"prompt": "x", "grammar": 'root ::= [a-z]+', "n_predict": 8000,
+                                        "ignore_eos": True, "request_timeout": 0.4})
+        dt = time.monotonic() - t0
+    assert r.status_code == 504 and "time limit" in r.json()["error"]["message"], r.text
+    assert 0.4 <= dt < 0.6, dt
