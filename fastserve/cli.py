@@ -80,7 +80,9 @@ def main(argv=None) -> int:
     _model_args(bp)
     _device_arg(bp)
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "bench" in argv:     # the bench's own flags import its client and load loops: not for the other commands
+    # the bench's own flags import its client and load loops: only for that command (the first word that is
+    # not an option; "bench" as another flag's value does not count)
+    if next((a for a in argv if not a.startswith("-")), None) == "bench":
         from .bench.run import add_arguments
         add_arguments(bp)
 

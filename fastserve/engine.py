@@ -502,14 +502,15 @@ class Engine:
         self.delivery.detach(slot)
         self._release(slot)
         self._jobs[slot] = None
-        self.masks.end(slot)
         if slot in self._erase_on_end:
             self._forget(slot, self._erase_on_end.pop(slot))
 
     def _release(self, slot: int) -> None:
-        """Free the slot; what of its KV prefix a next prompt can reuse is recorded for /slots."""
+        """Free the slot and its grammar mask (if any); what of its KV prefix a next prompt can reuse is
+        recorded for /slots."""
         self.slots.release(slot)
         self.backend.release(slot)
+        self.masks.end(slot)
         self._reuse_from[slot] = self.backend.kv_reuse_from(slot, int(self.slots.n_tokens[slot]))
 
     def _cancel(self, job_id: int) -> None:

@@ -22,6 +22,7 @@ import mmap
 import os
 import sys
 import threading
+import weakref
 
 import numpy as np
 
@@ -70,20 +71,39 @@ def _populate_call():
     return fn
 
 
-def _populate(arrays: list[np.ndarray], madvise, done: threading.Event) -> None:
-    """The thread that makes a cache resident. It holds the arrays (not the cache) until they are in."""
+POPULATE_CHUNK = 64 << 20      # bytes the fill thread faults in per call: it lets a dropped cache go between calls
+
+
+def _populate(refs: list, madvise, done: threading.Event) -> None:
+    """The thread that makes a cache resident, chunk by chunk. It holds weak references to the arrays (a
+    strong one only during a call), so a cache dropped meanwhile is freed and the thread stops. Where the
+    kernel refuses the advice (ENOMEM, EINTR, ...), the rest is written as np.full would. Always sets done."""
     try:            # the lowest priority (Linux: per thread): the decode step's threads go first when both run
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (OSError, AttributeError):
         pass
-    make_resident(arrays, madvise)              # the first array took the advice, so the kernel knows it
-    arrays.clear()                              # the maps go with the cache from now on
-    done.set()
+    try:
+        for ref in refs:
+            for start in range(0, _nbytes(ref), POPULATE_CHUNK):
+                a = ref()
+                if a is None:                   # the cache is gone: nothing left to make resident
+                    return
+                flat = a.reshape(-1)[start:start + POPULATE_CHUNK]
+                if not make_resident([flat], madvise):
+                    flat.fill(0)
+                del a, flat
+    finally:
+        done.set()
+
+
+def _nbytes(ref) -> int:
+    a = ref()
+    return 0 if a is None else a.nbytes
 
 
 def make_resident(arrays: list[np.ndarray], madvise) -> bool:
     """Fault every page of arrays in (MADV_POPULATE_WRITE); their contents are not touched, so this may
-    run while other threads write them. False when the kernel does not know the advice (before 5.14)."""
+    run while other threads write them. False when the kernel refuses (unknown before 5.14, ENOMEM, ...)."""
     for a in arrays:
         if a.nbytes and madvise(a.ctypes.data, a.nbytes, MADV_POPULATE_WRITE) != 0:
             return False
@@ -121,19 +141,21 @@ class KVCache:
             self.k.append(mapped_zeros((n_slots, -(-n_rows // kernels.KT), n_head_kv,
                                         kernels.k_tile_bytes(type_k, head_dim))))
             self.v.append(mapped_zeros((n_slots, n_rows, n_head_kv, self.row_v)))
-        self.resident = threading.Event()       # set once every page of the cache is in memory
+        self.resident = threading.Event()       # set once every page of the cache is in memory (or the fill stopped: the cache was dropped)
         self._make_resident()
 
     def _make_resident(self) -> None:
-        """Every page of the cache in memory from the start, as llama.cpp clears its KV buffer at start:
+        """Every page of the cache in memory soon after the start, as llama.cpp clears its KV buffer at start:
         left to the first writes, RSS would creep up for hours as slots reach positions they never
         reached before. The kernel faults the pages in (MADV_POPULATE_WRITE) on a thread of its own, the
         GIL let go, at the lowest priority, while the server starts and serves: a step that writes a page
-        not yet in only faults it in itself. Where the advice is unknown, the pages are written now (np.full's way)."""
+        not yet in only faults it in itself. Where the advice is unknown, the pages are written now (np.full's
+        way); where the kernel refuses it later, the thread writes them."""
         arrays = [a for a in self.k + self.v if a.nbytes]
         madvise = _populate_call() if arrays else None
         if madvise is not None and make_resident(arrays[:1], madvise):
-            threading.Thread(target=_populate, args=(arrays[1:], madvise, self.resident), name="fastserve-kv-resident",
+            refs = [weakref.ref(a) for a in arrays[1:]]
+            threading.Thread(target=_populate, args=(refs, madvise, self.resident), name="fastserve-kv-resident",
                              daemon=True).start()
             return
         for a in arrays:

@@ -134,3 +134,36 @@ def test_the_cache_is_zeros_resident_from_the_start():
         assert a.dtype == np.uint8 and a.flags.writeable and a.flags.c_contiguous and not a.any()
     del kv, a
     assert rss_bytes() - before < 0.5 * 32 * 2**20
+
+
+def test_the_fill_thread_writes_what_the_kernel_refuses_and_stops_for_a_dropped_cache():
+    """_populate: an advice refused (ENOMEM, EINTR, ...) has its chunk written instead; a cache dropped
+    before its turn is not touched (weak references); done is set whatever happens, an error included."""
+    import threading
+    import weakref
+
+    from fastserve.backends import kv_cache as kvc
+    calls = []
+
+    def refuse(ptr, n, advice):
+        calls.append(n)
+        return -1
+
+    a = kvc.mapped_zeros((3, kvc.POPULATE_CHUNK // 2))          # 1.5 chunks: two calls
+    done = threading.Event()
+    kvc._populate([weakref.ref(a)], refuse, done)
+    assert done.is_set() and calls == [kvc.POPULATE_CHUNK, kvc.POPULATE_CHUNK // 2] and not a.any()
+    b = kvc.mapped_zeros((1 << 20,))
+    ref, calls[:] = weakref.ref(b), []
+    del b
+    done = threading.Event()
+    kvc._populate([ref], refuse, done)
+    assert done.is_set() and calls == []
+
+    def boom(ptr, n, advice):
+        raise OSError("madvise went wrong")
+
+    done = threading.Event()
+    with pytest.raises(OSError):
+        kvc._populate([weakref.ref(a)], boom, done)
+    assert done.is_set()
