@@ -68,7 +68,7 @@ class Generation:
         self.n_probs = submit_kwargs.get("n_probs", 0)
         self.limits = limits
         # the deadlines run from the request's arrival: its parse and grammar compile count (App.compile)
-        self.t_arrival = exchange.t0 if exchange is not None else self.reader.t_submit
+        self.t_arrival = getattr(exchange, "t0", None) or self.reader.t_submit
         self.probs: list | None = [] if self.n_probs else None
         self.t_progress = self.reader.t_submit
         self.t_admit = None
