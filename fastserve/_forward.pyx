@@ -345,50 +345,50 @@ cdef class Forward:
         else:
             stage(&self.f, 0, n)
 
+    cdef inline int _product(self, const float *x, int64_t ldx, int64_t n, const fs_matrix *w, float *y,
+                             int64_t ldy, int phase) noexcept nogil:
+        """y = x . w^T (Matmul.run), its time to phase; < 0: out of memory."""
+        cdef int rc = self.mm.run(x, ldx, n, w, y, ldy)
+        self._lap(phase)
+        return rc
+
+    cdef inline void _stage(self, fs_task_fn stage, int64_t n) noexcept nogil:
+        """An element-wise stage over rows [0, n) (_rows), its time to the element-wise phase."""
+        self._rows(stage, n)
+        self._lap(2)
+
     cdef int _run(self, int64_t n, int64_t m) noexcept nogil:
         cdef fs_fwd *f = &self.f
         cdef const fs_layer *L
         cdef int64_t li, wq = f.q_dim + 2 * f.kv_dim
         if self.profile:
             self._mark = _now()
-        self._rows(_embed, n)
-        self._lap(2)
+        self._stage(_embed, n)
         for li in range(f.n_layer):
             L = &f.layers[li]
             f.layer, f.next = L, (&f.layers[li + 1] if li + 1 < f.n_layer else NULL)
-            if self.mm.run(f.h, f.d, n, &L.wqkv, f.qkv, wq) < 0:
+            if self._product(f.h, f.d, n, &L.wqkv, f.qkv, wq, 0) < 0:
                 return -1
-            self._lap(0)
-            self._rows(_qkv, n)
-            self._lap(2)
+            self._stage(_qkv, n)
             if self.attn.run(f.q, n, f.H, &L.kv, f.slots, f.pos, f.att, f.attn_scale, L.window) < 0:
                 return -1
             self._lap(1)
-            if self.mm.run(f.att, f.q_dim, n, &L.wo, f.y, f.d) < 0:
+            if self._product(f.att, f.q_dim, n, &L.wo, f.y, f.d, 0) < 0:
                 return -1
-            self._lap(0)
-            self._rows(_attn_out, n)
-            self._lap(2)
-            if self.mm.run(f.h, f.d, n, &L.wgu, f.gu, 2 * f.n_ff) < 0:
+            self._stage(_attn_out, n)
+            if self._product(f.h, f.d, n, &L.wgu, f.gu, 2 * f.n_ff, 0) < 0:
                 return -1
-            self._lap(0)
-            self._rows(_glu, n)
-            self._lap(2)
-            if self.mm.run(f.act, f.n_ff, n, &L.wdown, f.y, f.d) < 0:
+            self._stage(_glu, n)
+            if self._product(f.act, f.n_ff, n, &L.wdown, f.y, f.d, 0) < 0:
                 return -1
-            self._lap(0)
-            self._rows(_ffn_out, n)
-            self._lap(2)
+            self._stage(_ffn_out, n)
         if m == 0:
             return 0
-        self._rows(_out_norm, m)
-        self._lap(2)
-        if self.mm.run(f.h, f.d, m, &f.output, f.logits, f.ld_logits) < 0:
+        self._stage(_out_norm, m)
+        if self._product(f.h, f.d, m, &f.output, f.logits, f.ld_logits, 3) < 0:
             return -1
-        self._lap(3)
         if f.softcap > 0:
-            self._rows(_softcap, m)
-            self._lap(2)
+            self._stage(_softcap, m)
         return 0
 
 

@@ -1,4 +1,5 @@
-"""Which free slot a waiting request takes: prefix reuse by longest reusable prefix (ints only).
+"""Which free slot a waiting request takes: prefix reuse by longest reusable prefix (the slot table's ints, and
+the backend asked through `reusable` what a sliding window still holds).
 
 Like llama.cpp's slot selection: the free slot whose cached tokens share the
 longest prefix with the prompt, when that prefix is more than `similarity` of
