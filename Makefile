@@ -63,4 +63,4 @@ bench: build
 	$(BIN)/python -m pytest -q bench --benchmark-only
 
 clean:
-	rm -rf build $(VENV) *.egg-info fastserve/*.so fastserve/*.c
+	rm -rf build $(VENV) *.egg-info; find fastserve \( -name "*.so" -o -name "*.c" \) -delete

@@ -37,6 +37,18 @@ class BuildExtParallel(build_ext):
         if not self.parallel:
             self.parallel = os.cpu_count() or 1
 
+CPU = os.path.join("fastserve", "backends", "cpu")
+# The CPU backend's native modules: (headers they include, extra compiler flags). Their float operations
+# are specified one by one (batch invariance, bit parity with their twins in backends/cpu/ref/): no fused
+# multiply-add. -fno-trapping-math changes no result (only whether FP exceptions may be raised): it lets
+# GCC vectorise the selects of exp2 / sigmoid in _forward (else "control flow in loop").
+CPU_NATIVE = {
+    "fastserve.backends.cpu._matmul": (("_matmul_kernels.h", "_matmul_fused.h", "_gguf_blocks.h"), ("-ffp-contract=off",)),
+    "fastserve.backends.cpu._attention": (("_attention_kernels.h", "_attention_simd.h"), ("-ffp-contract=off",)),
+    "fastserve.backends.cpu._forward": (("_layer_ops.h", "_attention_kernels.h", "_attention_simd.h", "_matmul.pxd",
+                                         "_attention.pxd"), ("-ffp-contract=off", "-fno-trapping-math")),
+}
+
 
 def extensions():
     macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
@@ -48,34 +60,19 @@ def extensions():
         macros.append(("CYTHON_TRACE_NOGIL", "1"))
     args = ["-O0", "-g"] if DEBUG else ["-O3"]
     exts = []
-    pyxs = sorted(glob.glob(os.path.join("fastserve", "*.pyx")))
+    pyxs = sorted(glob.glob(os.path.join("fastserve", "**", "*.pyx"), recursive=True))
     if FAULTS:
         # Only _faults differs in a fault build: tests/faults/launch.py takes each extension from the
         # fault build where it is there, else the normal one, so the others need not be built twice.
         pyxs = [os.path.join("fastserve", "_faults.pyx")]
     for pyx in pyxs:
-        name = "fastserve." + os.path.splitext(os.path.basename(pyx))[0]
-        # Helper threads (the decode thread's Pool, _pool.h): pthreads.
+        name = os.path.splitext(pyx)[0].replace(os.sep, ".")
+        # Helper threads (the decode thread's Pool, backends/cpu/_pool.h): pthreads.
         ext_args, link_args = list(args) + ["-pthread"], ["-pthread"]
-        depends = [os.path.join("fastserve", "_pool.h"), os.path.join("fastserve", "_pool.pxd")]
-        if name == "fastserve._matmul":
-            depends += [os.path.join("fastserve", h) for h in ("_matmul_kernels.h", "_matmul_fused.h", "_gguf_blocks.h")]
-            # Its float sums are specified operation by operation (batch invariance, parity with the
-            # NumPy twin): no fused multiply-add.
-            ext_args += ["-ffp-contract=off"]
-        if name == "fastserve._attention":
-            depends += [os.path.join("fastserve", "_attention_kernels.h"), os.path.join("fastserve", "_attention_simd.h")]
-            # The same: every float operation of attention is specified (twin: fastserve/ref/attention.py).
-            ext_args += ["-ffp-contract=off"]
-        if name == "fastserve._forward":
-            depends += [os.path.join("fastserve", h) for h in ("_layer_ops.h", "_attention_kernels.h", "_attention_simd.h",
-                                                               "_matmul.pxd", "_attention.pxd")]
-            # The element-wise operations are specified operation by operation too (twin: fastserve/ref/layer_ops.py).
-            # -fno-trapping-math changes no result (only whether FP exceptions may be raised): it lets GCC
-            # vectorise the selects of exp2 / sigmoid (else "control flow in loop").
-            ext_args += ["-ffp-contract=off", "-fno-trapping-math"]
-        exts.append(Extension(name, [pyx], define_macros=macros, extra_compile_args=ext_args,
-                              extra_link_args=link_args, depends=depends))
+        depends, extra = CPU_NATIVE.get(name, ((), ()))
+        exts.append(Extension(name, [pyx], define_macros=macros, extra_compile_args=ext_args + list(extra),
+                              extra_link_args=link_args,
+                              depends=[os.path.join(CPU, f) for f in ("_pool.h", "_pool.pxd") + depends]))
     return cythonize(
         exts,
         nthreads=os.cpu_count() or 1,        # Cython's C generation, one module per process

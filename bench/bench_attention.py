@@ -3,7 +3,7 @@
 The default model's shapes (30 layers, 9 query heads, 3 KV heads, head_dim 64; --kv f16 by default), a
 cache of random keys and values per layer: one decode row at each --positions, all layers' attention
 calls, on 1 and 2 threads; then a --prefill-token prompt in chunks of 512 through attention. This
-tree's fastserve._attention and, with --before TREE, that tree's built extension loaded beside it take
+tree's fastserve.backends.cpu._attention and, with --before TREE, that tree's built extension loaded beside it take
 turns, round by round (noisy shared machines: only ratios from one run mean anything). Reported: the
 minimum and the 10th percentile over --rounds, and the KV bytes read per second at the minimum. On one
 thread the clock is the thread's CPU time (other processes' turns on the core do not count); on two,
@@ -22,20 +22,20 @@ import time
 
 import numpy as np
 
-import fastserve._attention as this_tree
-from fastserve._pool import Pool
+import fastserve.backends.cpu._attention as this_tree
+from fastserve.backends.cpu._pool import Pool
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 CHUNK = 512
 
 
 def load_tree(tree: str):
-    """Another tree's built fastserve._attention, loaded beside this one (its own copy of the module)."""
+    """Another tree's built fastserve.backends.cpu._attention, loaded beside this one (its own copy of the module)."""
     paths = glob.glob(os.path.join(tree, "fastserve", "_attention.*.so"))
     if not paths:
-        raise SystemExit(f"{tree}: no built fastserve/_attention.*.so (build it in place first)")
-    loader = importlib.machinery.ExtensionFileLoader("fastserve._attention", paths[0])
-    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("fastserve._attention", loader))
+        raise SystemExit(f"{tree}: no built fastserve/backends/cpu/_attention.*.so (build it in place first)")
+    loader = importlib.machinery.ExtensionFileLoader("fastserve.backends.cpu._attention", paths[0])
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader("fastserve.backends.cpu._attention", loader))
     loader.exec_module(module)
     return module
 

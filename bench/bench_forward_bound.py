@@ -4,7 +4,7 @@ Bound = bytes of weight a token reads, as the GGUF stores them (every block tens
 the output matrix: token_embd when the output is tied to it, else output.weight plus one row of
 token_embd) / this machine's read bandwidth, measured in the same run with the same threads: a NumPy
 sum over 256 MB, by 1 thread and by 2 threads each summing its half. The forward pass is the backend's
-own (fastserve.backends.numpy_backend.NumpyBackend with its defaults but the threads), one slot
+own (fastserve.backends.cpu.backend.CpuBackend with its defaults but the threads), one slot
 holding 64 tokens of context, one token decoded.
 Bandwidth and forward pass take turns in every round; the ratio is the median over rounds of
 (forward median / bound) measured in the same round. Bar: ratio <= 1.3.
@@ -69,9 +69,9 @@ class ReadBandwidth:
 
 
 def make_backend(model, threads: int):
-    """A NumpyBackend of one slot whose KV holds N_CTX_FILLED tokens."""
-    from fastserve.backends.numpy_backend import NumpyBackend
-    be = NumpyBackend(model.config, model.weights, 1, 2 * N_CTX_FILLED, threads=threads)
+    """A CpuBackend of one slot whose KV holds N_CTX_FILLED tokens."""
+    from fastserve.backends.cpu.backend import CpuBackend
+    be = CpuBackend(model.config, model.weights, 1, 2 * N_CTX_FILLED, threads=threads)
     toks = np.random.default_rng(0).integers(0, model.config.n_vocab, N_CTX_FILLED).astype(np.int32)
     be.forward(toks, np.arange(N_CTX_FILLED, dtype=np.int32), np.zeros(N_CTX_FILLED, np.int32), np.arange(0))
     return be

@@ -124,7 +124,7 @@ def report(out: dict) -> str:
 
 
 def test_http_load(benchmark):
-    from fastserve.default_model import default_model_path
+    from fastserve.models.default_model import default_model_path
     out = benchmark.pedantic(run, args=(default_model_path(),), kwargs={"seconds": 20.0}, rounds=1, iterations=1)
     print("\n" + report(out))
     benchmark.extra_info.update({"ratio": out["ratio"], "rows": out["rows"], "probes": out["probes"]})
@@ -138,7 +138,7 @@ def main() -> None:
     ap.add_argument("--clients", default="1,8,32")
     ap.add_argument("-t", "--threads", type=int, default=1)
     a = ap.parse_args()
-    from fastserve.default_model import default_model_path
+    from fastserve.models.default_model import default_model_path
     out = run(a.model or default_model_path(), tuple(int(x) for x in a.clients.split(",")), a.seconds, a.warmup,
               a.threads)
     print(report(out))

@@ -4,7 +4,7 @@ rounding of RMSNorm / SiLU / GELU (each a few ulp at most) keeps every prompt wi
 Run: python bench/bench_layer_op_variants.py VARIANT [VARIANT ...]   (one process per variant is simplest)
      variants: see VARIANTS (integ3: the twins as committed; main: main's NumPy ops)
 
-Each variant replaces fastserve.ref.layer_ops' functions and runs the reference forward (NumpyBackend with
+Each variant replaces fastserve.backends.cpu.ref.layer_ops' functions and runs the reference forward (CpuBackend with
 reference=True, the same products and attention as the C forward) through the checks of
 tests/golden/test_model_math.py (default model, KV cache f16 and f32) and tests/golden/test_families.py
 (Gemma 3 270M and the synthetic families when ../shared has them), printing for each: teacher-forced top-1
@@ -63,8 +63,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # the repository: tests.reference_data
 
 import fastserve  # noqa: E402
-from fastserve.backends import numpy_backend  # noqa: E402
-from fastserve.ref import forward as ref_forward, layer_ops as L  # noqa: E402
+from fastserve.backends.cpu import backend as numpy_backend  # noqa: E402
+from fastserve.backends.cpu.ref import forward as ref_forward, layer_ops as L  # noqa: E402
 from tests.golden.test_families import KNOWN_FLIPS, NEAR_TIE, teacher_forced_scores  # noqa: E402
 from tests.reference_data import DEFAULT_MODEL_REFERENCE, GOLDEN_DATA, SHARED_REFERENCE, load_reference  # noqa: E402
 
@@ -235,7 +235,7 @@ VARIANTS = {
 
 def use_variant(name: str) -> None:
     """Replace the twins' functions (in layer_ops and where ref.forward imported them) and make every
-    NumpyBackend run the reference forward."""
+    CpuBackend run the reference forward."""
     for fn_name, fn in VARIANTS[name].items():
         setattr(L, fn_name, fn)
         if hasattr(ref_forward, fn_name):
@@ -247,12 +247,12 @@ def use_variant(name: str) -> None:
             flat = x.reshape(-1, x.shape[2])
             norm(flat, w, eps, out=flat)
         L.head_norm = ref_forward.head_norm = head_norm
-    init = numpy_backend.NumpyBackend.__init__
+    init = numpy_backend.CpuBackend.__init__
 
     def reference_init(self, *args, **kwargs):
         kwargs["reference"] = True
         init(self, *args, **kwargs)
-    numpy_backend.NumpyBackend.__init__ = reference_init
+    numpy_backend.CpuBackend.__init__ = reference_init
 
 
 def free_greedy(model, ref, prompts, n_ctx, cache_type="f16"):
@@ -296,7 +296,7 @@ def run(variant: str, families) -> None:
               f"{_show(free_greedy(model, ref, prompts, 2048, ct))}", flush=True)
     for name in families:
         if name == "gemma3":
-            from fastserve.catalog import model_path
+            from fastserve.models.catalog import model_path
             path = model_path("gemma3-270m")
             fref = load_reference(GOLDEN_DATA / "gemma3_270m_q4km_llamacpp_greedy.json")
         else:

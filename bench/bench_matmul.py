@@ -1,14 +1,14 @@
-"""The matrix products on the GGUF file's blocks (fastserve._matmul), on the default model.
+"""The matrix products on the GGUF file's blocks (fastserve.backends.cpu._matmul), on the default model.
 
 Run: python bench/bench_matmul.py [--model PATH] [--rounds 5] [--busy] [--old-so PATH]
      pytest bench/bench_matmul.py --benchmark-only -p no:cacheprovider -s
 
 Prints (1) each weight matrix's product at n = 1, 2, 4, 8, 32 rows for every kernel this machine runs
 (GB/s of file bytes streamed; at n <= 4 the fused kernels where the type has one, and the staging
-path beside them), beside the int8-copy kernels of an older build of fastserve._matmul (--old-so:
+path beside them), beside the int8-copy kernels of an older build of fastserve.backends.cpu._matmul (--old-so:
 its .so; the matrix repacked from the same exact blocks) when given, and every fused type on random
 2048 x 2048 blocks at n = 1, 2, 4, fused and staged; (2) a batch-1 step's products alone (every matrix
-once, from memory) against the floor; (3) a decode step of the whole model (NumpyBackend.forward, 32
+once, from memory) against the floor; (3) a decode step of the whole model (CpuBackend.forward, 32
 slots holding 64 tokens each) at batch 1, 8 and 32 on 1 and 2 threads (batch 1 also staged), with the
 machine's read bandwidth measured in the same run (a NumPy sum over 256 MB, on 1 and 2 threads) and
 the floor it sets for batch 1 (weight bytes / bandwidth); (4) where a batch-1 step's time goes
@@ -33,7 +33,7 @@ import pytest
 BATCHES = (1, 8, 32)
 MATRIX_BATCHES = (1, 2, 4, 8, 32)
 CONFIGS = (1, 2)                    # threads
-FUSED_MAX_N = 4                     # batches also measured staged (fastserve._matmul.FUSED_MAX_N)
+FUSED_MAX_N = 4                     # batches also measured staged (fastserve.backends.cpu._matmul.FUSED_MAX_N)
 N_CTX_FILLED = 64
 SETTLE_S = 0.1
 
@@ -68,7 +68,7 @@ def load_old(path: str):
 
 def _old_matrix(old, w):
     """The old int8-copy matrix of BlockMatrix w (exact blocks, as the old loader packed them)."""
-    from fastserve.ref import blocks as B
+    from fastserve.models import blocks as B
     qs, ds, ms = [], [], []
     for t, arr, rows in zip(w.types, w.arrays, w.part_rows):
         b = B.decode(t, arr, rows, w.n_in)
@@ -81,7 +81,7 @@ def _old_matrix(old, w):
 
 def matrix_table(model, reps: int = 5, old=None) -> list[str]:
     """Per matrix and n: microseconds and GB/s of every kernel (1 thread), and of the old int8 copies."""
-    from fastserve import _matmul
+    from fastserve.backends.cpu import _matmul
 
     lw = model.weights.layers[0]
     mats = [("wqkv", lw.wqkv), ("wo", lw.wo), ("w_gate_up", lw.w_gate_up), ("w_down", lw.w_down),
@@ -115,7 +115,7 @@ def matrix_table(model, reps: int = 5, old=None) -> list[str]:
 
 def random_matrix(type_name: str, n_out: int = 2048, n_in: int = 2048, seed: int = 0):
     """A BlockMatrix of random blocks of type_name whose f16 scales are ordinary numbers."""
-    from fastserve import _matmul
+    from fastserve.backends.cpu import _matmul
     per, nbytes, _ = _matmul.type_info(type_name)
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (n_out, n_in // per, nbytes), dtype=np.uint8)
@@ -130,7 +130,7 @@ def random_matrix(type_name: str, n_out: int = 2048, n_in: int = 2048, seed: int
 def type_table(reps: int = 7) -> list[str]:
     """Per fused type (random 2048 x 2048 blocks, warm caches, 1 thread): GB/s of file bytes at n =
     1, 2, 4, the fused kernels (where they run at that n) beside the staging path."""
-    from fastserve import _matmul
+    from fastserve.backends.cpu import _matmul
     best = _matmul.best_isa()
     rng = np.random.default_rng(1)
     lines = [f"per type, 2048 x 2048, 1 thread, {best}: GB/s of file bytes, fused / staged (ratio)"]
@@ -150,8 +150,8 @@ def step_products(model, rounds: int = 9) -> list[str]:
     """A batch-1 step's products alone (every matrix of the model once, in the forward's order, so
     the weights come from memory as in a step) on 1 and 2 threads, fused and staged, against the
     floor weight bytes / read bandwidth measured between them with the same threads."""
-    from fastserve import _matmul
-    from fastserve._pool import Pool
+    from fastserve.backends.cpu import _matmul
+    from fastserve.backends.cpu._pool import Pool
     w = model.weights
     mats = [getattr(lw, k) for lw in w.layers for k in ("wqkv", "wo", "w_gate_up", "w_down")] + [w.output]
     total = sum(m.nbytes for m in mats)
@@ -188,10 +188,10 @@ def _best(fn, reps: int) -> float:
 
 
 def make_backend(model, threads: int):
-    from fastserve.backends.numpy_backend import NumpyBackend
+    from fastserve.backends.cpu.backend import CpuBackend
 
     cfg = model.config
-    be = NumpyBackend(cfg, model.weights, 32, 256, threads=threads)
+    be = CpuBackend(cfg, model.weights, 32, 256, threads=threads)
     rng = np.random.default_rng(0)
     for s in range(32):
         toks = rng.integers(0, cfg.n_vocab, N_CTX_FILLED).astype(np.int32)
@@ -296,10 +296,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--busy", action="store_true", help="also measure beside a process that keeps a core busy")
     ap.add_argument("--no-matrices", action="store_true", help="skip the per-matrix table")
-    ap.add_argument("--old-so", help="an older build's fastserve/_matmul*.so (int8 copies) to compare with")
+    ap.add_argument("--old-so", help="an older build's fastserve/backends/cpu/_matmul*.so (int8 copies) to compare with")
     args = ap.parse_args(argv)
     import fastserve
-    from fastserve import _matmul
+    from fastserve.backends.cpu import _matmul
 
     model = fastserve.load_model(args.model)
     print(f"model {model.name}; kernels here: {', '.join(_matmul.isas())} (auto: {_matmul.best_isa()}); "

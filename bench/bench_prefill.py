@@ -19,7 +19,7 @@ prompt length of every system (matplotlib, Agg).
 Run: python bench/bench_prefill.py --llama-server /work/llama-peer/build/bin/llama-server --threads 2 \
          --repeat 2 --json /tmp/prefill.json --plot /tmp/prefill.png
 Without a llama-server binary it says why and measures fastserve alone. Gemma 3 at long context:
-    python bench/bench_prefill.py -m "$(python -c 'from fastserve.catalog import model_path; print(model_path("gemma3-270m"))')" \
+    python bench/bench_prefill.py -m "$(python -c 'from fastserve.models.catalog import model_path; print(model_path("gemma3-270m"))')" \
          -c 16384 --sizes 2000,8000 --decode-context 8000 --llama-server /work/llama-peer/build/bin/llama-server
 On a machine whose cores other processes share, use --threads 1: llama-server's threads wait on each other
 (at -t 2 on 2 busy cores its decoding fell to 0.7-18 tok/s from 45 at -t 1).
@@ -56,7 +56,7 @@ def prompt_ids(tokenizer, n: int) -> list:
 def worker(threads: int, model_file: str, n_ctx: int) -> None:
     import numpy as np
     import fastserve
-    from fastserve.backends import numpy_backend
+    from fastserve.backends.cpu import backend as numpy_backend
 
     model = fastserve.load_model(model_file)
     kw = {"threads": threads}
@@ -95,7 +95,7 @@ def _decode_rate(engine, tokenizer, n_context: int, n_gen: int) -> dict:
 def _attention_share(model, nb, n_slots: int, n_held: int, threads: int, np) -> dict:
     """ms of a decode step and of its attention calls, each slot holding n_held tokens."""
     cfg = model.config
-    be = nb.NumpyBackend(cfg, model.weights, n_slots, max(n_held + 16, 64), threads=threads)
+    be = nb.CpuBackend(cfg, model.weights, n_slots, max(n_held + 16, 64), threads=threads)
     spent = [0.0]
 
     def timed(f):

@@ -6,8 +6,8 @@ Run: python bench/bench_rounding_sensitivity.py      (Gemma 3 270M Q4_K_M, pulle
         (a llama-server on the same file, started with the flags to try: llama.cpp against its own record)
 
 Teacher forces the 13 prompts of tests/golden/data/gemma3_270m_q4km_llamacpp_greedy.json (prompt +
-llama.cpp's 48 tokens) through NumpyBackend with three kinds of matrix product:
-    C        fastserve._matmul, as the golden test (int8 activations, one float32 scale per 32)
+llama.cpp's 48 tokens) through CpuBackend with three kinds of matrix product:
+    C        fastserve.backends.cpu._matmul, as the golden test (int8 activations, one float32 scale per 32)
     reorder  the SAME int8 activations and the same weights, the products summed in another float32
              order (BLAS on the decoded values): a change in the last bits of each product only
     float    float32 activations (no activation rounding): the smooth function the int8 ones approximate
@@ -43,8 +43,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # the repository: tests.reference_data
 
 import fastserve  # noqa: E402
-from fastserve._matmul import quantize_rows  # noqa: E402
-from fastserve.backends.numpy_backend import NumpyBackend  # noqa: E402
+from fastserve.backends.cpu._matmul import quantize_rows  # noqa: E402
+from fastserve.backends.cpu.backend import CpuBackend  # noqa: E402
 from tests.reference_data import GOLDEN_DATA, load_reference  # noqa: E402
 
 NEAR_TIE = 0.02
@@ -91,7 +91,7 @@ def teacher_forced(model, ref, product=None):
     for case in ref["completions"]:
         prompt = case["prompt_token_ids_add_special_true"]
         ids = np.asarray(prompt + case["generated_token_ids"], np.int32)
-        backend = NumpyBackend(model.config, model.weights, n_slots=1, n_ctx_slot=len(ids))
+        backend = CpuBackend(model.config, model.weights, n_slots=1, n_ctx_slot=len(ids))
         if product is not None:
             backend._mm = product
         rows = np.array([len(prompt) - 1 + e["pos"] for e in case["top5_per_position"]], np.int32)
@@ -152,7 +152,7 @@ def main():
     if args.llama_url:
         print(f"llama-server at {args.llama_url} vs the reference: {compare(ref, llama_server_run(args.llama_url, ref))}")
         return
-    from fastserve.catalog import model_path
+    from fastserve.models.catalog import model_path
     model = fastserve.load_model(model_path("gemma3-270m"))
     runs = {"C": teacher_forced(model, ref), "reorder": teacher_forced(model, ref, BlasProduct(True)),
             "float": teacher_forced(model, ref, BlasProduct(False))}

@@ -176,7 +176,7 @@ def report(out: dict) -> str:
 
 
 def test_start_to_health(benchmark):
-    from fastserve.default_model import default_model_path
+    from fastserve.models.default_model import default_model_path
     out = benchmark.pedantic(run, args=(default_model_path(),),
                              kwargs={"rounds": 3, "llama_server": os.environ.get("FASTSERVE_LLAMA_SERVER"),
                                      "llama_commit": os.environ.get("FASTSERVE_LLAMA_COMMIT")},
@@ -200,7 +200,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.model is None:
         sys.path.insert(0, str(REPO))
-        from fastserve.default_model import default_model_path
+        from fastserve.models.default_model import default_model_path
         a.model = default_model_path()
     print(report(run(a.model, a.rounds, a.llama_server, tuple(a.tree), a.llama_commit, a.first_request)))
 

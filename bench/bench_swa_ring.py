@@ -1,4 +1,4 @@
-"""Gemma 3 270M's KV memory with the local layers in rings (backends/kv_cache.py) against every layer
+"""Gemma 3 270M's KV memory with the local layers in rings (backends/cpu/kv_cache.py) against every layer
 keeping every position (what fastserve did before): KV bytes and process RSS of an engine at
 `-np 1 -c 32768`, each in its own process, and decode tokens/s of both side by side in one process
 (a prompt of --prompt tokens, then --rounds x --gen decode steps of the two backends alternating, their
@@ -17,8 +17,8 @@ import time
 import numpy as np
 
 import fastserve
-from fastserve.backends import kv_cache, numpy_backend
-from fastserve.catalog import model_path
+from fastserve.backends.cpu import kv_cache, backend as numpy_backend
+from fastserve.models.catalog import model_path
 from fastserve.resources import rss_bytes
 
 MIB = 1 << 20
@@ -61,7 +61,7 @@ def speed(ctx: int, n_prompt: int, n_gen: int, rounds: int, threads: int) -> dic
     for name, ring in (("every position", False), ("ring", True)):
         numpy_backend.KVCache = kv_cache.KVCache if ring else _EveryPosition
         try:
-            backends[name] = numpy_backend.NumpyBackend(cfg, w, 1, ctx, threads=threads, max_tokens=512)
+            backends[name] = numpy_backend.CpuBackend(cfg, w, 1, ctx, threads=threads, max_tokens=512)
         finally:
             numpy_backend.KVCache = kv_cache.KVCache
     rng = np.random.default_rng(7)

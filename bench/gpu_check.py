@@ -174,7 +174,7 @@ def phase_build(c: Check) -> dict:
 
 
 def phase_nvcc(c: Check) -> dict:
-    from fastserve.backends.kernels import nvcc_available
+    from fastserve.backends.cuda.kernels import nvcc_available
     nvcc = nvcc_available()
     if nvcc is None:
         return {"status": "failed", "error": "nvcc not found"}
@@ -211,7 +211,7 @@ def phase_stash(c: Check) -> dict:
 
 
 def phase_model(c: Check) -> dict:
-    from fastserve.default_model import FILENAME, SHA256, SIZE, home
+    from fastserve.models.default_model import FILENAME, SHA256, SIZE, home
     path = os.environ.get("FASTSERVE_MODEL") or os.path.join(home(), FILENAME)
     if not os.path.isfile(path):
         parts = _model_parts()
@@ -366,7 +366,7 @@ def _graph_device_ms(be, b: int, reps: int = 30) -> float:
 def phase_timing(c: Check) -> dict:
     import numpy as np
     import cupy as cp
-    from fastserve.backends.cupy_backend import CupyBackend
+    from fastserve.backends.cuda.backend import CupyBackend
     bw = c.results.get("bandwidth_Bps")
     rows = c.results["timing"] = []          # filled as rows are measured, saved after each
     c.results["models"] = {}
@@ -436,7 +436,7 @@ def _kernel_breakdown(be) -> dict:
     """Device microseconds per launcher over one eager batch-1 step (events around each call), summed
     by launcher: where the step's time goes, for the next change."""
     import numpy as np
-    from fastserve.backends import kernels as K
+    from fastserve.backends.cuda import kernels as K
     cp = be.cp
     # norm_gemm / norm_gemm_swiglu: the fused launches at batch 1 (their cuBLAS fallback, which calls
     # rms_norm / gemm / swiglu and would be counted twice, is not taken here).
@@ -500,7 +500,7 @@ def phase_engine(c: Check) -> dict:
 def phase_pool(c: Check) -> dict:
     import numpy as np
     import cupy as cp
-    from fastserve.backends.cupy_backend import CupyBackend
+    from fastserve.backends.cuda.backend import CupyBackend
     label, model = _load_models(c)[-1]
     be = CupyBackend(model.config, model.weights, n_slots=32, n_ctx_slot=1024 if not c.dry else 64, max_tokens=512)
     pool, pinned = cp.get_default_memory_pool(), cp.get_default_pinned_memory_pool()
@@ -526,7 +526,7 @@ def phase_pool(c: Check) -> dict:
 def _gemma3_model(c: Check):
     """(label, Model): the pulled Gemma 3 270M when it is here (not in a dry run), else a synthetic one."""
     import fastserve
-    from fastserve.catalog import GEMMA3_270M
+    from fastserve.models.catalog import GEMMA3_270M
     from fastserve.models.synthetic import write_llama_gguf
     real = os.environ.get("FASTSERVE_GEMMA3_MODEL") or GEMMA3_270M.path()
     if not c.dry and os.path.isfile(real) and os.path.getsize(real) == GEMMA3_270M.size:
@@ -559,8 +559,8 @@ def _gemma3_steps(be, prompts, n_steps: int) -> list:
 def phase_gemma3(c: Check) -> dict:
     import numpy as np
     import cupy as cp
-    from fastserve.backends.cupy_backend import CupyBackend
-    from fastserve.backends.numpy_backend import NumpyBackend
+    from fastserve.backends.cuda.backend import CupyBackend
+    from fastserve.backends.cpu.backend import CpuBackend
     from tests.gpu.helpers import rel_err, rounded_weights
     label, model = _gemma3_model(c)
     cfg = model.config
@@ -572,9 +572,9 @@ def phase_gemma3(c: Check) -> dict:
     t = time.monotonic()
     threads = max(1, min(8, os.cpu_count() or 1))
     # the CPU backend in float32 (weights dequantized: no int8 activations), and on the file's own blocks
-    want = _gemma3_steps(NumpyBackend(cfg, rounded_weights(model.weights, "f32"), len(prompts), n_ctx,
+    want = _gemma3_steps(CpuBackend(cfg, rounded_weights(model.weights, "f32"), len(prompts), n_ctx,
                                       threads=threads), prompts, 4)
-    file_cpu = _gemma3_steps(NumpyBackend(cfg, model.weights, len(prompts), n_ctx, threads=threads), prompts, 4)
+    file_cpu = _gemma3_steps(CpuBackend(cfg, model.weights, len(prompts), n_ctx, threads=threads), prompts, 4)
     info: dict = {"model": label, "window": window, "local_layers": sum(cfg.local_layers), "n_layer": cfg.n_layer,
                   "prompt_tokens": [len(p) for p in prompts], "cpu_backend_s": time.monotonic() - t}
     for dtype in ("f16", "bf16"):

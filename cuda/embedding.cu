@@ -1,5 +1,5 @@
 // Embedding rows: x[t, :] = table[tokens[t], :] as float32, times scale (gemma3: sqrt(n_embd); 1 elsewhere),
-// one float32 multiplication as fastserve/ref/forward.py makes it.
+// one float32 multiplication as fastserve/backends/cpu/ref/forward.py makes it.
 //
 // table: [n_vocab, d] in the weights' storage type (the same device array as the output matrix when
 // the model ties them); tokens: int32 [n]; x: float32 [n, d] (the residual stream).

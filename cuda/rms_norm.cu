@@ -7,7 +7,7 @@
 //
 // rms_norm_add_f32: x[r, :] += y[r, :] / sqrt(mean(y[r, :]^2) + eps) * w, the sandwich norms (gemma3's
 // post-attention and post-FFN norms): a block's float32 output y [n, d] normed, then added to the
-// residual stream x [n, d], as fastserve/ref/forward.py: rms_norm(y) then x += y.
+// residual stream x [n, d], as fastserve/backends/cpu/ref/forward.py: rms_norm(y) then x += y.
 // Grid: n blocks, one per output row; block: a multiple of 32 threads, at most 1024.
 #include "common.cuh"
 

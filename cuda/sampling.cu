@@ -20,7 +20,7 @@
 //   penalties are written into the row (the logits are scratch after this kernel).
 //
 //   logits  float32 [m, n_vocab] (modified: bias and penalties)
-//   rows    SampleRow [m] (below; the host packs them: fastserve/device_sampling.py)
+//   rows    SampleRow [m] (below; the host packs them: fastserve/backends/cuda/sampling.py)
 //   slot_tab int32 [n_slots, window_cap + 2 bias_cap] per slot: the penalty window ring (token ids,
 //           hist_len of them valid, in any order), then bias token ids, then bias values (float32
 //           bits). The kernel writes each row's token into its slot's ring at hist_pos.
@@ -94,7 +94,7 @@ extern "C" __global__ void argmax_rows_f32(const float* __restrict__ logits, int
 
 // -- sample_chain_f32 ------------------------------------------------------------------------------
 
-struct SampleRow {                // 88 bytes; fastserve/device_sampling.py ROW_DTYPE has the same layout
+struct SampleRow {                // 88 bytes; fastserve/backends/cuda/sampling.py ROW_DTYPE has the same layout
     double temperature;           // <= 0: greedy (and flags has SAMPLE_GREEDY)
     double top_p;                 // 1.0: off
     double min_p;                 // 0.0: off

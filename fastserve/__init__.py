@@ -7,8 +7,8 @@
 """
 from .engine import Engine
 from .errors import EngineClosed, FastserveError, ModelLoadError, PullError, RequestError, ServerBusy
-from .model import Model, load_model
-from .default_model import default_model_path, pull
+from .models.model import Model, load_model
+from .models.default_model import default_model_path, pull
 from .request import Completion
 
 __all__ = ["Engine", "Model", "Completion", "load_model", "default_model_path", "pull",

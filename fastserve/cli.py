@@ -68,9 +68,9 @@ def main(argv=None) -> int:
                     help="do not serve the chat page at / (404 there)")
     sp.add_argument("--webui", "--ui", dest="no_webui", action="store_false", help="serve the chat page at / (the default)")
     _device_arg(sp)
-    from .llama_flags import add_refused, add_taken
+    from .server.llama_flags import add_refused, add_taken
     add_taken(sp)           # llama-server's flags, for its scripts: honoured ...
-    add_refused(sp)         # ... or refused with the reason (fastserve/llama_flags.py, the README's table)
+    add_refused(sp)         # ... or refused with the reason (fastserve/server/llama_flags.py, the README's table)
 
     bp = sub.add_parser("bench", help="load a server (or an in-process engine): tok/s, TTFT, TPOT, inter-token "
                                       "gaps, probes, and where a step's time goes",
@@ -117,8 +117,8 @@ def _device_arg(p) -> None:
 
 
 def _pull(args) -> int:
-    from . import catalog
-    from .default_model import pull
+    from .models import catalog
+    from .models.default_model import pull
 
     if args.list:
         print(f"fastserve can pull:\n{catalog.listing()}")
@@ -132,26 +132,17 @@ def _pull(args) -> int:
 
 
 def _load(args):
-    from .model import load_model
-    from .default_model import default_model_path
+    from .models.model import load_model
+    from .models.default_model import default_model_path
     path = args.model or default_model_path()
     model = load_model(path)
     print(f"fastserve: {model.load_summary()}", file=sys.stderr)
     return model
 
 
-def engine_config(args, **overrides) -> EngineConfig:
-    """The EngineConfig of a command line's flags (a subcommand without a flag keeps the default)."""
-    flags = dict(n_parallel="parallel", n_ctx="ctx_size", n_batch="batch_size", device="device", threads="threads",
-                 max_queue="max_queue", cache_ram_mib="cache_ram", slot_prompt_similarity="slot_prompt_similarity",
-                 cache_type_k="cache_type_k", cache_type_v="cache_type_v")
-    given = {field: getattr(args, flag) for field, flag in flags.items() if getattr(args, flag, None) is not None}
-    return EngineConfig(**{**given, **overrides})
-
-
 def _engine(args, model):
     from .engine import Engine
-    return Engine(model, engine_config(args))
+    return Engine(model, EngineConfig.from_flags(args))
 
 
 def _generate(args) -> int:

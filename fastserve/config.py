@@ -143,6 +143,19 @@ class EngineConfig:
     def replace(self, **changes) -> "EngineConfig":
         return replace(self, **changes)
 
+    @classmethod
+    def from_flags(cls, args, **overrides) -> "EngineConfig":
+        """The settings of a parsed command line (argparse's names); a flag a subcommand lacks, or left
+        unset (None), keeps the default; overrides win."""
+        given = {field: getattr(args, flag) for field, flag in FLAGS.items() if getattr(args, flag, None) is not None}
+        return cls(**{**given, **overrides})
+
+
+# EngineConfig field -> the command line's argparse name (llama-server's flag: -np, -c, -b, ...)
+FLAGS = dict(n_parallel="parallel", n_ctx="ctx_size", n_batch="batch_size", device="device", threads="threads",
+             max_queue="max_queue", cache_ram_mib="cache_ram", slot_prompt_similarity="slot_prompt_similarity",
+             cache_type_k="cache_type_k", cache_type_v="cache_type_v")
+
 
 # -- the checks -----------------------------------------------------------------------------------------
 

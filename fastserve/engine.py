@@ -177,14 +177,14 @@ class Engine:
             return backend if hasattr(type(backend), "step") else HostSampled(backend, self.n_batch)
         device = self.config.device
         if device == "auto":            # CUDA when CuPy sees a GPU and runs the model's family, else the CPU
-            from .backends.cupy_backend import cuda_status, unsupported_features
+            from .backends.cuda.backend import cuda_status, unsupported_features
             device = "cuda" if cuda_status()[0] and not unsupported_features(self.model.config) else "cpu"
         if device == "cpu":
-            from .backends.numpy_backend import NumpyBackend
-            return NumpyBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot,
+            from .backends.cpu.backend import CpuBackend
+            return CpuBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot,
                                 threads=self.threads, cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v,
                                 max_tokens=self.n_batch, reuse_logits=True)
-        from .backends.cupy_backend import CupyBackend
+        from .backends.cuda.backend import CupyBackend
         if (self.cache_type_k, self.cache_type_v) != ("f16", "f16"):
             raise ConfigError(f"the CUDA backend keeps its KV cache in f16; --cache-type-k {self.cache_type_k} / "
                               f"--cache-type-v {self.cache_type_v} are for the CPU backend (--device cpu)")

@@ -4,7 +4,7 @@ A step takes the batch the engine built (fastserve/_batch.pyx: int32 tokens, pos
 rows and the slot of each output row) and gives back one sampled token id per output row, with the
 top-N probabilities of the rows whose request asked for them. The sampler is the backend's: the CPU
 backend samples its logits on the host (backends/host_sampling.py), the CUDA backend on the device
-(fastserve/device_sampling.py), so that only ids and asked-for lists cross to the host.
+(fastserve/backends/cuda/sampling.py), so that only ids and asked-for lists cross to the host.
 
 The backend owns the KV cache, preallocated as [n_slots, n_ctx_slot] per layer; a slot's KV row at
 position p is written when a token at position p goes through a step. Rows past a slot's current

@@ -1,6 +1,6 @@
 """The host sampler as a backend's step: forward() gives logits on the host, fastserve._sampling samples them.
 
-HostSampling is what the CPU backend (NumpyBackend) mixes in to implement the step half of the Backend
+HostSampling is what the CPU backend (CpuBackend) mixes in to implement the step half of the Backend
 contract (backends/base.py); HostSampled(model_pass) gives it to any object with that forward() alone
 (test doubles, benchmark backends that return fixed logits, a backend wrapped to misbehave).
     forward(tokens, positions, slots, out_rows) -> float32 logits [m, n_vocab] (may be a reused buffer)

@@ -196,9 +196,9 @@ def _probe_paths(args) -> list[str]:
 
 
 def _inprocess(args, levels):
-    from ..default_model import default_model_path
+    from ..models.default_model import default_model_path
     from ..engine import Engine
-    from ..model import load_model
+    from ..models.model import load_model
     model = load_model(args.model or default_model_path())
     print(f"fastserve: {model.load_summary()}", file=sys.stderr)
     most = max(int(lv.value) for lv in levels) if levels[0].kind == "clients" else 8

@@ -1,6 +1,6 @@
 """What the model families differ in: one row per GGUF `general.architecture`.
 
-The forward pass (backends/numpy_backend.py, backends/cupy_backend.py) is written once; it reads a
+The forward pass (backends/cpu/backend.py, backends/cuda/backend.py) is written once; it reads a
 row (through ModelConfig) instead of the architecture's name. A family is added by a row here and
 a golden test, not by a new forward pass. Facts not stated in a GGUF file (RoPE layout, which
 layers are local, the local layers' RoPE base, norms the file's tensor names imply) are taken from

@@ -9,7 +9,7 @@ The layout (GGUF v2 and v3, little-endian; llama.cpp's docs/gguf.md):
 A string is a uint64 byte count and that many UTF-8 bytes.
 
 Reading touches only the header pages: string arrays (the vocabulary, the merges) are located
-in one C pass (fastserve._gguf_strings) and decoded from the mapped file; numeric arrays become
+in one C pass (fastserve.models._gguf_strings) and decoded from the mapped file; numeric arrays become
 NumPy arrays; tensor data stays in the map, untouched, as views. Every way a file can be unusable
 (missing, not GGUF, truncated, misaligned, an unknown type, sizes that do not add up) becomes a
 ModelLoadError naming the file and, where one is at fault, the tensor or the key.
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .._gguf_strings import string_spans
+from ._gguf_strings import string_spans
 from ..errors import ModelLoadError
 
 GGUF_MAGIC = b"GGUF"

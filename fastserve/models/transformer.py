@@ -2,7 +2,7 @@
 architecture table (models/architecture.py: llama, qwen2, qwen3, gemma3): RMSNorm, RoPE,
 grouped-query attention, a gated FFN, tied or separate output matrix, and what the row adds.
 
-The matrices stay as the file stores them (memory-mapped): fastserve._matmul.BlockMatrix views of the
+The matrices stay as the file stores them (memory-mapped): fastserve.backends.cpu._matmul.BlockMatrix views of the
 tensors' blocks, on which the CPU products run directly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
 Q6_K, F32, F16, BF16); a tensor of any other type is repacked once at load into Q8_0 blocks (logged).
 Only the norm vectors and biases are decoded to float32. The GPU backend decodes one matrix at a time
@@ -129,7 +129,7 @@ class ModelConfig:
 @dataclass
 class LayerWeights:
     """Q, K, V and gate, up are stacked so that each is one matrix product (fewer, larger calls).
-    Matrices are fastserve._matmul.BlockMatrix views of the file's blocks; norms are float32."""
+    Matrices are fastserve.backends.cpu._matmul.BlockMatrix views of the file's blocks; norms are float32."""
     attn_norm: np.ndarray   # [n_embd]
     wqkv: object            # [(n_head + 2*n_head_kv)*head_dim, n_embd]: rows Q, then K, then V
     wo: object              # [n_embd, n_head*head_dim]
@@ -173,7 +173,7 @@ def dequantize(entry, path: str) -> np.ndarray:
 def matrix_part(entry, path: str):
     """(label, type, data, rows) of one 2-D tensor for BlockMatrix: its mapped bytes as they are for a
     kernel type; any other type repacked once into Q8_0 blocks (F64 into F32), logged."""
-    from .._matmul import KERNEL_TYPES
+    from ..backends.cpu._matmul import KERNEL_TYPES
 
     if entry.type_name not in SUPPORTED_TENSOR_TYPES:
         dequantize(entry, path)                                          # raises the unsupported-type error
@@ -192,7 +192,7 @@ def matrix_part(entry, path: str):
 
 def block_matrix(entries, path: str):
     """The BlockMatrix of the row-wise concatenation of entries (2-D tensors of one width)."""
-    from .._matmul import BlockMatrix
+    from ..backends.cpu._matmul import BlockMatrix
 
     try:
         return BlockMatrix([matrix_part(e, path) for e in entries], entries[0].shape[1])

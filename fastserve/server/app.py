@@ -260,14 +260,13 @@ def _force_exit() -> None:
 def serve(args, backend=None) -> int:
     """`fastserve serve`: load the model, start the engine, serve until SIGTERM/SIGINT; returns 0.
     backend: a backend factory for the Engine (tests; None: the one args.device names)."""
-    from ..cli import engine_config
     from ..engine import Engine, default_threads
-    from ..default_model import default_model_path
-    from ..model import load_model
+    from ..models.default_model import default_model_path
+    from ..models.model import load_model
     from ..resources import rss_bytes, seconds_since_start
 
     from ..config import EngineConfig
-    from ..llama_flags import check_gpu_layers, resolve, sampling_defaults
+    from .llama_flags import check_gpu_layers, resolve, sampling_defaults
 
     llama = resolve(args)                   # llama-server's flags, checked before anything loads
     path = args.model or default_model_path()
@@ -294,8 +293,8 @@ def serve(args, backend=None) -> int:
     device = llama["device"]
     check_gpu_layers(llama["n_gpu_layers"], device, model.config.n_layer)
     threads = args.threads if args.threads and args.threads > 0 else default_threads()
-    engine = Engine(model, engine_config(args, threads=threads, trace=True, n_batch=llama["n_batch"],
-                                         device=device or EngineConfig.device), backend=backend)
+    engine = Engine(model, EngineConfig.from_flags(args, threads=threads, trace=True, n_batch=llama["n_batch"],
+                                                   device=device or EngineConfig.device), backend=backend)
     log_stream = open(llama["log_file"], "a", encoding="utf-8") if llama["log_file"] else None
     app = App(engine, cfg, log_stream=log_stream)
     server = Server(app)

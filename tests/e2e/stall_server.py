@@ -38,8 +38,8 @@ def main(argv: list[str]) -> int:
     stall_file, rest = argv[0], argv[1:]
 
     def factory(cfg, weights, n_slots, n_ctx_slot):
-        from fastserve.backends.numpy_backend import NumpyBackend
-        return StallFileBackend(NumpyBackend(cfg, weights, n_slots, n_ctx_slot), stall_file)
+        from fastserve.backends.cpu.backend import CpuBackend
+        return StallFileBackend(CpuBackend(cfg, weights, n_slots, n_ctx_slot), stall_file)
 
     serve = server_app.serve
     server_app.serve = lambda args: serve(args, backend=factory)

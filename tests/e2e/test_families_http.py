@@ -61,7 +61,7 @@ def _model_path(name: str, tmp_path_factory) -> str:
         return write_llama_gguf(tmp_path_factory.mktemp("gemma") / "gemma3.gguf", architecture="gemma3",
                                 n_layer=7, head_dim=24, sliding_window=8, seed=3)
     if name == "gemma3-270m":
-        from fastserve.catalog import model_path
+        from fastserve.models.catalog import model_path
         return model_path("gemma3-270m")
     return shared_model(f"{name}-synth.gguf")
 

@@ -196,7 +196,7 @@ def test_ignore_eos_flag(make_server):
 def test_chat_without_a_template_falls_back_to_chatml(tmp_path):
     """A model whose file has no chat template chats in ChatML, as llama-server does (common/chat.cpp), and
     says so at start; /props shows the template in use."""
-    from fastserve.chat_template import CHATML
+    from fastserve.models.chat_template import CHATML
     from fastserve.models.synthetic import write_llama_gguf
 
     from .conftest import ServerProc

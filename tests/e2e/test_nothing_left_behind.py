@@ -114,7 +114,7 @@ DEFAULT_BODY = {"prompt": "Write a long story about a dragon who lives in a cast
 @pytest.mark.model
 def test_killed_streams_do_not_grow_the_server(default_model_file, tmp_path):
     """The default model, -np 8 -c 8192, streams reset 400 ms after they were sent, 8 at a time: the heap
-    holds no huge-page advice (the cause of the growth: fastserve/hugepages.py), and RssAnon grows
+    holds no huge-page advice (the cause of the growth: fastserve/models/hugepages.py), and RssAnon grows
     <= 1 MB a round after the first."""
     srv = ServerProc(default_model_file, tmp_path / "server.log", "-c", "8192", "-np", "8", "--log-disable")
     try:

@@ -60,7 +60,7 @@ def _kv_comes_in(srv) -> None:
 
 
 # Imported only by the first request that needs them (or by another command), never by the start.
-NOT_AT_START = ("jinja2", "llguidance", "matplotlib", "fastserve.bench", "fastserve.catalog", "zipfile", "tempfile")
+NOT_AT_START = ("jinja2", "llguidance", "matplotlib", "fastserve.bench", "fastserve.models.catalog", "zipfile", "tempfile")
 
 
 def _imported(log: str) -> set[str]:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import fastserve
-from fastserve.backends.numpy_backend import NumpyBackend
+from fastserve.backends.cpu.backend import CpuBackend
 from tests.reference_data import GOLDEN_DATA, SHARED_REFERENCE, load_reference, shared_model
 
 NEAR_TIE = 0.02
@@ -50,7 +50,7 @@ def family(request):
     """(name, model, llama.cpp's outputs, the prompts llama.cpp evaluated)."""
     name = request.param
     if name == "gemma3":
-        from fastserve.catalog import model_path
+        from fastserve.models.catalog import model_path
         path = model_path("gemma3-270m")
     else:
         path = shared_model(f"{name}-synth.gguf")
@@ -98,7 +98,7 @@ def teacher_forced_scores(model, ref, prompts, cache_type: str = "f16") -> tuple
     for case, prompt in zip(ref["completions"], prompts):
         ids = np.asarray(prompt + case["generated_token_ids"], np.int32)
         # model.logits, but only the rows compared (Gemma's 262k-wide output product of a prompt row costs)
-        backend = NumpyBackend(model.config, model.weights, n_slots=1, n_ctx_slot=len(ids), cache_type_k=cache_type,
+        backend = CpuBackend(model.config, model.weights, n_slots=1, n_ctx_slot=len(ids), cache_type_k=cache_type,
                                cache_type_v=cache_type)
         rows = np.array([len(prompt) - 1 + e["pos"] for e in case["top5_per_position"]], np.int32)
         logits = backend.forward(ids, np.arange(len(ids), dtype=np.int32), np.zeros(len(ids), np.int32), rows)

@@ -1,4 +1,4 @@
-"""Sliding-window layers kept in a ring (backends/kv_cache.py): a Gemma-like synthetic model (window 8,
+"""Sliding-window layers kept in a ring (backends/cpu/kv_cache.py): a Gemma-like synthetic model (window 8,
 5 local layers of 7) whose local layers keep only the last R = 64 positions of a slot gives the bits of
 the same model keeping every position: greedy tokens and top-5 probabilities over prompts many windows
 long, whatever the chunks a prompt is computed in; and a slot's cached prefix is reused only where the

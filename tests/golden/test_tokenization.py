@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from fastserve.tokenizer import Tokenizer
+from fastserve.models.tokenizer import Tokenizer
 
 from tests.reference_data import GOLDEN_DATA, load_reference
 
@@ -108,7 +108,7 @@ def test_special_ids_and_chat_template(tok, reference):
 def test_vocabulary_built_in_bulk_equals_token_by_token(tok, model_metadata):
     """The load-time shortcuts (pieces from the whole vocabulary's code points, merges split by one
     regex) give what the token-by-token rules give, on the real 49k vocabulary."""
-    from fastserve.tokenizer import _merge_pairs, _merge_pairs_loop
+    from fastserve.models.tokenizer import _merge_pairs, _merge_pairs_loop
 
     assert tok._pieces == [tok._piece(i) for i in range(tok.n_vocab)]
     merges = model_metadata["tokenizer.ggml.merges"]

@@ -55,7 +55,7 @@ def cupy(request):
         yield fake_cupy.install(mp, kernels="numpy")
         mp.undo()
         return
-    from fastserve.backends.cupy_backend import cuda_status
+    from fastserve.backends.cuda.backend import cuda_status
     ok, why = cuda_status()
     if not ok:
         pytest.skip(f"GPU test skipped: {why}")
@@ -82,7 +82,7 @@ def _model_on_disk(cupy, path: str, what: str, variable: str):
 
 @pytest.fixture(scope="module")
 def default_model_on_disk(cupy):
-    from fastserve.default_model import FILENAME, home
+    from fastserve.models.default_model import FILENAME, home
     return _model_on_disk(cupy, os.environ.get("FASTSERVE_MODEL") or os.path.join(home(), FILENAME),
                           "the default model", "FASTSERVE_MODEL")
 
@@ -90,7 +90,7 @@ def default_model_on_disk(cupy):
 @pytest.fixture(scope="module")
 def gemma3_on_disk(cupy):
     """Gemma 3 270M Q4_K_M (`fastserve pull gemma3-270m`), or the file at $FASTSERVE_GEMMA3_MODEL."""
-    from fastserve.catalog import GEMMA3_270M
+    from fastserve.models.catalog import GEMMA3_270M
     return _model_on_disk(cupy, os.environ.get("FASTSERVE_GEMMA3_MODEL") or GEMMA3_270M.path(), "Gemma 3 270M",
                           "FASTSERVE_GEMMA3_MODEL")
 

@@ -97,7 +97,7 @@ def ptx_signatures(source: str) -> dict[str, list[str]] | None:
     """{kernel: [param types]} from nvcc's PTX of `source` (None without nvcc)."""
     if source in _PTX_CACHE:
         return _PTX_CACHE[source]
-    from fastserve.backends.kernels import nvcc_available
+    from fastserve.backends.cuda.kernels import nvcc_available
     nvcc = nvcc_available()
     if nvcc is None:
         return None
@@ -320,7 +320,7 @@ def _k_argmax_rows(grid, args):
 def _k_sample_chain(grid, args):
     """The host sampler's twin (fastserve/ref/sampling.py) on each row, from its SampleRow record: the
     kernel's contract is that twin's token ids and probabilities."""
-    from fastserve.backends.kernels import SAMPLE_GREEDY, SAMPLE_PENALIZE, SAMPLE_POST_PROBS, SAMPLE_ROW
+    from fastserve.backends.cuda.kernels import SAMPLE_GREEDY, SAMPLE_PENALIZE, SAMPLE_POST_PROBS, SAMPLE_ROW
     from fastserve.ref.sampling import Sampler, _Slot
     logits, rows, tab, out_ids, out_probs, masks, V, W, B, P, _ = args
     m, V, W, B = _rows_of(grid), int(V), int(W), int(B)
@@ -614,7 +614,7 @@ def install(monkeypatch, kernels: str = "numpy") -> types.ModuleType:
     for name, mod in (("cupy", cupy), ("cupyx", cupyx), ("cupy_backends", pkg), ("cupy_backends.cuda", pkg_cuda),
                       ("cupy_backends.cuda.libs", pkg_libs), ("cupy_backends.cuda.libs.cublas", cublas)):
         monkeypatch.setitem(sys.modules, name, mod)
-    from fastserve.backends import kernels as launchers
+    from fastserve.backends.cuda import kernels as launchers
     monkeypatch.setattr(launchers, "_cp", None)
     monkeypatch.setattr(launchers, "_modules", {})
     monkeypatch.setattr(launchers, "_functions", {})

@@ -5,7 +5,7 @@ import dataclasses
 
 import numpy as np
 
-from fastserve._matmul import BlockMatrix
+from fastserve.backends.cpu._matmul import BlockMatrix
 from fastserve.models.transformer import ModelWeights
 
 

@@ -11,7 +11,7 @@ import inspect
 import numpy as np
 import pytest
 
-from fastserve.backends.numpy_backend import NumpyBackend
+from fastserve.backends.cpu.backend import CpuBackend
 
 from . import fake_cupy
 from .helpers import rel_err, rounded_weights
@@ -23,8 +23,8 @@ def fake(monkeypatch):
 
 
 def _numpy_backend(cfg, weights, n_slots, n_ctx):
-    kw = {"weight_type": "f32"} if "weight_type" in inspect.signature(NumpyBackend).parameters else {}
-    return NumpyBackend(cfg, weights, n_slots, n_ctx, **kw)
+    kw = {"weight_type": "f32"} if "weight_type" in inspect.signature(CpuBackend).parameters else {}
+    return CpuBackend(cfg, weights, n_slots, n_ctx, **kw)
 
 
 def _prefill_then_decode(backend, prompts, n_decode, rng):
@@ -48,7 +48,7 @@ def _prefill_then_decode(backend, prompts, n_decode, rng):
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
 def test_logits_match_numpy_backend(fake, tiny_model, dtype):
-    from fastserve.backends.cupy_backend import CupyBackend
+    from fastserve.backends.cuda.backend import CupyBackend
     cfg, w = tiny_model.config, tiny_model.weights
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, cfg.n_vocab, n).astype(np.int32) for n in (7, 3, 12)]
@@ -62,7 +62,7 @@ def test_logits_match_numpy_backend(fake, tiny_model, dtype):
 
 
 def test_graph_replay_equals_eager(fake, tiny_model):
-    from fastserve.backends.cupy_backend import CupyBackend
+    from fastserve.backends.cuda.backend import CupyBackend
     cfg, w = tiny_model.config, tiny_model.weights
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, cfg.n_vocab, n).astype(np.int32) for n in (5, 9, 4)]
@@ -73,7 +73,7 @@ def test_graph_replay_equals_eager(fake, tiny_model):
 
 
 def test_graphs_are_per_bucket_and_replayed(fake, tiny_model):
-    from fastserve.backends.cupy_backend import CupyBackend
+    from fastserve.backends.cuda.backend import CupyBackend
     cfg, w = tiny_model.config, tiny_model.weights
     be = CupyBackend(cfg, w, n_slots=8, n_ctx_slot=32)
     for n in (1, 3, 3, 4, 5, 8, 1):
@@ -84,7 +84,7 @@ def test_graphs_are_per_bucket_and_replayed(fake, tiny_model):
 
 
 def test_padding_rows_touch_only_the_scratch_slot(fake, tiny_model):
-    from fastserve.backends.cupy_backend import CupyBackend
+    from fastserve.backends.cuda.backend import CupyBackend
     cfg, w = tiny_model.config, tiny_model.weights
     be = CupyBackend(cfg, w, n_slots=4, n_ctx_slot=16)
     before = np.array(be.kv[:, :, :4])
@@ -96,7 +96,7 @@ def test_padding_rows_touch_only_the_scratch_slot(fake, tiny_model):
 
 
 def test_chunked_batch_equals_one_pass(fake, tiny_model):
-    from fastserve.backends.cupy_backend import CupyBackend
+    from fastserve.backends.cuda.backend import CupyBackend
     cfg, w = tiny_model.config, tiny_model.weights
     rng = np.random.default_rng(3)
     n = 40
@@ -112,7 +112,7 @@ def test_chunked_batch_equals_one_pass(fake, tiny_model):
 
 def test_forward_greedy(fake, tiny_model):
     """Greedy ids on the device (device sampling: tests/gpu/test_device_sampling.py)."""
-    from fastserve.backends.cupy_backend import CupyBackend
+    from fastserve.backends.cuda.backend import CupyBackend
     cfg, w = tiny_model.config, tiny_model.weights
     be = CupyBackend(cfg, w, 4, 32)
     ids = np.arange(4, dtype=np.int32)
@@ -123,7 +123,7 @@ def test_forward_greedy(fake, tiny_model):
 
 
 def test_save_restore_and_copy_slot(fake, tiny_model):
-    from fastserve.backends.cupy_backend import CupyBackend
+    from fastserve.backends.cuda.backend import CupyBackend
     cfg, w = tiny_model.config, tiny_model.weights
     be = CupyBackend(cfg, w, 3, 32)
     rng = np.random.default_rng(4)
@@ -140,7 +140,7 @@ def test_save_restore_and_copy_slot(fake, tiny_model):
 
 
 def test_bad_indices_are_refused_before_any_launch(fake, tiny_model):
-    from fastserve.backends.cupy_backend import CupyBackend
+    from fastserve.backends.cuda.backend import CupyBackend
     cfg, w = tiny_model.config, tiny_model.weights
     be = CupyBackend(cfg, w, 2, 16)
     one = np.zeros(1, np.int32)
@@ -156,7 +156,7 @@ def test_bad_indices_are_refused_before_any_launch(fake, tiny_model):
 
 
 def test_launchers_refuse_wrong_arrays(fake):
-    from fastserve.backends import kernels as K
+    from fastserve.backends.cuda import kernels as K
     cp = fake
     x = cp.zeros((4, 8), np.float32)
     w = cp.zeros(8, np.float32)
@@ -175,7 +175,7 @@ def test_engine_runs_on_the_backend(fake, request, model_name):
     """The engine drives the GPU backend like any other, for llama's row and gemma3's (prompts past its
     window of 8, and generation past it): greedy text equals the NumPy backend's on the same (rounded) weights."""
     import fastserve
-    from fastserve.backends.cupy_backend import CupyBackend
+    from fastserve.backends.cuda.backend import CupyBackend
     tiny_model = request.getfixturevalue(model_name)
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]]
     with fastserve.Engine(tiny_model, n_parallel=2, n_ctx=128,
@@ -191,7 +191,7 @@ def _row_against_numpy(cfg, w, lengths) -> float:
     """Prompts of `lengths` prefilled into slots 0.., then 6 decode steps of them all (through graphs) on
     CupyBackend and on the NumPy backend (the weights rounded as the GPU holds them): the worst relative
     error of a step's logits."""
-    from fastserve.backends.cupy_backend import CupyBackend, unsupported_features
+    from fastserve.backends.cuda.backend import CupyBackend, unsupported_features
     assert unsupported_features(cfg) == []
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, cfg.n_vocab, n).astype(np.int32) for n in lengths]

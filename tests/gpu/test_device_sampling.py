@@ -1,10 +1,10 @@
-"""Sampling on the device (cuda/sampling.cu sample_chain_f32, fastserve/device_sampling.py) against the
+"""Sampling on the device (cuda/sampling.cu sample_chain_f32, fastserve/backends/cuda/sampling.py) against the
 host sampler (fastserve._sampling.Sampler) on the same logits.
 
 The contract is IDENTITY, not a distribution test: the same token ids and the same probabilities bit for
 bit, every row, every step, with the random state and the penalty window carried from step to step
 (greedy, temperature, top-k, top-p, min-p, penalties, logit bias, seeds, pre- and post-sampling lists;
-logits with many ties, -inf and NaN). One caveat, stated in fastserve/device_sampling.py: the device's
+logits with many ties, -inf and NaN). One caveat, stated in fastserve/backends/cuda/sampling.py: the device's
 double exp may differ from the host libm's in its last bit; a fixed-point weight then moves by one
 unit, which changes a result only in the rare case where a draw or a cut lands on that unit.
 
@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from fastserve._sampling import Sampler
-from fastserve.backends import kernels as K
-from fastserve.device_sampling import DeviceSampler
+from fastserve.backends.cuda import kernels as K
+from fastserve.backends.cuda.sampling import DeviceSampler
 
 from . import fake_cupy
 
@@ -208,7 +208,7 @@ def test_glue_matches_the_host_sampler(fake):
 def test_backend_packs_rows_into_the_input_copy(fake, tiny_model):
     """forward_sample: the same ids as forward() + the host sampler, for decode steps (graphs, padding
     rows) and a prefill step; per step one copy in (inputs and records), one copy back, one wait."""
-    from fastserve.backends.cupy_backend import CupyBackend
+    from fastserve.backends.cuda.backend import CupyBackend
     cfg, w = tiny_model.config, tiny_model.weights
     V = cfg.n_vocab
     be = CupyBackend(cfg, w, 4, 32)
@@ -248,7 +248,7 @@ class _HostSampling:
     """CupyBackend's forward() with the host sampler (HostSampled): the engine's step samples its logits on the host."""
 
     def __new__(cls, *args, **kw):
-        from fastserve.backends.cupy_backend import CupyBackend
+        from fastserve.backends.cuda.backend import CupyBackend
         from fastserve.backends.host_sampling import HostSampled
         return HostSampled(CupyBackend(*args, **kw))
 
@@ -259,7 +259,7 @@ def test_engine_samples_on_the_device_as_on_the_host(fake, tiny_model, n_batch):
     its output with the host sampler, for concurrent sampled requests with seeds (also with fewer batch
     tokens than slots: prompts in chunks, steps with fewer output rows than running slots)."""
     import fastserve
-    from fastserve.backends.cupy_backend import CupyBackend
+    from fastserve.backends.cuda.backend import CupyBackend
     reqs = [dict(prompt=[5, 6, 7, 8], temperature=0.9, seed=11, n_probs=3),
             dict(prompt=[9, 10], temperature=1.2, top_k=0, top_p=0.7, seed=12, repeat_penalty=1.3,
                  frequency_penalty=0.2, logit_bias={4: 3.0}),

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from fastserve.backends import kernels as K
+from fastserve.backends.cuda import kernels as K
 
 from .conftest import on_gpu
 from .helpers import rel_err, round_to
@@ -63,7 +63,7 @@ def test_embed_rows(cupy, storage, scale):
     x = _poisoned(cupy, (12, 72), np.float32)
     K.embed_rows(_to_storage(cupy, table, storage), cupy.asarray(np.r_[tokens, 0, 0, 0].astype(np.int32)), x, 9,
                  scale)
-    # bit for bit fastserve/ref/forward.py: the row, then one float32 multiplication
+    # bit for bit fastserve/backends/cpu/ref/forward.py: the row, then one float32 multiplication
     np.testing.assert_array_equal(x.get()[:9], round_to(table, storage)[tokens] * np.float32(scale))
     assert np.isnan(x.get()[9:]).all()
 
@@ -87,10 +87,10 @@ def test_rms_norm(cupy, storage, d):
 
 @pytest.mark.parametrize("d", [64, 640, 2050])
 def test_rms_norm_add_is_the_sandwich_norm(cupy, d):
-    """x += rmsnorm(y) * w (gemma3's post-attention and post-FFN norms) against fastserve/ref/layer_ops.rms_norm
-    then the add, as fastserve/ref/forward.py makes them: within float32 rounding (the sum of squares is
+    """x += rmsnorm(y) * w (gemma3's post-attention and post-FFN norms) against fastserve/backends/cpu/ref/layer_ops.rms_norm
+    then the add, as fastserve/backends/cpu/ref/forward.py makes them: within float32 rounding (the sum of squares is
     taken in another order); the rows past n untouched."""
-    from fastserve.ref.layer_ops import rms_norm
+    from fastserve.backends.cpu.ref.layer_ops import rms_norm
     rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     n, eps = 7, 1e-6
     y = (rng.standard_normal((n + 1, d)) * 30).astype(np.float32)
@@ -106,9 +106,9 @@ def test_rms_norm_add_is_the_sandwich_norm(cupy, d):
 
 
 def test_softcap_matches_the_reference(cupy):
-    """logits = c tanh(logits / c) (final-logit soft-capping) against fastserve/ref/layer_ops.softcap, within
+    """logits = c tanh(logits / c) (final-logit soft-capping) against fastserve/backends/cpu/ref/layer_ops.softcap, within
     an ulp or two (expf against the reference's polynomial exp), on the first m rows only."""
-    from fastserve.ref.layer_ops import softcap
+    from fastserve.backends.cpu.ref.layer_ops import softcap
     rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     m, V, cap = 5, 1003, 30.0
     logits = (rng.standard_normal((m + 1, V)) * 40).astype(np.float32)
@@ -123,7 +123,7 @@ def test_softcap_matches_the_reference(cupy):
 
 
 def test_rope_matches_numpy_backend(cupy):
-    from fastserve.backends.numpy_backend import apply_rope
+    from fastserve.backends.cpu.ref.layer_ops import apply_rope
     rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     H, Hkv, D, rope_dim, n_ctx = 6, 2, 32, 24, 100
     n = 11
@@ -291,15 +291,15 @@ def test_swiglu(cupy, storage, gelu):
     got = _from_storage(out, storage)
     assert rel_err(got[:n], want) <= tol
     assert np.isnan(got[n:]).all()
-    if gelu and storage == "f32":                  # fastserve/ref/layer_ops.geglu, which the CPU runs
-        from fastserve.ref.layer_ops import geglu
+    if gelu and storage == "f32":                  # fastserve/backends/cpu/ref/layer_ops.geglu, which the CPU runs
+        from fastserve.backends.cpu.ref.layer_ops import geglu
         np.testing.assert_allclose(got[:n], geglu(gu[:, :n_ff], gu[:, n_ff:]), rtol=2e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("bias, norms", [(True, False), (False, True), (True, True)])
 def test_qk_prep_is_bias_then_head_norms(cupy, bias, norms):
     """qwen2's q/k/v bias and qwen3's per-head q/k RMSNorm, as numpy_backend computes them."""
-    from fastserve.backends.numpy_backend import head_norm
+    from fastserve.backends.cpu.ref.layer_ops import head_norm
     rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     H, Hkv, D, n, eps = 4, 2, 48, 5, 1e-6
     qkv = rng.standard_normal((n, (H + 2 * Hkv) * D)).astype(np.float32)

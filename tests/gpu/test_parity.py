@@ -13,7 +13,7 @@ import inspect
 import numpy as np
 import pytest
 
-from fastserve.backends.numpy_backend import NumpyBackend
+from fastserve.backends.cpu.backend import CpuBackend
 
 from .conftest import on_gpu
 from .helpers import rel_err, rounded_weights
@@ -22,12 +22,12 @@ GREEDY_TOKENS = 32
 
 
 def _numpy_backend(cfg, weights, n_slots, n_ctx):
-    kw = {"weight_type": "f32"} if "weight_type" in inspect.signature(NumpyBackend).parameters else {}
-    return NumpyBackend(cfg, weights, n_slots, n_ctx, **kw)
+    kw = {"weight_type": "f32"} if "weight_type" in inspect.signature(CpuBackend).parameters else {}
+    return CpuBackend(cfg, weights, n_slots, n_ctx, **kw)
 
 
 def _cupy_backend(cfg, weights, n_slots, n_ctx, **kw):
-    from fastserve.backends.cupy_backend import CupyBackend
+    from fastserve.backends.cuda.backend import CupyBackend
     return CupyBackend(cfg, weights, n_slots, n_ctx, **kw)
 
 

@@ -1,4 +1,4 @@
-"""fastserve._attention against its NumPy twin fastserve.ref.attention: cache bytes and outputs bit for
+"""fastserve.backends.cpu._attention against its NumPy twin fastserve.backends.cpu.ref.attention: cache bytes and outputs bit for
 bit, every cache type and kernel; outputs independent of batch, chunking and threads; close to exact
 softmax attention in float64."""
 import os
@@ -10,9 +10,9 @@ import sysconfig
 import numpy as np
 import pytest
 
-from fastserve import _attention as C
-from fastserve._pool import Pool
-from fastserve.ref import attention as R
+from fastserve.backends.cpu import _attention as C
+from fastserve.backends.cpu._pool import Pool
+from fastserve.backends.cpu.ref import attention as R
 
 TYPES = ("f32", "f16", "q8_0")
 
@@ -505,7 +505,7 @@ int main(void) {
     return fails != 0;
 }
 """
-HEADER_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "fastserve")
+HEADER_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "fastserve", "backends", "cpu")
 # FS_SEG=128: several key segments (and split plans) within the harness's 200 positions
 CFLAGS = ["-O2", "-ffp-contract=off", "-DFS_SEG=128", "-Wall", "-Wextra", "-Werror", "-Wno-unused-function",
           "-Wno-missing-field-initializers"]

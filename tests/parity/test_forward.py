@@ -1,5 +1,5 @@
-"""The C forward pass (fastserve._forward, NumpyBackend's default) against the NumPy reference forward
-(fastserve.ref.forward: the element-wise twins composed with the same products and attention), bit for
+"""The C forward pass (fastserve.backends.cpu._forward, CpuBackend's default) against the NumPy reference forward
+(fastserve.backends.cpu.ref.forward: the element-wise twins composed with the same products and attention), bit for
 bit, on a small synthetic model of every family of the architecture table, through prefill chunks and
 decode steps of several slots; and a token's logits the same alone, in a batch, in any chunk and on any
 thread count."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import fastserve
-from fastserve.backends.numpy_backend import NumpyBackend
+from fastserve.backends.cpu.backend import CpuBackend
 from fastserve.models.synthetic import write_llama_gguf
 
 FAMILIES = {"llama": {}, "qwen2": {}, "qwen3": {}, "gemma3": {"sliding_window": 5}}
@@ -37,7 +37,7 @@ def _steps(n_vocab):
 
 
 def _run(model, cfg, **kw):
-    be = NumpyBackend(cfg, model.weights, 2, 64, max_tokens=8, **kw)
+    be = CpuBackend(cfg, model.weights, 2, 64, max_tokens=8, **kw)
     if not be.reference:
         be._forward.parallel_rows = 16              # the prefill of 20 splits its element-wise stages
     return [be.forward(*s).copy() for s in _steps(cfg.n_vocab)]
@@ -68,7 +68,7 @@ def test_a_tokens_logits_do_not_depend_on_its_batch_chunk_or_threads(models, arc
     toks = np.random.default_rng(2).integers(0, cfg.n_vocab, 24)
     results = []
     for threads, chunk in ((1, 24), (2, 24), (2, 5), (1, 1)):
-        be = NumpyBackend(cfg, model.weights, 3, 64, threads=threads, max_tokens=4)
+        be = CpuBackend(cfg, model.weights, 3, 64, threads=threads, max_tokens=4)
         be._forward.parallel_rows = 4                   # batches of 4 rows and more split over the threads
         out = []
         for c in range(0, 24, chunk):                       # slot 1's prompt in chunks, beside slot 0's decode
@@ -89,7 +89,7 @@ def test_a_ring_is_the_reference_bit_for_bit(models):
     toks = np.random.default_rng(3).integers(0, cfg.n_vocab, 200)
     outs = []
     for kw in ({"threads": 2}, {"reference": True}):
-        be = NumpyBackend(cfg, model.weights, 1, 256, max_tokens=8, **kw)
+        be = CpuBackend(cfg, model.weights, 1, 256, max_tokens=8, **kw)
         assert be.kv_ring == 64
         outs.append([be.forward(toks[c:c + 8], np.arange(c, min(200, c + 8)), np.zeros(len(toks[c:c + 8]), int),
                                 [len(toks[c:c + 8]) - 1]).copy() for c in range(0, 200, 8)])
@@ -99,7 +99,7 @@ def test_a_ring_is_the_reference_bit_for_bit(models):
 
 def test_bad_rows_are_refused(models):
     model = models["llama"]
-    be = NumpyBackend(model.config, model.weights, 2, 16)
+    be = CpuBackend(model.config, model.weights, 2, 16)
     with pytest.raises(ValueError, match="positions"):
         be.forward([1], [16], [0], [0])
     with pytest.raises(ValueError, match="slots"):
@@ -115,7 +115,7 @@ def test_the_phase_clocks_change_no_number_and_sum_under_the_call(models):
     within the calls' own time; nothing counted with profile off; reset zeroes them."""
     model = models["gemma3"]
     cfg = model.config
-    be = NumpyBackend(cfg, model.weights, 2, 64, max_tokens=8, threads=2)
+    be = CpuBackend(cfg, model.weights, 2, 64, max_tokens=8, threads=2)
     be._forward.profile = True
     t0 = time.perf_counter()
     got = [be.forward(*s).copy() for s in _steps(cfg.n_vocab)]

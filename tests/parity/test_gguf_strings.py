@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import fastserve._gguf_strings as c_strings
-import fastserve.ref.gguf_strings as r_strings
+import fastserve.models._gguf_strings as c_strings
+import fastserve.models.ref.gguf_strings as r_strings
 
 IMPLS = [pytest.param(c_strings, id="cython"), pytest.param(r_strings, id="python")]
 

@@ -1,11 +1,11 @@
-"""The element-wise operations of a layer (fastserve/_layer_ops.h through fastserve._forward) against their
-NumPy twins (fastserve.ref.layer_ops), bit for bit, on random rows with zeros, large values and odd sizes;
+"""The element-wise operations of a layer (fastserve/backends/cpu/_layer_ops.h through fastserve.backends.cpu._forward) against their
+NumPy twins (fastserve.backends.cpu.ref.layer_ops), bit for bit, on random rows with zeros, large values and odd sizes;
 and close to the exact functions in float64."""
 import numpy as np
 import pytest
 
-from fastserve import _forward as C
-from fastserve.ref import layer_ops as R
+from fastserve.backends.cpu import _forward as C
+from fastserve.backends.cpu.ref import layer_ops as R
 
 SIZES = (1, 3, 15, 16, 17, 33, 64, 100, 576, 1000)
 

@@ -1,6 +1,6 @@
 """The matrix products on GGUF blocks: semantics on hand-made blocks, the twin's decode anchored to
-gguf.quants, bit-exact parity between the C kernels (fastserve._matmul, every kernel this machine
-runs, 1 to 3 threads) and the NumPy twin (fastserve.ref.matmul) for every block type, batch
+gguf.quants, bit-exact parity between the C kernels (fastserve.backends.cpu._matmul, every kernel this machine
+runs, 1 to 3 threads) and the NumPy twin (fastserve.backends.cpu.ref.matmul) for every block type, batch
 invariance, stacked parts of mixed types, and clear errors on bad tensors.
 
 The extension is imported inside each test, so an unbuilt extension makes its tests FAIL with
@@ -19,9 +19,9 @@ import sysconfig
 import numpy as np
 import pytest
 
-from fastserve.ref import blocks as B
+from fastserve.models import blocks as B
 
-IMPLS = ["fastserve._matmul", "fastserve.ref.matmul"]
+IMPLS = ["fastserve.backends.cpu._matmul", "fastserve.backends.cpu.ref.matmul"]
 TYPES = list(B.TYPES)
 # f16 bit patterns a scale may hold: zero, -zero, the smallest denormal, a denormal, the smallest
 # normal, the largest finite, inf, -inf, NaN, and ordinary values.
@@ -35,11 +35,11 @@ def mod(request):
 
 
 def c_mod():
-    return importlib.import_module("fastserve._matmul")
+    return importlib.import_module("fastserve.backends.cpu._matmul")
 
 
 def twin():
-    return importlib.import_module("fastserve.ref.matmul")
+    return importlib.import_module("fastserve.backends.cpu.ref.matmul")
 
 
 def kernels():
@@ -367,14 +367,14 @@ def test_unknown_isa_is_refused():
 # -- in the backend --------------------------------------------------------------------------------
 
 def test_backend_threads_change_no_bit(tiny_model):
-    from fastserve.backends.numpy_backend import NumpyBackend
+    from fastserve.backends.cpu.backend import CpuBackend
 
     cfg, w = tiny_model.config, tiny_model.weights
     ids = np.array([5, 77, 300, 12, 9, 401, 33], np.int32)
     pos = np.arange(len(ids))
 
     def logits(**kw):
-        be = NumpyBackend(cfg, w, 1, 16, **kw)
+        be = CpuBackend(cfg, w, 1, 16, **kw)
         return be.forward(ids, pos, np.zeros(len(ids), np.int64), pos)
 
     np.testing.assert_array_equal(logits(), logits(threads=3))
@@ -502,7 +502,7 @@ int main(void) {
     return fails != 0;
 }
 """
-HEADER_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "fastserve")
+HEADER_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "fastserve", "backends", "cpu")
 CFLAGS = ["-O3", "-ffp-contract=off", "-pthread", "-Wall", "-Wextra", "-Werror", "-Wno-unused-function",
           "-Wno-missing-field-initializers"]
 

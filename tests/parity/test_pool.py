@@ -1,12 +1,12 @@
-"""fastserve._pool: the decode thread's helper threads, shared by the step's parallel loops.
+"""fastserve.backends.cpu._pool: the decode thread's helper threads, shared by the step's parallel loops.
 
 Its numbers are its callers' (a product over a shared Pool equals the product on one thread); here
 its own behaviour: bounds, sharing between two users, closing, and the twin's same surface."""
 import numpy as np
 import pytest
 
-from fastserve import _matmul, _pool
-from fastserve.ref import pool as ref_pool
+from fastserve.backends.cpu import _matmul, _pool
+from fastserve.backends.cpu.ref import pool as ref_pool
 
 
 @pytest.mark.parametrize("mod", [_pool, ref_pool], ids=["cython", "twin"])

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import fastserve
-from fastserve.backends.cupy_backend import unsupported_features
-from fastserve.backends.numpy_backend import apply_rope, geglu, rope_tables
+from fastserve.backends.cuda.backend import unsupported_features
+from fastserve.backends.cpu.ref.layer_ops import apply_rope, geglu
+from fastserve.backends.rope import rope_tables
 from fastserve.errors import ModelLoadError
 from fastserve.models.architecture import ARCHITECTURES
 from fastserve.models.synthetic import write_llama_gguf
@@ -111,7 +112,7 @@ def test_the_gpu_backend_reads_the_same_rows(models):
     (and `auto` then picks the CPU)."""
     import dataclasses
 
-    from fastserve.backends.cupy_backend import CupyBackend, DeviceUnavailable
+    from fastserve.backends.cuda.backend import CupyBackend, DeviceUnavailable
     assert all(unsupported_features(m.config) == [] for m in models.values())
     g = models["gemma3"]
     for change, named in ((dict(head_dim=512), "head_dim 512"), (dict(head_dim=260), "head_dim 260"),

@@ -19,10 +19,12 @@ def test_engine_imports_no_server_or_event_loop():
     assert out.stdout.strip() == "", f"the engine pulled in {out.stdout.strip()}"
 
 
-@pytest.mark.parametrize("pyx", sorted(p.stem for p in PKG.glob("_*.pyx")))
+@pytest.mark.parametrize("pyx", sorted(str(p.relative_to(PKG.parent).with_suffix("")) for p in PKG.rglob("_*.pyx")))
 def test_every_extension_has_a_twin_and_is_built(pyx):
-    twin = PKG / "ref" / f"{pyx.lstrip('_')}.py"
+    """Each .pyx has its twin in the ref/ folder beside it (fastserve/ref/, backends/cpu/ref/, models/ref/)."""
+    folder, stem = pyx.rsplit("/", 1)
+    twin = PKG.parent / folder / "ref" / f"{stem.lstrip('_')}.py"
     assert twin.is_file(), f"{pyx}.pyx has no pure-Python twin at {twin}"
-    importlib.import_module(f"fastserve.ref.{pyx.lstrip('_')}")
-    mod = importlib.import_module(f"fastserve.{pyx}")          # a missing build raises here: no fallback
-    assert mod.__file__.endswith((".so", ".pyd")), f"fastserve.{pyx} is not the compiled extension"
+    importlib.import_module(f"{folder.replace('/', '.')}.ref.{stem.lstrip('_')}")
+    mod = importlib.import_module(pyx.replace("/", "."))        # a missing build raises here: no fallback
+    assert mod.__file__.endswith((".so", ".pyd")), f"{pyx} is not the compiled extension"

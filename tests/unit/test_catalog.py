@@ -7,7 +7,9 @@ import zipfile
 
 import pytest
 
-from fastserve import catalog, cli
+from fastserve.models import catalog
+
+from fastserve import cli
 from fastserve.errors import PullError
 
 CHUNKS = [b"GGUF" + b"\1" * 30, b"\2" * 17, b"\3" * 40, b"\4" * 5]

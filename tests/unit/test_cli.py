@@ -30,7 +30,7 @@ def test_bench_prints_the_phase_table(tiny_model_path):
 
 
 def test_cache_type_flags(tiny_model_path):
-    from fastserve.backends.kv_cache import KV_CACHE_TYPES
+    from fastserve.backends.cpu.kv_cache import KV_CACHE_TYPES
     assert set(KV_CACHE_TYPES) == {"f16", "f32", "q8_0"}      # the choices cli.py writes out
     p = _run("generate", "-m", tiny_model_path, "-n", "4", "--temp", "0", "-ctk", "f32", "--cache-type-v", "f16",
              "the cat")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fastserve.backends import kernels as K
+from fastserve.backends.cuda import kernels as K
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = sorted((REPO / "cuda").glob("*.cu"))

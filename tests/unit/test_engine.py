@@ -257,8 +257,8 @@ class _ExplodingBackend:
 
 
 def test_forward_failure_fails_only_that_batch(tiny_model):
-    from fastserve.backends.numpy_backend import NumpyBackend
-    be = _ExplodingBackend(NumpyBackend(tiny_model.config, tiny_model.weights, 2, 256))
+    from fastserve.backends.cpu.backend import CpuBackend
+    be = _ExplodingBackend(CpuBackend(tiny_model.config, tiny_model.weights, 2, 256))
     with fastserve.Engine(tiny_model, n_parallel=2, n_ctx=512, backend=be) as e:
         want = e.generate("after", max_tokens=5, temperature=0).token_ids
         be.boom = True

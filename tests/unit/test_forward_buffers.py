@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import fastserve
-from fastserve.backends.numpy_backend import NumpyBackend
+from fastserve.backends.cpu.backend import CpuBackend
 from fastserve.models.synthetic import write_llama_gguf
 
 
@@ -24,7 +24,7 @@ def step(be, n, start):
 
 
 def test_a_step_allocates_no_activation_sized_array(model):
-    be = NumpyBackend(model.config, model.weights, n_slots=32, n_ctx_slot=64, max_tokens=32, reuse_logits=True)
+    be = CpuBackend(model.config, model.weights, n_slots=32, n_ctx_slot=64, max_tokens=32, reuse_logits=True)
     step(be, 32, 0)                                  # warm-up: lazy one-time state
     old = np.setbufsize(256)          # NumPy's broadcasting ufuncs buffer up to bufsize elements per
     tracemalloc.start()               # operand whatever their size: keep those small here
@@ -45,8 +45,8 @@ def test_a_step_allocates_no_activation_sized_array(model):
 
 
 def test_reused_buffers_give_the_logits_of_fresh_ones(model):
-    fresh = NumpyBackend(model.config, model.weights, n_slots=8, n_ctx_slot=64, max_tokens=1)   # grows
-    reused = NumpyBackend(model.config, model.weights, n_slots=8, n_ctx_slot=64, max_tokens=8, reuse_logits=True)
+    fresh = CpuBackend(model.config, model.weights, n_slots=8, n_ctx_slot=64, max_tokens=1)   # grows
+    reused = CpuBackend(model.config, model.weights, n_slots=8, n_ctx_slot=64, max_tokens=8, reuse_logits=True)
     for p, n in enumerate((8, 3, 8, 1)):
         a, b = step(fresh, n, p), step(reused, n, p)
         assert a.shape == b.shape == (n, model.config.n_vocab)

@@ -120,7 +120,7 @@ def test_unconstrained_requests_are_unchanged_beside_constrained_ones(engine):
 def test_sentencepiece_vocabulary():
     """A SentencePiece vocabulary ("▁" spaces, <0xXX> byte tokens, control tokens): token bytes as
     llama.cpp renders them; a grammar's text is reached through them, never through the controls."""
-    from fastserve.tokenizer import Tokenizer
+    from fastserve.models.tokenizer import Tokenizer
     from tests.unit.test_tokenizer import spm_md
     tok = Tokenizer.from_metadata(spm_md())
     v = G.vocabulary(tok)

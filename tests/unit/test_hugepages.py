@@ -1,9 +1,9 @@
-"""load_model turns numpy's huge-page advice off (fastserve/hugepages.py), unless the user chose."""
+"""load_model turns numpy's huge-page advice off (fastserve/models/hugepages.py), unless the user chose."""
 import subprocess
 import sys
 
 CHECK = """
-import numpy, fastserve.hugepages as h
+import numpy, fastserve.models.hugepages as h
 try:
     from numpy._core.multiarray import _get_madvise_hugepage
 except ImportError:     # numpy < 2

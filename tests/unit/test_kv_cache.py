@@ -1,12 +1,12 @@
-"""The CPU backend's KV cache (backends/kv_cache.py) in each type: bytes per token, slot copies, saves
+"""The CPU backend's KV cache (backends/cpu/kv_cache.py) in each type: bytes per token, slot copies, saves
 and restores bit-exact, the same bytes whether the extension or its twin wrote them, and a clear
 error for a type the model's head size cannot hold."""
 import numpy as np
 import pytest
 
-from fastserve.backends.kv_cache import KVCache
+from fastserve.backends.cpu.kv_cache import KVCache
 from fastserve.errors import ConfigError
-from fastserve.ref import attention as twin
+from fastserve.backends.cpu.ref import attention as twin
 
 TYPES = [("f16", "f16"), ("f32", "f32"), ("q8_0", "q8_0"), ("f16", "q8_0"), ("q8_0", "f32")]
 L, SLOTS, CTX, HKV, D = 2, 3, 150, 2, 64
@@ -66,7 +66,7 @@ LOCAL = (True, False)           # layer 0 local (a ring), layer 1 global (every 
 
 
 def test_ring_size_is_the_window_plus_a_step_in_whole_tiles_below_the_context():
-    from fastserve.backends.kv_cache import ring_size
+    from fastserve.backends.cpu.kv_cache import ring_size
     assert ring_size(512, 512, 32768) == 1024 and ring_size(512, 1, 32768) == 512
     assert ring_size(8, 57, 512) == 64 and ring_size(8, 58, 512) == 128
     assert ring_size(512, 512, 1024) == 0 and ring_size(512, 512, 1000) == 0      # no smaller than the context
@@ -142,7 +142,7 @@ def test_the_fill_thread_writes_what_the_kernel_refuses_and_stops_for_a_dropped_
     import threading
     import weakref
 
-    from fastserve.backends import kv_cache as kvc
+    from fastserve.backends.cpu import kv_cache as kvc
     calls = []
 
     def refuse(ptr, n, advice):

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fastserve import llama_flags
-from fastserve.llama_flags import DIFFERS, FLAGS, REFUSED, SAME, covers
+from fastserve.server import llama_flags
+from fastserve.server.llama_flags import DIFFERS, FLAGS, REFUSED, SAME, covers
 
 ROOT = Path(__file__).resolve().parents[2]
 HELP_FLAGS = Path(__file__).parent / "data" / "llama_server_flags.txt"
@@ -45,7 +45,7 @@ def test_every_llama_server_flag_has_a_row():
             row = row or SPECULATIVE_ROW
         if row is None:
             missing.append(option)
-    assert not missing, f"llama-server flags without a row in fastserve/llama_flags.py: {missing}"
+    assert not missing, f"llama-server flags without a row in fastserve/server/llama_flags.py: {missing}"
     assert len(_recorded()) > 300
 
 

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import fastserve
-from fastserve.backends.numpy_backend import NumpyBackend
+from fastserve.backends.cpu.backend import CpuBackend
 from fastserve.models.synthetic import write_llama_gguf
 
 
@@ -78,13 +78,13 @@ def test_batch_invariance(request, model_fixture):
     target = rng.integers(0, cfg.n_vocab, 40).tolist()
     others = [rng.integers(0, cfg.n_vocab, n).tolist() for n in (1, 7, 33, 2)]
 
-    alone = _forward_rows(NumpyBackend(cfg, w, 1, 64), [target])[0]
-    crowd = _forward_rows(NumpyBackend(cfg, w, 5, 64), others[:2] + [target] + others[2:])[2]
+    alone = _forward_rows(CpuBackend(cfg, w, 1, 64), [target])[0]
+    crowd = _forward_rows(CpuBackend(cfg, w, 5, 64), others[:2] + [target] + others[2:])[2]
     np.testing.assert_array_equal(alone, crowd)
 
     # The same sequence fed in chunks of 1, 3 and 11 tokens, one step each, with a neighbour decoding.
     for chunk in (1, 3, 11):
-        be = NumpyBackend(cfg, w, 2, 64)
+        be = CpuBackend(cfg, w, 2, 64)
         rows = []
         for start in range(0, len(target), chunk):
             part = target[start:start + chunk]

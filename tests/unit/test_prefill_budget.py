@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 import fastserve
-from fastserve.backends.numpy_backend import NumpyBackend
+from fastserve.backends.cpu.backend import CpuBackend
 from fastserve.scheduler import prefill_budget
 
 FIXED_S, PER_TOKEN_S = 0.005, 0.0005      # each step's added cost: 5 ms + 0.5 ms a token
@@ -35,7 +35,7 @@ class _TimedSteps:
 
 def _engine(tiny_model, backends):
     def factory(cfg, weights, n_slots, n_ctx_slot):
-        backends.append(_TimedSteps(NumpyBackend(cfg, weights, n_slots, n_ctx_slot)))
+        backends.append(_TimedSteps(CpuBackend(cfg, weights, n_slots, n_ctx_slot)))
         return backends[0]
     engine = fastserve.Engine(tiny_model, n_parallel=4, n_ctx=4 * 1536, n_batch=512, backend=factory)
     engine.step_target_s = TARGET_S

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 
 import fastserve
-from fastserve.backends.numpy_backend import NumpyBackend
+from fastserve.backends.cpu.backend import CpuBackend
 from fastserve.server.errors import HttpError
 from fastserve.server.generation import Generation, Limits
 from fastserve.server.metrics import LlamaTotals
@@ -46,7 +46,7 @@ def _run(tiny_model, delay, token_limit, hang_at=-1, hang=0.0):
     backends = []
 
     def factory(cfg, weights, n_slots, n_ctx_slot):
-        backends.append(_SlowSteps(NumpyBackend(cfg, weights, n_slots, n_ctx_slot), delay, hang_at, hang))
+        backends.append(_SlowSteps(CpuBackend(cfg, weights, n_slots, n_ctx_slot), delay, hang_at, hang))
         return backends[0]
 
     with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=512, n_batch=8, backend=factory) as engine:

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fastserve
-from fastserve.backends.numpy_backend import NumpyBackend
+from fastserve.backends.cpu.backend import CpuBackend
 from fastserve.prompt_cache import MIB, PromptCache
 
 from fill_failures import FailingFills
@@ -31,7 +31,7 @@ def _ids(stem, n, tail=()):
 
 @pytest.fixture
 def backend(tiny_model):
-    be = NumpyBackend(tiny_model.config, tiny_model.weights, 2, 128)
+    be = CpuBackend(tiny_model.config, tiny_model.weights, 2, 128)
     ids = np.asarray(STEMS[0][:40], np.int32)
     pos = np.arange(40)
     be.forward(ids, pos, np.zeros(40, np.int64), pos[-1:])          # slot 0 holds 40 real rows

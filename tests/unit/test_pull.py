@@ -6,7 +6,7 @@ import zipfile
 
 import pytest
 
-from fastserve import default_model as pullmod
+from fastserve.models import default_model as pullmod
 from fastserve.errors import PullError
 
 PAYLOAD = b"GGUF" + b"\0" * 60

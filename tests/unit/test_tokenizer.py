@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from fastserve.errors import ModelLoadError, RequestError
-from fastserve.tokenizer import Tokenizer
+from fastserve.models.tokenizer import Tokenizer
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -264,7 +264,7 @@ CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "co
 def test_a_model_without_a_template_chats_in_chatml_as_llama_server():
     """No tokenizer.chat_template: llama-server renders ChatML (common/chat.cpp); the source its /props showed
     for such a model (Gemma 3 270M, recorded in the golden data) renders as fastserve's fallback does."""
-    from fastserve.chat_template import CHATML, ChatTemplate
+    from fastserve.models.chat_template import CHATML, ChatTemplate
     from tests.reference_data import GOLDEN_DATA, load_reference
 
     llama_fallback = load_reference(GOLDEN_DATA / "gemma3_270m_q4km_llamacpp_greedy.json")["metadata"]["props"]
@@ -349,7 +349,7 @@ def test_odd_vocabulary_texts_and_pieces():
 
 
 def test_merge_pairs_fast_path_equals_the_loop():
-    from fastserve.tokenizer import _merge_pairs, _merge_pairs_loop
+    from fastserve.models.tokenizer import _merge_pairs, _merge_pairs_loop
 
     vocab = {t: i for i, t in enumerate(gpt2_md()["tokenizer.ggml.tokens"])}
     clean = GPT2_MERGES
@@ -364,7 +364,7 @@ def test_bpe_holds_the_merges_the_loop_keeps():
     unknown part or merged token sends the whole list through the loop, as a messy one does."""
     import json
 
-    from fastserve.tokenizer import _build_bpe, _merge_pairs_loop
+    from fastserve.models.tokenizer import _build_bpe, _merge_pairs_loop
 
     vocab = {t: i for i, t in enumerate(gpt2_md()["tokenizer.ggml.tokens"])}
     unknown_part, unknown_merged = ["Ġ t", "q zz", "h e"], ["Ġ t", "h e", "t Ġ"]

@@ -1,0 +1,439 @@
+# cython: language_level=3
+"""The CPU forward pass of a batch in one call, in C without the GIL: embedding rows, every layer
+(norms, products, biases, q/k norms, RoPE, KV store, attention, GLU, sandwich norms, residual adds),
+the final norm of the out rows, the output product and the logit softcap.
+
+The products are fastserve.backends.cpu._matmul's (Matmul.run), attention and the KV store fastserve.backends.cpu._attention's
+(Attention.run, store_rows), the element-wise operations _layer_ops.h's: the same implementations the
+NumPy reference forward (fastserve.backends.cpu.ref.forward) calls through Python, whose element-wise twins are
+fastserve.backends.cpu.ref.layer_ops, so the two forwards agree bit for bit (tests/parity/test_forward.py).
+
+Every element-wise stage computes each batch row on its own (a big batch's rows are split over the
+pool, each row whole on one thread), so a token's logits do not depend on the batch, its chunk or the
+threads, as for the products and attention. The activations live in buffers sized at construction
+(grown, never shrunk, when a step brings more rows): a step allocates nothing of their size.
+
+    fwd = Forward(cfg, weights, kv, (cos, sin), (cos_local, sin_local), mm, attn, rows)
+    fwd(tokens, positions, slots, out_rows, logits)      # int64 [n] x3, int64 [m], float32 [>= m, vocab]
+
+With fwd.profile set, each call adds its time per phase to fwd.phase_seconds() (two clock reads per
+stage: for a breakdown of a step that runs as one call, bench/bench_matmul.py; off by default).
+"""
+import numpy as np
+
+from libc.stdint cimport int64_t, uint8_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcpy
+from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
+
+from fastserve.backends.cpu._pool cimport Pool, fs_task_fn, pool_run
+from fastserve.backends.cpu._matmul cimport BlockMatrix, Matmul, fs_matrix, matrix_rows
+from fastserve.backends.cpu._attention cimport Attention, kv_layer, store_rows
+
+from fastserve.backends.cpu import _attention
+
+cdef extern from "_layer_ops.h" nogil:
+    void fs_rms_norm(const float *x, int64_t d, const float *w, float eps, float *out)
+    void fs_head_norm(float *x, int64_t heads, int64_t D, const float *w, float eps)
+    void fs_add(float *x, const float *b, int64_t d)
+    void fs_scale(float *x, int64_t d, float s)
+    void fs_rope(float *x, int64_t heads, int64_t D, int64_t rope_dim, int neox, const float *cos,
+                 const float *sin)
+    void fs_swiglu(const float *gate, const float *up, int64_t n, float *out)
+    void fs_geglu(const float *gate, const float *up, int64_t n, float *out)
+    void fs_softcap(float *x, int64_t n, float c)
+
+# Rows from which an element-wise stage is split over the pool. Measured on 2 busy vCPUs (default
+# model, threads 2): a 32-row batch was ~5 % slower split, a 256-row prefill chunk ~2 % faster (within
+# the noise): the stages are ~0.15 ms a row against ~2 ms of products, so only big chunks split.
+PARALLEL_ROWS = 64
+
+
+cdef struct fs_layer:
+    const float *attn_norm
+    const float *ffn_norm
+    const float *bias               # [q_dim + 2 kv_dim], or NULL
+    const float *q_norm             # [D], or NULL (then k_norm is too)
+    const float *k_norm
+    const float *post_attn          # [d], or NULL
+    const float *post_ffn
+    fs_matrix wqkv, wo, wgu, wdown
+    kv_layer kv
+    const float *cos                # the layer's RoPE table [n_ctx, rope_dim / 2]
+    const float *sin
+    int64_t window                  # 0: causal; else a local layer's window
+
+
+cdef struct fs_fwd:
+    # the model
+    int64_t d, H, Hkv, D, q_dim, kv_dim, n_ff, rope_dim, n_layer
+    int neox, gelu
+    float eps, embd_scale, softcap, attn_scale
+    fs_layer *layers
+    fs_matrix embd, output
+    const float *out_norm
+    # the activations, [rows, width] each
+    float *x                        # [d] the residual stream
+    float *h                        # [d] the normed input of a product
+    float *y                        # [d] a product into the stream
+    float *qkv                      # [q_dim + 2 kv_dim]
+    float *q                        # [q_dim] the queries, [H, D]
+    float *att                      # [q_dim] attention's output
+    float *gu                       # [2 n_ff] gate | up
+    float *act                      # [n_ff]
+    # the step
+    const int64_t *tokens
+    const int64_t *pos
+    const int64_t *slots
+    const int64_t *out_rows
+    float *logits
+    int64_t ld_logits
+    const fs_layer *layer           # the stage's layer, and the next one (or NULL)
+    const fs_layer *next
+
+
+cdef void _embed(void *ctx, int64_t b, int64_t e) noexcept nogil:
+    cdef fs_fwd *f = <fs_fwd *>ctx
+    cdef int64_t i
+    matrix_rows(&f.embd, f.tokens + b, e - b, f.x + b * f.d)
+    for i in range(b, e):
+        if f.embd_scale != 1.0:
+            fs_scale(f.x + i * f.d, f.d, f.embd_scale)
+        fs_rms_norm(f.x + i * f.d, f.d, f.layers[0].attn_norm, f.eps, f.h + i * f.d)
+
+
+cdef void _qkv(void *ctx, int64_t b, int64_t e) noexcept nogil:
+    """qkv rows: bias, q/k norms, RoPE (in place), the queries out, K/V into the cache."""
+    cdef fs_fwd *f = <fs_fwd *>ctx
+    cdef const fs_layer *L = f.layer
+    cdef int64_t i, w = f.q_dim + 2 * f.kv_dim, half = f.rope_dim // 2
+    cdef float *r
+    for i in range(b, e):
+        r = f.qkv + i * w
+        if L.bias != NULL:
+            fs_add(r, L.bias, w)
+        if L.q_norm != NULL:
+            fs_head_norm(r, f.H, f.D, L.q_norm, f.eps)
+            fs_head_norm(r + f.q_dim, f.Hkv, f.D, L.k_norm, f.eps)
+        fs_rope(r, f.H, f.D, f.rope_dim, f.neox, L.cos + f.pos[i] * half, L.sin + f.pos[i] * half)
+        fs_rope(r + f.q_dim, f.Hkv, f.D, f.rope_dim, f.neox, L.cos + f.pos[i] * half, L.sin + f.pos[i] * half)
+        memcpy(f.q + i * f.q_dim, r, f.q_dim * sizeof(float))
+    store_rows(&L.kv, f.qkv + b * w + f.q_dim, f.qkv + b * w + f.q_dim + f.kv_dim, w, f.slots + b, f.pos + b, e - b)
+
+
+cdef inline void _residual(fs_fwd *f, int64_t b, int64_t e, const float *post, const float *norm) noexcept nogil:
+    """x += post(y) (post: a sandwich norm, or NULL); h = norm(x) (norm: the next product's, or NULL)."""
+    cdef int64_t i, d = f.d
+    for i in range(b, e):
+        if post != NULL:
+            fs_rms_norm(f.y + i * d, d, post, f.eps, f.y + i * d)
+        fs_add(f.x + i * d, f.y + i * d, d)
+        if norm != NULL:
+            fs_rms_norm(f.x + i * d, d, norm, f.eps, f.h + i * d)
+
+
+cdef void _attn_out(void *ctx, int64_t b, int64_t e) noexcept nogil:
+    cdef fs_fwd *f = <fs_fwd *>ctx
+    _residual(f, b, e, f.layer.post_attn, f.layer.ffn_norm)
+
+
+cdef void _glu(void *ctx, int64_t b, int64_t e) noexcept nogil:
+    cdef fs_fwd *f = <fs_fwd *>ctx
+    cdef int64_t i, nf = f.n_ff
+    for i in range(b, e):
+        if f.gelu:
+            fs_geglu(f.gu + i * 2 * nf, f.gu + i * 2 * nf + nf, nf, f.act + i * nf)
+        else:
+            fs_swiglu(f.gu + i * 2 * nf, f.gu + i * 2 * nf + nf, nf, f.act + i * nf)
+
+
+cdef void _ffn_out(void *ctx, int64_t b, int64_t e) noexcept nogil:
+    cdef fs_fwd *f = <fs_fwd *>ctx
+    _residual(f, b, e, f.layer.post_ffn, f.next.attn_norm if f.next != NULL else NULL)
+
+
+cdef void _out_norm(void *ctx, int64_t b, int64_t e) noexcept nogil:
+    """h[j] = out_norm(x[out_rows[j]]) for out rows j."""
+    cdef fs_fwd *f = <fs_fwd *>ctx
+    cdef int64_t j
+    for j in range(b, e):
+        fs_rms_norm(f.x + f.out_rows[j] * f.d, f.d, f.out_norm, f.eps, f.h + j * f.d)
+
+
+cdef void _softcap(void *ctx, int64_t b, int64_t e) noexcept nogil:
+    cdef fs_fwd *f = <fs_fwd *>ctx
+    cdef int64_t j
+    for j in range(b, e):
+        fs_softcap(f.logits + j * f.ld_logits, f.output.n_out, f.softcap)
+
+
+PHASES = ("layer products", "attention", "element-wise ops and KV stores", "output product")
+DEF N_PHASES = 4
+
+
+cdef inline double _now() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return ts.tv_sec + ts.tv_nsec * 1e-9
+
+
+cdef class Forward:
+    """The forward pass over one model's weights and KV cache (kv: backends.kv_cache.KVCache), with
+    the products on mm (a fastserve.backends.cpu._matmul.Matmul) and attention on attn (a fastserve.backends.cpu._attention.
+    Attention), both on pool (fastserve.backends.cpu._pool.Pool), whose threads also run the element-wise stages
+    of big batches. ropes: (cos, sin) float32 [n_ctx, rope_dim / 2] of the global layers, and of the
+    local ones. rows: the activations' first size. Keeps every array it points into referenced."""
+    cdef fs_fwd f
+    cdef Matmul mm
+    cdef Attention attn
+    cdef Pool pool
+    cdef list _keep
+    cdef list _bufs                 # the activations' arrays
+    cdef readonly int64_t rows
+    cdef public int64_t parallel_rows   # batches of this many rows split their element-wise stages over the pool
+    cdef int64_t n_vocab, n_slots, n_ctx
+    cdef public bint profile            # add each phase's time to _phase (phase_seconds)
+    cdef double _phase[N_PHASES]
+    cdef double _mark
+
+    def __cinit__(self):
+        self.f.layers = NULL
+
+    def __dealloc__(self):
+        free(self.f.layers)
+
+    def __init__(self, cfg, weights, kv, ropes, ropes_local, Matmul mm, Attention attn, Pool pool, int64_t rows):
+        cdef fs_fwd *f = &self.f
+        cdef fs_layer *L
+        cdef int64_t li
+        cdef int i, local
+        self.mm, self.attn, self.pool, self._keep = mm, attn, pool, []
+        f.d, f.H, f.Hkv, f.D = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        f.q_dim, f.kv_dim, f.n_ff, f.rope_dim = f.H * f.D, f.Hkv * f.D, cfg.n_ff, cfg.rope_dim
+        f.n_layer, f.neox, f.gelu = cfg.n_layer, cfg.rope_neox, cfg.ffn_gelu
+        f.eps, f.embd_scale, f.softcap, f.attn_scale = cfg.norm_eps, cfg.embd_scale, cfg.logit_softcap, cfg.attn_scale
+        if f.n_layer < 1 or f.H % f.Hkv:
+            raise ValueError(f"Forward: {f.n_layer} layers, {f.H} heads over {f.Hkv} KV heads")
+        self.n_vocab, self.n_slots, self.n_ctx = cfg.n_vocab, kv.n_slots, kv.n_ctx_slot
+        tk, tv = _attention.kv_type_id(kv.type_k, f.D), _attention.kv_type_id(kv.type_v, f.D)
+        f.layers = <fs_layer *>malloc(f.n_layer * sizeof(fs_layer))
+        if f.layers == NULL:
+            raise MemoryError("Forward: out of memory")
+        cdef const float *tables[4]
+        for i, t in enumerate((*ropes, *ropes_local)):
+            tables[i] = self._table(t, kv.n_ctx_slot, f.rope_dim // 2)
+        for li in range(f.n_layer):
+            lw, L = weights.layers[li], &f.layers[li]
+            L.attn_norm, L.ffn_norm = self._vec(lw.attn_norm, f.d), self._vec(lw.ffn_norm, f.d)
+            L.bias = self._vec(lw.qkv_bias, f.q_dim + 2 * f.kv_dim)
+            L.q_norm, L.k_norm = self._vec(lw.q_norm, f.D), self._vec(lw.k_norm, f.D)
+            if (L.q_norm == NULL) != (L.k_norm == NULL):
+                raise ValueError(f"Forward: layer {li} has a q norm or a k norm, not both")
+            L.post_attn, L.post_ffn = self._vec(lw.post_attn_norm, f.d), self._vec(lw.post_ffn_norm, f.d)
+            L.wqkv = self._matrix(lw.wqkv, f.q_dim + 2 * f.kv_dim, f.d)
+            L.wo = self._matrix(lw.wo, f.d, f.q_dim)
+            L.wgu = self._matrix(lw.w_gate_up, 2 * f.n_ff, f.d)
+            L.wdown = self._matrix(lw.w_down, f.d, f.n_ff)
+            L.kv.k, L.kv.v = self._cache(kv.k[li]), self._cache(kv.v[li])
+            L.kv.n_slots, L.kv.n_ktiles, L.kv.n_ctx = kv.k[li].shape[0], kv.k[li].shape[1], kv.v[li].shape[1]
+            L.kv.Hkv, L.kv.D, L.kv.type_k, L.kv.type_v, L.kv.ring = f.Hkv, f.D, tk, tv, kv.rings[li]
+            local = 1 if cfg.local_layers[li] else 0
+            L.cos, L.sin = tables[2 * local], tables[2 * local + 1]
+            L.window = cfg.sliding_window if local else 0
+        f.embd = self._matrix(weights.tok_embd, cfg.n_vocab, f.d)
+        f.output = self._matrix(weights.output, cfg.n_vocab, f.d)
+        f.out_norm = self._vec(weights.out_norm, f.d)
+        self.rows = 0
+        self._grow(max(1, rows))
+        self.parallel_rows = PARALLEL_ROWS
+
+    cdef const float *_vec(self, a, int64_t n) except? NULL:
+        """A float32 vector of n (kept), or NULL for None."""
+        if a is None:
+            return NULL
+        cdef const float[::1] v = np.ascontiguousarray(a, np.float32)
+        if v.shape[0] != n:
+            raise ValueError(f"Forward: a vector of {v.shape[0]} where {n} are needed")
+        self._keep.append(v)
+        return &v[0]
+
+    cdef const float *_table(self, a, int64_t n_ctx, int64_t half) except NULL:
+        cdef const float[:, ::1] t = np.ascontiguousarray(a, np.float32)
+        if t.shape[0] < n_ctx or t.shape[1] != half:
+            raise ValueError(f"Forward: a RoPE table of {np.shape(a)}, expected ({n_ctx}, {half})")
+        self._keep.append(t)
+        return &t[0, 0] if half else <const float *>self._vec(np.zeros(1, np.float32), 1)
+
+    cdef fs_matrix _matrix(self, BlockMatrix w, int64_t n_out, int64_t n_in) except *:
+        if w.n_out != n_out or w.n_in != n_in:
+            raise ValueError(f"Forward: a matrix of {w.shape}, expected {(n_out, n_in)}")
+        self._keep.append(w)
+        return w.view()
+
+    cdef uint8_t *_cache(self, a) except NULL:
+        cdef uint8_t[:, :, :, ::1] c = a
+        self._keep.append(a)
+        return &c[0, 0, 0, 0]
+
+    cdef _grow(self, int64_t rows):
+        """The activations for `rows` batch rows (kept in self._bufs)."""
+        cdef fs_fwd *f = &self.f
+        widths = (f.d, f.d, f.d, f.q_dim + 2 * f.kv_dim, f.q_dim, f.q_dim, 2 * f.n_ff, f.n_ff)
+        bufs = [np.zeros((rows, w), np.float32) for w in widths]
+        cdef float[:, ::1] b0 = bufs[0], b1 = bufs[1], b2 = bufs[2], b3 = bufs[3]
+        cdef float[:, ::1] b4 = bufs[4], b5 = bufs[5], b6 = bufs[6], b7 = bufs[7]
+        f.x, f.h, f.y, f.qkv = &b0[0, 0], &b1[0, 0], &b2[0, 0], &b3[0, 0]
+        f.q, f.att, f.gu, f.act = &b4[0, 0], &b5[0, 0], &b6[0, 0], &b7[0, 0]
+        self._bufs = bufs
+        self.rows = rows
+
+    def __call__(self, tokens, positions, slots, out_rows, logits):
+        """tokens, positions, slots int64 [n]; out_rows int64 [m] (in [0, n)); logits float32 [>= m,
+        n_vocab] (C-contiguous): rows < m written. Returns logits[:m]."""
+        cdef const int64_t[::1] tv = tokens, pv = positions, sv = slots, ov = out_rows
+        cdef float[:, ::1] lv = logits
+        cdef int64_t n = tv.shape[0], m = ov.shape[0], i
+        cdef fs_fwd *f = &self.f
+        if pv.shape[0] != n or sv.shape[0] != n:
+            raise ValueError(f"forward: {n} tokens, {pv.shape[0]} positions, {sv.shape[0]} slots")
+        if lv.shape[0] < m or lv.shape[1] != self.n_vocab:
+            raise ValueError(f"forward: logits {np.shape(logits)} do not fit {m} rows of {self.n_vocab}")
+        for i in range(n):
+            if not 0 <= tv[i] < self.n_vocab:
+                raise IndexError(f"token {tv[i]} is outside the vocabulary [0, {self.n_vocab})")
+            if not 0 <= pv[i] < self.n_ctx:
+                raise ValueError(f"positions must be in [0, {self.n_ctx}), got {pv[i]} at row {i}")
+            if not 0 <= sv[i] < self.n_slots:
+                raise ValueError(f"slots must be in [0, {self.n_slots}), got {sv[i]} at row {i}")
+        for i in range(m):
+            if not 0 <= ov[i] < n:
+                raise ValueError(f"out_rows must be in [0, {n}), got {ov[i]}")
+        if n == 0:
+            return logits[:m]
+        if n > self.rows:
+            self._grow(n)
+        f.tokens, f.pos, f.slots, f.out_rows = &tv[0], &pv[0], &sv[0], &ov[0] if m else NULL
+        f.logits, f.ld_logits = &lv[0, 0] if m else NULL, lv.shape[1]
+        cdef int rc
+        with nogil:
+            rc = self._run(n, m)
+        if rc < 0:
+            raise MemoryError("forward: out of memory for a product's or attention's scratch")
+        return logits[:m]
+
+    def phase_seconds(self, bint reset=False):
+        """{phase: seconds} summed over the calls made with profile set (PHASES); reset: zero them after."""
+        out = {name: self._phase[i] for i, name in enumerate(PHASES)}
+        if reset:
+            for i in range(N_PHASES):
+                self._phase[i] = 0.0
+        return out
+
+    cdef inline void _lap(self, int phase) noexcept nogil:
+        """With profile set: the time since the last lap goes to phase."""
+        cdef double t
+        if self.profile:
+            t = _now()
+            self._phase[phase] += t - self._mark
+            self._mark = t
+
+    cdef void _rows(self, fs_task_fn stage, int64_t n) noexcept nogil:
+        """stage over batch rows [0, n): on the pool when the batch is big, else on this thread."""
+        cdef int threads = self.pool.threads
+        if threads > 1 and n >= self.parallel_rows:
+            pool_run(self.pool.pl, stage, &self.f, n, (n + 2 * threads - 1) // (2 * threads))
+        else:
+            stage(&self.f, 0, n)
+
+    cdef inline int _product(self, const float *x, int64_t ldx, int64_t n, const fs_matrix *w, float *y,
+                             int64_t ldy, int phase) noexcept nogil:
+        """y = x . w^T (Matmul.run), its time to phase; < 0: out of memory."""
+        cdef int rc = self.mm.run(x, ldx, n, w, y, ldy)
+        self._lap(phase)
+        return rc
+
+    cdef inline void _stage(self, fs_task_fn stage, int64_t n) noexcept nogil:
+        """An element-wise stage over rows [0, n) (_rows), its time to the element-wise phase."""
+        self._rows(stage, n)
+        self._lap(2)
+
+    cdef int _run(self, int64_t n, int64_t m) noexcept nogil:
+        cdef fs_fwd *f = &self.f
+        cdef const fs_layer *L
+        cdef int64_t li, wq = f.q_dim + 2 * f.kv_dim
+        if self.profile:
+            self._mark = _now()
+        self._stage(_embed, n)
+        for li in range(f.n_layer):
+            L = &f.layers[li]
+            f.layer, f.next = L, (&f.layers[li + 1] if li + 1 < f.n_layer else NULL)
+            if self._product(f.h, f.d, n, &L.wqkv, f.qkv, wq, 0) < 0:
+                return -1
+            self._stage(_qkv, n)
+            if self.attn.run(f.q, n, f.H, &L.kv, f.slots, f.pos, f.att, f.attn_scale, L.window) < 0:
+                return -1
+            self._lap(1)
+            if self._product(f.att, f.q_dim, n, &L.wo, f.y, f.d, 0) < 0:
+                return -1
+            self._stage(_attn_out, n)
+            if self._product(f.h, f.d, n, &L.wgu, f.gu, 2 * f.n_ff, 0) < 0:
+                return -1
+            self._stage(_glu, n)
+            if self._product(f.act, f.n_ff, n, &L.wdown, f.y, f.d, 0) < 0:
+                return -1
+            self._stage(_ffn_out, n)
+        if m == 0:
+            return 0
+        self._stage(_out_norm, m)
+        if self._product(f.h, f.d, m, &f.output, f.logits, f.ld_logits, 3) < 0:
+            return -1
+        if f.softcap > 0:
+            self._stage(_softcap, m)
+        return 0
+
+
+# ---- the element-wise operations one by one, for their parity tests (tests/parity/test_layer_ops.py) ----
+
+def rms_norm(const float[:, ::1] x, const float[::1] w, float eps):
+    """x [n, d], w [d] -> float32 [n, d]: each row / rms(row) * w."""
+    out = np.zeros((x.shape[0], x.shape[1]), np.float32)
+    cdef float[:, ::1] o = out
+    cdef Py_ssize_t i
+    if w.shape[0] != x.shape[1]:
+        raise ValueError("rms_norm: w does not fit the rows")
+    for i in range(x.shape[0]):
+        fs_rms_norm(&x[i, 0], x.shape[1], &w[0], eps, &o[i, 0])
+    return out
+
+
+def rope(const float[:, :, ::1] x, const float[:, ::1] cos, const float[:, ::1] sin, int64_t rope_dim, bint neox):
+    """x [n, heads, D]; cos, sin [n, rope_dim / 2] -> float32 [n, heads, D] rotated."""
+    out = np.array(x, np.float32)
+    cdef float[:, :, ::1] o = out
+    cdef Py_ssize_t i
+    if rope_dim > x.shape[2] or cos.shape[0] != x.shape[0] or cos.shape[1] != rope_dim // 2 \
+            or sin.shape[0] != cos.shape[0] or sin.shape[1] != cos.shape[1]:
+        raise ValueError("rope: the tables do not fit x")
+    for i in range(x.shape[0]):
+        fs_rope(&o[i, 0, 0], x.shape[1], x.shape[2], rope_dim, neox, &cos[i, 0], &sin[i, 0])
+    return out
+
+
+def glu(const float[::1] gate, const float[::1] up, bint gelu):
+    """gate, up [n] -> float32 [n]: gelu(gate) * up (gelu) or silu(gate) * up."""
+    out = np.zeros(gate.shape[0], np.float32)
+    cdef float[::1] o = out
+    if up.shape[0] != gate.shape[0]:
+        raise ValueError("glu: gate and up differ in size")
+    if gate.shape[0]:
+        (fs_geglu if gelu else fs_swiglu)(&gate[0], &up[0], gate.shape[0], &o[0])
+    return out
+
+
+def softcap(const float[::1] x, float c):
+    """x [n] -> float32 [n]: c * tanh(x / c)."""
+    out = np.array(x, np.float32)
+    cdef float[::1] o = out
+    if x.shape[0]:
+        fs_softcap(&o[0], x.shape[0], c)
+    return out

@@ -1,0 +1,157 @@
+/* The element-wise operations of a transformer layer, float32, each on one row (or one token's heads):
+ * RMSNorm, bias add, RoPE from cos/sin tables, SwiGLU / GeGLU, residual add, scale, logit softcap.
+ * fastserve/backends/cpu/_forward.pyx runs them between the matrix products; fastserve/backends/cpu/ref/layer_ops.py is the NumPy
+ * twin, bit for bit (tests/parity/test_layer_ops.py).
+ *
+ * Every result is a fixed sequence of float32 operations, each rounded (built with -ffp-contract=off:
+ * no fused multiply-add), so it does not depend on the ISA the compiler vectorises for, the row count,
+ * the thread that runs the row or the batch:
+ *   sum of squares of x[0..d): 16 lanes, lane j adding x[i]^2 for i = j, j + 16, ... in order of i, then
+ *     lanes folded in halves (j += j + 8, then j + 4, j + 2, j + 1);
+ *   rms_norm:  r = 1 / sqrt(ss / d + eps), out[i] = (x[i] * r) * w[i];
+ *   e^x for x <= 0 (fs_exp_neg, ~1 ulp): x clamped to [-87, 0] (0 below -87); n = rint(x * log2 e),
+ *     r = (x - n * LN2_HI) - n * LN2_LO (Cody-Waite: n * LN2_HI and the first difference exact, |r| <= 0.35),
+ *     p = Horner of the degree-7 Taylor polynomial of e^r (1/7!, 1/6!, ..., 1, 1), result p * 2^n;
+ *   sigmoid(z) = (z >= 0 ? 1 : t) / (1 + t) with t = e^-|z| (no overflow, as t <= 1);
+ *     tanh(z) = sign(z) * (1 - t) / (1 + t) with t = e^(-2|z|);
+ *   silu(g) * u = (g * sigmoid(g)) * u;
+ *   gelu(g) * u = (g * sigmoid(k * (g * (1 + 0.044715 g^2)))) * u, k = 2 sqrt(2/pi): GELU's tanh form,
+ *     as 0.5 (1 + tanh(y)) = sigmoid(2y);
+ *   RoPE of a pair (a, b) by angle (c, s): (a * c - b * s, a * s + b * c).
+ */
+#ifndef FASTSERVE_LAYER_OPS_H
+#define FASTSERVE_LAYER_OPS_H
+
+#include <stdint.h>
+#include <math.h>
+
+#include "_attention_kernels.h"     /* fs_rintf, fs_bits_f32, FS_LOG2E */
+
+#define FS_NORM_LANES 16
+#define FS_GELU_K 0x1.988454p+0f    /* float32(2 * sqrt(2 / pi)) */
+#define FS_GELU_C 0x1.6e4e26p-5f    /* float32(0.044715) */
+#define FS_LN2_HI 0x1.62e400p-1f    /* ln 2's first 15 bits: n * FS_LN2_HI is exact for |n| < 512 */
+#define FS_LN2_LO 0x1.7f7d1cp-20f   /* float32(ln 2 - FS_LN2_HI) */
+
+static inline float fs_sum_squares(const float *x, int64_t d)
+{
+    float acc[FS_NORM_LANES] = {0};
+    int64_t i = 0;
+    for (; i + FS_NORM_LANES <= d; i += FS_NORM_LANES)
+        for (int j = 0; j < FS_NORM_LANES; j++)
+            acc[j] += x[i + j] * x[i + j];
+    for (int j = 0; i + j < d; j++)
+        acc[j] += x[i + j] * x[i + j];
+    for (int w = FS_NORM_LANES / 2; w >= 1; w /= 2)
+        for (int j = 0; j < w; j++)
+            acc[j] += acc[j + w];
+    return acc[0];
+}
+
+/* out[0..d) = x / rms(x) * w (out may be x). */
+static inline void fs_rms_norm(const float *x, int64_t d, const float *w, float eps, float *out)
+{
+    float ms = fs_sum_squares(x, d) / (float)d;
+    ms += eps;
+    float r = 1.0f / sqrtf(ms);
+    for (int64_t i = 0; i < d; i++)
+        out[i] = (x[i] * r) * w[i];
+}
+
+/* In place: each of `heads` rows of D (consecutive) normed with w [D]. */
+static inline void fs_head_norm(float *x, int64_t heads, int64_t D, const float *w, float eps)
+{
+    for (int64_t h = 0; h < heads; h++)
+        fs_rms_norm(x + h * D, D, w, eps, x + h * D);
+}
+
+/* In place: x[i] += b[i]. Also the residual add. */
+static inline void fs_add(float *x, const float *b, int64_t d)
+{
+    for (int64_t i = 0; i < d; i++)
+        x[i] += b[i];
+}
+
+static inline void fs_scale(float *x, int64_t d, float s)
+{
+    for (int64_t i = 0; i < d; i++)
+        x[i] *= s;
+}
+
+/* In place: RoPE of `heads` consecutive head rows of D with one token's cos/sin [rope_dim / 2]: pairs
+ * (2i, 2i + 1) of the first rope_dim values (llama.cpp's normal RoPE), or (i, i + rope_dim / 2) (NeoX). */
+static inline void fs_rope(float *x, int64_t heads, int64_t D, int64_t rope_dim, int neox,
+                           const float *cos, const float *sin)
+{
+    int64_t half = rope_dim / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *xh = x + h * D;
+        for (int64_t i = 0; i < half; i++) {
+            int64_t ia = neox ? i : 2 * i, ib = neox ? i + half : 2 * i + 1;
+            float a = xh[ia], b = xh[ib], c = cos[i], s = sin[i];
+            xh[ia] = a * c - b * s;
+            xh[ib] = a * s + b * c;
+        }
+    }
+}
+
+/* e^x for x <= 0, float32 within ~1 ulp (the contract above). Not attention's fs_exp2(x * log2 e): there the
+ * rounding of x * log2 e alone costs |x| * 2^-24 relative (measured: up to ~60 ulp near -87, ~8 above -8). */
+static inline float fs_exp_neg(float x)
+{
+    float xc = x > -87.0f ? x : -87.0f;
+    xc = xc < 0.0f ? xc : 0.0f;
+    float n = fs_rintf(xc * FS_LOG2E);
+    float r = (xc - n * FS_LN2_HI) - n * FS_LN2_LO;
+    float p = 0x1.a01a02p-13f;               /* 1/7! */
+    p = p * r + 0x1.6c16c2p-10f;             /* 1/6! */
+    p = p * r + 0x1.111112p-7f;              /* 1/5! */
+    p = p * r + 0x1.555556p-5f;              /* 1/4! */
+    p = p * r + 0x1.555556p-3f;              /* 1/3! */
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    float e = p * fs_bits_f32((uint32_t)((int32_t)n + 127) << 23);
+    return x < -87.0f ? 0.0f : e;
+}
+
+static inline float fs_sigmoid(float z)
+{
+    float t = fs_exp_neg(-fabsf(z));
+    return (z >= 0.0f ? 1.0f : t) / (1.0f + t);
+}
+
+static inline float fs_tanh(float z)
+{
+    float t = fs_exp_neg(-2.0f * fabsf(z));
+    float r = (1.0f - t) / (1.0f + t);
+    return z < 0.0f ? -r : r;
+}
+
+/* out[i] = silu(gate[i]) * up[i] (out may be gate). */
+static inline void fs_swiglu(const float *gate, const float *up, int64_t n, float *out)
+{
+    for (int64_t i = 0; i < n; i++) {
+        float g = gate[i];
+        out[i] = (g * fs_sigmoid(g)) * up[i];
+    }
+}
+
+/* out[i] = gelu(gate[i]) * up[i], GELU's tanh form (out may be gate). */
+static inline void fs_geglu(const float *gate, const float *up, int64_t n, float *out)
+{
+    for (int64_t i = 0; i < n; i++) {
+        float g = gate[i];
+        float y = ((g * g) * FS_GELU_C + 1.0f) * g;
+        out[i] = (g * fs_sigmoid(y * FS_GELU_K)) * up[i];
+    }
+}
+
+/* In place: x = c * tanh(x / c). */
+static inline void fs_softcap(float *x, int64_t n, float c)
+{
+    for (int64_t i = 0; i < n; i++)
+        x[i] = fs_tanh(x[i] / c) * c;
+}
+
+#endif

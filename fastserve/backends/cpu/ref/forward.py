@@ -1,0 +1,91 @@
+"""The forward pass written out in NumPy: the readable reference of fastserve.backends.cpu._forward (which runs it in
+one C call), composed of the element-wise twins (fastserve.backends.cpu.ref.layer_ops) and the backend's products
+and attention called from Python, so that the two agree bit for bit (tests/parity/test_forward.py).
+It reads what a family adds (biases, q/k norms, sandwich norms, GeGLU, NeoX RoPE, local layers) from
+cfg (models/architecture.py), never from the architecture's name.
+
+Shapes: n = tokens in the batch, d = n_embd, H = heads, Hkv = KV heads, D = head_dim.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .layer_ops import apply_rope, geglu, head_norm, rms_norm, softcap, swiglu
+
+
+class Activations:
+    """The reference forward's buffers for `rows` tokens (grown, never shrunk, if a step brings more)."""
+
+    def __init__(self, cfg, rows: int):
+        q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+        self.rows = rows
+        self.x = np.zeros((rows, cfg.n_embd), np.float32)            # the residual stream
+        self.h = np.zeros((rows, cfg.n_embd), np.float32)            # normed input of a product
+        self.y = np.zeros((rows, cfg.n_embd), np.float32)            # a product into the stream
+        self.qkv = np.zeros((rows, q_dim + 2 * kv_dim), np.float32)
+        self.q = np.zeros((rows, cfg.n_head, cfg.head_dim), np.float32)
+        self.k = np.zeros((rows, cfg.n_head_kv, cfg.head_dim), np.float32)
+        self.v = np.zeros((rows, cfg.n_head_kv, cfg.head_dim), np.float32)
+        self.attn = np.zeros((rows, q_dim), np.float32)
+        self.gu = np.zeros((rows, 2 * cfg.n_ff), np.float32)
+        self.act = np.zeros((rows, cfg.n_ff), np.float32)
+
+
+def forward(be, tokens, positions, slots, out_rows, logits: np.ndarray) -> np.ndarray:
+    """be: a backends.numpy_backend.CpuBackend (its weights, KV cache, RoPE tables, products _mm,
+    attention _attn and reference activations act). tokens, positions, slots [n]; out_rows [m]:
+    logits[:m] float32 [m, n_vocab] of those rows, written into logits."""
+    cfg, w = be.cfg, be.w
+    positions = np.asarray(positions, dtype=np.int64)
+    slots = np.asarray(slots, dtype=np.int64)
+    n = len(positions)
+    if n > be.act.rows:
+        be.act = Activations(cfg, n)
+    a = be.act
+    q_dim, kv_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
+    x, h, y, qkv = a.x[:n], a.h[:n], a.y[:n], a.qkv[:n]
+    q, k, v, attn, gu, act = a.q[:n], a.k[:n], a.v[:n], a.attn[:n], a.gu[:n], a.act[:n]
+    ropes = {False: (be.cos[positions], be.sin[positions]), True: (be.cos_local[positions], be.sin_local[positions])}
+    w.tok_embd.get_rows(np.asarray(tokens, dtype=np.int64), out=x)
+    if cfg.embd_scale != 1.0:
+        x *= np.float32(cfg.embd_scale)
+    act_fn = geglu if cfg.ffn_gelu else swiglu
+    for li, lw in enumerate(w.layers):
+        local = cfg.local_layers[li]
+        rms_norm(x, lw.attn_norm, cfg.norm_eps, out=h)
+        be._mm(h, lw.wqkv, qkv)
+        if lw.qkv_bias is not None:
+            qkv += lw.qkv_bias
+        np.copyto(q, qkv[:, :q_dim].reshape(n, cfg.n_head, cfg.head_dim))
+        np.copyto(k, qkv[:, q_dim:q_dim + kv_dim].reshape(n, cfg.n_head_kv, cfg.head_dim))
+        np.copyto(v, qkv[:, q_dim + kv_dim:].reshape(n, cfg.n_head_kv, cfg.head_dim))
+        if lw.q_norm is not None:
+            head_norm(q, lw.q_norm, cfg.norm_eps)
+            head_norm(k, lw.k_norm, cfg.norm_eps)
+        cos, sin = ropes[local]
+        apply_rope(q, cos, sin, cfg.rope_dim, neox=cfg.rope_neox)
+        apply_rope(k, cos, sin, cfg.rope_dim, neox=cfg.rope_neox)
+        be.kv.store(li, k, v, slots, positions)
+        # a local layer's query at q sees keys q - window < p <= q (llama.cpp's is_masked_swa, standard)
+        be._attn(q, be.kv.k[li], be.kv.v[li], be.kv.type_k, be.kv.type_v, slots, positions, attn,
+                 cfg.attn_scale, window=cfg.sliding_window if local else 0, ring=be.kv.rings[li])
+        be._mm(attn, lw.wo, y)
+        if lw.post_attn_norm is not None:
+            rms_norm(y, lw.post_attn_norm, cfg.norm_eps, out=y)
+        x += y
+        rms_norm(x, lw.ffn_norm, cfg.norm_eps, out=h)
+        be._mm(h, lw.w_gate_up, gu)
+        act_fn(gu[:, :cfg.n_ff], gu[:, cfg.n_ff:], act)
+        be._mm(act, lw.w_down, y)
+        if lw.post_ffn_norm is not None:
+            rms_norm(y, lw.post_ffn_norm, cfg.norm_eps, out=y)
+        x += y
+    rows = np.asarray(out_rows, dtype=np.int64)
+    m = len(rows)
+    if m and (rows.min() < 0 or rows.max() >= n):
+        raise ValueError(f"out_rows must be in [0, {n}), got {rows.min()}..{rows.max()}")
+    rms_norm(x[rows], w.out_norm, cfg.norm_eps, out=h[:m])
+    out = be._mm(h[:m], w.output, logits[:m])
+    if cfg.logit_softcap > 0:
+        softcap(out, cfg.logit_softcap)
+    return out

@@ -1,0 +1,164 @@
+"""Pure-NumPy twin of fastserve.backends.cpu._matmul: the same blocks (fastserve.models.blocks), the same activation
+quantization and the same float32 order, so its outputs are bit-identical to the extension's
+(tests/parity/test_matmul.py).
+
+Activations, blocks of 32 inputs: d = amax / 127, q = rint(v * (127 / amax)) (0 when amax < 2^-100).
+Weights per block w_i = d_w * (s_i * q_i) + m_w. For each (r, o), in block order:
+    acc = acc + float32(isum) * (d_w * d_x);  with offsets then  acc = acc + m_w * s_x,
+isum = sum_i s_i q_w,i q_x,i exact, s_x = d_x * float32(sum q_x), every product and sum rounded to
+float32. Float weights (F32/F16/BF16): acc = acc + w_i * x_i for i = 0, 1, ... in order.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ....models import blocks as B
+
+QK = 32
+TINY = np.float32(2.0 ** -100)      # blocks with a smaller amax quantize to zeros (127 / amax would overflow)
+ISA_NAMES = {0: "scalar"}
+KERNEL_TYPES = tuple(B.TYPES)
+
+
+def isas():
+    return ("scalar",)
+
+
+def best_isa():
+    return "scalar"
+
+
+def type_info(type_name: str):
+    if type_name not in B.TYPES:
+        raise ValueError(f"type {type_name} has no kernel; kernel types: {', '.join(KERNEL_TYPES)}")
+    return B.TYPES[type_name]
+
+
+def _blocks(n_in: int) -> int:
+    return -(-n_in // QK)
+
+
+def _quantize(x: np.ndarray):
+    """x [n, in] float32 -> q int8 [n, nb, 32] (zero padded), d float32 [n, nb]."""
+    n, n_in = x.shape
+    nb = _blocks(n_in)
+    xb = np.zeros((n, nb * QK), np.float32)
+    xb[:, :n_in] = x
+    xb = xb.reshape(n, nb, QK)
+    amax = np.abs(xb).max(axis=2) if nb else np.zeros((n, 0), np.float32)
+    amax = np.where(amax >= TINY, amax, np.float32(0.0)).astype(np.float32)   # zeros, denormals, NaN
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127.0) / amax, np.float32(0.0)).astype(np.float32)
+    q = np.rint(xb * inv[:, :, None]).astype(np.int8)
+    return q, (amax / np.float32(127.0)).astype(np.float32)
+
+
+def quantize_rows(x):
+    """x [n, in] float32 -> (q int8 [n, in], d float32 [n, ceil(in/32)])."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    q, d = _quantize(x)
+    return q.reshape(len(x), -1)[:, :x.shape[1]], d
+
+
+class BlockMatrix:
+    """The extension's BlockMatrix: parts (label, type name, data, rows) stacked by rows, decoded once
+    into exact blocks (the twin may copy; the extension never does)."""
+
+    def __init__(self, parts, n_in: int):
+        parts = list(parts)
+        if not parts:
+            raise ValueError("BlockMatrix: no parts")
+        self.n_in = int(n_in)
+        self.parts, types, labels = [], [], []
+        for label, type_name, data, rows in parts:
+            if type_name not in B.TYPES:
+                raise ValueError(f"{label}: type {type_name} has no kernel; kernel types: {', '.join(KERNEL_TYPES)}")
+            if self.n_in % B.TYPES[type_name][0]:
+                raise ValueError(f"{label}: {type_name} rows of {n_in} inputs are not whole blocks of {B.TYPES[type_name][0]}")
+            try:
+                self.parts.append(B.decode(type_name, data, int(rows), self.n_in))
+            except ValueError as exc:
+                raise ValueError(f"{label}: {exc}") from None
+            types.append(type_name)
+            labels.append(label)
+        self.types, self.labels = tuple(types), tuple(labels)
+        self.part_rows = tuple(len(p.w if p.kind == "f" else p.q) for p in self.parts)
+        self.n_out = sum(self.part_rows)
+        self.nbytes = sum(B.row_bytes(t, self.n_in) * r for t, r in zip(types, self.part_rows))
+        self.has_float = any(p.kind == "f" for p in self.parts)
+        self.has_int = any(p.kind != "f" for p in self.parts)
+
+    @staticmethod
+    def from_float(w, label="matrix"):
+        w = np.asarray(w)
+        if w.dtype != np.float32 or w.ndim != 2 or not w.flags.c_contiguous:
+            raise ValueError(f"{label}: from_float needs a C-contiguous float32 [n_out, n_in] array")
+        return BlockMatrix([(label, "F32", w, w.shape[0])], w.shape[1])
+
+    @property
+    def shape(self):
+        return (self.n_out, self.n_in)
+
+    def to_float(self):
+        return np.concatenate([B.dequantize(p) for p in self.parts])
+
+    def get_rows(self, ids, out=None):
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.n_out):
+            raise IndexError(f"get_rows: rows outside [0, {self.n_out})")
+        rows = self.to_float()[ids]
+        if out is None:
+            return rows
+        out[...] = rows
+        return out
+
+
+def _part_product(x, xq, dx, xs, xh, sx, p: B.Blocks) -> np.ndarray:
+    """[n, rows] float32 of one part."""
+    n = len(x)
+    if p.kind == "f":
+        acc = np.zeros((n, len(p.w)), np.float32)
+        for i in range(p.w.shape[1]):
+            acc = acc + x[:, i, None] * p.w[None, :, i]
+        return acc
+    acc = np.zeros((n, len(p.q)), np.float32)
+    for b in range(p.q.shape[1]):
+        # The exact integer block dots: every partial sum is an integer below 2^53.
+        qx, qw = xq[:, b].astype(np.float64), p.q[:, b].astype(np.float64)
+        if p.s is None:
+            isum = qx @ qw.T
+        else:
+            isum = (qx[:, :16] @ qw[:, :16].T) * p.s[None, :, b, 0] + (qx[:, 16:] @ qw[:, 16:].T) * p.s[None, :, b, 1]
+        acc = acc + isum.astype(np.float32) * (p.d[None, :, b] * dx[:, b, None])
+        if p.m is not None:
+            acc = acc + p.m[None, :, b] * sx[:, b, None]
+    return acc
+
+
+class Matmul:
+    """The extension's Matmul: threads, isa, spin_us and pool are accepted and change no number (as in C)."""
+
+    def __init__(self, threads: int = 1, isa: str = "auto", spin_us: float = 100.0, pool=None):
+        if pool is not None:
+            threads = pool.threads
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        if isa not in ("auto", "scalar"):
+            raise ValueError(f"this machine cannot run the {isa} kernel; it can: scalar")
+        self.threads, self.isa, self.pool = threads, "scalar", pool
+
+    def __call__(self, x, w: BlockMatrix, out):
+        n = x.shape[0]
+        if x.shape[1] != w.n_in or out.shape != (n, w.n_out):
+            raise ValueError(f"Matmul: x {x.shape} . W^T {w.shape} does not fit out {out.shape}")
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        xq, dx = _quantize(x)
+        xs = xq.sum(axis=2, dtype=np.int32)
+        xh = xq[:, :, :16].sum(axis=2, dtype=np.int32)
+        sx = dx * xs.astype(np.float32)                                    # [n, nb]
+        col = 0
+        with np.errstate(invalid="ignore", over="ignore"):     # inf and NaN scales propagate, as in C
+            for p, rows in zip(w.parts, w.part_rows):
+                out[:, col:col + rows] = _part_product(x, xq, dx, xs, xh, sx, p)
+                col += rows
+        return out

@@ -1,0 +1,212 @@
+"""Pure-NumPy twin of fastserve/backends/cpu/_gguf_blocks.h: GGUF's weight blocks decoded into exact per-block
+integers and scales, and (for tests and synthetic models) encoded from float32.
+
+Per block of 32 inputs of a row, every kernel type is exactly  w_i = d * (s_i * q_i) + m  (the table
+is in _gguf_blocks.h); decode() returns those numbers, nothing rounded:
+    q int8 [rows, nb, 32], d float32 [rows, nb], m float32 [rows, nb] or None, s int32 [rows, nb, 2]
+    or None (Q6_K: the scales of inputs 0..15 and 16..31);
+float types (F32, F16, BF16) decode to float32 [rows, n_in].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# type name -> (inputs per block, bytes per block, kind): kinds "q" (d * q), "qm" (+ m), "qs" (sub-scales), "f"
+TYPES = {"F32": (1, 4, "f"), "F16": (1, 2, "f"), "BF16": (1, 2, "f"),
+         "Q4_0": (32, 18, "q"), "Q4_1": (32, 20, "qm"), "Q5_0": (32, 22, "q"), "Q5_1": (32, 24, "qm"),
+         "Q8_0": (32, 34, "q"), "Q4_K": (256, 144, "qm"), "Q5_K": (256, 176, "qm"), "Q6_K": (256, 210, "qs")}
+
+
+@dataclass
+class Blocks:
+    """One tensor decoded: kind "f" fills w; the others q, d (and m for "qm", s for "qs")."""
+    kind: str
+    q: np.ndarray | None = None
+    d: np.ndarray | None = None
+    m: np.ndarray | None = None
+    s: np.ndarray | None = None
+    w: np.ndarray | None = None
+
+
+def row_bytes(type_name: str, n_in: int) -> int:
+    per, nbytes, _ = TYPES[type_name]
+    return n_in // per * nbytes
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[..., 2] uint8 -> float32 [...]"""
+    return np.ascontiguousarray(b).view("<f2")[..., 0].astype(np.float32)
+
+
+def _u32(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view("<u4")[..., 0]
+
+
+def _halves(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32]: low nibbles are inputs 0..15, high nibbles 16..31."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _scale_min_k4(sc12: np.ndarray):
+    """[..., 12] -> sc, mn int [..., 8] (ggml's get_scale_min_k4 for j = 0..7)."""
+    q = sc12.astype(np.int32)
+    lo_sc, lo_mn = q[..., 0:4] & 63, q[..., 4:8] & 63
+    hi_sc = (q[..., 8:12] & 0xF) | ((q[..., 0:4] >> 6) << 4)
+    hi_mn = (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)
+    return np.concatenate([lo_sc, hi_sc], -1), np.concatenate([lo_mn, hi_mn], -1)
+
+
+def decode(type_name: str, data, rows: int, n_in: int) -> Blocks:
+    """The tensor's bytes (any array whose bytes are rows x row_bytes) as exact blocks."""
+    if type_name not in TYPES:
+        raise ValueError(f"type {type_name} has no kernel; kernel types: {', '.join(TYPES)}")
+    per, nbytes, kind = TYPES[type_name]
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    if n_in % per or raw.nbytes != rows * row_bytes(type_name, n_in):
+        raise ValueError(f"{raw.nbytes} bytes of {type_name} data for {rows} rows of {n_in} inputs, which take "
+                         f"{rows * row_bytes(type_name, n_in)}: the tensor is truncated or its shape is wrong")
+    if kind == "f":
+        if type_name == "F32":
+            w = raw.view("<f4")
+        elif type_name == "F16":
+            w = raw.view("<f2").astype(np.float32)
+        else:
+            w = (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        return Blocks("f", w=np.array(w, np.float32).reshape(rows, n_in))
+    nb = n_in // 32
+    blk = raw.reshape(rows, n_in // per, nbytes)
+    m = s = None
+    if type_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+        has_m = type_name.endswith("_1")
+        d = _f16(blk[..., 0:2])
+        at = 4 if has_m else 2
+        if has_m:
+            m = _f16(blk[..., 2:4])
+        if type_name.startswith("Q5"):
+            qh = _u32(blk[..., at:at + 4])
+            high = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4
+            at += 4
+        q = _halves(blk[..., at:at + 16]).astype(np.int16)
+        if type_name.startswith("Q5"):
+            q = q | high
+        if not has_m:
+            q = q - (8 if type_name == "Q4_0" else 16)
+    elif type_name == "Q8_0":
+        d = _f16(blk[..., 0:2])
+        q = blk[..., 2:34].view(np.int8)
+    elif type_name in ("Q4_K", "Q5_K"):
+        five = type_name == "Q5_K"
+        dd, dmin = _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
+        sc, mn = _scale_min_k4(blk[..., 4:16])                                   # [rows, nsb, 8]
+        qs = blk[..., 48:176] if five else blk[..., 16:144]
+        qs = qs.reshape(rows, -1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1)
+        q = (qs & 15).reshape(rows, -1, 8, 32).astype(np.int16)                   # sub-block j = 2c + h
+        if five:
+            qh = blk[..., 16:48].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+            q = q | ((qh & 1).astype(np.int16) << 4)
+        d = (dd[..., None] * sc.astype(np.float32)).astype(np.float32)
+        m = -(dmin[..., None] * mn.astype(np.float32)).astype(np.float32)
+    else:                                                                         # Q6_K
+        ql, qh = blk[..., 0:128], blk[..., 128:192]
+        lo = ql.reshape(rows, -1, 2, 1, 2, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1, 1)
+        lo = (lo & 15).reshape(rows, -1, 8, 32)                                   # j = 4c + 2(shift) + half
+        hi = qh.reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
+        hi = (hi & 3).reshape(rows, -1, 8, 32)                                    # j = 4c + t
+        q = (lo | (hi << 4)).astype(np.int16) - 32
+        d = np.repeat(_f16(blk[..., 208:210])[..., None], 8, axis=-1)
+        s = blk[..., 192:208].view(np.int8).astype(np.int32).reshape(rows, -1, 8, 2)
+    q = np.asarray(q).reshape(rows, nb, 32).astype(np.int8)
+    d = np.asarray(d, np.float32).reshape(rows, nb)
+    m = None if m is None else np.asarray(m, np.float32).reshape(rows, nb)
+    s = None if s is None else s.reshape(rows, nb, 2)
+    return Blocks(kind, q=q, d=d, m=m, s=s)
+
+
+def dequantize(b: Blocks) -> np.ndarray:
+    """float32 [rows, n_in]: d * (s * q) (+ m), each product and sum rounded to float32 (as C's rows)."""
+    if b.kind == "f":
+        return b.w.copy()
+    sq = b.q.astype(np.int32)
+    if b.s is not None:
+        sq = sq * np.repeat(b.s, 16, axis=-1)
+    with np.errstate(invalid="ignore", over="ignore"):     # inf and NaN scales propagate, as in C
+        v = sq.astype(np.float32) * b.d[..., None]
+        if b.m is not None:
+            v = v + b.m[..., None]
+    return v.reshape(len(b.q), -1).astype(np.float32)
+
+
+# -- encoders (tests and synthetic models): valid blocks of each type, not tuned quantizers ----------
+
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    return np.asarray(v, np.float16).reshape(*np.shape(v), 1).view(np.uint8)
+
+
+def encode(type_name: str, w: np.ndarray) -> np.ndarray:
+    """float32 [rows, n_in] -> uint8 [rows, row_bytes] in type_name's layout."""
+    w = np.ascontiguousarray(w, np.float32)
+    rows, n_in = w.shape
+    if type_name in ("Q4_K", "Q5_K"):
+        return _encode_k(w, five=type_name == "Q5_K").reshape(rows, -1)
+    if type_name == "Q6_K":
+        return _encode_q6_k(w).reshape(rows, -1)
+    import gguf
+    from gguf.quants import quantize
+    if type_name == "F32":
+        return w.view(np.uint8).reshape(rows, -1)
+    if type_name == "F16":
+        return w.astype(np.float16).view(np.uint8).reshape(rows, -1)
+    return np.asarray(quantize(w, gguf.GGMLQuantizationType[type_name])).view(np.uint8).reshape(rows, -1)
+
+
+def _pack_scales_k4(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """sc, mn int [..., 8] in 0..63 -> [..., 12] (the inverse of _scale_min_k4)."""
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+    out = np.zeros((*sc.shape[:-1], 12), np.uint8)
+    out[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
+    out[..., 4:8] = mn[..., 0:4] | ((mn[..., 4:8] >> 4) << 6)
+    out[..., 8:12] = (sc[..., 4:8] & 15) | ((mn[..., 4:8] & 15) << 4)
+    return out
+
+
+def _encode_k(w: np.ndarray, five: bool) -> np.ndarray:
+    top = 31 if five else 15
+    v = w.reshape(-1, 8, 32)                                   # [superblocks, sub-blocks, 32]
+    lo = np.minimum(v.min(-1), 0.0)
+    span = v.max(-1) - lo
+    d = np.maximum(span.max(-1) / top / 63, 1e-30)             # superblock scales, f16-rounded below
+    dmin = np.maximum((-lo).max(-1) / 63, 1e-30)
+    d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
+    d32, dmin32 = np.maximum(d16.astype(np.float32), 1e-7), np.maximum(dmin16.astype(np.float32), 1e-7)
+    sc = np.clip(np.rint(span / top / d32[:, None]), 1, 63)
+    mn = np.clip(np.rint(-lo / dmin32[:, None]), 0, 63)
+    step = (d16.astype(np.float32)[:, None] * sc)[..., None]
+    off = (dmin16.astype(np.float32)[:, None] * mn)[..., None]
+    q = np.clip(np.rint((v + off) / np.where(step > 0, step, 1)), 0, top).astype(np.uint8)   # [sb, 8, 32]
+    pairs = q.reshape(-1, 4, 2, 32)
+    qs = ((pairs[:, :, 0] & 15) | ((pairs[:, :, 1] & 15) << 4)).reshape(-1, 128)
+    parts = [_f16_bytes(d16).reshape(-1, 2), _f16_bytes(dmin16).reshape(-1, 2), _pack_scales_k4(sc, mn)]
+    if five:
+        qh = ((q >> 4) & 1).astype(np.uint8) << np.arange(8, dtype=np.uint8)[None, :, None]
+        parts.append(qh.sum(axis=1, dtype=np.uint8).reshape(-1, 32))
+    parts.append(qs)
+    return np.concatenate(parts, axis=1)
+
+
+def _encode_q6_k(w: np.ndarray) -> np.ndarray:
+    v = w.reshape(-1, 16, 16)                                  # [superblocks, groups of 16, 16]
+    a = np.abs(v).max(-1) / 32                                 # per-group step
+    d = np.maximum(a.max(-1) / 127, 1e-30).astype(np.float16)
+    d32 = np.maximum(d.astype(np.float32), 1e-7)
+    sc = np.clip(np.rint(a / d32[:, None]), 1, 127).astype(np.int8)
+    step = (d.astype(np.float32)[:, None] * sc.astype(np.float32))[..., None]
+    q = (np.clip(np.rint(v / np.where(step > 0, step, 1)), -32, 31) + 32).astype(np.uint8)
+    q = q.reshape(-1, 2, 4, 32)                                # [sb, chunk c, t, l]: sub-block j = 4c + t
+    ql = np.zeros((len(q), 2, 64), np.uint8)
+    ql[:, :, 0:32] = (q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4)
+    ql[:, :, 32:64] = (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)
+    qh = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6))
+    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64).astype(np.uint8),
+                           sc.view(np.uint8).reshape(-1, 16), _f16_bytes(d).reshape(-1, 2)], axis=1)
