@@ -71,6 +71,26 @@ class Snapshot:
 
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """Engine.describe(): what the engine is, for /slots, /props, /metrics and the start line (plain data)."""
+    n_slots: int                # slots (-np)
+    n_ctx_slot: int             # tokens of context per slot
+    n_batch: int                # most tokens one step carries (-b)
+    n_vocab: int
+    threads: int                # threads of the CPU step
+    device: str                 # "cpu", "cuda" (the backend's device), or "custom" (a backend handed in)
+    cache_type_k: str           # KV cache types (-ctk / -ctv)
+    cache_type_v: str
+    window: int                 # sliding window of the local layers (0: none)
+    ring: int                   # positions a local layer keeps per slot (0: every position)
+    kv_bytes: int               # bytes of the KV cache
+    kv_resident: bool           # every page of the KV cache in memory (it comes in on a thread of its own)
+    model_name: str
+    model_path: str
+    model_summary: str          # what the load says of itself (time, phases)
+
+
 class EngineStats(NamedTuple):
     """Engine.stats(): n_inbox, messages not yet seen by the decode thread; with tracing on, the tracer's
     totals: steps, ns per phase (tracer.PHASES), and (steps per bucket, seconds) of whole-step times."""
@@ -182,8 +202,8 @@ class Engine:
         if device == "cpu":
             from .backends.cpu.backend import CpuBackend
             return CpuBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot,
-                                threads=self.threads, cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v,
-                                max_tokens=self.n_batch, reuse_logits=True)
+                                  threads=self.threads, cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v,
+                              max_tokens=self.n_batch, reuse_logits=True)
         from .backends.cuda.backend import CupyBackend
         if (self.cache_type_k, self.cache_type_v) != ("f16", "f16"):
             raise ConfigError(f"the CUDA backend keeps its KV cache in f16; --cache-type-k {self.cache_type_k} / "
@@ -264,6 +284,24 @@ class Engine:
         if tr is None:
             return EngineStats(len(self.inbox))
         return EngineStats(len(self.inbox), tr.steps, dict(tr.ns), tr.step_histogram())
+
+    def describe(self) -> EngineInfo:
+        """The engine's shape and model, read now from any thread (all fixed at start but kv_resident)."""
+        be, m = self.backend, self.model
+        kv = getattr(be, "kv", None)
+        return EngineInfo(
+            n_slots=self.n_slots, n_ctx_slot=self.n_ctx_slot, n_batch=self.n_batch, n_vocab=m.config.n_vocab,
+            threads=self.threads, device=getattr(be, "device", "custom"),
+            cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v,
+            window=m.config.sliding_window, ring=getattr(be, "kv_ring", 0),
+            kv_bytes=kv.nbytes() if kv is not None else 0,
+            kv_resident=kv is None or kv.resident.is_set(),
+            model_name=getattr(m, "name", "model"), model_path=str(getattr(m, "path", "")),
+            model_summary=m.load_summary() if hasattr(m, "load_summary") else "")
+
+    def trace_totals(self) -> dict | None:
+        """The tracer's raw running totals (Tracer.totals: GET /trace; two readings give a window), None when off."""
+        return None if self.tracer is None else self.tracer.totals()
 
     def trace_summary(self) -> dict:
         if self.tracer is None:
