@@ -202,7 +202,7 @@ class Engine:
         if device == "cpu":
             from .backends.cpu.backend import CpuBackend
             return CpuBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot,
-                                  threads=self.threads, cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v,
+                              threads=self.threads, cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v,
                               max_tokens=self.n_batch, reuse_logits=True)
         from .backends.cuda.backend import CupyBackend
         if (self.cache_type_k, self.cache_type_v) != ("f16", "f16"):
