@@ -70,7 +70,7 @@ def main(argv=None) -> int:
     _device_arg(sp)
     from .server.llama_flags import add_refused, add_taken
     add_taken(sp)           # llama-server's flags, for its scripts: honoured ...
-    add_refused(sp)         # ... or refused with the reason (fastserve/server/llama_flags.py, the README's table)
+    add_refused(sp)         # ... or refused with the reason (fastserve/server/llama_flags.py, docs/flags.md)
 
     bp = sub.add_parser("bench", help="load a server (or an in-process engine): tok/s, TTFT, TPOT, inter-token "
                                       "gaps, probes, and where a step's time goes",

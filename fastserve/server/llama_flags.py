@@ -4,7 +4,7 @@ FLAGS is the one table: every flag of llama-server's --help (llama.cpp 34af94cd)
 script may pass, with what fastserve does — `same` (same meaning), `differs` (taken, with a
 different meaning or range, said in the note), `refused` (fastserve cannot honour it: starting
 with it fails with the note as the reason), or `later` (belongs to an issue not done yet: refused
-the same way). The README's compatibility table is generated from it (tests/unit/test_llama_flags.py
+the same way). docs/flags.md's compatibility table is generated from it (tests/unit/test_llama_flags.py
 checks they agree), and add_refused() turns every refused flag into an argparse option that exits
 with its reason, so that no llama-server flag is ever silently ignored. The flags fastserve takes
 are defined in cli.py beside its own; apply() maps their values onto the server's settings.
@@ -223,7 +223,7 @@ class _Refuse(argparse.Action):
 
 def add_refused(parser: argparse.ArgumentParser) -> None:
     """Register llama-server's refused flags on parser: each exits with its reason (argparse.SUPPRESS keeps
-    them out of --help; the README table lists them)."""
+    them out of --help; docs/flags.md lists them)."""
     for options, nargs in _REFUSED_OPTIONS:
         parser.add_argument(*options, action=_Refuse, nargs=nargs, help=argparse.SUPPRESS,
                             dest=f"_refused_{options[-1].lstrip('-').replace('-', '_')}", default=None)
@@ -231,7 +231,7 @@ def add_refused(parser: argparse.ArgumentParser) -> None:
 
 def add_taken(parser: argparse.ArgumentParser) -> None:
     """llama-server's flags that fastserve takes, with no fastserve flag of their own in cli.py."""
-    g = parser.add_argument_group("llama-server compatibility (see the README's table)")
+    g = parser.add_argument_group("llama-server compatibility (see docs/flags.md)")
     g.add_argument("-ub", "--ubatch-size", type=int, default=None,
                    help="physical batch: a step carries at most min(-b, -ub) tokens")
     g.add_argument("--keep", type=int, default=0, help="taken for llama-server scripts (nothing is ever discarded)")
@@ -380,7 +380,7 @@ def covers(option: str) -> tuple[str, str, str] | None:
 
 
 def markdown_table() -> str:
-    """The README's table of llama-server's flags (generated: tests/unit/test_llama_flags.py compares)."""
+    """docs/flags.md's table of llama-server's flags (generated: tests/unit/test_llama_flags.py compares)."""
     label = {SAME: "same", DIFFERS: "differs", REFUSED: "refused"}
     lines = ["| llama-server flag | fastserve | how, or why not |", "| --- | --- | --- |"]
     for flags, status, note in FLAGS:
