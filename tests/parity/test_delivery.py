@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 import fastserve._delivery as cdelivery
 import fastserve.ref.delivery as rdelivery
 
+from tests.attached import attached
+
 IMPLS = [pytest.param(cdelivery, id="cython"), pytest.param(rdelivery, id="ref")]
 
 
@@ -48,11 +50,9 @@ def test_same_public_names():
 
 
 def test_fifo_per_reader(impl):
-    w = Calls()
-    dl = impl.Delivery(4, w)
     bufs = [impl.ResultBuffer(64) for _ in range(4)]
-    for s, b in enumerate(bufs):
-        dl.attach(s, b)
+    w = Calls()
+    dl = attached(impl, bufs, w)
     expect = [[] for _ in range(4)]
     rng = np.random.default_rng(0)
     for step in range(40):
@@ -100,11 +100,9 @@ def test_probs_only_when_asked(impl):
 
 
 def test_wake_at_most_once_per_step_and_only_for_waiters(impl):
-    w = Calls()
-    dl = impl.Delivery(32, w)
     bufs = [impl.ResultBuffer(100) for _ in range(32)]
-    for s, b in enumerate(bufs):
-        dl.attach(s, b)
+    w = Calls()
+    dl = attached(impl, bufs, w)
     slots = np.arange(32, dtype=np.int32)
     armed = bufs[::4]
     for b in armed:
@@ -293,11 +291,10 @@ def test_never_reading_reader_does_not_slow_sends(impl):
     the twin's algorithm, which a trace cannot see into)."""
     n_slots, steps = 4, 50
     slots = np.arange(n_slots, dtype=np.int32)
-    w = Calls()
-    dl = impl.Delivery(n_slots, w)
     bufs = [impl.ResultBuffer(steps) for _ in range(n_slots)]
-    for s, b in enumerate(bufs):
-        dl.attach(s, b)
+    w = Calls()
+    dl = attached(impl, bufs, w)
+    for b in bufs:
         b.arm()                                          # bufs[0] waits once and never reads
 
     def step():
