@@ -82,6 +82,36 @@ def test_send_step_32_slots_with_probs(benchmark):
     _per_token(benchmark, steps * N)
 
 
+@pytest.mark.parametrize("idle", [0, 1, N], ids=["all-read", "one-never-reads", "none-read"])
+@pytest.mark.parametrize("impl", [cdelivery, rdelivery], ids=["cython", "ref"])
+def test_send_step_with_readers_that_never_read(benchmark, impl, idle):
+    """A consumer that never reads only fills its own buffer: a round of sends costs the same whether
+    every reader keeps up, one never reads or none does, `backlog` tokens already unread in each idle
+    reader's buffer. (tests/parity/test_delivery.py checks it by counting instead: the twin's work per
+    step does not grow with a reader's backlog, and an idle reader is woken once.)"""
+    steps, backlog = (256, 4096) if impl is cdelivery else (16, 256)
+    keep = []
+
+    def setup():
+        dl, readers = _attached(impl, backlog + steps, Waker())
+        for _ in range(backlog):
+            dl.send_step(SLOTS, TOKENS)
+        for r in readers[idle:]:
+            r.read_available()
+        keep[:] = [(dl, readers)]
+        return (dl,), {}
+
+    def round_(dl):
+        send, wake = dl.send_step, dl.wake
+        for _ in range(steps):
+            send(SLOTS, TOKENS)
+            wake()
+
+    benchmark.pedantic(round_, setup=setup, rounds=100 if impl is cdelivery else 20, warmup_rounds=2)
+    benchmark.extra_info["idle_readers"] = idle
+    _per_token(benchmark, steps * N)
+
+
 @pytest.mark.parametrize("kind", ["asyncio", "uvloop", "threads"])
 def test_send_step_32_slots_all_waiting(benchmark, kind):
     """Worst case for the producer: all 32 readers parked, so the step claims 32

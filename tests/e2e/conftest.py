@@ -75,6 +75,12 @@ class ServerProc:
         if not self._log.closed:
             self._log.close()
 
+    def __enter__(self) -> ServerProc:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
 
 @pytest.fixture
 def make_server(tiny_model_path, tmp_path):
@@ -95,10 +101,9 @@ def make_server(tiny_model_path, tmp_path):
 @pytest.fixture(scope="session")
 def server(tiny_model_path, tmp_path_factory):
     """One server shared by the API tests: 8 slots of 256 tokens, 16 tokens by default."""
-    p = ServerProc(tiny_model_path, tmp_path_factory.mktemp("server") / "server.log",
-                   "-c", "2048", "-np", "8", "-n", "16", "--timeout", "20")
-    yield p
-    p.kill()
+    with ServerProc(tiny_model_path, tmp_path_factory.mktemp("server") / "server.log",
+                    "-c", "2048", "-np", "8", "-n", "16", "--timeout", "20") as p:
+        yield p
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,9 @@ from hypothesis import strategies as st
 def fuzz_server(tiny_model_path, tmp_path_factory):
     from .conftest import ServerProc
     # small slots: whatever n_predict a body asks for, a request ends within 64 steps
-    p = ServerProc(tiny_model_path, tmp_path_factory.mktemp("fuzz") / "server.log",
-                   "-c", "512", "-np", "8", "-n", "8", "--log-disable")
-    yield p
-    p.kill()
+    with ServerProc(tiny_model_path, tmp_path_factory.mktemp("fuzz") / "server.log",
+                    "-c", "512", "-np", "8", "-n", "8", "--log-disable") as p:
+        yield p
 
 
 @pytest.fixture(scope="module")

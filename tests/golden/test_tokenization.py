@@ -31,15 +31,18 @@ def _decode_stream(tok: Tokenizer, ids, skip_special: bool = False) -> list[str]
     return [dec.push(i) for i in ids] + [dec.flush()]
 
 
+def _assert_encodes_as_recorded(tok: Tokenizer, text: str, ids: list) -> None:
+    """ids: llama.cpp's ids for text with the defaults, add_special=False, add_special=True, parse_special=False."""
+    for kw, want in zip(({}, {"add_special": False}, {"add_special": True}, {"parse_special": False}), ids, strict=True):
+        assert tok.encode(text, **kw) == want, kw
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("name", _names("tokenization_cases"))
 def test_tokenization_case(tok, reference, name):
     c = _case(reference, "tokenization_cases", name)
-    text = c["text"]
-    assert tok.encode(text) == c["ids_default"]
-    assert tok.encode(text, add_special=False) == c["ids_add_special_false"]
-    assert tok.encode(text, add_special=True) == c["ids_add_special_true"]
-    assert tok.encode(text, parse_special=False) == c["ids_parse_special_false"]
+    _assert_encodes_as_recorded(tok, c["text"], [c[f"ids_{s}"] for s in ("default", "add_special_false",
+                                                                          "add_special_true", "parse_special_false")])
     for p in c["pieces"]:   # a str piece is valid UTF-8; otherwise llama.cpp gave the byte values
         want = p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"])
         assert tok.token_bytes(p["id"]) == want, p
@@ -49,11 +52,8 @@ def test_tokenization_case(tok, reference, name):
 @pytest.mark.parametrize("name", _names("completions"))
 def test_completion_prompt_ids(tok, reference, name):
     c = _case(reference, "completions", name)
-    prompt = c["prompt"]
-    assert tok.encode(prompt) == c["prompt_token_ids"]
-    assert tok.encode(prompt, add_special=False) == c["prompt_token_ids_add_special_false"]
-    assert tok.encode(prompt, add_special=True) == c["prompt_token_ids_add_special_true"]
-    assert tok.encode(prompt, parse_special=False) == c["prompt_token_ids_parse_special_false"]
+    _assert_encodes_as_recorded(tok, c["prompt"], [c[f"prompt_token_ids{s}"] for s in (
+        "", "_add_special_false", "_add_special_true", "_parse_special_false")])
 
 
 @pytest.mark.model

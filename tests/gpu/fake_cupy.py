@@ -227,12 +227,26 @@ def _k_rope_store(grid, args):
     _k_kv_store(grid, (qkv, kc, vc, slots, positions, stride, n_head, n_head_kv, head_dim, n_ctx))
 
 
+def _rows_dot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x [n, k] @ w [m, k].T in float32, each element summed in one order that k alone fixes (NumPy's
+    pairwise sum along a row), as cuda/matvec.cu sums it: a row's result depends neither on n nor on
+    the other rows. `@` would not do: BLAS blocks a product by its shape (n = 3 and n = 4, eager and
+    a graph's padded bucket, sum differently on an AVX2 OpenBLAS) and by the machine."""
+    x, w = to_f32(x), to_f32(w)
+    out = np.empty((len(x), len(w)), np.float32)
+    step = max(1, (1 << 22) // max(1, w.shape[1]))     # w rows per product: a 16 MiB temporary at most
+    for j, row in enumerate(x):
+        for lo in range(0, len(w), step):
+            out[j, lo:lo + step] = (w[lo:lo + step] * row).sum(axis=1)
+    return out
+
+
 def _k_matvec(grid, args):
     w, x, out, n, m, k, accumulate = args
     n, m, k = int(n), int(m), int(k)
     if k % 8 or int(grid[0]) * 4 < m:
         raise ValueError("matvec: k must be a multiple of 8 and the grid must cover the rows")
-    res = to_f32(x[:n]) @ to_f32(w).T
+    res = _rows_dot(x[:n], w)
     out[:n] = (out[:n] + res) if int(accumulate) else res
 
 
@@ -246,13 +260,13 @@ def _normed(x, rows, nw, n, eps, like):
 def _k_norm_matvec(grid, args):
     w, x, rows, nw, out, n, m, k, eps = args
     n = int(n)
-    out[:n] = _normed(x, rows, nw, n, eps, w) @ to_f32(w).T
+    out[:n] = _rows_dot(_normed(x, rows, nw, n, eps, w), w)
 
 
 def _k_norm_matvec_swiglu(grid, args):
     w, x, nw, act, n, n_ff, k, eps, gelu = args
     n = int(n)
-    gu = _normed(x, None, nw, n, eps, w) @ to_f32(w).T
+    gu = _rows_dot(_normed(x, None, nw, n, eps, w), w)
     _k_swiglu(grid, (gu, act, n, n_ff, gelu))
 
 

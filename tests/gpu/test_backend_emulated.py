@@ -61,6 +61,29 @@ def test_logits_match_numpy_backend(fake, tiny_model, dtype):
     assert gpu._graphs, "decode steps did not go through a CUDA graph"
 
 
+def test_emulated_products_are_batch_invariant(fake):
+    """cuda/matvec.cu sums each row in an order that k alone fixes, whatever n; so must its emulations.
+    Otherwise a graph (its bucket padded: 4 rows) and an eager step (3 rows) differ wherever the BLAS
+    blocks n = 3 and n = 4 apart (an AVX2 OpenBLAS: 7.6e-4 on the logits), as `x @ w.T` does."""
+    from fastserve.backends.cuda import kernels as K
+    rng = np.random.default_rng(0)
+    x = fake.asarray(rng.standard_normal((8, 64)), np.float32)
+    x16 = fake.asarray(x, np.float16)
+    norm_w = fake.asarray(rng.standard_normal(64), np.float32)
+    w = fake.asarray(rng.standard_normal((192, 64)), np.float16)
+
+    def rows(n):
+        out, normed, h = fake.zeros((8, 192)), fake.zeros((8, 192)), fake.zeros((8, 64), np.float16)
+        K.gemm(x16, w, out, n)
+        K.norm_gemm(x, norm_w, w, normed, h, n, 1e-5)
+        return np.array(out[:n]), np.array(normed[:n])
+
+    full = rows(8)
+    for n in range(1, 8):
+        for got, want in zip(rows(n), full):
+            np.testing.assert_array_equal(got, want[:n], err_msg=f"n = {n}")
+
+
 def test_graph_replay_equals_eager(fake, tiny_model):
     from fastserve.backends.cuda.backend import CupyBackend
     cfg, w = tiny_model.config, tiny_model.weights

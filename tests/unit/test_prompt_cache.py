@@ -235,29 +235,30 @@ def test_a_failed_fill_uses_up_no_turn(tiny_model):
         e.close()
 
 
+def _answer_then_another(e) -> list:
+    """Stem 0's greedy answer, without the cache; then stem 1 in the slot (which saves stem 0)."""
+    want = e.generate(_ids(0, 40), max_tokens=4, cache_prompt=False, **GREEDY).token_ids
+    e.generate(_ids(1, 30), max_tokens=2, **GREEDY)
+    return want
+
+
 def test_a_fill_failing_on_its_second_chunk_keeps_the_first(tiny_model):
-    e = _Gated(tiny_model, n_parallel=1, n_ctx=128, n_batch=16)
-    e.gate.set()
-    try:
-        want = e.generate(_ids(0, 40), max_tokens=4, cache_prompt=False, **GREEDY).token_ids
-        e.generate(_ids(1, 30), max_tokens=2, **GREEDY)          # the slot now holds another prompt
+    with _Gated(tiny_model, n_parallel=1, n_ctx=128, n_batch=16) as e:
+        e.gate.set()
+        want = _answer_then_another(e)
         e.fail = {0: 1}
         res = e.generate(_ids(0, 40), max_tokens=4, **GREEDY)
         assert res.finish_reason == "error" and "injected" in res.error
         assert e.slots.n_past[0] == 16 and e.slots.n_tokens[0] == 16    # the chunk whose KV was written
         retry = e.generate(_ids(0, 40), max_tokens=4, **GREEDY)
         assert retry.timings["cache_n"] == 16 and retry.token_ids == want
-    finally:
-        e.close()
 
 
 def test_a_failed_fill_leaves_no_cache_entry_behind(tiny_model):
-    e = _Gated(tiny_model, n_parallel=1, n_ctx=128, cache_ram_mib=1)
-    e.gate.set()
-    try:
-        want = e.generate(_ids(0, 40), max_tokens=4, cache_prompt=False, **GREEDY).token_ids
-        e.generate(_ids(1, 30), max_tokens=2, **GREEDY)          # saves the slot's first prompt
-        e.generate(_ids(2, 30), max_tokens=2, **GREEDY)          # ... and the second
+    with _Gated(tiny_model, n_parallel=1, n_ctx=128, cache_ram_mib=1) as e:
+        e.gate.set()
+        want = _answer_then_another(e)
+        e.generate(_ids(2, 30), max_tokens=2, **GREEDY)          # saves stem 1
         pc = e.prompt_cache
         e.fail = {0: 0}
         res = e.generate(_ids(1, 20, [9] * 20), max_tokens=4, **GREEDY)   # restores 20, saves stem 2, fails
@@ -268,8 +269,6 @@ def test_a_failed_fill_leaves_no_cache_entry_behind(tiny_model):
         assert len(pc.index) == 3                                         # 20 tokens of stem 1: held already
         retry = e.generate(_ids(0, 40), max_tokens=4, **GREEDY)
         assert retry.timings["cache_n"] == 39 and retry.token_ids == want
-    finally:
-        e.close()
 
 
 # -- property: the cache never changes a greedy output ---------------------------------------------

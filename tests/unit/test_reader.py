@@ -20,6 +20,8 @@ import fastserve._delivery as cdelivery
 import fastserve.ref.delivery as rdelivery
 from fastserve.reader import Reader, Result, Waker
 
+from tests.attached import attached
+
 try:
     import uvloop
 except ImportError:  # pragma: no cover - depends on the environment
@@ -101,11 +103,9 @@ def test_blocking_iteration_fifo_and_result(impl):
 
 def test_1000_thread_readers_get_exactly_their_tokens(impl):
     n, steps = 1000, 20
-    w = Waker()
-    dl = impl.Delivery(n, w)
     readers = [Reader(steps, impl=impl) for _ in range(n)]
-    for s, r in enumerate(readers):
-        dl.attach(s, r)
+    w = Waker()
+    dl = attached(impl, readers, w)
     got = [None] * n
 
     def consume(s):
@@ -134,11 +134,9 @@ def test_1000_thread_readers_get_exactly_their_tokens(impl):
 @pytest.mark.parametrize("loop_kind", LOOPS)
 def test_1000_async_readers_get_exactly_their_tokens(impl, loop_kind):
     n, steps = 1000, 20
-    w = Waker()
-    dl = impl.Delivery(n, w)
     readers = [Reader(steps, n_probs=2 if s % 10 == 0 else 0, impl=impl) for s in range(n)]
-    for s, r in enumerate(readers):
-        dl.attach(s, r)
+    w = Waker()
+    dl = attached(impl, readers, w)
 
     async def consume(s):
         return [t async for t in readers[s]]
@@ -191,11 +189,9 @@ def test_wake_count_per_step_with_mixed_consumers(impl):
     """Threads and tasks on two loops, all waiting: one waker call per step,
     and at most one call_soon_threadsafe per loop per step."""
     n, steps = 60, 40
-    w = Waker()
-    dl = impl.Delivery(n, w)
     readers = [Reader(steps, impl=impl) for _ in range(n)]
-    for s, r in enumerate(readers):
-        dl.attach(s, r)
+    w = Waker()
+    dl = attached(impl, readers, w)
     got = {}
 
     def thread_consumer(s):
@@ -269,11 +265,9 @@ def test_ping_pong_never_loses_a_wake(impl, consumer):
 def test_close_wakes_every_waiting_consumer(impl, loop_kind):
     n_threads, n_tasks = 40, 40
     n = n_threads * 2 + n_tasks
-    w = Waker()
-    dl = impl.Delivery(n, w)
     readers = [Reader(16, impl=impl) for _ in range(n)]
-    for s, r in enumerate(readers):
-        dl.attach(s, r)
+    w = Waker()
+    dl = attached(impl, readers, w)
     done = []
 
     def iterate(r):
