@@ -228,6 +228,12 @@ cdef inline Py_ssize_t _bucket_of(float x, float m, double bscale, double qrange
     return k if k < N_BUCKETS else N_BUCKETS - 1
 
 
+cdef inline bint _out_of_range(float bm, float m, double qrange) noexcept nogil:
+    """A block whose max logit bm lies more than qrange below the row's max m holds no token of weight > 0
+    (nor one at all when empty: -inf)."""
+    return bm == -INFINITY or <double>m - <double>bm > qrange
+
+
 cdef inline bint _member(float x, Py_ssize_t j, double thr, bint cut, float bv, Py_ssize_t bid) noexcept nogil:
     """x (token j) survives min-p (x >= thr) and the top-p cut (ranks at or before (bv, bid))."""
     return x > -INFINITY and <double>x >= thr and (not cut or x > bv or (x == bv and j <= bid))
@@ -661,8 +667,7 @@ cdef class Sampler:
         if cut:
             memset(self._bucket, 0, N_BUCKETS * sizeof(uint64_t))
             for b in range(self._n_blocks):
-                bm = self._bmax[b]
-                if bm == -INFINITY or <double>m - <double>bm > qrange:
+                if _out_of_range(self._bmax[b], m, qrange):
                     continue
                 hi = min((b + 1) * BLOCK, self.n_vocab)
                 for j in range(b * BLOCK, hi):
@@ -687,8 +692,7 @@ cdef class Sampler:
                     cum += self._bucket[k]
                 n = 0
                 for b in range(self._n_blocks):
-                    bm = self._bmax[b]
-                    if bm == -INFINITY or <double>m - <double>bm > qrange:
+                    if _out_of_range(self._bmax[b], m, qrange):
                         continue
                     hi = min((b + 1) * BLOCK, self.n_vocab)
                     for j in range(b * BLOCK, hi):
