@@ -216,11 +216,12 @@ class Engine:
     def submit(self, prompt, *, max_tokens: int = -1, stop=(), seed: int | None = None,
                add_special: bool = True, cache_prompt: bool = True, id_slot: int = -1,
                truncate: bool = False, grammar: str | None = None, json_schema=None,
-               constraint: Constraint | None = None, **sampling) -> TextReader:
+               constraint: Constraint | None = None, sampling: SamplingParams | None = None,
+               **fields) -> TextReader:
         """Queue a request; returns its Reader at once. prompt: text or a list of token ids.
 
-        sampling: temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n,
-        presence_penalty, frequency_penalty, logit_bias, n_probs, post_sampling_probs.
+        sampling: a SamplingParams made beforehand (checked once, by whoever made it, e.g. the server's
+        parse), or instead its fields as keywords (SamplingParams.make's, with seed).
         grammar (GBNF text) or json_schema (a dict or its JSON text): only output it accepts is
         sampled (fastserve/grammar.py); it is compiled here, in the caller's thread. constraint: one
         compiled beforehand (Engine.constraint(), e.g. in a worker thread), for this request alone.
@@ -232,8 +233,13 @@ class Engine:
         elif grammar is not None or json_schema is not None:
             raise RequestError("give a compiled constraint or a grammar / json_schema, not both")
         ids = self._prompt_ids(prompt, add_special, truncate)
-        params = SamplingParams.make(self.model.config.n_vocab, seed=seed, max_penalty_window=MAX_PENALTY_WINDOW,
-                                     max_logit_bias=MAX_LOGIT_BIAS, **sampling)
+        if sampling is None:
+            params = SamplingParams.make(self.model.config.n_vocab, seed=seed, max_penalty_window=MAX_PENALTY_WINDOW,
+                                         max_logit_bias=MAX_LOGIT_BIAS, **fields)
+        elif fields or seed is not None:
+            raise RequestError("give a SamplingParams or its fields, not both")
+        else:
+            params = sampling
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(max_tokens, int) or max_tokens < -1:

@@ -30,6 +30,7 @@ from .config import ServerConfig
 from .errors import LLAMA, OPENAI, HttpError, error_json
 from .generation import Generation
 from .metrics import ServerMetrics
+from .params import Parser
 from .protocol import HttpProtocol
 from .reqlog import RequestLog
 from .response import JSON, TEXT, Response
@@ -52,20 +53,25 @@ def _compile_limit(limits) -> tuple[str, float | None]:
 
 class App:
     def __init__(self, engine, config: ServerConfig | None = None, log_stream=None):
-        self.engine = engine
-        self.config = config or ServerConfig()
-        self.model_alias = self.config.alias or getattr(engine.model, "name", "model")
-        self.fingerprint = "fastserve-0.1.0"
+        self._engine = engine
+        self.config = config = config or ServerConfig()
+        info = engine.describe()                # fixed while the engine runs
         self.started_wall = time.time()
         self.inflight: set[Generation] = set()
         self.connections: set = set()
         self.closing = False
-        self.log = RequestLog(log_stream, enabled=self.config.log_requests)
-        self.metrics = ServerMetrics(self)
-        self.watchdog = Watchdog(self)
-        key = self.config.api_key
+        self.log = RequestLog(log_stream, enabled=config.log_requests)
+        self.metrics = ServerMetrics(self, engine, info)
+        self.watchdog = Watchdog(self, engine)
+        key = config.api_key
         self._key_digest = hashlib.sha256(key.encode()).digest() if key else None
         self._compiler: ThreadPoolExecutor | None = None     # started on the first constrained request
+        # what the routes may read, by the names their keyword-only parameters give (routes.Routes)
+        self.routes = routes.Routes({
+            "engine": engine, "info": info, "tokenizer": engine.tokenizer, "config": config,
+            "parser": Parser(engine.tokenizer, info, config), "compile": self.compile, "start": self.start_generation,
+            "inflight": self.inflight, "metrics": self.metrics, "unhealthy": self.unhealthy_reason,
+            "alias": config.alias or info.model_name, "started": self.started_wall})
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -81,14 +87,14 @@ class App:
                     ("access-control-max-age", "600")])
             if self._key_digest is not None and path not in routes.PUBLIC and not self._authorized(req):
                 raise HttpError(401, "Invalid API Key", headers=[("www-authenticate", "Bearer")])
-            methods, args = routes.lookup(path)
+            methods, args = self.routes.lookup(path)
             if methods is None:
                 raise HttpError(404, f"File Not Found: no route {path}")
             route = methods.get(req.method)
             if route is None:
                 raise HttpError(405, f"{path} takes {', '.join(methods)}, not {req.method}",
                                 headers=[("allow", ", ".join(methods))])
-            return route(self, req, ex, *args)
+            return route(req, ex, *args)
         except HttpError as err:
             return self.error_response(ex.family, err)
         except RequestError as exc:
@@ -122,15 +128,17 @@ class App:
                 out.append(("vary", "origin"))
         return out
 
-    def start_generation(self, ex, ids: list, **kwargs) -> Generation:
-        """Submit to the engine (never blocks); refuses with 503 while stalled or shutting down."""
+    def start_generation(self, ex, ids: list, sampling, params, constraint=None) -> Generation:
+        """Submit one choice of a request to the engine (never blocks; Generation's arguments); refuses with 503
+        while stalled or shutting down."""
         if self.closing:
             raise HttpError(503, "the server is shutting down")
         stall = self.stall_reason()
         if stall:
             self.metrics.rejected.inc(1, "stalled")
             raise HttpError(503, stall)
-        return Generation(self, ex, ids, **kwargs)
+        return Generation(ex, ids, sampling, params, constraint, engine=self._engine, metrics=self.metrics,
+                          inflight=self.inflight)
 
     async def compile(self, constrain: dict, limits=None):
         """The engine's Constraint of a request's grammar or json_schema (None for neither), compiled in a worker
@@ -146,7 +154,7 @@ class App:
         if self._compiler is None:
             self._compiler = ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="fastserve-grammar")
         kind, limit = _compile_limit(limits)
-        work = asyncio.get_running_loop().run_in_executor(self._compiler, partial(self.engine.constraint, **constrain))
+        work = asyncio.get_running_loop().run_in_executor(self._compiler, partial(self._engine.constraint, **constrain))
         try:
             return await asyncio.wait_for(work, limit)
         except RequestError as exc:
@@ -192,11 +200,11 @@ class App:
     def stall_reason(self, now: float | None = None) -> str | None:
         """Why the decode loop counts as stalled (work pending, no step for > --stall-limit), or None.
         Reads only; the watchdog's tick is what logs and counts a stall."""
-        snap = self.engine.snapshot
+        snap = self._engine.snapshot
         now = now or time.monotonic()
         age = now - snap.t_step
         limit = self.config.stall_limit
-        if age > limit and (snap.busy or self.engine.stats().n_inbox or
+        if age > limit and (snap.busy or self._engine.stats().n_inbox or
                             any(not g.reader.finished for g in self.inflight)):
             return f"the decode loop is stalled: no step for {age:.1f} s (--stall-limit {limit:g} s) with work pending"
         return None
@@ -314,14 +322,13 @@ def serve(args, backend=None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig.name)
         port = await server.start()
-        kv = getattr(engine.backend, "kv", None)        # the CPU backend's cache comes in on a thread of its own
-        coming = ("" if kv is None or kv.resident.is_set() else
-                  f" (the KV cache's {kv.nbytes() / 2**20:.0f} MiB being made resident)")
-        print(f"fastserve: {model.load_summary()}; ready {seconds_since_start():.2f} s after the process started, "
+        info = engine.describe()            # the CPU backend's KV cache comes in on a thread of its own
+        coming = "" if info.kv_resident else f" (the KV cache's {info.kv_bytes / 2**20:.0f} MiB being made resident)"
+        print(f"fastserve: {info.model_summary}; ready {seconds_since_start():.2f} s after the process started, "
               f"RSS {rss_bytes() / 2**20:.0f} MiB{coming}", file=sys.stderr, flush=True)
-        print(f"fastserve: listening on http://{cfg.host}:{port} ({model.name}, {engine.n_slots} slots x "
-              f"{engine.n_ctx_slot} tokens, KV {args.cache_type_k}/{args.cache_type_v}, {args.loop} loop, "
-              f"{threads} thread(s))", file=sys.stderr, flush=True)
+        print(f"fastserve: listening on http://{cfg.host}:{port} ({info.model_name}, {info.n_slots} slots x "
+              f"{info.n_ctx_slot} tokens, KV {info.cache_type_k}/{info.cache_type_v}, {args.loop} loop, "
+              f"{info.threads} thread(s))", file=sys.stderr, flush=True)
         await server.wait()
 
     try:

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 from ..config import DEFAULT_BODY_LIMIT, SamplingParams
 
+BUILD_INFO = "fastserve-0.1.0"       # /props' build_info, OpenAI's system_fingerprint
+
 
 @dataclass(frozen=True)
 class ServerConfig:

@@ -29,16 +29,17 @@ class Generations(list):
         return [t for g in self for t in g.ids]
 
 
-def start_all(app, ex, prompts: list, per_choice, constraint=None, **kwargs) -> list[Generation]:
-    """One Generation per prompt; per_choice(i) -> kwargs overriding kwargs for the i-th one; constraint
-    (App.compile's): each generation gets a matcher of its own, copied before any runs.
-    If one cannot start (queue full, bad request), those already started are closed."""
+def start_all(start, ex, params, constraint=None) -> list[Generation]:
+    """One Generation per choice of params (params.Params.choices), each through start(ex, ids, sampling,
+    params, constraint) (App.start_generation); constraint (App.compile's): each generation gets a matcher of its
+    own, copied before any runs. If one cannot start (queue full, bad request), those already started
+    are closed."""
+    choices = params.choices()
+    own = [constraint if i == 0 or constraint is None else constraint.copy() for i in range(len(choices))]
     gens = Generations()
-    own = [{}] * len(prompts) if constraint is None else \
-        [{"constraint": constraint if i == 0 else constraint.copy()} for i in range(len(prompts))]
     try:
-        for i, ids in enumerate(prompts):
-            gens.append(app.start_generation(ex, ids, **{**kwargs, **per_choice(i), **own[i]}))
+        for (ids, sampling), c in zip(choices, own):
+            gens.append(start(ex, ids, sampling, params, c))
     except BaseException:
         gens.close()
         raise

@@ -39,45 +39,44 @@ class Delta(NamedTuple):
 
 
 class Generation:
-    __slots__ = ("app", "reader", "request", "n_prompt", "n_probs", "limits", "probs", "t_admit", "progress_seen",
-                 "t_progress", "t_arrival", "outcome", "exchange", "_closed", "queued_behind", "settings")
+    __slots__ = ("metrics", "inflight", "reader", "request", "params", "sampling", "n_prompt", "n_probs", "limits",
+                 "probs", "t_admit", "progress_seen", "t_progress", "t_arrival", "outcome", "exchange", "_closed",
+                 "queued_behind")
 
-    def __init__(self, app, exchange, ids: list, *, stop: list, limits: Limits, settings: dict | None = None,
-                 **submit_kwargs):
-        """ids: the prompt's token ids (tokenized on the loop by the route); settings: the request's llama-server
-        params that its SamplingParams do not hold (stream, ignore_eos, ...), for /slots."""
-        engine = app.engine
+    def __init__(self, exchange, ids: list, sampling, params, constraint=None, *, engine, metrics, inflight: set):
+        """One choice of a request, submitted to the engine. ids: its prompt's token ids and sampling its
+        SamplingParams (params.Params.choices); params: what the request asked (params.Params); constraint:
+        this choice's own compiled grammar or schema (App.compile). inflight: the server's running
+        generations, which this one is in until it closes."""
         snap = engine.snapshot
-        n = submit_kwargs.get("max_tokens", -1)
-        if n > engine.n_ctx_slot:               # the slot is full by then anyway: keep the value sane
-            submit_kwargs["max_tokens"] = engine.n_ctx_slot
         try:
-            self.reader = engine.submit(ids, stop=stop, **submit_kwargs)
+            self.reader = engine.submit(ids, sampling=sampling, max_tokens=params.max_tokens, stop=params.stop,
+                                        cache_prompt=params.cache_prompt, id_slot=params.id_slot, constraint=constraint)
         except ServerBusy as exc:
-            app.metrics.rejected.inc(1, "queue_full")
+            metrics.rejected.inc(1, "queue_full")
             raise HttpError(503, str(exc)) from None
         except EngineClosed:
             raise HttpError(503, "the server is shutting down") from None
         except RequestError as exc:
             raise HttpError(400, str(exc)) from None
         self.request = self.reader.request         # slot and cached prompt tokens, set at admission
-        self.settings = settings or {}
-        self.app = app
+        self.params, self.sampling = params, sampling
+        self.metrics, self.inflight = metrics, inflight
         self.exchange = exchange
         self.n_prompt = len(ids)
-        self.n_probs = submit_kwargs.get("n_probs", 0)
-        self.limits = limits
+        self.n_probs = sampling.n_probs
+        self.limits = params.limits
         # the deadlines run from the request's arrival: its parse and grammar compile count (App.compile)
         self.t_arrival = getattr(exchange, "t0", None) or self.reader.t_submit
         self.probs: list | None = [] if self.n_probs else None
         self.t_progress = self.reader.t_submit
         self.t_admit = None
-        self.queued_behind = snap.n_waiting + snap.n_running >= engine.n_slots
+        self.queued_behind = snap.n_waiting + snap.n_running >= len(snap.slot_state)
         self.progress_seen = (0, -1)       # (tokens for the reader, tokens with KV written in the slot)
         self.outcome = None                # request.OUTCOMES' entry, once it ended well
         self._closed = False
         exchange.generation = self
-        app.inflight.add(self)
+        inflight.add(self)
 
     # -- consuming ---------------------------------------------------------------------------
 
@@ -111,7 +110,7 @@ class Generation:
             pass
 
     def _feed(self, ids: list, probs) -> Delta:
-        reader, m = self.reader, self.app.metrics
+        reader, m = self.reader, self.metrics
         t_last = reader.t_last
         text, n = reader.feed(ids)          # a stop string cancels the request: the slot is free within a step
         now = reader.t_last
@@ -136,8 +135,8 @@ class Generation:
             raise HttpError(outcome.status, outcome.message.format(error=reader.error or "unknown error",
                                                                    reason=reason))
         self.outcome = outcome
-        self.app.metrics.e2e.observe(reader.t_end - reader.t_submit)
-        self.app.metrics.requests_done.inc(1, outcome.stop_type)
+        self.metrics.e2e.observe(reader.t_end - reader.t_submit)
+        self.metrics.requests_done.inc(1, outcome.stop_type)
 
     # -- what the routes read ----------------------------------------------------------------
 
@@ -161,7 +160,7 @@ class Generation:
 
     def _admitted(self, t: float) -> None:
         self.t_admit = t
-        self.app.metrics.queue_time.observe(t - self.reader.t_submit)
+        self.metrics.queue_time.observe(t - self.reader.t_submit)
 
     def close(self) -> None:
         """Stop the request if it still runs (idempotent); nothing is left behind."""
@@ -169,8 +168,8 @@ class Generation:
             return
         self._closed = True
         self.reader.cancel()
-        self.app.inflight.discard(self)
-        self.app.metrics.llama.add(self)       # llama-server's totals count every request, however it ended
+        self.inflight.discard(self)
+        self.metrics.llama.add(self)       # llama-server's totals count every request, however it ended
 
     # -- watchdog ----------------------------------------------------------------------------
 
@@ -181,13 +180,13 @@ class Generation:
             if self.request.slot >= 0 or reader.count or reader.finished:
                 self._admitted(now)
             elif self.limits.queue and now - self.t_arrival > self.limits.queue:
-                self.app.metrics.deadlines.inc(1, "queue")
+                self.metrics.deadlines.inc(1, "queue")
                 return HttpError(503, f"no slot became free within the queue limit of {self.limits.queue:g} s "
                                       f"({snap.n_running} running, {snap.n_waiting} waiting)")
         if reader.finished:
             return None
         if self.limits.total and now - self.t_arrival > self.limits.total:
-            self.app.metrics.deadlines.inc(1, "total")
+            self.metrics.deadlines.inc(1, "total")
             return HttpError(504, f"the request ran past its time limit of {self.limits.total:g} s")
         slot = self.request.slot
         progress = (reader.count, snap.slot_past[slot] if 0 <= slot < len(snap.slot_past) else -1)
@@ -196,7 +195,7 @@ class Generation:
             self.t_progress = now
         elif self.t_admit is not None and self.limits.token and \
                 now - max(self.t_progress, self.t_admit) > self.limits.token:
-            self.app.metrics.deadlines.inc(1, "token")
+            self.metrics.deadlines.inc(1, "token")
             what = "" if progress[0] else " (the prompt is not advancing)"
             return HttpError(504, f"no token for {now - max(self.t_progress, self.t_admit):.1f} s{what} "
                                   f"(inter-token limit {self.limits.token:g} s)")

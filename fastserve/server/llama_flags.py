@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..config import SAMPLING_DEFAULTS, SamplingParams
+from ..errors import RequestError
 from ..models.chat_template import CHATML
 
 SAME, DIFFERS, REFUSED = "same", "differs", "refused"
@@ -270,9 +272,6 @@ def add_taken(parser: argparse.ArgumentParser) -> None:
                    help="requests that do not say ignore_eos never sample the end-of-generation tokens")
 
 
-SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
-                  "frequency_penalty")
-
 # llama-server's built-in chat template names that fastserve has (the ChatML format).
 BUILTIN_TEMPLATES = {"chatml": CHATML}
 
@@ -332,7 +331,8 @@ def resolve(args) -> dict:
                 out["n_gpu_layers"] = "all"            # llama.cpp reads a negative count as all
             elif out["n_gpu_layers"] == 0 and out["device"] in ("cuda", "auto"):
                 out["device"] = "cpu"                  # 0 layers in VRAM: the model stays on the CPU
-    out["sampling"] = {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name) is not None}
+    # the sampling flags' dests are SamplingParams' field names (those with no flag are absent)
+    out["sampling"] = {name: getattr(args, name) for name in SAMPLING_DEFAULTS if getattr(args, name, None) is not None}
     out["ignore_eos"] = args.ignore_eos
     out["seed"] = None
     if args.seed is not None and args.seed != -1:
@@ -352,8 +352,6 @@ def check_gpu_layers(n_gpu_layers, device, n_layers: int) -> None:
 def sampling_defaults(n_vocab: int, given: dict):
     """The server-wide SamplingParams of the sampling flags (resolve()'s "sampling"), checked as a request's
     fields are (ValueError naming the flag)."""
-    from ..config import SamplingParams
-    from ..errors import RequestError
     try:
         return SamplingParams.make(n_vocab, seed=0, **given)
     except RequestError as exc:

@@ -204,13 +204,13 @@ def _decode_steps(engine) -> int:
 
 
 class ServerMetrics:
-    """Every metric /metrics shows. Engine state is read from app.engine.snapshot at scrape time."""
+    """Every metric /metrics shows, of app's requests and connections and of engine, whose state is
+    read from its snapshot and stats() at scrape time; info: engine.describe()."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, engine, info):
+        self.app, self._engine = app, engine
         r = self.registry = Registry()
-        eng = app.engine
-        snap = lambda: eng.snapshot     # noqa: E731
+        snap = lambda: engine.snapshot     # noqa: E731
         ll = self.llama = LlamaTotals()
         # llama-server's names and help texts (tools/server: server_task_result_metrics::to_metrics)
         r.add(CounterFn("llamacpp:prompt_tokens", "Number of prompt tokens processed, excluding cached tokens",
@@ -222,7 +222,7 @@ class ServerMetrics:
         r.add(CounterFn("llamacpp:tokens_predicted_seconds", "Total time spent generating tokens",
                         lambda: ll.predicted_s))
         r.add(CounterFn("llamacpp:n_decode", "Total number of decode steps (llama_decode() calls in llama-server)",
-                        lambda: _decode_steps(eng)))
+                        lambda: _decode_steps(engine)))
         # a counter in llama-server, whose exposition then breaks the rule that counters end in _total
         r.gauge("llamacpp:n_tokens_max", "Largest observed sequence length (prompt + generation)",
                 lambda: max(ll.n_tokens_max, max(snap().slot_tokens, default=0)))
@@ -231,18 +231,18 @@ class ServerMetrics:
                 lambda: ll.rates[1])
         r.gauge("llamacpp:requests_processing", "Number of requests processing",
                 lambda: sum(1 for s in snap().slot_state if s))
-        r.gauge("llamacpp:requests_deferred", "Number of requests deferred", lambda: snap().n_waiting + eng.stats().n_inbox)
+        r.gauge("llamacpp:requests_deferred", "Number of requests deferred", lambda: snap().n_waiting + engine.stats().n_inbox)
         r.gauge("fastserve_requests_running", "Requests holding a slot.", lambda: snap().n_running)
         r.gauge("fastserve_requests_waiting", "Requests waiting for a slot (queued or not yet seen by the decode "
-                "thread).", lambda: snap().n_waiting + eng.stats().n_inbox)
+                "thread).", lambda: snap().n_waiting + engine.stats().n_inbox)
         r.add(CounterFn("fastserve_prompt_tokens", "Prompt tokens computed.", lambda: snap().tokens_prompt))
         r.add(CounterFn("fastserve_generated_tokens", "Tokens generated.", lambda: snap().tokens_generated))
         r.add(CounterFn("fastserve_decode_steps", "Decode steps (the heartbeat).", lambda: snap().step))
-        r.gauge("fastserve_slots_total", "Slots (-np).", lambda: eng.n_slots)
+        r.gauge("fastserve_slots_total", "Slots (-np).", lambda: info.n_slots)
         r.gauge("fastserve_slots_busy", "Slots running a request.", lambda: sum(1 for s in snap().slot_state if s))
         r.gauge("fastserve_kv_tokens", "Tokens held in the KV cache, all slots.", lambda: sum(snap().slot_tokens))
         r.gauge("fastserve_kv_usage_ratio", "Share of the KV cache in use.",
-                lambda: sum(snap().slot_tokens) / (eng.n_slots * eng.n_ctx_slot))
+                lambda: sum(snap().slot_tokens) / (info.n_slots * info.n_ctx_slot))
         r.gauge("fastserve_seconds_since_last_step", "Seconds since the decode thread last published a step.",
                 lambda: max(0.0, time.monotonic() - snap().t_step))
         r.gauge("fastserve_decode_stalled", "1 while work is pending and no step came for longer than "
@@ -259,9 +259,9 @@ class ServerMetrics:
                                       "(resolution: one watchdog tick).", LATENCY_BUCKETS)
         self.phase = r.histogram("fastserve_step_phase_seconds", "Host time per decode step in each phase "
                                  "(tracer; mean per step over each one-second window).", STEP_BUCKETS, ("phase",))
-        if eng.stats().step_histogram is not None:
+        if engine.stats().step_histogram is not None:
             r.add(HistogramFn("fastserve_step_seconds", "Wall time of each decode step, admit to publish "
-                              "(idle waits excluded).", STEP_SECONDS_BUCKETS, lambda: eng.stats().step_histogram))
+                              "(idle waits excluded).", STEP_SECONDS_BUCKETS, lambda: engine.stats().step_histogram))
         self.http = r.counter("fastserve_http_requests", "HTTP requests answered, by status.", ("code",))
         self.requests_done = r.counter("fastserve_requests_finished", "Generations finished, by stop type.",
                                        ("stop_type",))
@@ -277,7 +277,7 @@ class ServerMetrics:
 
     def sample_tracer(self) -> None:
         """Called about once a second: per-phase mean ms/step since the last call, into the histogram."""
-        st = self.app.engine.stats()
+        st = self._engine.stats()
         if st.trace_ns is None:
             return
         now = (st.trace_steps, st.trace_ns)

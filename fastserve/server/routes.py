@@ -1,70 +1,70 @@
 """The route table and the routes that read state: /health, /slots, /metrics, /props, /trace, /tokenize, /detokenize.
 
-Every route is a plain function `route(app, req, ex)` returning a Response (or,
-for the ones that wait, a coroutine). The monitoring routes read only the
-engine's published snapshot (DESIGN.md contract 5): they answer in microseconds
+Every route is a plain function `route(req, ex, *, services...)` returning a Response (or, for the
+ones that wait, a coroutine); its keyword-only parameters say what it reads, given once at start
+(Routes), so that a route runs as well on stand-ins. The monitoring routes read only the engine's
+published snapshot (DESIGN.md contract 5) and its fixed EngineInfo: they answer in microseconds
 whatever the decode thread is doing, stuck in a forward pass included.
 """
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
+from functools import partial
 
 from ..request import SlotState
 from . import llama_api, openai_api, webui
+from .config import BUILD_INFO
 from .errors import LLAMA, HttpError, error_json
 from .fields import parse_object
+from .params import PROMPT_CHARS_PER_TOKEN, settings_json
 from .response import PROMETHEUS, Response, json_response
 
 IDLE = SlotState.IDLE
 
 
-def health(app, req, ex):
-    reason = app.unhealthy_reason()
+def health(req, ex, *, unhealthy):
+    reason = unhealthy()
     if reason:
         return Response(503, error_json(LLAMA, 503, reason, "unavailable_error"))
     return json_response({"status": "ok"})
 
 
-def slots(app, req, ex):
-    if not app.config.slots:
+def slots(req, ex, *, config, engine, info, inflight):
+    if not config.slots:
         raise HttpError(501, "This server does not support slots endpoint. Start it with `--slots`")
-    eng = app.engine
-    snap = eng.snapshot
-    n_ctx = eng.n_ctx_slot
+    snap = engine.snapshot
     if req.query.get("fail_on_no_slot") not in (None, "", "0", "false") and IDLE not in snap.slot_state:
         raise HttpError(503, "no slot available")
     # Sliding-window models: n_swa keys per local layer, which keeps swa_ring positions per slot (0: all);
     # an idle slot's cached prefix is reused by a prompt sharing m tokens with it only for m in
     # swa_reusable = [lo, n_tokens] (null while the slot is busy); a shorter shared prefix reuses nothing.
-    window, ring = eng.model.config.sliding_window, eng.backend.kv_ring
-    running = {g.request.id: g for g in app.inflight}
+    running = {g.request.id: g for g in inflight}
     return json_response([
-        {"id": i, "id_task": job or -1, "n_ctx": n_ctx, "is_processing": state != IDLE,
+        {"id": i, "id_task": job or -1, "n_ctx": info.n_ctx_slot, "is_processing": state != IDLE,
          "state": SlotState(state).name.lower(), "n_tokens": n_tok, "speculative": False,
-         "n_swa": window, "swa_ring": ring, "swa_reusable": _reusable(lo, n_tok) if state == IDLE else None,
-         **(_request_fields(app, running[job]) if job in running else {})}
+         "n_swa": info.window, "swa_ring": info.ring, "swa_reusable": _reusable(lo, n_tok) if state == IDLE else None,
+         **(_request_fields(running[job]) if job in running else {})}
         for i, (state, n_tok, job, lo) in enumerate(zip(snap.slot_state, snap.slot_tokens, snap.slot_job,
                                                          snap.slot_reuse_from))])
 
 
-def _request_fields(app, gen) -> dict:
+def _request_fields(gen) -> dict:
     """llama-server's fields of the request a slot runs (its names; llama-server's n_prompt_tokens counts the
     slot's tokens so far, here it is the prompt's, and `n_tokens` says the other): the prompt's tokens,
     computed and reused, the request's sampling `params` (seed: the one in use, drawn at random when the
     request gave none) and `next_token`: whether more are coming, a newline among them so far, tokens
     left (-1: until the slot is full) and generated. Read on the loop from the request's own objects."""
-    job, reader = gen.request, gen.reader
-    samp = job.sampling
+    reader, n_cached, max_tokens = gen.reader, gen.request.n_cached, gen.params.max_tokens
     n_decoded = reader.count
-    fields = {name: getattr(samp, name) for name in (*llama_api.SERVER_WIDE, "n_probs", "post_sampling_probs")}
     return {
         "n_prompt_tokens": gen.n_prompt,
-        "n_prompt_tokens_processed": gen.n_prompt - job.n_cached,
-        "n_prompt_tokens_cache": job.n_cached,
-        "params": llama_api.params_json(app, fields, samp.seed, job.max_tokens, **gen.settings),
+        "n_prompt_tokens_processed": gen.n_prompt - n_cached,
+        "n_prompt_tokens_cache": n_cached,
+        "params": gen.params.settings(gen.sampling),
         "next_token": [{"has_next_token": not reader.finished, "has_new_line": "\n" in gen.text.text,
-                        "n_remain": -1 if job.max_tokens < 0 else max(0, job.max_tokens - n_decoded),
+                        "n_remain": -1 if max_tokens < 0 else max(0, max_tokens - n_decoded),
                         "n_decoded": n_decoded}],
     }
 
@@ -74,46 +74,46 @@ def _reusable(lo: int, n_tokens: int) -> list:
     return [lo, n_tokens] if lo <= n_tokens else [0, 0]
 
 
-def metrics(app, req, ex):
-    if not app.config.metrics:
+def metrics(req, ex, *, config, metrics):
+    if not config.metrics:
         raise HttpError(501, "This server does not support metrics endpoint. Start it with `--metrics`")
-    return Response(200, app.metrics.render(), PROMETHEUS, app.metrics.headers())
+    return Response(200, metrics.render(), PROMETHEUS, metrics.headers())
 
 
-def trace(app, req, ex):
+def trace(req, ex, *, engine):
     """GET /trace: the tracer's running totals (tracer.Tracer.totals); a client diffs two readings."""
-    tracer = app.engine.tracer
-    if tracer is None:
+    totals = engine.trace_totals()
+    if totals is None:
         raise HttpError(404, "tracing is off in this server")
-    return json_response(tracer.totals())
+    return json_response(totals)
 
 
-def props(app, req, ex):
+def props(req, ex, *, config, tokenizer, info, alias):
     """llama-server's GET /props fields (those fastserve has a value for)."""
-    eng = app.engine
-    tok = eng.tokenizer
+    tok = tokenizer
     return json_response({
-        "default_generation_settings": {"n_ctx": eng.n_ctx_slot, "params": llama_api.params_json(
-            app, {}, app.config.seed, app.config.n_predict)},
-        "total_slots": eng.n_slots,
-        "model_alias": app.model_alias,
-        "model_path": str(getattr(eng.model, "path", "")),
+        "default_generation_settings": {"n_ctx": info.n_ctx_slot, "params": settings_json(
+            config.sampling, -1 if config.seed is None else config.seed, config.n_predict,
+            ignore_eos=config.ignore_eos)},
+        "total_slots": info.n_slots,
+        "model_alias": alias,
+        "model_path": info.model_path,
         "modalities": {"vision": False, "video": False, "audio": False},
-        "endpoint_slots": app.config.slots,
-        "endpoint_props": app.config.props,
-        "endpoint_metrics": app.config.metrics,
+        "endpoint_slots": config.slots,
+        "endpoint_props": config.props,
+        "endpoint_metrics": config.metrics,
         "chat_template": tok.chat_template or "",
         "bos_token": _piece(tok, getattr(tok, "bos_id", None)),
         "eos_token": _piece(tok, getattr(tok, "eos_id", None)),
-        "build_info": app.fingerprint,
+        "build_info": BUILD_INFO,
         "is_sleeping": False,
     })
 
 
-def set_props(app, req, ex):
+def set_props(req, ex, *, config):
     """POST /props: llama-server takes it only with --props, and changes nothing (yet); nor can fastserve, so
     a field asked to change is a 400 rather than a success that did nothing."""
-    if not app.config.props:
+    if not config.props:
         raise HttpError(501, "This server does not support changing global properties. Start it with `--props`")
     body = parse_object(req.body)
     if body.data:
@@ -128,23 +128,25 @@ def _piece(tok, tid) -> str:
     return tok.token_text(tid)
 
 
-def tokenize(app, req, ex):
+def tokenize(req, ex, *, parser, tokenizer, info):
+    """At most the whole KV cache's tokens at once."""
     body = parse_object(req.body)
     content = body.raw("content")
     if content is None:
         raise HttpError(400, "'content' is required")
-    tok = app.engine.tokenizer
-    cap = app.engine.n_ctx_slot * app.engine.n_slots * llama_api.PROMPT_CHARS_PER_TOKEN
+    cap = info.n_ctx_slot * info.n_slots
     if isinstance(content, str):
-        if len(content) > cap:
-            raise HttpError(400, f"'content' has {len(content)} characters; at most {cap} are tokenized at once")
-        ids = tok.encode(content, add_special=body.bool("add_special"), parse_special=body.bool("parse_special", True))
+        if len(content) > cap * PROMPT_CHARS_PER_TOKEN:
+            raise HttpError(400, f"'content' has {len(content)} characters; at most {cap * PROMPT_CHARS_PER_TOKEN} "
+                                 f"are tokenized at once")
+        ids = tokenizer.encode(content, add_special=body.bool("add_special"),
+                               parse_special=body.bool("parse_special", True))
     else:
-        ids = llama_api.prompt_ids(app, content, "content", limit=app.engine.n_ctx_slot * app.engine.n_slots)
+        ids = parser.prompt(content, "content", limit=cap)
     if body.bool("with_pieces"):
         out = []
         for t in ids:
-            b = tok.token_bytes(t)
+            b = tokenizer.token_bytes(t)
             try:
                 piece = b.decode("utf-8")
             except UnicodeDecodeError:
@@ -154,46 +156,42 @@ def tokenize(app, req, ex):
     return json_response({"tokens": ids})
 
 
-def detokenize(app, req, ex):
+def detokenize(req, ex, *, tokenizer, info):
     body = parse_object(req.body)
     ids = body.raw("tokens", [])
-    tok = app.engine.tokenizer
-    cap = app.engine.n_ctx_slot * app.engine.n_slots
+    cap = info.n_ctx_slot * info.n_slots
     if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
         raise HttpError(400, "'tokens' must be an array of token ids")
     if len(ids) > cap:
         raise HttpError(400, f"'tokens' has {len(ids)} ids; at most {cap} are detokenized at once")
-    if any(not 0 <= t < tok.n_vocab for t in ids):
-        raise HttpError(400, f"token ids must be in [0, {tok.n_vocab})")
-    return json_response({"content": tok.decode(ids)})
+    if any(not 0 <= t < tokenizer.n_vocab for t in ids):
+        raise HttpError(400, f"token ids must be in [0, {tokenizer.n_vocab})")
+    return json_response({"content": tokenizer.decode(ids)})
 
 
-async def slot_action(app, req, ex, slot: int):
+async def slot_action(req, ex, slot: int, *, engine, config, unhealthy):
     """POST /slots/{id}?action=erase. A busy slot is erased when its request ends, before it takes
     another (llama-server defers it too), never by cutting the request running there; the answer
     waits for the engine's reply at most ServerConfig.erase_wait seconds (503 after that; the erasure
-    still happens), and no longer than the server stays healthy."""
+    still happens), and no longer than the server stays healthy. A slot id out of range: the engine's 400."""
     action = req.query.get("action")
     if action in ("save", "restore"):
         raise HttpError(501, f"slot {action} is not supported")
     if action != "erase":
         raise HttpError(400, "'action' must be erase (?action=erase)")
-    eng = app.engine
-    if not 0 <= slot < eng.n_slots:
-        raise HttpError(400, f"slot id must be in [0, {eng.n_slots})")
     loop = asyncio.get_running_loop()
     erased = loop.create_future()
-    eng.erase(slot, lambda n: _call_soon(loop, _resolve, erased, n))
-    deadline = time.monotonic() + app.config.erase_wait
+    engine.erase(slot, lambda n: _call_soon(loop, _resolve, erased, n))
+    deadline = time.monotonic() + config.erase_wait
     while not erased.done():
-        reason = app.unhealthy_reason()
+        reason = unhealthy()
         if reason:
             raise HttpError(503, reason)
         left = deadline - time.monotonic()
         if left <= 0:
-            raise HttpError(503, f"slot {slot} stayed busy for {app.config.erase_wait:g} s; it is erased when its "
+            raise HttpError(503, f"slot {slot} stayed busy for {config.erase_wait:g} s; it is erased when its "
                             f"request ends")
-        await asyncio.wait((erased,), timeout=min(left, app.config.tick))   # the health check's period
+        await asyncio.wait((erased,), timeout=min(left, config.tick))   # the health check's period
     return json_response({"id_slot": slot, "n_erased": erased.result()})
 
 
@@ -210,7 +208,7 @@ def _resolve(fut, value) -> None:
         fut.set_result(value)
 
 
-def not_supported(app, req, ex):
+def not_supported(req, ex):
     raise HttpError(501, f"{req.path} is not supported by fastserve")
 
 
@@ -237,19 +235,38 @@ ROUTES = {
     "/v1/embeddings": {"POST": not_supported},
     "/infill": {"POST": not_supported},
 }
+SLOT_ROUTES = {"POST": slot_action}             # /slots/{id}: the id is the route's third argument
 # no API key asked: as llama-server, and "/" (the page holds no secret; it asks for the key itself)
 PUBLIC = frozenset({"/", "/health", "/v1/health", "/models", "/v1/models"})
 OPENAI_PATHS = frozenset({"/v1/models", "/models", "/v1/completions", "/v1/chat/completions", "/chat/completions",
                           "/v1/embeddings", "/v1/health"})
 
 
-def lookup(path: str):
-    """(methods dict, extra args) for a path, or (None, ()) when unknown."""
-    methods = ROUTES.get(path)
-    if methods is not None:
-        return methods, ()
-    if path.startswith("/slots/"):
-        tail = path[len("/slots/"):]
-        if tail.isdigit() and len(tail) < 7:
-            return {"POST": slot_action}, (int(tail),)
-    return None, ()
+class Routes:
+    """The route table of one server: each route's keyword-only parameters name the services it reads
+    (App's table: engine, info, config, parser, ...), resolved here once, at start; a route is then
+    route(req, ex, *args)."""
+
+    def __init__(self, services: dict):
+        self.paths = {path: _bind(methods, services) for path, methods in ROUTES.items()}
+        self.slot = _bind(SLOT_ROUTES, services)
+
+    def lookup(self, path: str):
+        """(methods dict, extra args) for a path, or (None, ()) when unknown."""
+        methods = self.paths.get(path)
+        if methods is not None:
+            return methods, ()
+        if path.startswith("/slots/"):
+            tail = path[len("/slots/"):]
+            if tail.isdigit() and len(tail) < 7:
+                return self.slot, (int(tail),)
+        return None, ()
+
+
+def _bind(methods: dict, services: dict) -> dict:
+    """{method: route with its services given}; a route naming a service there is none of fails here, at start."""
+    out = {}
+    for method, route in methods.items():
+        names = [p.name for p in inspect.signature(route).parameters.values() if p.kind is p.KEYWORD_ONLY]
+        out[method] = partial(route, **{name: services[name] for name in names})
+    return out

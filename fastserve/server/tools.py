@@ -1,5 +1,5 @@
-"""OpenAI `tools` / `tool_choice` and `response_format` for /v1/chat/completions: request -> constraint,
-generated JSON -> `tool_calls`.
+"""A chat's `messages`, and OpenAI `tools` / `tool_choice` and `response_format` for /v1/chat/completions:
+request -> prompt messages and constraint, generated JSON -> `tool_calls`.
 
 Tool calls use one generic format for every model (llama.cpp's "generic" chat format): the reply is a
 JSON object, constrained by a schema built from the tools' parameters,
@@ -25,6 +25,7 @@ import os
 from .errors import HttpError
 
 _CHOICES = ("auto", "none", "required")
+ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 class ToolPlan:
@@ -198,4 +199,41 @@ def history_message(i: int, m: dict, content: str, template_takes_tools: bool) -
     out = {"role": m["role"], "content": content}
     if m["role"] == "tool" and isinstance(m.get("tool_call_id"), str):
         out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
+def chat_messages(value, template_takes_tools: bool = False) -> list[dict]:
+    """Validate OpenAI messages; content parts of type text are joined into one string; earlier tool
+    calls and their results are kept for the template (history_message). Refused (400): a message that
+    is not an object, without a known role, with content of a wrong type, without content (only an
+    assistant's may be null), a tool message without its tool_call_id."""
+    if not isinstance(value, list) or not value:
+        raise HttpError(400, "'messages' must be a non-empty array of {\"role\": ..., \"content\": ...} objects")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise HttpError(400, f"messages[{i}] must be an object")
+        if "role" not in m:
+            raise HttpError(400, f"messages[{i}] has no 'role' (one of {', '.join(ROLES)})")
+        role = m["role"]
+        if role not in ROLES:
+            raise HttpError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
+        content = m.get("content")
+        if content is None:
+            if role != "assistant":
+                raise HttpError(400, f"messages[{i}] ({role}) has no 'content'")
+            content = ""
+        elif isinstance(content, list):
+            parts = []
+            for j, p in enumerate(content):
+                if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                    raise HttpError(400, f"messages[{i}].content[{j}] must be {{\"type\": \"text\", \"text\": ...}}; "
+                                         f"other content types are not supported")
+                parts.append(p["text"])
+            content = "".join(parts)
+        elif not isinstance(content, str):
+            raise HttpError(400, f"messages[{i}].content must be a string or an array of text parts")
+        if role == "tool" and not (isinstance(m.get("tool_call_id"), str) and m["tool_call_id"]):
+            raise HttpError(400, f"messages[{i}] (tool) needs the 'tool_call_id' of the call it answers")
+        out.append(history_message(i, m, content, template_takes_tools))
     return out

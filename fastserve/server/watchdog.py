@@ -19,8 +19,10 @@ from .errors import HttpError
 
 
 class Watchdog:
-    def __init__(self, app):
-        self.app = app
+    """app's timer; engine: what it reads the snapshot of."""
+
+    def __init__(self, app, engine):
+        self.app, self._engine = app, engine
         self.stalled_since: float | None = None
         self.n_stalls = 0               # stalls the ticks saw begin
         self._handle = None
@@ -62,7 +64,7 @@ class Watchdog:
 
     def tick(self, now: float) -> None:
         app = self.app
-        snap = app.engine.snapshot
+        snap = self._engine.snapshot
         stall = app.stall_reason(now)
         self.observe(stall, now)
         for gen in list(app.inflight):

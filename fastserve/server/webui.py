@@ -28,7 +28,7 @@ def page() -> bytes:
     return resources.files(__package__).joinpath("webui.html").read_bytes()
 
 
-def index(app, req, ex):
-    if not app.config.webui:
+def index(req, ex, *, config):
+    if not config.webui:
         raise HttpError(404, "File Not Found: the web UI is off (--no-webui)")
     return Response(200, page(), HTML, HEADERS)

@@ -9,9 +9,11 @@ import numpy as np
 
 import fastserve
 from fastserve.backends.cpu.backend import CpuBackend
+from fastserve.config import SamplingParams
 from fastserve.server.errors import HttpError
 from fastserve.server.generation import Generation, Limits
 from fastserve.server.metrics import LlamaTotals
+from fastserve.server.params import Params
 
 
 class _SlowSteps:
@@ -50,12 +52,14 @@ def _run(tiny_model, delay, token_limit, hang_at=-1, hang=0.0):
         return backends[0]
 
     with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=512, n_batch=8, backend=factory) as engine:
-        app = SimpleNamespace(engine=engine, inflight=set(),
+        app = SimpleNamespace(inflight=set(),
                               metrics=SimpleNamespace(deadlines=_Counter(), queue_time=_Counter(),
                                                       rejected=_Counter(), llama=LlamaTotals()))
         prompt = np.random.default_rng(3).integers(3, 500, 200).tolist()
-        gen = Generation(app, SimpleNamespace(generation=None), prompt, stop=[], limits=Limits(0, 0, token_limit),
-                         max_tokens=2, temperature=0)
+        sampling = SamplingParams.make(tiny_model.config.n_vocab, temperature=0)
+        params = Params([prompt], sampling, None, max_tokens=2, stop=[], limits=Limits(0, 0, token_limit), constraint={})
+        gen = Generation(SimpleNamespace(generation=None), prompt, sampling, params, engine=engine,
+                         metrics=app.metrics, inflight=app.inflight)
         t0 = time.monotonic()
         err = None
         while not gen.reader.buffer.finished and time.monotonic() - t0 < 30:

@@ -1,0 +1,65 @@
+"""Token probabilities as each API writes them: llama-server's completion_probabilities, OpenAI's
+legacy logprobs and its chat logprobs. Each takes a generation's ids and, per id, the engine's top-N
+(ids, probabilities) of that step; the sampled token's own probability is found among them (0 when it
+lies outside, which needs sampling far from the top)."""
+from __future__ import annotations
+
+import math
+
+
+def logprob(p: float) -> float:
+    return math.log(p) if p > 0 else -9999.0
+
+
+def _own(tid: int, top_ids: list, top_ps: list) -> float:
+    return next((q for t, q in zip(top_ids, top_ps) if t == tid), 0.0)
+
+
+def _text(tok, tid: int) -> str:
+    return tok.token_bytes(tid).decode("utf-8", "replace")
+
+
+def completion_probabilities(tok, ids: list, probs: list, post: bool) -> list:
+    """llama-server's entries: probabilities after sampling (post_sampling_probs), else logprobs."""
+    key, top_key = ("prob", "top_probs") if post else ("logprob", "top_logprobs")
+    value = (lambda p: p) if post else logprob
+
+    def token(tid: int) -> dict:
+        b = tok.token_bytes(tid)
+        return {"id": tid, "token": b.decode("utf-8", "replace"), "bytes": list(b)}
+
+    out = []
+    for tid, (top_ids, top_ps) in zip(ids, probs):
+        e = token(tid)
+        e[key] = value(_own(tid, top_ids, top_ps))
+        e[top_key] = [{**token(t), key: value(q)} for t, q in zip(top_ids, top_ps)]
+        out.append(e)
+    return out
+
+
+def legacy_logprobs(tok, ids: list, probs: list, k: int, offset: int) -> dict:
+    """OpenAI's /v1/completions logprobs of k alternatives; offset: the text's offset in the choice's text."""
+    tokens, token_lp, top, offsets = [], [], [], []
+    for tid, (top_ids, top_ps) in zip(ids, probs):
+        text = _text(tok, tid)
+        tokens.append(text)
+        token_lp.append(logprob(_own(tid, top_ids, top_ps)))
+        alts = {}       # most probable first: of two tokens that read alike (byte tokens read as U+FFFD), the first
+        for t, q in zip(top_ids[:k], top_ps[:k]):
+            alts.setdefault(_text(tok, t), logprob(q))
+        top.append(alts)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lp, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(tok, ids: list, probs: list, k: int) -> list:
+    """OpenAI's chat logprobs content of k alternatives."""
+    out = []
+    for tid, (top_ids, top_ps) in zip(ids, probs):
+        b = tok.token_bytes(tid)
+        out.append({"token": b.decode("utf-8", "replace"), "bytes": list(b),
+                    "logprob": logprob(_own(tid, top_ids, top_ps)),
+                    "top_logprobs": [{"token": _text(tok, t), "bytes": list(tok.token_bytes(t)), "logprob": logprob(q)}
+                                     for t, q in zip(top_ids[:k], top_ps[:k])]})
+    return out

@@ -1,0 +1,259 @@
+"""server/params.py: one parse of a request body. Each default where it comes from (the request, else
+the server's flags, else SamplingParams'), each check once, with the field it names."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import fields
+from types import SimpleNamespace
+
+import pytest
+
+from fastserve.config import MAX_N_PROBS, SamplingParams
+from fastserve.errors import RequestError
+from fastserve.server.config import ServerConfig
+from fastserve.server.errors import HttpError
+from fastserve.server.fields import Body
+from fastserve.server.params import (LOGPROB_POOL, MAX_CHOICES, MAX_PROMPTS, PROMPT_CHARS_PER_TOKEN, SAMPLING,
+                                     Parser)
+
+N_CTX = 64
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model):
+    return tiny_model.tokenizer
+
+
+def _json(body: dict) -> bytes:
+    return json.dumps(body).encode()
+
+
+def _parser(tok, **config) -> Parser:
+    return Parser(tok, SimpleNamespace(n_vocab=tok.n_vocab, n_ctx_slot=N_CTX), ServerConfig(**config))
+
+
+def _completion(tok, body: dict, **config):
+    return _parser(tok, **config).completion(_json({"prompt": "hi", **body}))
+
+
+def _refused(fn, needle: str, status: int = 400):
+    """fn() is refused: an HttpError (status) or the RequestError SamplingParams.make raises (a 400 in App),
+    its message naming needle."""
+    with pytest.raises((HttpError, RequestError)) as exc:
+        fn()
+    if isinstance(exc.value, HttpError):
+        assert exc.value.status == status, exc.value.message
+    assert needle in str(exc.value), str(exc.value)
+    return exc.value
+
+
+# -- defaults ------------------------------------------------------------------------------------------
+
+def test_a_bare_request_gets_samplingparams_defaults(tok):
+    p = _completion(tok, {})
+    want = SamplingParams()
+    for f in fields(SamplingParams):
+        if f.name != "seed":
+            assert getattr(p.sampling, f.name) == getattr(want, f.name), f.name
+    assert (p.max_tokens, p.stop, p.stream, p.n, p.cache_prompt, p.id_slot, p.ignore_eos) == (-1, [], False, 1, True,
+                                                                                             -1, False)
+    assert p.seed is None and 0 <= p.sampling.seed < 2 ** 64        # none given: one is drawn
+    assert p.constraint == {} and p.prompts == [tok.encode("hi", add_special=True)] and p.texts == ("hi",)
+    assert (p.limits.queue, p.limits.total, p.limits.token) == (600.0, 0.0, 60.0)       # ServerConfig's
+
+
+def test_a_field_left_out_takes_the_servers_default_and_a_given_one_wins(tok):
+    server = SamplingParams.make(tok.n_vocab, seed=0, temperature=0.3, top_k=5, repeat_last_n=16)
+    p = _completion(tok, {"top_k": 9}, sampling=server, seed=42, n_predict=7, ignore_eos=True)
+    assert (p.sampling.temperature, p.sampling.top_k, p.sampling.repeat_last_n) == (0.3, 9, 16)
+    assert p.seed == 42 == p.sampling.seed and p.max_tokens == 7 and p.ignore_eos
+    assert all(p.sampling.kwargs()["logit_bias"][t] == -math.inf for t in tok.eog_ids)     # --ignore-eos
+    for name, read in SAMPLING.items():
+        value = 3 if read is Body.int else 0.5
+        assert getattr(_completion(tok, {name: value}).sampling, name) == value, name
+    assert _completion(tok, {"seed": -1}, seed=42).seed is None
+    assert not _completion(tok, {"ignore_eos": False}, ignore_eos=True).sampling.logit_bias
+
+
+def test_max_tokens_names_and_the_slot_cap(tok):
+    assert _completion(tok, {"n_predict": 5, "max_tokens": 9}).max_tokens == 5
+    assert _completion(tok, {"max_tokens": 9}).max_tokens == 9
+    assert _completion(tok, {"n_predict": 10 ** 9}).max_tokens == N_CTX       # the slot is full by then
+    parser = _parser(tok, n_predict=11)
+    chat = {"messages": [{"role": "user", "content": "a"}]}
+    assert parser.chat(_json(chat)).max_tokens == 11
+    assert parser.chat(_json({**chat, "max_completion_tokens": 3, "max_tokens": 9})).max_tokens == 3
+    assert parser.completions(_json({"prompt": "a", "max_tokens": 4, "n_predict": 9})).max_tokens == 4
+
+
+def test_limits_may_only_shorten_the_servers(tok):
+    lim = _completion(tok, {"queue_timeout": 5, "request_timeout": 7, "token_timeout": 999},
+                      queue_timeout=10, request_timeout=0, token_timeout=60).limits
+    assert (lim.queue, lim.total, lim.token) == (5, 7, 60)
+    assert _completion(tok, {"queue_timeout": 0}, queue_timeout=10).limits.queue == 10
+
+
+def test_choices_seed_each_choice_of_each_prompt(tok):
+    p = _parser(tok).completions(_json({"prompt": ["a", "b"], "n": 3, "seed": 2 ** 64 - 2}))
+    seeds = [s.seed for _, s in p.choices()]
+    assert seeds == [2 ** 64 - 2, 2 ** 64 - 1, 0] * 2
+    assert [ids for ids, _ in p.choices()] == [p.prompts[0]] * 3 + [p.prompts[1]] * 3
+    assert all(s.temperature == p.sampling.temperature for _, s in p.choices())
+
+
+def test_probabilities_fields_of_each_api(tok):
+    assert _completion(tok, {"n_probs": 3, "post_sampling_probs": True}).sampling.n_probs == 3
+    parser = _parser(tok)
+    legacy = parser.completions(_json({"prompt": "a", "logprobs": 2}))
+    assert (legacy.logprobs, legacy.sampling.n_probs) == (2, LOGPROB_POOL)
+    chat = {"messages": [{"role": "user", "content": "a"}]}
+    assert parser.chat(_json(chat)).logprobs is None and parser.chat(_json(chat)).sampling.n_probs == 0
+    lp = parser.chat(_json({**chat, "logprobs": True, "top_logprobs": 15}))
+    assert (lp.logprobs, lp.sampling.n_probs) == (15, 15)
+    assert parser.completions(_json({"prompt": "a", "n_probs": 5})).sampling.n_probs == 0    # llama's field
+
+
+def test_settings_show_the_request_and_the_samplers_fastserve_lacks(tok):
+    p = _completion(tok, {"temperature": 0.25, "stream": True, "n_predict": 9})
+    s = p.settings()
+    assert (s["seed"], s["temperature"], s["n_predict"], s["max_tokens"], s["stream"]) == (-1, 0.25, 9, 9, True)
+    assert (s["top_n_sigma"], s["typical_p"], s["mirostat"]) == (-1.0, 1.0, 0)
+    assert p.settings(p.sampling)["seed"] == p.sampling.seed                  # /slots: the seed in use
+
+
+def test_a_chat_prompt_is_made_after_the_rest(tok):
+    parser = _parser(tok)
+    p = parser.chat(_json({"messages": [{"role": "user", "content": "hello"}], "n": 2}))
+    assert p.prompts == [] and p.n == 2
+    text = tok.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
+    assert parser.conversation(p).prompts == [tok.encode(text, add_special=True)]
+
+
+# -- checks --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("body, needle", [
+    ({"temperature": "hot"}, "'temperature' must be a number"),
+    ({"top_k": 1.5}, "'top_k' must be an integer"),
+    ({"top_p": 7}, "top_p must be in [0, 1]"),
+    ({"repeat_penalty": 0}, "repeat_penalty"),
+    ({"repeat_last_n": -2}, "repeat_last_n"),
+    ({"n_probs": MAX_N_PROBS + 1}, f"n_probs must be at most {MAX_N_PROBS}"),
+    ({"n_probs": -1}, "n_probs"),
+    ({"seed": 1.5}, "'seed' must be an integer"),
+    ({"seed": 2 ** 64}, "seed must be in [0, 2**64)"),
+    ({"n_predict": -2}, "'n_predict' must be in [-1, inf]"),
+    ({"max_tokens": "x"}, "'max_tokens' must be an integer"),
+    ({"id_slot": -2}, "'id_slot'"),
+    ({"stop": [1]}, "'stop' must be a string or an array of strings"),
+    ({"stop": ["a"] * 17}, "'stop' allows at most 16"),
+    ({"stream": "yes"}, "'stream' must be true or false"),
+    ({"ignore_eos": "yes"}, "'ignore_eos'"),
+    ({"queue_timeout": -1}, "'queue_timeout'"),
+    ({"mirostat": 2}, "'mirostat' = 2 is not supported"),
+    ({"lora": [{"id": 0}]}, "'lora'"),
+    ({"samplers": ["top_k", "temperature"]}, "fastserve's chain"),
+    ({"logit_bias": 5}, "'logit_bias' must be an object"),
+    ({"logit_bias": [[7]]}, "pairs"),
+    ({"logit_bias": {"7": "x"}}, "biases must be numbers"),
+    ({"logit_bias": [[True, 1]]}, "token ids must be integers"),
+    ({"logit_bias": {"99999": 1}}, "outside the vocabulary"),
+    ({"logit_bias": [["", 1]]}, "has no tokens"),
+    ({"logit_bias": {"x" * 300: 1}}, "at most 256 characters"),
+    ({"logit_bias": [[7, 1]] * 1025}, "at most 1024"),
+    ({"grammar": 5}, "'grammar' must be a string"),
+    ({"json_schema": [1]}, "'json_schema'"),
+    ({"response_fields": "content"}, "'response_fields'"),
+])
+def test_completion_checks(tok, body, needle):
+    _refused(lambda: _completion(tok, body), needle)
+
+
+def test_neutral_values_of_unsupported_fields_pass(tok):
+    _completion(tok, {"mirostat": 0, "typical_p": 1.0, "lora": [], "n_cmpl": 1,
+                      "samplers": ["penalties", "dry", "top_k", "top_p", "min_p", "temperature"]})
+
+
+@pytest.mark.parametrize("prompt, needle", [
+    (None, "'prompt' is required"),
+    (5, "'prompt' must be a string or an array"),
+    ("", "'prompt' is empty"),
+    ([], "'prompt' is empty"),
+    ([1, -4], "token ids must be in [0, 512)"),
+    ([1, 512], "token ids must be in [0, 512)"),
+    ([1, 2.5], "got float at [1]"),
+    ([[1], [2, "x", {}]], "'prompt[1]'"),
+    (["a"] * (MAX_PROMPTS + 1), f"at most {MAX_PROMPTS}"),
+    ("x" * (N_CTX * PROMPT_CHARS_PER_TOKEN + 1), "characters"),
+])
+def test_prompt_checks(tok, prompt, needle):
+    _refused(lambda: _parser(tok).completion(_json({"prompt": prompt})), needle)
+
+
+def test_a_prompt_must_leave_its_slot_a_token(tok):
+    parser = _parser(tok)
+    assert parser.completion(_json({"prompt": list(range(N_CTX - 1))})).prompts == [list(range(N_CTX - 1))]
+    err = _refused(lambda: parser.completion(_json({"prompt": list(range(N_CTX))})), "exceeds the available context")
+    assert err.type == "exceed_context_size_error" and err.fields == {"n_prompt_tokens": N_CTX, "n_ctx": N_CTX}
+    long_chat = parser.chat(_json({"messages": [{"role": "user", "content": "word " * 50}]}))
+    _refused(lambda: parser.conversation(long_chat), "exceeds the available context")
+    longer = parser.chat(_json({"messages": [{"role": "user", "content": "word " * 250}]}))
+    _refused(lambda: parser.conversation(longer), "the conversation has")          # refused untokenized
+    assert parser.prompt(list(range(200)), "content", limit=200) == list(range(200))       # /tokenize's limit
+    _refused(lambda: parser.prompt(list(range(201)), "content", limit=200), "more than 200 tokens")
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"echo": True}, "'echo'"),
+    ({"best_of": 2}, "'best_of'"),
+    ({"suffix": "x"}, "'suffix'"),
+    ({"n": MAX_CHOICES + 1}, "'n' must be in"),
+    ({"prompt": ["a", "b"], "n": 9}, "make 18 choices"),
+    ({"logprobs": 21}, "'logprobs'"),
+    ({"stream_options": 5}, "'stream_options'"),
+])
+def test_openai_completions_checks(tok, body, needle):
+    _refused(lambda: _parser(tok).completions(_json({"prompt": "a", **body})), needle)
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"messages": []}, "'messages'"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ({"top_logprobs": 3}, "needs 'logprobs'"),
+    ({"logprobs": True, "top_logprobs": 50}, "'top_logprobs'"),
+    ({"response_format": {"type": "json_object"}, "grammar": "root ::= \"a\""}, "one constraint"),
+    ({"tool_choice": "required"}, "needs 'tools'"),
+])
+def test_chat_checks(tok, body, needle):
+    _refused(lambda: _parser(tok).chat(_json({"messages": [{"role": "user", "content": "a"}], **body})), needle)
+
+
+def test_tools_and_response_format_become_the_constraint(tok):
+    parser = _parser(tok)
+    chat = {"messages": [{"role": "user", "content": "a"}]}
+    assert parser.chat(_json({**chat, "response_format": {"type": "json_object"}})).constraint == \
+        {"json_schema": {"type": "object"}}
+    p = parser.chat(_json({**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}))
+    assert p.tools is not None and p.constraint == {"json_schema": p.tools.schema}
+    assert parser.chat(_json({**chat, "grammar": ""})).constraint == {}          # "" means none
+
+
+def test_the_sampling_is_checked_once_per_request(tiny_model, monkeypatch):
+    """SamplingParams.make runs once for a request of n choices: the engine takes the parse's SamplingParams."""
+    import asyncio
+
+    import fastserve
+    from fastserve.server.app import App
+    from fastserve.server.http import HttpRequest
+    from fastserve.server.protocol import Exchange
+
+    made = []
+    real = SamplingParams.make.__func__
+    monkeypatch.setattr(SamplingParams, "make", classmethod(lambda cls, *a, **k: made.append(k) or real(cls, *a, **k)))
+    with fastserve.Engine(tiny_model, n_parallel=4, n_ctx=256, n_batch=32) as engine:
+        app = App(engine, ServerConfig(log_requests=False))
+        req = HttpRequest("POST", "/v1/chat/completions", {"host": "h"},
+                          b'{"messages": [{"role": "user", "content": "x"}], "n": 3, "max_tokens": 2, "seed": 5}')
+        ex = Exchange(SimpleNamespace(peer="test"), req)
+        resp = asyncio.run(app.handle(req, ex))
+        assert resp.status == 200 and len(made) == 1
