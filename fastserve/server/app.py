@@ -54,7 +54,7 @@ class App:
     def __init__(self, engine, config: ServerConfig | None = None, log_stream=None):
         self.engine = engine
         self.config = config or ServerConfig()
-        self.model_alias = self.config.alias or getattr(engine.model, "name", "model")
+        self.model_alias = self.config.alias or engine.describe().model_name
         self.fingerprint = "fastserve-0.1.0"
         self.started_wall = time.time()
         self.inflight: set[Generation] = set()
@@ -314,13 +314,12 @@ def serve(args, backend=None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig.name)
         port = await server.start()
-        kv = getattr(engine.backend, "kv", None)        # the CPU backend's cache comes in on a thread of its own
-        coming = ("" if kv is None or kv.resident.is_set() else
-                  f" (the KV cache's {kv.nbytes() / 2**20:.0f} MiB being made resident)")
+        info = engine.describe()                        # the CPU backend's cache comes in on a thread of its own
+        coming = ("" if info.kv_resident else f" (the KV cache's {info.kv_bytes / 2**20:.0f} MiB being made resident)")
         print(f"fastserve: {model.load_summary()}; ready {seconds_since_start():.2f} s after the process started, "
               f"RSS {rss_bytes() / 2**20:.0f} MiB{coming}", file=sys.stderr, flush=True)
-        print(f"fastserve: listening on http://{cfg.host}:{port} ({model.name}, {engine.n_slots} slots x "
-              f"{engine.n_ctx_slot} tokens, KV {args.cache_type_k}/{args.cache_type_v}, {args.loop} loop, "
+        print(f"fastserve: listening on http://{cfg.host}:{port} ({model.name}, {info.n_slots} slots x "
+              f"{info.n_ctx_slot} tokens, KV {args.cache_type_k}/{args.cache_type_v}, {args.loop} loop, "
               f"{threads} thread(s))", file=sys.stderr, flush=True)
         await server.wait()
 

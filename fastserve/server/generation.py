@@ -1,11 +1,12 @@
 """Generation: one engine request as the HTTP side sees it — deltas, probabilities, metrics, deadlines.
 
 Text is the event loop's business (DESIGN.md contract 4): token ids come from the
-request's TextReader in batches (one wake-up per step) and its text layer (the one
-Engine.generate uses: detokenizer, stop strings, clocks, outcome) turns them into text
-on the loop; a stop string found there cancels the request through the engine's inbox. Whoever consumes
-`deltas()` reads at its own pace: a slow HTTP client only makes batches bigger,
-the decode thread never waits (the reader's buffer holds the whole request).
+request's Reader in batches (one wake-up per step) and its text layer, the TextReader
+over it (the one Engine.generate uses: detokenizer, stop strings, clocks, outcome), turns
+them into text on the loop; a stop string found there cancels the request through the
+engine's inbox. Whoever consumes `deltas()` reads at its own pace: a slow HTTP client
+only makes batches bigger, the decode thread never waits (the reader's buffer holds the
+whole request).
 
 Deadlines (queue time, total time, inter-token stall) are checked by the
 watchdog every tick from `check()`, which reads only this object and the
@@ -39,7 +40,7 @@ class Delta(NamedTuple):
 
 
 class Generation:
-    __slots__ = ("app", "reader", "request", "n_prompt", "n_probs", "limits", "probs", "t_admit", "progress_seen",
+    __slots__ = ("app", "text", "reader", "n_prompt", "n_probs", "limits", "probs", "t_admit", "progress_seen",
                  "t_progress", "t_arrival", "outcome", "exchange", "_closed", "queued_behind", "settings")
 
     def __init__(self, app, exchange, ids: list, *, stop: list, limits: Limits, settings: dict | None = None,
@@ -47,12 +48,12 @@ class Generation:
         """ids: the prompt's token ids (tokenized on the loop by the route); settings: the request's llama-server
         params that its SamplingParams do not hold (stream, ignore_eos, ...), for /slots."""
         engine = app.engine
-        snap = engine.snapshot
+        snap, info = engine.snapshot, engine.describe()
         n = submit_kwargs.get("max_tokens", -1)
-        if n > engine.n_ctx_slot:               # the slot is full by then anyway: keep the value sane
-            submit_kwargs["max_tokens"] = engine.n_ctx_slot
+        if n > info.n_ctx_slot:                 # the slot is full by then anyway: keep the value sane
+            submit_kwargs["max_tokens"] = info.n_ctx_slot
         try:
-            self.reader = engine.submit(ids, stop=stop, **submit_kwargs)
+            self.text = engine.submit(ids, stop=stop, **submit_kwargs)
         except ServerBusy as exc:
             app.metrics.rejected.inc(1, "queue_full")
             raise HttpError(503, str(exc)) from None
@@ -60,7 +61,7 @@ class Generation:
             raise HttpError(503, "the server is shutting down") from None
         except RequestError as exc:
             raise HttpError(400, str(exc)) from None
-        self.request = self.reader.request         # slot and cached prompt tokens, set at admission
+        self.reader = self.text.reader              # token ids; its slot and cached prompt tokens once admitted
         self.settings = settings or {}
         self.app = app
         self.exchange = exchange
@@ -68,11 +69,11 @@ class Generation:
         self.n_probs = submit_kwargs.get("n_probs", 0)
         self.limits = limits
         # the deadlines run from the request's arrival: its parse and grammar compile count (App.compile)
-        self.t_arrival = getattr(exchange, "t0", None) or self.reader.t_submit
+        self.t_arrival = getattr(exchange, "t0", None) or self.text.t_submit
         self.probs: list | None = [] if self.n_probs else None
-        self.t_progress = self.reader.t_submit
+        self.t_progress = self.text.t_submit
         self.t_admit = None
-        self.queued_behind = snap.n_waiting + snap.n_running >= engine.n_slots
+        self.queued_behind = snap.n_waiting + snap.n_running >= info.n_slots
         self.progress_seen = (0, -1)       # (tokens for the reader, tokens with KV written in the slot)
         self.outcome = None                # request.OUTCOMES' entry, once it ended well
         self._closed = False
@@ -83,10 +84,9 @@ class Generation:
 
     async def deltas(self):
         """Async iterator of Delta until the request ends; raises HttpError when it failed."""
-        reader = self.reader
         n_probs = self.n_probs
         try:
-            async with aclosing(reader.abatches(probs=bool(n_probs))) as batches:
+            async with aclosing(self.reader.abatches(probs=bool(n_probs))) as batches:
                 async for got in batches:
                     if n_probs:
                         ids, top_ids, top_probs = got
@@ -96,9 +96,9 @@ class Generation:
                     delta = self._feed(ids, probs)
                     if delta.text or delta.ids:
                         yield delta
-                    if reader.stopped:
+                    if self.text.stopped:
                         break
-            tail = reader.flush()
+            tail = self.text.flush()
             self._finish()
             if tail:
                 yield Delta(tail, [], [] if self.n_probs else None)
@@ -111,14 +111,14 @@ class Generation:
             pass
 
     def _feed(self, ids: list, probs) -> Delta:
-        reader, m = self.reader, self.app.metrics
-        t_last = reader.t_last
-        text, n = reader.feed(ids)          # a stop string cancels the request: the slot is free within a step
-        now = reader.t_last
+        stream, m = self.text, self.app.metrics
+        t_last = stream.t_last
+        text, n = stream.feed(ids)          # a stop string cancels the request: the slot is free within a step
+        now = stream.t_last
         if t_last is None:
-            m.ttft.observe(now - reader.t_submit)
+            m.ttft.observe(now - stream.t_submit)
             if self.t_admit is None:
-                self._admitted(now if self.queued_behind else reader.t_submit)
+                self._admitted(now if self.queued_behind else stream.t_submit)
         else:
             m.itl.observe((now - t_last) / len(ids), len(ids))
         used = ids[:n] if n < len(ids) else ids
@@ -129,27 +129,22 @@ class Generation:
 
     def _finish(self) -> None:
         """The reader ended: how (request.OUTCOMES), or raise the failure."""
-        reader = self.reader
-        reason = reader.outcome()
+        stream = self.text
+        reason = stream.outcome()
         outcome = OUTCOMES.get(reason, ENDED_EARLY)
         if outcome.status:
-            raise HttpError(outcome.status, outcome.message.format(error=reader.error or "unknown error",
+            raise HttpError(outcome.status, outcome.message.format(error=self.reader.error or "unknown error",
                                                                    reason=reason))
         self.outcome = outcome
-        self.app.metrics.e2e.observe(reader.t_end - reader.t_submit)
+        self.app.metrics.e2e.observe(stream.t_end - stream.t_submit)
         self.app.metrics.requests_done.inc(1, outcome.stop_type)
 
     # -- what the routes read ----------------------------------------------------------------
 
     @property
-    def text(self):
-        """The text layer (its .text, .stopping_word)."""
-        return self.reader
-
-    @property
     def ids(self) -> list:
         """The generated token ids behind the text so far."""
-        return self.reader.token_ids
+        return self.text.token_ids
 
     @property
     def stop_type(self) -> str:
@@ -161,7 +156,7 @@ class Generation:
 
     def _admitted(self, t: float) -> None:
         self.t_admit = t
-        self.app.metrics.queue_time.observe(t - self.reader.t_submit)
+        self.app.metrics.queue_time.observe(t - self.text.t_submit)
 
     def close(self) -> None:
         """Stop the request if it still runs (idempotent); nothing is left behind."""
@@ -178,7 +173,7 @@ class Generation:
         """Deadlines and admission tracking, from the snapshot only. Returns the failure, if any."""
         reader = self.reader
         if self.t_admit is None:
-            if self.request.slot >= 0 or reader.count or reader.finished:
+            if reader.slot >= 0 or reader.count or reader.finished:
                 self._admitted(now)
             elif self.limits.queue and now - self.t_arrival > self.limits.queue:
                 self.app.metrics.deadlines.inc(1, "queue")
@@ -189,7 +184,7 @@ class Generation:
         if self.limits.total and now - self.t_arrival > self.limits.total:
             self.app.metrics.deadlines.inc(1, "total")
             return HttpError(504, f"the request ran past its time limit of {self.limits.total:g} s")
-        slot = self.request.slot
+        slot = reader.slot
         progress = (reader.count, snap.slot_past[slot] if 0 <= slot < len(snap.slot_past) else -1)
         if progress != self.progress_seen:
             self.progress_seen = progress
@@ -203,24 +198,24 @@ class Generation:
         return None
 
     def id_slot(self) -> int:
-        return self.request.slot
+        return self.reader.slot
 
     # -- summaries ---------------------------------------------------------------------------
 
     def timings(self) -> dict:
         """llama.cpp's timings object (ms), from the text layer's clocks. prompt_ms runs from admission to
         the first token."""
-        reader = self.reader
-        t_end = reader.t_end or time.monotonic()
-        t0 = self.t_admit if self.t_admit is not None else reader.t_submit
-        t1 = reader.t_first if reader.t_first is not None else t_end
+        stream, n_cached = self.text, self.reader.n_cached
+        t_end = stream.t_end or time.monotonic()
+        t0 = self.t_admit if self.t_admit is not None else stream.t_submit
+        t1 = stream.t_first if stream.t_first is not None else t_end
         prompt_ms = max(0.0, (t1 - t0) * 1e3)
-        n_gen = len(reader.token_ids)
-        n_eval = self.n_prompt - self.request.n_cached
+        n_gen = len(stream.token_ids)
+        n_eval = self.n_prompt - n_cached
         predicted_ms = max(0.0, (t_end - t1) * 1e3)
         return {
-            "cache_n": self.request.n_cached,
-            "prompt_n": self.n_prompt - self.request.n_cached,
+            "cache_n": n_cached,
+            "prompt_n": n_eval,
             "prompt_ms": prompt_ms,
             "prompt_per_token_ms": prompt_ms / n_eval if n_eval else 0.0,
             "prompt_per_second": n_eval / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
@@ -228,7 +223,7 @@ class Generation:
             "predicted_ms": predicted_ms,
             "predicted_per_token_ms": predicted_ms / n_gen if n_gen else 0.0,
             "predicted_per_second": n_gen / predicted_ms * 1e3 if predicted_ms > 0 else 0.0,
-            "queue_ms": max(0.0, (t0 - reader.t_submit) * 1e3),
+            "queue_ms": max(0.0, (t0 - stream.t_submit) * 1e3),
         }
 
 

@@ -144,9 +144,10 @@ def limits(body: Body, cfg) -> Limits:
 
 def check_prompt_length(app, n_chars: int, what: str = "the prompt") -> None:
     """Refuse, before tokenizing it (tokenizing holds the GIL), text too long to fit in a slot."""
-    cap = app.engine.n_ctx_slot * PROMPT_CHARS_PER_TOKEN
+    n_ctx = app.engine.describe().n_ctx_slot
+    cap = n_ctx * PROMPT_CHARS_PER_TOKEN
     if n_chars > cap:
-        raise HttpError(400, f"{what} has {n_chars} characters, more than a slot of {app.engine.n_ctx_slot} "
+        raise HttpError(400, f"{what} has {n_chars} characters, more than a slot of {n_ctx} "
                              f"tokens can hold (at most {cap} characters are accepted); shorten it")
 
 
@@ -168,7 +169,7 @@ def prompt_ids(app, value, name: str = "prompt", limit: int | None = None) -> li
     gets the BOS token when it comes first. Refuses a prompt its slot cannot hold (check_context), or,
     given a limit (/tokenize), more than limit tokens."""
     tok = app.engine.tokenizer
-    cap = app.engine.n_ctx_slot if limit is None else limit
+    cap = app.engine.describe().n_ctx_slot if limit is None else limit
     if value is None:
         raise HttpError(400, f"'{name}' is required")
     if isinstance(value, str):
@@ -202,7 +203,7 @@ def prompt_ids(app, value, name: str = "prompt", limit: int | None = None) -> li
 
 def check_context(app, n_prompt: int) -> None:
     """llama-server's exceed_context_size_error: a prompt must leave its slot room for one token."""
-    n_ctx = app.engine.n_ctx_slot
+    n_ctx = app.engine.describe().n_ctx_slot
     if n_prompt >= n_ctx:
         raise HttpError(400, f"request ({n_prompt} tokens) exceeds the available context size ({n_ctx} tokens) "
                              f"of a slot (n_ctx / n_parallel), try increasing it",

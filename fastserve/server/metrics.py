@@ -169,16 +169,16 @@ class LlamaTotals:
 
     def add(self, gen) -> None:
         """gen: a Generation that ended (however it ended)."""
-        n_cached = gen.request.n_cached
+        n_cached = gen.reader.n_cached
         n_gen = len(gen.ids)
         self.n_tokens_max = max(self.n_tokens_max, gen.n_prompt + n_gen)
-        reader = gen.reader
-        if reader.t_first is None:            # it never computed its prompt to the end
+        text = gen.text
+        if text.t_first is None:              # it never computed its prompt to the end
             return
-        t0 = gen.t_admit if gen.t_admit is not None else reader.t_submit
-        t_end = reader.t_end if reader.t_end is not None else time.monotonic()
+        t0 = gen.t_admit if gen.t_admit is not None else text.t_submit
+        t_end = text.t_end if text.t_end is not None else time.monotonic()
         n_eval = gen.n_prompt - n_cached
-        prompt_s, gen_s = max(0.0, reader.t_first - t0), max(0.0, t_end - reader.t_first)
+        prompt_s, gen_s = max(0.0, text.t_first - t0), max(0.0, t_end - text.t_first)
         self.prompt_n += n_eval
         self.prompt_cached += n_cached
         self.prompt_s += prompt_s
@@ -209,7 +209,7 @@ class ServerMetrics:
     def __init__(self, app):
         self.app = app
         r = self.registry = Registry()
-        eng = app.engine
+        eng, info = app.engine, app.engine.describe()
         snap = lambda: eng.snapshot     # noqa: E731
         ll = self.llama = LlamaTotals()
         # llama-server's names and help texts (tools/server: server_task_result_metrics::to_metrics)
@@ -238,11 +238,11 @@ class ServerMetrics:
         r.add(CounterFn("fastserve_prompt_tokens", "Prompt tokens computed.", lambda: snap().tokens_prompt))
         r.add(CounterFn("fastserve_generated_tokens", "Tokens generated.", lambda: snap().tokens_generated))
         r.add(CounterFn("fastserve_decode_steps", "Decode steps (the heartbeat).", lambda: snap().step))
-        r.gauge("fastserve_slots_total", "Slots (-np).", lambda: eng.n_slots)
+        r.gauge("fastserve_slots_total", "Slots (-np).", lambda: info.n_slots)
         r.gauge("fastserve_slots_busy", "Slots running a request.", lambda: sum(1 for s in snap().slot_state if s))
         r.gauge("fastserve_kv_tokens", "Tokens held in the KV cache, all slots.", lambda: sum(snap().slot_tokens))
         r.gauge("fastserve_kv_usage_ratio", "Share of the KV cache in use.",
-                lambda: sum(snap().slot_tokens) / (eng.n_slots * eng.n_ctx_slot))
+                lambda: sum(snap().slot_tokens) / (info.n_slots * info.n_ctx_slot))
         r.gauge("fastserve_seconds_since_last_step", "Seconds since the decode thread last published a step.",
                 lambda: max(0.0, time.monotonic() - snap().t_step))
         r.gauge("fastserve_decode_stalled", "1 while work is pending and no step came for longer than "

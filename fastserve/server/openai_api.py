@@ -35,8 +35,8 @@ ROLES = ("system", "user", "assistant", "tool", "developer")
 def models(app, req, ex):
     return json_response({"object": "list", "data": [{
         "id": app.model_alias, "object": "model", "created": int(app.started_wall), "owned_by": "fastserve",
-        "meta": {"n_ctx_slot": app.engine.n_ctx_slot, "n_vocab": app.engine.tokenizer.n_vocab,
-                 "n_slots": app.engine.n_slots}}]})
+        "meta": {"n_ctx_slot": app.engine.describe().n_ctx_slot, "n_vocab": app.engine.tokenizer.n_vocab,
+                 "n_slots": app.engine.describe().n_slots}}]})
 
 
 MAX_CHOICES = 16        # chat choices per request (each takes a slot)

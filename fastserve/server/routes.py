@@ -30,15 +30,15 @@ def slots(app, req, ex):
     if not app.config.slots:
         raise HttpError(501, "This server does not support slots endpoint. Start it with `--slots`")
     eng = app.engine
-    snap = eng.snapshot
-    n_ctx = eng.n_ctx_slot
+    snap, info = eng.snapshot, eng.describe()
+    n_ctx = info.n_ctx_slot
     if req.query.get("fail_on_no_slot") not in (None, "", "0", "false") and IDLE not in snap.slot_state:
         raise HttpError(503, "no slot available")
     # Sliding-window models: n_swa keys per local layer, which keeps swa_ring positions per slot (0: all);
     # an idle slot's cached prefix is reused by a prompt sharing m tokens with it only for m in
     # swa_reusable = [lo, n_tokens] (null while the slot is busy); a shorter shared prefix reuses nothing.
-    window, ring = eng.model.config.sliding_window, eng.backend.kv_ring
-    running = {g.request.id: g for g in app.inflight}
+    window, ring = info.window, info.ring
+    running = {g.text.id: g for g in app.inflight}
     return json_response([
         {"id": i, "id_task": job or -1, "n_ctx": n_ctx, "is_processing": state != IDLE,
          "state": SlotState(state).name.lower(), "n_tokens": n_tok, "speculative": False,
@@ -54,17 +54,17 @@ def _request_fields(app, gen) -> dict:
     computed and reused, the request's sampling `params` (seed: the one in use, drawn at random when the
     request gave none) and `next_token`: whether more are coming, a newline among them so far, tokens
     left (-1: until the slot is full) and generated. Read on the loop from the request's own objects."""
-    job, reader = gen.request, gen.reader
-    samp = job.sampling
+    text, reader = gen.text, gen.reader
+    samp = text.params
     n_decoded = reader.count
     fields = {name: getattr(samp, name) for name in (*llama_api.SERVER_WIDE, "n_probs", "post_sampling_probs")}
     return {
         "n_prompt_tokens": gen.n_prompt,
-        "n_prompt_tokens_processed": gen.n_prompt - job.n_cached,
-        "n_prompt_tokens_cache": job.n_cached,
-        "params": llama_api.params_json(app, fields, samp.seed, job.max_tokens, **gen.settings),
-        "next_token": [{"has_next_token": not reader.finished, "has_new_line": "\n" in gen.text.text,
-                        "n_remain": -1 if job.max_tokens < 0 else max(0, job.max_tokens - n_decoded),
+        "n_prompt_tokens_processed": gen.n_prompt - reader.n_cached,
+        "n_prompt_tokens_cache": reader.n_cached,
+        "params": llama_api.params_json(app, fields, samp.seed, text.max_tokens, **gen.settings),
+        "next_token": [{"has_next_token": not reader.finished, "has_new_line": "\n" in text.text,
+                        "n_remain": -1 if text.max_tokens < 0 else max(0, text.max_tokens - n_decoded),
                         "n_decoded": n_decoded}],
     }
 
@@ -82,22 +82,22 @@ def metrics(app, req, ex):
 
 def trace(app, req, ex):
     """GET /trace: the tracer's running totals (tracer.Tracer.totals); a client diffs two readings."""
-    tracer = app.engine.tracer
-    if tracer is None:
+    totals = app.engine.trace_totals()
+    if totals is None:
         raise HttpError(404, "tracing is off in this server")
-    return json_response(tracer.totals())
+    return json_response(totals)
 
 
 def props(app, req, ex):
     """llama-server's GET /props fields (those fastserve has a value for)."""
     eng = app.engine
-    tok = eng.tokenizer
+    tok, info = eng.tokenizer, eng.describe()
     return json_response({
-        "default_generation_settings": {"n_ctx": eng.n_ctx_slot, "params": llama_api.params_json(
+        "default_generation_settings": {"n_ctx": info.n_ctx_slot, "params": llama_api.params_json(
             app, {}, app.config.seed, app.config.n_predict)},
-        "total_slots": eng.n_slots,
+        "total_slots": info.n_slots,
         "model_alias": app.model_alias,
-        "model_path": str(getattr(eng.model, "path", "")),
+        "model_path": info.model_path,
         "modalities": {"vision": False, "video": False, "audio": False},
         "endpoint_slots": app.config.slots,
         "endpoint_props": app.config.props,
@@ -133,14 +133,14 @@ def tokenize(app, req, ex):
     content = body.raw("content")
     if content is None:
         raise HttpError(400, "'content' is required")
-    tok = app.engine.tokenizer
-    cap = app.engine.n_ctx_slot * app.engine.n_slots * llama_api.PROMPT_CHARS_PER_TOKEN
+    tok, info = app.engine.tokenizer, app.engine.describe()
+    cap = info.n_ctx_slot * info.n_slots * llama_api.PROMPT_CHARS_PER_TOKEN
     if isinstance(content, str):
         if len(content) > cap:
             raise HttpError(400, f"'content' has {len(content)} characters; at most {cap} are tokenized at once")
         ids = tok.encode(content, add_special=body.bool("add_special"), parse_special=body.bool("parse_special", True))
     else:
-        ids = llama_api.prompt_ids(app, content, "content", limit=app.engine.n_ctx_slot * app.engine.n_slots)
+        ids = llama_api.prompt_ids(app, content, "content", limit=info.n_ctx_slot * info.n_slots)
     if body.bool("with_pieces"):
         out = []
         for t in ids:
@@ -157,8 +157,8 @@ def tokenize(app, req, ex):
 def detokenize(app, req, ex):
     body = parse_object(req.body)
     ids = body.raw("tokens", [])
-    tok = app.engine.tokenizer
-    cap = app.engine.n_ctx_slot * app.engine.n_slots
+    tok, info = app.engine.tokenizer, app.engine.describe()
+    cap = info.n_ctx_slot * info.n_slots
     if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
         raise HttpError(400, "'tokens' must be an array of token ids")
     if len(ids) > cap:
@@ -179,8 +179,9 @@ async def slot_action(app, req, ex, slot: int):
     if action != "erase":
         raise HttpError(400, "'action' must be erase (?action=erase)")
     eng = app.engine
-    if not 0 <= slot < eng.n_slots:
-        raise HttpError(400, f"slot id must be in [0, {eng.n_slots})")
+    n_slots = eng.describe().n_slots
+    if not 0 <= slot < n_slots:
+        raise HttpError(400, f"slot id must be in [0, {n_slots})")
     loop = asyncio.get_running_loop()
     erased = loop.create_future()
     eng.erase(slot, lambda n: _call_soon(loop, _resolve, erased, n))
