@@ -27,6 +27,7 @@ sys.path.insert(0, str(REPO))
 
 import fastserve  # noqa: E402
 from fastserve import scheduler  # noqa: E402
+from fastserve.config import EngineConfig  # noqa: E402
 
 RULES = {"adaptive": scheduler.STEP_TARGET_S, "fixed-32": 0.0, "whole": 1e9}   # step_target_s for each
 
@@ -54,14 +55,15 @@ def main() -> int:
     no_eog = {int(t): -100.0 for t in tok.eog_ids}
     with fastserve.Engine(model, n_parallel=a.clients, n_ctx=a.clients * n_ctx_slot, n_batch=512,
                           threads=a.threads or None) as engine:
-        print(f"{a.clients} slots x {n_ctx_slot} tokens, {engine.threads} threads, n_batch 512, "
-              f"prefill_chunk {engine.prefill_chunk}, STEP_TARGET_S {scheduler.STEP_TARGET_S}", flush=True)
+        print(f"{a.clients} slots x {n_ctx_slot} tokens, {engine.describe().threads} threads, n_batch 512, "
+              f"prefill_chunk {EngineConfig.prefill_chunk}, STEP_TARGET_S {scheduler.STEP_TARGET_S}",
+              flush=True)
         arrivals: list[list[float]] = [[] for _ in range(a.clients - 1)]
         streams = [engine.submit(prompt_ids(tok, 60 + i, 997 * i), max_tokens=n_ctx_slot - 200, temperature=0,
                                  logit_bias=no_eog) for i in range(a.clients - 1)]
 
         def read(i, r):
-            for _ in r.batches():
+            for _ in r.reader.batches():
                 arrivals[i].append(time.perf_counter())
 
         readers = [threading.Thread(target=read, args=(i, r), daemon=True) for i, r in enumerate(streams)]
@@ -73,7 +75,7 @@ def main() -> int:
         rows = []
         order = [r for k in range(a.rounds) for r in a.rules.split(",") if r != "whole" or k == 0]
         for rule in order:
-            engine.step_target_s = RULES[rule]
+            engine._step_target_s = RULES[rule]      # the rule under test, set inside the engine
             time.sleep(1.0)
             step0, t0 = engine.snapshot.step, time.perf_counter()
             engine.generate(long_ids, max_tokens=1, temperature=0, cache_prompt=False)

@@ -63,11 +63,11 @@ def _steps_of_32_slots(benchmark, engine, params: dict, seconds: float) -> dict:
             time.sleep(0.01)
 
         def run():
-            engine.tracer.reset()
+            since = engine.trace_totals()
             time.sleep(seconds)
             for r in readers:
-                r.read_available()
-            return engine.trace_summary()
+                r.reader.read_available()
+            return engine.trace_summary(since)
 
         return benchmark.pedantic(run, rounds=3, iterations=1)
     finally:
@@ -100,7 +100,7 @@ def test_step_host_work_32_slots_gpu_backend(benchmark, big_vocab_model, samplin
     fake_cupy.install(monkeypatch, kernels="null")
     engine = fastserve.Engine(big_vocab_model, n_parallel=N_SLOTS, n_ctx=N_SLOTS * 16384, backend="cuda",
                               trace=True, max_queue=64)
-    assert engine.backend.samples_on_device, "the GPU backend should sample on the device"
+    assert engine.describe().samples_on_device, "the GPU backend should sample on the device"
     summary = _steps_of_32_slots(benchmark, engine, SAMPLING[sampling], 0.3)   # ~0.1 ms a step: within n_ctx
     benchmark.extra_info.update(step_ms=summary["step_ms"], host_ms_per_step=summary["host_ms_per_step"],
                                 ms_per_phase=summary["ms_per_step"])

@@ -79,19 +79,18 @@ def step_ms(engine, n_constrained: int, steps: int) -> dict:
     constrained (its sample phase holds the wait for the mask worker and the masks' application)."""
     tok = engine.tokenizer
     ban = {t: float("-inf") for t in tok.eog_ids}
-    n = engine.n_slots
+    n = engine.describe().n_slots
     readers = [engine.submit(f"Item {k}: a list of things.", max_tokens=steps + 40, temperature=0.8, seed=k,
                              logit_bias=ban, **({"grammar": LOOP} if k < n_constrained else {}))
                for k in range(n)]
     while not (engine.snapshot.n_running == n and all(st == 2 for st in engine.snapshot.slot_state)):
         time.sleep(0.01)                        # every slot decoding (2 = DECODE)
-    engine.tracer.reset()
-    w0, n0 = engine.masks.wait_ns, engine.masks.waits
+    since, s0 = engine.trace_totals(), engine.stats()
     start = engine.snapshot.step
     while engine.snapshot.step - start < steps:
         time.sleep(0.01)
-    summary = engine.trace_summary()
-    summary["mask_wait_ms"] = (engine.masks.wait_ns - w0) / max(1, engine.masks.waits - n0) / 1e6
+    summary, s1 = engine.trace_summary(since), engine.stats()
+    summary["mask_wait_ms"] = (s1.mask_wait_ns - s0.mask_wait_ns) / max(1, s1.mask_waits - s0.mask_waits) / 1e6
     for r in readers:
         r.cancel()
     while engine.snapshot.n_running:

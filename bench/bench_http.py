@@ -86,14 +86,14 @@ def run(model_path: str, clients_list=(1, 8, 32), seconds: float = 40.0, warmup_
         mark = {}
 
         def measure_start():
-            engine.tracer.reset()
+            mark["trace"] = engine.trace_totals()
             snap = engine.snapshot
             mark["t"], mark["gen"], mark["prompt"], mark["step"] = (time.perf_counter(), snap.tokens_generated,
                                                                     snap.tokens_prompt, snap.step)
         timer = threading.Timer(warmup_s, measure_start)
         timer.start()
         res = inproc_closed_loop(engine, prompts, clients, seconds, warmup_s=warmup_s)
-        summary = engine.trace_summary()
+        summary = engine.trace_summary(mark["trace"])
         snap = engine.snapshot
         res.tokens = snap.tokens_generated - mark["gen"]
         res.seconds = time.perf_counter() - mark["t"]

@@ -84,7 +84,7 @@ def _decode_rate(engine, tokenizer, n_context: int, n_gen: int) -> dict:
     """Tokens/s of n_gen greedy tokens after an n_context-token prompt, first token to last."""
     no_eog = {int(t): -100.0 for t in tokenizer.eog_ids}
     reader = engine.submit(prompt_ids(tokenizer, n_context), max_tokens=n_gen, temperature=0,
-                           cache_prompt=False, logit_bias=no_eog)
+                           cache_prompt=False, logit_bias=no_eog).reader
     stamps, n = [], 0
     for batch in reader.batches(timeout=600):
         stamps.append(time.perf_counter())

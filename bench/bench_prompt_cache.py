@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 import fastserve
+from fastserve.backends.cpu.backend import CpuBackend
 from fastserve.prompt_cache import MIB, PromptCache
 
 
@@ -39,9 +40,9 @@ def measure(model, n_tokens: int = 400, rounds: int = 3, threads: int = 1) -> di
             ttft(e, b)                                                  # a's prefix goes to host RAM
             t, cache_n["restored"] = ttft(e, a)                         # ... and comes back
             restored.append(t)
-        stats = e.prompt_cache.stats()
-        be = e.backend
-    # The copies alone, on the same backend: save and restore n_tokens of slot 0, 10 times each.
+        stats = e.stats().prompt_cache
+    # The copies alone, on a backend as the engine's: save and restore n_tokens of slot 0, 10 times each.
+    be = CpuBackend(model.config, model.weights, 1, 1024, threads=threads)
     pc = PromptCache(be, 64 * MIB)
     ids = np.arange(n_tokens, dtype=np.int32)
     mib = n_tokens * be.kv_bytes_per_token() / MIB

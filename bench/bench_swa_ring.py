@@ -46,7 +46,8 @@ def memory(ctx: int, ring: bool) -> dict:
     before = rss_bytes()
     e = engine(model, ctx, ring, 1)
     after = rss_bytes()
-    out = {"ring": e.backend.kv_ring, "kv_mib": e.backend.kv.nbytes() / MIB,
+    info = e.describe()
+    out = {"ring": info.ring, "kv_mib": info.kv_bytes / MIB,
            "rss_model_mib": before / MIB, "rss_engine_mib": after / MIB}
     e.close()
     return out

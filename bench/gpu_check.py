@@ -474,18 +474,18 @@ def _kernel_breakdown(be) -> dict:
 def phase_engine(c: Check) -> dict:
     import cupy as cp
     import fastserve
+    from fastserve.backends.cuda.backend import CupyBackend
     from fastserve.bench import closed_loop, make_prompts
     out = {}
     for label, model in _load_models(c):
-        with fastserve.Engine(model, n_parallel=32, n_ctx=32 * 512, n_batch=512, backend="cuda", trace=True) as e:
+        be = CupyBackend(model.config, model.weights, 32, 512, max_tokens=512)   # the engine's, for its counters
+        with fastserve.Engine(model, n_parallel=32, n_ctx=32 * 512, n_batch=512, backend=be, trace=True) as e:
             prompts = make_prompts(model.tokenizer, 64, lo=32, hi=64)
             warm, run = (3.0, 8.0) if not c.dry else (1.0, 2.0)
             closed_loop(e, prompts, 32, warm, n_predict=64 if not c.dry else 4)     # warm-up: every graph bucket
-            e.tracer.reset()
-            be = e.backend
-            sub0, wait0 = be.submit_ns, be.wait_ns
+            since, sub0, wait0 = e.trace_totals(), be.submit_ns, be.wait_ns
             res = closed_loop(e, prompts, 32, run, n_predict=64 if not c.dry else 4)
-            s = e.trace_summary()
+            s = e.trace_summary(since)
             sub, wait = be.submit_ns - sub0, be.wait_ns - wait0
         cp.get_default_memory_pool().free_all_blocks()
         out[label] = {"tok_s": res.row()["tok_s"], "step_ms": s["step_ms"], "host_share": s["host_share"],

@@ -52,8 +52,8 @@ def run(seconds: float) -> float:
 
 with fastserve.Engine(model, n_parallel=args.clients, n_ctx=512 * args.clients, trace=True) as engine:
     run(min(2.0, args.seconds / 4))               # warm-up: caches, page faults, thread pools
-    engine.tracer.reset()
+    since = engine.trace_totals()
     tokens[:] = [0] * args.clients
     wall = run(args.seconds)
     print(f"{args.clients} clients, {wall:.1f} s: {sum(tokens) / wall:.1f} tokens/s\n")
-    print(format_summary(engine.trace_summary()))
+    print(format_summary(engine.trace_summary(since)))

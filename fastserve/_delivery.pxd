@@ -59,6 +59,8 @@ cdef class ResultBuffer:
     cdef fs_buf b
     cdef object _error          # str | None, written before finish_code is published
     cdef public object waiter   # what the waker wakes: None, a Future, or a lock
+    cdef readonly Py_ssize_t slot       # where the request runs (-1 until attach(); GIL held both sides)
+    cdef readonly Py_ssize_t n_cached   # its prompt tokens whose KV was reused (set by attach())
     cdef object __weakref__
 
     cdef tuple _probs(self, int64_t start, int64_t stop)

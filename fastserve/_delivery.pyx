@@ -19,6 +19,9 @@ Invariants (the twin in fastserve/ref/delivery.py keeps the same ones):
   waiting costs the producer nothing but its own buffer.
 - Delivery holds the buffer, never the Reader, and only while attached:
   detach + consumer drop frees it (no registry).
+- The buffer is all the two sides share of a request: attach() also writes
+  where it runs (`slot`, `n_cached`), once, before its first token (both
+  sides hold the GIL for these plain fields).
 Thread rule: every Delivery method runs on the decode thread (or after it has
 exited). Only ResultBuffer's consumer methods run on the consumer side.
 """
@@ -57,6 +60,7 @@ cdef class ResultBuffer:
             raise ValueError(f"n_probs must be >= 0, got {n_probs}")
         self.b.capacity = capacity
         self.b.n_probs = n_probs
+        self.slot = -1
         self.b.tokens = <int32_t *>malloc(capacity * sizeof(int32_t))
         if n_probs:
             self.b.top_ids = <int32_t *>malloc(capacity * n_probs * sizeof(int32_t))
@@ -238,7 +242,7 @@ cdef class Delivery:
     """The decode thread's side: a slot-indexed table of attached buffers.
 
     Delivery(n_slots, waker); on the decode thread, per step:
-        attach(slot, reader)             admitted requests (step boundary)
+        attach(slot, reader, n_cached)   admitted requests (step boundary)
         send_step(slots, tokens[, probs_ids, probs])   one nogil pass
         finish(slot, code[, error]); detach(slot)      requests that ended
         wake()                           at most ONE waker(buffers) call
@@ -279,9 +283,10 @@ cdef class Delivery:
         _check_slot(slot, self.n_slots)
         return self._bufs[slot]
 
-    def attach(self, Py_ssize_t slot, reader):
+    def attach(self, Py_ssize_t slot, reader, Py_ssize_t n_cached=0):
         """Route `slot`'s tokens to `reader` (a Reader, or anything whose
-        `.buffer` is a ResultBuffer, or a ResultBuffer). Step boundary, GIL held.
+        `.buffer` is a ResultBuffer, or a ResultBuffer), and tell it the slot and
+        n_cached (its prompt tokens whose KV was reused). Step boundary, GIL held.
         After close() the reader is finished with FINISH_CLOSED at once."""
         _check_slot(slot, self.n_slots)
         cdef ResultBuffer buf = reader if isinstance(reader, ResultBuffer) else getattr(reader, "buffer", reader)
@@ -291,6 +296,7 @@ cdef class Delivery:
             self._finish_buf(buf, _CLOSED, None)
             self.wake()
             return
+        buf.slot, buf.n_cached = slot, n_cached
         self._bufs[slot] = buf
         self.table[slot] = &buf.b
 

@@ -1,8 +1,8 @@
 """Engine: continuous batching on one decode thread. The one module that wires the others.
 
     submit() ──Inbox──▶ decode thread: schedule (admit, build → StepPlan) → backend.step (forward, sync,
-                                       sample) → commit → deliver
-    TextReader ◀──ResultBuffer (one per request, no lock) + one wake-up per step──┘
+                                       sample) → commit → deliver → publish
+    TextReader over a Reader ◀──ResultBuffer (one per request, no lock) + one wake-up per step──┘
 
 Contracts (DESIGN.md 1-4, 9): the decode thread owns slots, batch, the backend
 (its KV cache and sampler); other threads reach it only through the inbox; it never
@@ -18,7 +18,8 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -32,11 +33,11 @@ from .grammar import Constraint, compile_grammar
 from .inbox import Cancel, Erase, Inbox, Submit
 from .masks import MaskTable
 from .prompt_cache import MIB, PromptCache
-from .reader import Waker
-from .request import Completion, Request
+from .reader import Reader, Waker
+from .request import Completion, Request, request_ids
 from .scheduler import STEP_COST_WEIGHT, STEP_TARGET_S, StepPlan, pick_slot, prefill_budget, slot_prefix
 from .text_reader import TextReader
-from .tracer import Tracer
+from .tracer import Tracer, delta, summarize
 
 log = logging.getLogger("fastserve.engine")
 
@@ -79,7 +80,8 @@ class EngineInfo:
     n_batch: int                # most tokens one step carries (-b)
     n_vocab: int
     threads: int                # threads of the CPU step
-    device: str                 # "cpu", "cuda" (the backend's device), or "custom" (a backend handed in)
+    device: str                 # "cpu", "cuda", or "custom" (a backend handed in)
+    samples_on_device: bool     # where the backend samples (the CUDA backend: on the device)
     cache_type_k: str           # KV cache types (-ctk / -ctv)
     cache_type_v: str
     window: int                 # sliding window of the local layers (0: none)
@@ -93,11 +95,16 @@ class EngineInfo:
 
 class EngineStats(NamedTuple):
     """Engine.stats(): n_inbox, messages not yet seen by the decode thread; with tracing on, the tracer's
-    totals: steps, ns per phase (tracer.PHASES), and (steps per bucket, seconds) of whole-step times."""
+    totals: steps, ns per phase (tracer.PHASES), and (steps per bucket, seconds) of whole-step times; the
+    decode thread's waits for the grammar masks' worker (masks.py), and the host-RAM prompt cache's counts
+    (PromptCache.stats; None when it is off)."""
     n_inbox: int
     trace_steps: int = 0
     trace_ns: Optional[dict] = None
     step_histogram: Optional[tuple] = None
+    mask_waits: int = 0
+    mask_wait_ns: int = 0
+    prompt_cache: Optional[dict] = None
 
 
 def default_threads() -> int:
@@ -107,6 +114,7 @@ def default_threads() -> int:
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
 
+
 class Engine:
     """Many concurrent requests on one model, decoded together; its settings are an EngineConfig
     (fastserve/config.py), each request's sampling a SamplingParams made at submit().
@@ -115,6 +123,9 @@ class Engine:
     carries at most n_batch tokens, decode tokens first; at most max_queue requests wait for a slot.
     Prefix reuse: a request reuses the longest prefix of its prompt already in a slot's KV (cache_prompt);
     the host-RAM prompt cache (cache_ram_mib, fastserve/prompt_cache.py) keeps the prefixes of reused slots.
+
+    Its public surface is the door the server uses: submit, cancel, erase, snapshot, stats(), constraint,
+    tokenizer, describe(), trace_totals(); and generate, stream, trace_summary, close for in-process use.
     """
 
     def __init__(self, model, config: EngineConfig | None = None, *, backend=None, twins=(), **settings):
@@ -128,46 +139,46 @@ class Engine:
         if settings.get("threads") is None:
             settings.pop("threads", None)
         config = (config or EngineConfig()).replace(**settings) if settings else (config or EngineConfig())
-        self.config = config
+        # Public attributes (the door): tokenizer and snapshot; every other one is the engine's own.
+        self.tokenizer = model.tokenizer
+        self._config = config
         # Threads of the CPU backend's step (products and attention, llama.cpp's -t): every core by
         # default. Its helpers take tasks dynamically, so an event loop that needs a core for a
         # moment delays one task, not the step (see _pool.h).
-        self.threads = config.threads or default_threads()
-        self.model = model
-        self.tokenizer = model.tokenizer
-        self.n_slots, self.n_ctx_slot, self.n_batch = config.n_parallel, config.n_ctx_slot, config.n_batch
-        self.max_queue, self.prefill_chunk = config.max_queue, config.prefill_chunk
+        self._threads = config.threads or default_threads()
+        self._model = model
+        self._n_slots, self._n_ctx_slot, self._n_batch = config.n_parallel, config.n_ctx_slot, config.n_batch
+        self._max_queue, self._prefill_chunk = config.max_queue, config.prefill_chunk
         # Prompt chunks beside decode rows are sized to keep a step near step_target_s (scheduler.prefill_budget);
         # _s_per_token: measured seconds of a step per token it carried (0: nothing measured yet).
-        self.step_target_s, self._s_per_token = STEP_TARGET_S, 0.0
-        self.cache_type_k, self.cache_type_v = config.cache_type_k, config.cache_type_v
+        self._step_target_s, self._s_per_token = STEP_TARGET_S, 0.0
+        self._t_build = 0.0                                 # perf_counter() at the start of the step's build
         n_vocab, n_batch = model.config.n_vocab, config.n_batch
         impl = self._impl = self._modules(twins)
-        self.backend = self._make_backend(None if isinstance(backend, str) else backend)
-        if impl["sampling"] is not _sampling and hasattr(self.backend, "init_sampling"):
-            self.backend.init_sampling(self.n_slots, n_vocab, n_batch, impl=impl["sampling"])
+        self._device, self._backend = self._make_backend(None if isinstance(backend, str) else backend)
+        if impl["sampling"] is not _sampling and hasattr(self._backend, "init_sampling"):
+            self._backend.init_sampling(self._n_slots, n_vocab, n_batch, impl=impl["sampling"])
         eog = np.zeros(n_vocab, np.uint8)
         eog[list(self.tokenizer.eog_ids)] = 1
-        self.slots = impl["slots"].SlotTable(self.n_slots, self.n_ctx_slot, eog)
-        self.batch = impl["batch"].Batch(n_batch)
-        self.delivery = impl["delivery"].Delivery(self.n_slots, Waker())
-        self.inbox = Inbox()
-        self.tracer = Tracer() if config.trace else None
+        self._slots = impl["slots"].SlotTable(self._n_slots, self._n_ctx_slot, eog)
+        self._batch = impl["batch"].Batch(n_batch)
+        self._delivery = impl["delivery"].Delivery(self._n_slots, Waker())
+        self._inbox = Inbox()
         # Prefix reuse: a free slot is picked for its cached prefix when that prefix is more than this
         # share of the prompt (llama.cpp's --slot-prompt-similarity); the host-RAM cache keeps the
         # prefixes of reused slots (llama.cpp's --cache-ram, MiB, 0 = off), its pool allocated here, once.
-        self.slot_prompt_similarity = float(config.slot_prompt_similarity)
-        self.prompt_cache = (PromptCache(self.backend, int(config.cache_ram_mib * MIB))
-                             if config.cache_ram_mib > 0 else None)
+        self._slot_prompt_similarity = float(config.slot_prompt_similarity)
+        self._prompt_cache = (PromptCache(self._backend, int(config.cache_ram_mib * MIB))
+                              if config.cache_ram_mib > 0 else None)
         self._finish = np.zeros(n_batch, np.int8)      # [n_batch] per output row: FINISH_* of its request
-        self.masks = MaskTable(self.backend.masks)     # constrained slots (grammar / JSON schema): their masks
+        self._masks = MaskTable(self._backend.masks)   # constrained slots (grammar / JSON schema): their masks
         self._eog_id = min(self.tokenizer.eog_ids) if self.tokenizer.eog_ids else 0
-        self._jobs: list[Request | None] = [None] * self.n_slots     # slot -> running job
+        self._jobs: list[Request | None] = [None] * self._n_slots    # slot -> running job
         # erase() of a busy slot: its prefix is dropped when its request ends, before the slot can take
         # another (else, under load, a freed slot is taken again before an erase gets to it). slot -> replies.
         self._erase_on_end: dict[int, list] = {}
-        self._erased = [(0, 0)] * self.n_slots                   # slot -> (erasures, tokens the last one dropped)
-        self._reuse_from = [0] * self.n_slots                    # slot -> backend.kv_reuse_from at its last release
+        self._erased = [(0, 0)] * self._n_slots                  # slot -> (erasures, tokens the last one dropped)
+        self._reuse_from = [0] * self._n_slots                   # slot -> backend.kv_reuse_from at its last release
         self._waiting: deque[Request] = deque()
         self._closing = False
         self._closed = False
@@ -175,6 +186,8 @@ class Engine:
         self._tokens_generated = 0
         self._tokens_prompt = 0
         self.snapshot = self._make_snapshot(0)
+        self._info = self._make_info()
+        self._tracer = Tracer() if config.trace else None     # its clock starts with the decode thread
         self._thread = threading.Thread(target=self._run, name="fastserve-decode", daemon=True)
         self._thread.start()
 
@@ -188,28 +201,29 @@ class Engine:
             raise ValueError("the slots twin fills the batch twin: ask for both")
         return {n: importlib.import_module(TWINS[n]) if n in names else NATIVE[n] for n in NATIVE}
 
-    def _make_backend(self, backend):
+    def _make_backend(self, backend) -> tuple:
+        """(its device: "cpu", "cuda" or "custom" for one handed in, the backend)."""
         if backend is not None:
             if isinstance(backend, type) or not hasattr(backend, "forward"):   # a class or a factory
-                backend = backend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot)
+                backend = backend(self._model.config, self._model.weights, self._n_slots, self._n_ctx_slot)
             # A model pass whose class has forward() alone (a test double, a wrapper that delegates the
             # rest, a benchmark's fixed logits): the host sampler over its forward().
-            return backend if hasattr(type(backend), "step") else HostSampled(backend, self.n_batch)
-        device = self.config.device
+            return "custom", backend if hasattr(type(backend), "step") else HostSampled(backend, self._n_batch)
+        cfg, device = self._config, self._config.device
         if device == "auto":            # CUDA when CuPy sees a GPU and runs the model's family, else the CPU
             from .backends.cuda.backend import cuda_status, unsupported_features
-            device = "cuda" if cuda_status()[0] and not unsupported_features(self.model.config) else "cpu"
+            device = "cuda" if cuda_status()[0] and not unsupported_features(self._model.config) else "cpu"
         if device == "cpu":
             from .backends.cpu.backend import CpuBackend
-            return CpuBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot,
-                              threads=self.threads, cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v,
-                              max_tokens=self.n_batch, reuse_logits=True)
+            return "cpu", CpuBackend(self._model.config, self._model.weights, self._n_slots, self._n_ctx_slot,
+                                     threads=self._threads, cache_type_k=cfg.cache_type_k,
+                                     cache_type_v=cfg.cache_type_v, max_tokens=self._n_batch, reuse_logits=True)
         from .backends.cuda.backend import CupyBackend
-        if (self.cache_type_k, self.cache_type_v) != ("f16", "f16"):
-            raise ConfigError(f"the CUDA backend keeps its KV cache in f16; --cache-type-k {self.cache_type_k} / "
-                              f"--cache-type-v {self.cache_type_v} are for the CPU backend (--device cpu)")
-        return CupyBackend(self.model.config, self.model.weights, self.n_slots, self.n_ctx_slot,
-                           max_tokens=self.n_batch)
+        if (cfg.cache_type_k, cfg.cache_type_v) != ("f16", "f16"):
+            raise ConfigError(f"the CUDA backend keeps its KV cache in f16; --cache-type-k {cfg.cache_type_k} / "
+                              f"--cache-type-v {cfg.cache_type_v} are for the CPU backend (--device cpu)")
+        return "cuda", CupyBackend(self._model.config, self._model.weights, self._n_slots, self._n_ctx_slot,
+                                   max_tokens=self._n_batch)
 
     # -- the caller's side (any thread) ------------------------------------------------------
 
@@ -218,7 +232,8 @@ class Engine:
                truncate: bool = False, grammar: str | None = None, json_schema=None,
                constraint: Constraint | None = None, sampling: SamplingParams | None = None,
                **fields) -> TextReader:
-        """Queue a request; returns its Reader at once. prompt: text or a list of token ids.
+        """Queue a request; returns its TextReader at once (text pieces, result(), cancel(); its .reader: the
+        token ids). prompt: text or a list of token ids.
 
         sampling: a SamplingParams made beforehand (checked once, by whoever made it, e.g. the server's
         parse), or instead its fields as keywords (SamplingParams.make's, with seed).
@@ -234,7 +249,7 @@ class Engine:
             raise RequestError("give a compiled constraint or a grammar / json_schema, not both")
         ids = self._prompt_ids(prompt, add_special, truncate)
         if sampling is None:
-            params = SamplingParams.make(self.model.config.n_vocab, seed=seed, max_penalty_window=MAX_PENALTY_WINDOW,
+            params = SamplingParams.make(self._model.config.n_vocab, seed=seed, max_penalty_window=MAX_PENALTY_WINDOW,
                                          max_logit_bias=MAX_LOGIT_BIAS, **fields)
         elif fields or seed is not None:
             raise RequestError("give a SamplingParams or its fields, not both")
@@ -244,20 +259,23 @@ class Engine:
             stop = [stop]
         if not isinstance(max_tokens, int) or max_tokens < -1:
             raise RequestError("max_tokens must be an integer >= -1 (-1: until the context is full)")
-        if not -1 <= id_slot < self.n_slots:
-            raise RequestError(f"id_slot must be -1 or in [0, {self.n_slots})")
-        if len(self._waiting) + len(self.inbox) >= self.max_queue + self._free_slots_hint():
-            raise ServerBusy(f"server busy: {self.n_slots} slots running and {self.max_queue} requests waiting")
-        reader = TextReader(self.n_ctx_slot, self.tokenizer, stop=list(stop), n_probs=params.n_probs,
-                            prompt_tokens=len(ids), impl=self._impl["delivery"])
-        job = reader.request = Request(prompt=ids, sampling=params, max_tokens=max_tokens, buffer=reader.buffer,
-                                       cache_prompt=bool(cache_prompt), id_slot=id_slot, constraint=constraint)
-        reader._on_cancel = lambda cancel=self.cancel, jid=job.id: cancel(jid)
-        self.inbox.put(Submit(job))
+        if not -1 <= id_slot < self._n_slots:
+            raise RequestError(f"id_slot must be -1 or in [0, {self._n_slots})")
+        if len(self._waiting) + len(self._inbox) >= self._max_queue + self._free_slots_hint():
+            raise ServerBusy(f"server busy: {self._n_slots} slots running and {self._max_queue} requests waiting")
+        # The caller's side (a Reader and its text) and the decode thread's (the Request) share the buffer only.
+        job_id = next(request_ids)
+        reader = Reader(self._n_ctx_slot, params.n_probs, on_cancel=partial(self.cancel, job_id),
+                        impl=self._impl["delivery"])
+        job = Request(job_id, ids, params, max_tokens, reader.buffer, cache_prompt=bool(cache_prompt),
+                      id_slot=id_slot, constraint=constraint)
+        text = TextReader(reader, self.tokenizer, list(stop), id=job_id, params=params, max_tokens=max_tokens,
+                          n_prompt=len(ids))
+        self._inbox.put(Submit(job))
         if self._closed:                    # the decode thread is gone: nobody else will end it
-            self.delivery.reject(job.buffer, FINISH_CLOSED)
-            self.delivery.wake()
-        return reader
+            self._delivery.reject(job.buffer, FINISH_CLOSED)
+            self._delivery.wake()
+        return text
 
     def generate(self, prompt, **kwargs) -> Completion:
         """Submit and wait: the whole completion (callable from many threads at once)."""
@@ -273,51 +291,52 @@ class Engine:
 
     def cancel(self, job_id: int) -> None:
         """Stop request job_id (its reader ends 'cancelled' within a step; nothing happens if it ended)."""
-        self.inbox.put(Cancel(job_id))
+        self._inbox.put(Cancel(job_id))
 
     def erase(self, slot: int, reply=None) -> None:
         """Drop slot's cached prefix without cutting a request: at once when the slot is idle when the
         decode thread gets to it, else as soon as its request ends, before the slot takes another.
         reply(n_erased), if given, is called once from the decode thread then: it must not block.
         snapshot.slot_erased[slot] counts the erasures (and the tokens the last one dropped)."""
-        if not 0 <= slot < self.n_slots:
-            raise RequestError(f"slot must be in [0, {self.n_slots})")
-        self.inbox.put(Erase(slot, reply))
+        if not 0 <= slot < self._n_slots:
+            raise RequestError(f"slot must be in [0, {self._n_slots})")
+        self._inbox.put(Erase(slot, reply))
+
+    def constraint(self, grammar=None, json_schema=None) -> Constraint | None:
+        """The compiled matcher of a GBNF grammar or a JSON schema (None for neither), for submit(constraint=).
+        Any thread; takes as long as llguidance's compiler (it drops the GIL). Raises RequestError."""
+        text = compile_grammar(grammar=grammar, json_schema=json_schema)
+        return None if text is None else Constraint(self.tokenizer, text)
 
     def stats(self) -> EngineStats:
         """What the snapshot cannot say, read now from any thread without waiting for the decode thread."""
-        tr = self.tracer
-        if tr is None:
-            return EngineStats(len(self.inbox))
-        return EngineStats(len(self.inbox), tr.steps, dict(tr.ns), tr.step_histogram())
+        tr, masks, pc = self._tracer, self._masks, self._prompt_cache
+        trace = () if tr is None else (tr.steps, dict(tr.ns), tr.step_histogram())
+        return EngineStats(len(self._inbox), *trace, mask_waits=masks.waits, mask_wait_ns=masks.wait_ns,
+                           prompt_cache=None if pc is None else pc.stats())
 
     def describe(self) -> EngineInfo:
         """The engine's shape and model, read now from any thread (all fixed at start but kv_resident)."""
-        be, m = self.backend, self.model
-        kv = getattr(be, "kv", None)
-        return EngineInfo(
-            n_slots=self.n_slots, n_ctx_slot=self.n_ctx_slot, n_batch=self.n_batch, n_vocab=m.config.n_vocab,
-            threads=self.threads, device=getattr(be, "device", "custom"),
-            cache_type_k=self.cache_type_k, cache_type_v=self.cache_type_v,
-            window=m.config.sliding_window, ring=getattr(be, "kv_ring", 0),
-            kv_bytes=kv.nbytes() if kv is not None else 0,
-            kv_resident=kv is None or kv.resident.is_set(),
-            model_name=getattr(m, "name", "model"), model_path=str(getattr(m, "path", "")),
-            model_summary=m.load_summary() if hasattr(m, "load_summary") else "")
+        info = self._info
+        if not info.kv_resident and self._backend.kv.resident.is_set():
+            info = self._info = replace(info, kv_resident=True)
+        return info
 
     def trace_totals(self) -> dict | None:
         """The tracer's raw running totals (Tracer.totals: GET /trace; two readings give a window), None when off."""
-        return None if self.tracer is None else self.tracer.totals()
+        return None if self._tracer is None else self._tracer.totals()
 
-    def trace_summary(self) -> dict:
-        if self.tracer is None:
+    def trace_summary(self, since: dict | None = None) -> dict:
+        """The tracer's summary (tracer.summarize) of every step, or of those after `since`, a trace_totals()."""
+        if self._tracer is None:
             raise RuntimeError("tracing is off: create the Engine with trace=True")
-        return self.tracer.summary()
+        totals = self._tracer.totals()
+        return summarize(totals if since is None else delta(totals, since))
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop taking requests, finish every reader with 'closed', stop the decode thread (within a step)."""
         self._closing = True
-        self.inbox.wake()
+        self._inbox.wake()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
@@ -328,7 +347,7 @@ class Engine:
         self.close()
 
     def _free_slots_hint(self) -> int:
-        return self.n_slots - self.snapshot.n_running
+        return self._n_slots - self.snapshot.n_running
 
     def _prompt_ids(self, prompt, add_special: bool, truncate: bool) -> np.ndarray:
         if isinstance(prompt, str):
@@ -336,17 +355,17 @@ class Engine:
         elif isinstance(prompt, (list, tuple, np.ndarray)) and all(
                 isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
             ids = [int(t) for t in prompt]
-            if any(not 0 <= t < self.model.config.n_vocab for t in ids):
-                raise RequestError(f"prompt token ids must be in [0, {self.model.config.n_vocab})")
+            if any(not 0 <= t < self._model.config.n_vocab for t in ids):
+                raise RequestError(f"prompt token ids must be in [0, {self._model.config.n_vocab})")
         else:
             raise RequestError("prompt must be a string or a list of token ids")
         if not ids:
             raise RequestError("the prompt is empty")
-        if len(ids) >= self.n_ctx_slot:
+        if len(ids) >= self._n_ctx_slot:
             if not truncate:
-                raise RequestError(f"the prompt has {len(ids)} tokens but a slot holds {self.n_ctx_slot} "
+                raise RequestError(f"the prompt has {len(ids)} tokens but a slot holds {self._n_ctx_slot} "
                                    f"(n_ctx / n_parallel); shorten it or ask for truncation")
-            ids = ids[-(self.n_ctx_slot // 2):]
+            ids = ids[-(self._n_ctx_slot // 2):]
         return np.asarray(ids, dtype=np.int32)
 
     # -- the decode thread -----------------------------------------------------------------
@@ -356,9 +375,9 @@ class Engine:
             while not self._closing:
                 if not self._step():
                     t0 = time.perf_counter_ns()
-                    self.inbox.wait(IDLE_WAIT_S)
-                    if self.tracer is not None:
-                        self.tracer.idle(time.perf_counter_ns() - t0)
+                    self._inbox.wait(IDLE_WAIT_S)
+                    if self._tracer is not None:
+                        self._tracer.idle(time.perf_counter_ns() - t0)
         except BaseException:
             log.exception("decode thread crashed")
             raise
@@ -366,61 +385,50 @@ class Engine:
             self._shutdown()
 
     def _step(self) -> bool:
-        """One step: schedule → step (the backend's forward, sync, sample) → commit → deliver.
-        False when there was nothing to do. The tracer, when on, times each phase."""
-        if self.tracer is not None:
-            self.tracer.begin()
+        """One step: schedule → backend step (forward, sync, sample) → commit → deliver → publish. False when
+        there was nothing to compute. With tracing on, each phase ends with its lap (tracer.PHASES)."""
         self._admit()                       # schedule: the inbox, then free slots to waiting requests
-        t_build = time.perf_counter()
         plan = self._build()                # schedule: decode tokens first, then prompt chunks
-        if plan is None:
-            self._publish()
-            return False
-        out = self._backend_step()
-        if out is not None:
-            dead = self._unsampleable(out.ids) if self.masks.n_active else ()
-            self.slots.commit(self.batch, out.ids, self._finish)
-            if self.masks.n_active:         # the next masks, while the next step's forward pass runs
-                self.masks.launch(self.batch.row_slot[:self.batch.n_out], out.ids, self._finish)
-            self._deliver(plan, out)
-            for slot in dead:
-                self._end(slot, FINISH_GRAMMAR)
-            self._measure_step(time.perf_counter() - t_build, self.batch.n)
-        self._publish()
-        if self.tracer is not None:
-            self.tracer.lap("publish")
-            self.tracer.end()
-        return True
-
-    def _measure_step(self, seconds: float, n_tokens: int) -> None:
-        """The moving average of a step's seconds per token, which sizes the next prompt chunks."""
-        cost = seconds / n_tokens
-        self._s_per_token = cost if not self._s_per_token else self._s_per_token + STEP_COST_WEIGHT * (cost - self._s_per_token)
+        if plan is not None and (out := self._backend_step()) is not None:
+            self._commit(out.ids)           # each id into its slot; self._finish: the requests that end
+            self._deliver(plan, out)        # each id into its reader; the requests that ended end
+            self._measure_step()
+        self._publish()                     # the one wake-up of the readers, then the snapshot
+        if plan is not None and self._tracer is not None:
+            self._tracer.end_step()         # the publish phase ends: the step is counted
+        return plan is not None
 
     def _backend_step(self):
         """The backend's step over the batch; None when it failed (only the batch's requests fail then)."""
         try:
-            return self.backend.step(self.batch, None if self.tracer is None else self.tracer.lap,
-                                     self.masks.wait if self.masks.n_active else None)
+            return self._backend.step(self._batch, None if self._tracer is None else self._tracer.lap,
+                                      self._masks.wait if self._masks.n_active else None)
         except Exception as exc:
             log.exception("forward pass failed")
             self._fail_batch(f"forward pass failed: {type(exc).__name__}: {exc}")
             return None
 
+    def _measure_step(self) -> None:
+        """The moving average of a step's seconds per token (its build to its delivery), which sizes the next
+        prompt chunks."""
+        cost, prev = (time.perf_counter() - self._t_build) / self._batch.n, self._s_per_token
+        self._s_per_token = cost if not prev else prev + STEP_COST_WEIGHT * (cost - prev)
+
     def _build(self) -> StepPlan | None:
         """Decode tokens first, then prompt chunks into the batch; a failed fill is rolled back and fails
         only its request. The step's plan, or None when there is nothing to compute."""
-        batch = self.batch
+        self._t_build = time.perf_counter()
+        batch = self._batch
         batch.clear()
-        n_decode = self.slots.add_decode(batch)
+        n_decode = self._slots.add_decode(batch)
         chunks = []
-        budget = prefill_budget(batch.free, n_decode, self.prefill_chunk, self._s_per_token, self.step_target_s)
-        for slot in self.slots.prefill_order():
+        budget = prefill_budget(batch.free, n_decode, self._prefill_chunk, self._s_per_token, self._step_target_s)
+        for slot in self._slots.prefill_order():
             if budget <= 0:
                 break
             mark = batch.mark()
             try:
-                n_added = self.slots.add_prefill(batch, slot, budget)
+                n_added = self._slots.add_prefill(batch, slot, budget)
                 _faults.check_fill()        # the fault build can fail a fill here (tests/faults)
             except Exception as exc:       # no turn used: the budget stays for the next slots
                 batch.rollback(mark)
@@ -432,38 +440,42 @@ class Engine:
         if batch.n == 0:
             return None
         _faults.check_step()        # a test stall is host time: the tracer counts it in build, not forward
-        if self.tracer is not None:
-            self.tracer.lap("build")
+        if self._tracer is not None:
+            self._tracer.lap("build")
         return StepPlan(n_decode, tuple(chunks))
 
-    def constraint(self, grammar=None, json_schema=None) -> Constraint | None:
-        """The compiled matcher of a GBNF grammar or a JSON schema (None for neither), for submit(constraint=).
-        Any thread; takes as long as llguidance's compiler (it drops the GIL). Raises RequestError."""
-        text = compile_grammar(grammar=grammar, json_schema=json_schema)
-        return None if text is None else Constraint(self.tokenizer, text)
+    def _commit(self, ids) -> None:
+        """Each sampled id into its slot; self._finish[r]: how output row r's request ends (0: it goes on)."""
+        if self._masks.n_active:
+            self._commit_constrained(ids)
+        else:
+            self._slots.commit(self._batch, ids, self._finish)
 
-    def _unsampleable(self, ids) -> list:
-        """Rows whose constraint allowed no token (-1): their requests finish with FINISH_GRAMMAR now
-        (so the reader is sent nothing more) and their slots are freed after delivery; the row gets an
-        end-of-generation id for commit. Returns those slots."""
-        dead = []
-        for r in np.flatnonzero(ids < 0).tolist():
-            slot = int(self.batch.row_slot[r])
-            self.delivery.finish(slot, FINISH_GRAMMAR, self.masks.error(slot))
-            ids[r] = self._eog_id
-            dead.append(slot)
-        return dead
+    def _commit_constrained(self, ids) -> None:
+        """The commit with grammar masks: a row whose constraint allowed no token (-1) ends with FINISH_GRAMMAR,
+        its reader finished before the step's delivery (so it is sent nothing more) and the row given an
+        end-of-generation id for the slot table; the other constrained rows' next masks are then computed
+        while the next step's forward pass runs (masks.py)."""
+        row_slot = self._batch.row_slot[:self._batch.n_out]
+        refused = np.flatnonzero(ids < 0)
+        for r in refused.tolist():
+            slot = int(row_slot[r])
+            self._delivery.finish(slot, FINISH_GRAMMAR, self._masks.error(slot))
+        ids[refused] = self._eog_id
+        self._slots.commit(self._batch, ids, self._finish)
+        self._finish[refused] = FINISH_GRAMMAR             # _deliver ends their requests
+        self._masks.launch(row_slot, ids, self._finish)
 
     def _deliver(self, plan: StepPlan, out) -> None:
         """The step's tokens into their readers (one pass, fastserve/_delivery.pyx); finished requests end."""
-        row_slot, n_out = self.batch.row_slot, self.batch.n_out
+        row_slot, n_out = self._batch.row_slot, self._batch.n_out
         t0 = time.perf_counter_ns()
         if out.probs is not None:
-            self.delivery.send_step(row_slot[:n_out], out.ids, out.probs_ids, out.probs)
+            self._delivery.send_step(row_slot[:n_out], out.ids, out.probs_ids, out.probs)
         else:
-            self.delivery.send_step(row_slot[:n_out], out.ids)
-        if self.tracer is not None:
-            self.tracer.sends(n_out, time.perf_counter_ns() - t0)
+            self._delivery.send_step(row_slot[:n_out], out.ids)
+        if self._tracer is not None:
+            self._tracer.sends(n_out, time.perf_counter_ns() - t0)
         self._tokens_prompt += plan.n_prompt
         self._tokens_generated += n_out
         finish = self._finish[:n_out]
@@ -471,16 +483,16 @@ class Engine:
             self._end(int(row_slot[r]), int(finish[r]))
 
     def _admit(self) -> None:
-        for msg in self.inbox.drain():
+        for msg in self._inbox.drain():
             self._on_message[type(msg)](self, msg)
         while self._waiting and not self._closing:
             job = self._waiting[0]
-            slot = pick_slot(self.slots, job.prompt, id_slot=job.id_slot, cache_prompt=job.cache_prompt,
-                             similarity=self.slot_prompt_similarity, reusable=self._window_allows)
+            slot = pick_slot(self._slots, job.prompt, id_slot=job.id_slot, cache_prompt=job.cache_prompt,
+                             similarity=self._slot_prompt_similarity, reusable=self._window_allows)
             if slot < 0:
                 if job.id_slot >= 0:
                     self._waiting.rotate(-1)     # a pinned job waits without blocking the others
-                    if all(j.id_slot >= 0 and self.slots.state[j.id_slot] != IDLE for j in self._waiting):
+                    if all(j.id_slot >= 0 and self._slots.state[j.id_slot] != IDLE for j in self._waiting):
                         break
                     continue
                 break
@@ -493,38 +505,37 @@ class Engine:
                     self._end(slot, FINISH_ERROR, f"admission failed: {exc}")
                 else:
                     self._release(slot)
-                    self.delivery.reject(job.buffer, FINISH_ERROR, f"admission failed: {exc}")
-        if self.tracer is not None:
-            self.tracer.lap("admit")
+                    self._delivery.reject(job.buffer, FINISH_ERROR, f"admission failed: {exc}")
+        if self._tracer is not None:
+            self._tracer.lap("admit")
 
     def _start(self, job: Request, slot: int) -> None:
-        n_cached = min(slot_prefix(self.slots, slot, job.prompt), len(job.prompt) - 1) if job.cache_prompt else 0
+        n_cached = min(slot_prefix(self._slots, slot, job.prompt), len(job.prompt) - 1) if job.cache_prompt else 0
         n_cached = self._window_reusable(slot, n_cached)
-        max_gen = job.max_tokens if job.max_tokens >= 0 else self.n_ctx_slot
+        max_gen = job.max_tokens if job.max_tokens >= 0 else self._n_ctx_slot
         if max_gen == 0:                        # nothing to run: the request never holds the slot
-            self.delivery.reject(job.buffer, FINISH_LENGTH)
+            self._delivery.reject(job.buffer, FINISH_LENGTH)
             return
-        self.backend.configure(slot, job.sampling, job.prompt, constrained=job.constraint is not None)
+        self._backend.configure(slot, job.sampling, job.prompt, constrained=job.constraint is not None)
         if job.constraint is not None:
-            self.masks.start(slot, job.constraint)
-        if self.prompt_cache is not None:       # it writes the slot's KV: nothing that can fail comes after it
+            self._masks.start(slot, job.constraint)
+        if self._prompt_cache is not None:      # it writes the slot's KV: nothing that can fail comes after it
             n_cached = self._swap_prefix(slot, job, n_cached)
-        job.slot, job.n_cached = slot, n_cached     # what its reader sees of the admission
         self._seq += 1
-        self.slots.start(slot, job.prompt, n_cached, max_gen, self._seq)
-        self.delivery.attach(slot, job.buffer)
+        self._slots.start(slot, job.prompt, n_cached, max_gen, self._seq)
+        self._delivery.attach(slot, job.buffer, n_cached)      # the reader learns its slot and n_cached
         self._jobs[slot] = job
 
     def _swap_prefix(self, slot: int, job: Request, n_cached: int) -> int:
         """The host-RAM cache at admission: keep the slot's prefix before the new prompt overwrites it,
         and bring back a longer prefix of the prompt when the cache holds one. Returns the new n_cached.
         Neither copy can fail the request: a refused save is logged, a failed restore computes instead."""
-        pc, prompt = self.prompt_cache, job.prompt
+        pc, prompt = self._prompt_cache, job.prompt
         entry, n_hit = pc.lookup(prompt, len(prompt) - 1) if job.cache_prompt else (None, 0)
         n_hit = min(n_hit, len(prompt) - 1)
-        n_old = int(self.slots.n_tokens[slot])
-        if n_old > slot_prefix(self.slots, slot, prompt):
-            pc.save(slot, self.slots.tokens[slot, :n_old], keep=entry if n_hit > n_cached else None)
+        n_old = int(self._slots.n_tokens[slot])
+        if n_old > slot_prefix(self._slots, slot, prompt):
+            pc.save(slot, self._slots.tokens[slot, :n_old], keep=entry if n_hit > n_cached else None)
         if n_hit > n_cached and pc.restore(entry, slot, n_cached, n_hit):
             return self._window_reusable(slot, n_hit) or self._window_reusable(slot, n_cached)
         return n_cached
@@ -535,15 +546,15 @@ class Engine:
 
     def _window_allows(self, slot: int, n: int) -> bool:
         """Whether slot's KV serves a continuation after its first n tokens (always, without a window)."""
-        return n >= self.backend.kv_reuse_from(slot, n)
+        return n >= self._backend.kv_reuse_from(slot, n)
 
     def _end(self, slot: int, code: int, error: str | None = None) -> None:
         """Finish the slot's request, detach its reader, free the slot (its KV prefix stays reusable)."""
         job = self._jobs[slot]
         if job is None:
             return
-        self.delivery.finish(slot, code, error)
-        self.delivery.detach(slot)
+        self._delivery.finish(slot, code, error)
+        self._delivery.detach(slot)
         self._release(slot)
         self._jobs[slot] = None
         if slot in self._erase_on_end:
@@ -552,10 +563,10 @@ class Engine:
     def _release(self, slot: int) -> None:
         """Free the slot and its grammar mask (if any); what of its KV prefix a next prompt can reuse is
         recorded for /slots."""
-        self.slots.release(slot)
-        self.backend.release(slot)
-        self.masks.end(slot)
-        self._reuse_from[slot] = self.backend.kv_reuse_from(slot, int(self.slots.n_tokens[slot]))
+        self._slots.release(slot)
+        self._backend.release(slot)
+        self._masks.end(slot)
+        self._reuse_from[slot] = self._backend.kv_reuse_from(slot, int(self._slots.n_tokens[slot]))
 
     def _cancel(self, job_id: int) -> None:
         for slot, job in enumerate(self._jobs):
@@ -565,7 +576,7 @@ class Engine:
         for job in self._waiting:
             if job.id == job_id:
                 self._waiting.remove(job)
-                self.delivery.reject(job.buffer, FINISH_CANCELLED)
+                self._delivery.reject(job.buffer, FINISH_CANCELLED)
                 return
 
     def _on_submit(self, msg: Submit) -> None:
@@ -584,30 +595,45 @@ class Engine:
 
     def _forget(self, slot: int, replies) -> None:
         """Drop an idle slot's cached prefix; counted in snapshot.slot_erased; each reply gets the tokens dropped."""
-        n_erased = int(self.slots.n_tokens[slot])
+        n_erased = int(self._slots.n_tokens[slot])
         self._erased[slot] = (self._erased[slot][0] + 1, n_erased)
-        self.slots.forget(slot)
+        self._slots.forget(slot)
         self._reuse_from[slot] = 0
         for reply in replies:
             if reply is not None:
                 reply(n_erased)
 
     def _fail_batch(self, error: str) -> None:
-        for slot in sorted(set(self.batch.view()[2].tolist())):
+        for slot in sorted(set(self._batch.view()[2].tolist())):
             self._end(int(slot), FINISH_ERROR, error)
 
     def _publish(self) -> None:
         """End of a step: the one wake-up of the consumer side, then the snapshot."""
-        self.delivery.wake()
+        self._delivery.wake()
         self.snapshot = self._make_snapshot(self.snapshot.step + 1)
+
+    def _make_info(self) -> EngineInfo:
+        be, m = self._backend, self._model
+        # The CPU backend's KVCache is made resident on a thread of its own; the CUDA backend's kv is an array.
+        kv = getattr(be, "kv", None)
+        resident = getattr(kv, "resident", None)
+        return EngineInfo(
+            n_slots=self._n_slots, n_ctx_slot=self._n_ctx_slot, n_batch=self._n_batch, n_vocab=m.config.n_vocab,
+            threads=self._threads, device=self._device, samples_on_device=be.samples_on_device,
+            cache_type_k=self._config.cache_type_k, cache_type_v=self._config.cache_type_v,
+            window=m.config.sliding_window, ring=getattr(be, "kv_ring", 0),
+            kv_bytes=kv.nbytes() if resident is not None else int(getattr(kv, "nbytes", 0)),
+            kv_resident=resident is None or resident.is_set(),
+            model_name=getattr(m, "name", "model"), model_path=str(getattr(m, "path", "")),
+            model_summary=m.load_summary() if hasattr(m, "load_summary") else "")
 
     def _make_snapshot(self, step: int) -> Snapshot:
         n_running = sum(j is not None for j in self._jobs)
         n_waiting = len(self._waiting)
-        return Snapshot(step=step, t_step=time.monotonic(), busy=bool(n_running or n_waiting or len(self.inbox)),
+        return Snapshot(step=step, t_step=time.monotonic(), busy=bool(n_running or n_waiting or len(self._inbox)),
                         n_running=n_running, n_waiting=n_waiting,
-                        slot_state=tuple(self.slots.state.tolist()), slot_tokens=tuple(self.slots.n_tokens.tolist()),
-                        slot_past=tuple(self.slots.n_past.tolist()),
+                        slot_state=tuple(self._slots.state.tolist()), slot_tokens=tuple(self._slots.n_tokens.tolist()),
+                        slot_past=tuple(self._slots.n_past.tolist()),
                         slot_job=tuple(0 if j is None else j.id for j in self._jobs),
                         tokens_generated=self._tokens_generated, tokens_prompt=self._tokens_prompt,
                         slot_erased=tuple(self._erased), slot_reuse_from=tuple(self._reuse_from))
@@ -615,15 +641,15 @@ class Engine:
     def _shutdown(self) -> None:
         """Decode thread exit: every reader, running, waiting or still in the inbox, ends 'closed'."""
         self._closing = True
-        for msg in self.inbox.drain():
+        for msg in self._inbox.drain():
             if type(msg) is Submit:
                 self._waiting.append(msg.job)
         for job in self._waiting:
-            self.delivery.reject(job.buffer, FINISH_CLOSED)
+            self._delivery.reject(job.buffer, FINISH_CLOSED)
         self._waiting.clear()
-        for slot in range(self.n_slots):
+        for slot in range(self._n_slots):
             self._jobs[slot] = None
-        self.delivery.close()
-        self.masks.close()
+        self._delivery.close()
+        self._masks.close()
         self._closed = True
         self._publish()

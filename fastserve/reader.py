@@ -99,6 +99,16 @@ class Reader:
         return self.buffer.error
 
     @property
+    def slot(self) -> int:
+        """The slot that runs the request: -1 until the engine admits it (and for one refused at admission)."""
+        return self.buffer.slot
+
+    @property
+    def n_cached(self) -> int:
+        """Prompt tokens whose KV the admission reused (0 until then)."""
+        return self.buffer.n_cached
+
+    @property
     def cancelled(self) -> bool:
         """cancel() was called (the engine finishes the request within a step)."""
         return self._cancelled

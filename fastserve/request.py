@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 from .config import SamplingParams
 
-_ids = itertools.count(1)
+request_ids = itertools.count(1)    # Request.id: Engine.submit draws one per request
 
 
 class SlotState(enum.IntEnum):
@@ -18,21 +18,18 @@ class SlotState(enum.IntEnum):
     DECODE = 2
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class Request:
-    """One request from submit() to its end: what was asked, and where it ran. The decode thread holds it
-    while the request waits or runs; its reader holds it too (to read slot and n_cached). It holds the
-    reader's buffer, never the Reader, so that a Reader nobody holds any more is collected (and cancels
-    itself). slot and n_cached are written once, by the decode thread, when it admits the request."""
+    """One request as the decode thread holds it from submit() to its end: what was asked, and the buffer its
+    results go into. The consumer side holds that buffer (in its Reader), never the Request: the two threads
+    share a request's buffer only (where it runs, slot and n_cached, travels in it too: _delivery.pyx)."""
+    id: int
     prompt: Any                 # int32 array of prompt token ids
     sampling: SamplingParams    # checked once, at submit()
     max_tokens: int
     buffer: Any                 # the reader's ResultBuffer
     cache_prompt: bool = True
     id_slot: int = -1           # -1: any slot
-    id: int = field(default_factory=lambda: next(_ids))
-    slot: int = -1              # set when admitted
-    n_cached: int = 0           # prompt tokens whose KV was reused
     constraint: Any = None      # grammar.Constraint of a constrained request (grammar / JSON schema)
 
 

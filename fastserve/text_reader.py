@@ -1,10 +1,12 @@
-"""TextReader: the one text layer over a request's Reader — used by Engine.generate/stream and the HTTP routes.
+"""TextReader: one request's text, a layer over its Reader. Engine.submit returns it; Engine.generate/stream
+and the HTTP routes read through it.
 
-It is a Reader (fastserve/reader.py: token ids, blocking and async waits, cancel) with a TextStream on
-top. Detokenization and stop strings run here, on the consumer's side (DESIGN.md contract 4); a stop
-string found here cancels the request, whose outcome is then "word" (finish reason "stop"). Its clocks
-(time.monotonic(): submit, first token, last token, end) are the request's timings for both layers,
-and its outcome() is the key of request.OUTCOMES, the one table of how a request can end.
+The Reader (fastserve/reader.py) holds the request's token ids, its waits and its cancel; a TextStream (text.py)
+turns the ids into text on the consumer's side (DESIGN.md contract 4): detokenization and stop strings. A stop
+string found here cancels the request (the reader's cancel: the engine's inbox), whose outcome is then "word"
+(finish reason "stop"). Its clocks (time.monotonic(): submit, first token, last token, end) are the request's
+timings for both layers, and its outcome() is the key of request.OUTCOMES, the one table of how a request can end.
+What was asked (id, params, max_tokens, n_prompt) is kept here too: the engine's Request stays on its side.
 """
 from __future__ import annotations
 
@@ -12,24 +14,34 @@ import time
 from typing import Optional
 
 from .reader import Reader
-from .request import Completion, Request
+from .request import Completion
 from .text import TextStream
 
 
-class TextReader(Reader):
-    __slots__ = ("_text", "_tokens", "_prompt_tokens", "t_submit", "t_first", "t_last", "t_end", "request")
+class TextReader:
+    """TextReader(reader, tokenizer, stop=(), *, id=0, params=None, max_tokens=-1, n_prompt=0)
+      reader: the request's Reader (token ids; its slot and n_cached once admitted);
+      id, params (its SamplingParams), max_tokens, n_prompt (prompt tokens): the request as submitted.
+    Iterate it (blocking or `async for`) for text pieces; result() gives the whole Completion, also after
+    iterating; cancel() stops the request. One consumer at a time, as for its Reader."""
 
-    def __init__(self, capacity: int, tokenizer, stop=(), n_probs: int = 0, on_cancel=None, prompt_tokens: int = 0,
-                 impl=None):
-        super().__init__(capacity, n_probs, on_cancel, impl)
+    __slots__ = ("reader", "id", "params", "max_tokens", "n_prompt", "_text", "_tokens", "t_submit", "t_first",
+                 "t_last", "t_end")
+
+    def __init__(self, reader: Reader, tokenizer, stop=(), *, id: int = 0, params=None, max_tokens: int = -1,
+                 n_prompt: int = 0):
+        self.reader = reader
+        self.id, self.params, self.max_tokens, self.n_prompt = id, params, max_tokens, n_prompt
         self._text = TextStream(tokenizer, stop)
         self._tokens: list[int] = []       # token ids turned into text so far (cut at a stop string)
-        self._prompt_tokens = prompt_tokens
         self.t_submit = time.monotonic()
         self.t_first: float | None = None  # the first token fed
         self.t_last: float | None = None   # the last batch fed
         self.t_end: float | None = None    # flush(): the text is complete
-        self.request: Request | None = None   # set by Engine.submit: its slot and n_cached once admitted
+
+    def cancel(self) -> None:
+        """Stop the request (it ends 'cancelled' within a step; nothing happens once it ended)."""
+        self.reader.cancel()
 
     # -- the text layer ---------------------------------------------------------------------------
 
@@ -51,7 +63,7 @@ class TextReader(Reader):
             n += 1
             out.append(text.push(tok))
             if text.stopped:
-                self.cancel()              # free the slot: nobody wants what follows
+                self.reader.cancel()       # free the slot: nobody wants what follows
         self._tokens.extend(batch[:n] if n < len(batch) else batch)
         return "".join(out), n
 
@@ -81,13 +93,13 @@ class TextReader(Reader):
 
     def outcome(self) -> Optional[str]:
         """How the request ended, a key of request.OUTCOMES ("word" for a stop string); None while it runs."""
-        return "word" if self._text.stopped else self.finish_reason
+        return "word" if self._text.stopped else self.reader.finish_reason
 
     # -- iteration and results ---------------------------------------------------------------------
 
     def __iter__(self):
         """Blocking iteration over text pieces (never half a character, never part of a stop string)."""
-        for batch in self.batches():
+        for batch in self.reader.batches():
             yield from self._pieces(batch)
             if self._text.stopped:
                 break
@@ -97,7 +109,7 @@ class TextReader(Reader):
         return self._aiter()
 
     async def _aiter(self):
-        async for batch in self.abatches():
+        async for batch in self.reader.abatches():
             for piece in self._pieces(batch):
                 yield piece
             if self._text.stopped:
@@ -113,32 +125,33 @@ class TextReader(Reader):
 
     def result(self, timeout: Optional[float] = None) -> Completion:
         """Block until finished; the whole completion (also after iterating)."""
-        if not self._text.stopped and not self.wait(timeout, finish_only=True):
+        if not self._text.stopped and not self.reader.wait(timeout, finish_only=True):
             raise TimeoutError(f"request not finished within {timeout} s")
         return self._completion()
 
     async def aresult(self) -> Completion:
         if not self._text.stopped:
-            await self.wait_async(finish_only=True)
+            await self.reader.wait_async(finish_only=True)
         return self._completion()
 
     def _completion(self) -> Completion:
-        self.feed(self.read_available())
+        reader = self.reader
+        self.feed(reader.read_available())
         self.flush()
-        reason = "stop" if self._text.stopped else (self.finish_reason or "stop")
+        reason = "stop" if self._text.stopped else (reader.finish_reason or "stop")
         probs = None
-        if self.buffer.n_probs:
-            ids, ps = self.buffer.all_probs()
+        if reader.buffer.n_probs:
+            ids, ps = reader.buffer.all_probs()
             n = len(self._tokens)
             probs = [list(zip(ids[i].tolist(), ps[i].tolist())) for i in range(min(n, len(ids)))]
         timings = {"total_ms": (time.monotonic() - self.t_submit) * 1e3}
         if self.t_first is not None:
             timings["first_token_ms"] = (self.t_first - self.t_submit) * 1e3
-        adm = self.request
-        if adm.slot >= 0:
-            timings["cache_n"] = adm.n_cached
-            timings["prompt_n"] = self._prompt_tokens - adm.n_cached
+        slot = reader.slot
+        if slot >= 0:
+            timings["cache_n"] = reader.n_cached
+            timings["prompt_n"] = self.n_prompt - reader.n_cached
         return Completion(text=self._text.text, token_ids=list(self._tokens), finish_reason=reason,
-                          prompt_tokens=self._prompt_tokens, stopping_word=self._text.stopping_word,
-                          error=self.error, probs=probs, timings=timings, id_slot=adm.slot,
-                          tokens_cached=self._prompt_tokens + self.buffer.count if adm.slot >= 0 else 0)
+                          prompt_tokens=self.n_prompt, stopping_word=self._text.stopping_word,
+                          error=reader.error, probs=probs, timings=timings, id_slot=slot,
+                          tokens_cached=self.n_prompt + reader.count if slot >= 0 else 0)

@@ -2,8 +2,10 @@
 
 Phases of a step, in order: admit (inbox, slot assignment), build (batch
 assembly), forward (the backend's submit; on the CPU backend the whole pass),
-sync (waiting for the device), sample, publish (delivery, wake-up, snapshot).
-Idle is time the decode thread slept with nothing to do.
+sync (waiting for the device), sample, publish (commit, delivery, wake-up,
+snapshot). Each phase ends with its lap, where it ends; a step starts where
+the last one (or the idle wait before it) ended. Idle is time the decode
+thread slept with nothing to do.
 
 Off (the default), the engine pays one `if` per phase boundary.
 """
@@ -23,10 +25,6 @@ _STEP_BOUNDS_NS = tuple(int(b * 1e9) for b in STEP_SECONDS_BUCKETS)
 
 class Tracer:
     def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        """Zero the totals (safe from another thread: a step in flight keeps its start time)."""
         self.ns = {p: 0 for p in PHASES}
         self.steps = 0
         self.idle_ns = 0
@@ -34,22 +32,21 @@ class Tracer:
         self.send_ns = 0
         self.step_counts = [0] * (len(STEP_SECONDS_BUCKETS) + 1)   # steps per bucket, the last one +Inf
         self.step_ns = 0                                            # sum of whole-step wall times
-        self._t = self._t_step = time.perf_counter_ns()
-
-    def begin(self) -> None:
-        self._t = self._t_step = time.perf_counter_ns()
+        self._t = self._t_step = time.perf_counter_ns()             # where the phase and the step began
 
     def lap(self, phase: str) -> None:
         t = time.perf_counter_ns()
         self.ns[phase] += t - self._t
         self._t = t
 
-    def end(self) -> None:
-        """After the last lap of a step: count it, and its wall time (from begin) in the histogram."""
+    def end_step(self) -> None:
+        """The last phase (publish) ends: count the step, and its wall time in the histogram; the next begins."""
+        self.lap("publish")
         self.steps += 1
         ns = self._t - self._t_step
         self.step_ns += ns
         self.step_counts[bisect_left(_STEP_BOUNDS_NS, ns)] += 1
+        self._t_step = self._t
 
     def step_histogram(self) -> tuple[tuple, float]:
         """(steps per bucket of STEP_SECONDS_BUCKETS plus +Inf, total seconds): a copy, safe to read from
@@ -61,15 +58,14 @@ class Tracer:
         self.send_ns += ns
 
     def idle(self, ns: int) -> None:
+        """The decode thread slept ns with nothing to do; the next step begins now."""
         self.idle_ns += ns
+        self._t = self._t_step = time.perf_counter_ns()
 
     def totals(self) -> dict:
         """The raw running totals (ns, counts): what GET /trace serves; two of them give a window (delta)."""
         return {"steps": self.steps, "ns": dict(self.ns), "idle_ns": self.idle_ns, "sent_tokens": self.sent_tokens,
                 "send_ns": self.send_ns, "step_ns": self.step_ns, "step_counts": list(self.step_counts)}
-
-    def summary(self) -> dict:
-        return summarize(self.totals())
 
 
 def delta(later: dict, earlier: dict) -> dict:

@@ -132,7 +132,7 @@ async def stream_engine(engine, prompt, p: Params, rec: Record) -> Record:
         tok = engine.tokenizer
         sampling["logit_bias"] = {int(i): float("-inf") for i in set(tok.eog_ids) | {tok.eos_id} - {None}}
     try:
-        reader = engine.submit(prompt.text, max_tokens=p.n_predict, seed=p.seed, cache_prompt=False, **sampling)
+        reader = engine.submit(prompt.text, max_tokens=p.n_predict, seed=p.seed, cache_prompt=False, **sampling).reader
         rec.status = 200
         try:
             async for batch in reader.abatches():

@@ -43,7 +43,7 @@ def closed_loop(engine, prompts, clients: int, seconds: float, n_predict: int = 
             prompt = prompts[i % len(prompts)]
             i += clients
             t0 = time.perf_counter()
-            reader = engine.submit(prompt, max_tokens=n_predict, temperature=0, cache_prompt=False)
+            reader = engine.submit(prompt, max_tokens=n_predict, temperature=0, cache_prompt=False).reader
             last, n, gaps, ttft = None, 0, [], None
             for batch in reader.batches():
                 now = time.perf_counter()

@@ -146,7 +146,7 @@ class Prober:
 async def read_trace(target: Target, client, engine) -> dict | None:
     """The target's tracer totals now (GET /trace, or the in-process engine's); None when it has none."""
     if target.url is None:
-        return engine.tracer.totals() if engine is not None and engine.tracer is not None else None
+        return engine.trace_totals() if engine is not None else None
     try:
         r = await client.get(target.url.rstrip("/") + "/trace")
         return r.json() if r.status_code == 200 else None

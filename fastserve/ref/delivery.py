@@ -30,7 +30,7 @@ class ResultBuffer:
     [capacity, n_probs] only when n_probs > 0."""
 
     __slots__ = ("_capacity", "_n_probs", "_tokens", "_top_ids", "_top_probs", "_count", "_read_pos",
-                 "_finish_code", "_error", "_overflowed", "_waiting", "waiter", "__weakref__")
+                 "_finish_code", "_error", "_overflowed", "_waiting", "waiter", "_slot", "_n_cached", "__weakref__")
 
     def __init__(self, capacity: int, n_probs: int = 0):
         capacity, n_probs = _index(capacity), _index(n_probs)
@@ -50,6 +50,7 @@ class ResultBuffer:
         self._overflowed = False
         self._waiting = WAIT_NONE
         self.waiter = None
+        self._slot, self._n_cached = -1, 0
 
     capacity = property(lambda self: self._capacity)
     n_probs = property(lambda self: self._n_probs)
@@ -59,6 +60,8 @@ class ResultBuffer:
     finished = property(lambda self: self._finish_code != 0)
     finish_code = property(lambda self: self._finish_code, doc="0 while running, then the FINISH_* code.")
     waiting = property(lambda self: self._waiting)
+    slot = property(lambda self: self._slot, doc="Where the request runs (-1 until attach()).")
+    n_cached = property(lambda self: self._n_cached, doc="Its prompt tokens whose KV was reused.")
 
     @property
     def error(self):
@@ -187,8 +190,9 @@ class Delivery:
         _check_slot(slot, self._n_slots)
         return self._bufs[slot]
 
-    def attach(self, slot, reader):
+    def attach(self, slot, reader, n_cached=0):
         _check_slot(slot, self._n_slots)
+        n_cached = _index(n_cached)
         buf = reader if isinstance(reader, ResultBuffer) else getattr(reader, "buffer", reader)
         if not isinstance(buf, ResultBuffer):
             raise TypeError(f"Cannot convert {type(buf).__name__} to fastserve.ref.delivery.ResultBuffer")
@@ -198,6 +202,7 @@ class Delivery:
             self._finish_buf(buf, FINISH_CLOSED, None)
             self.wake()
             return
+        buf._slot, buf._n_cached = slot, n_cached
         self._bufs[slot] = buf
 
     def detach(self, slot):

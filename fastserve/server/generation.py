@@ -39,7 +39,7 @@ class Delta(NamedTuple):
 
 
 class Generation:
-    __slots__ = ("metrics", "inflight", "reader", "request", "params", "sampling", "n_prompt", "n_probs", "limits",
+    __slots__ = ("metrics", "inflight", "text", "reader", "params", "sampling", "n_prompt", "n_probs", "limits",
                  "probs", "t_admit", "progress_seen", "t_progress", "t_arrival", "outcome", "exchange", "_closed",
                  "queued_behind")
 
@@ -50,8 +50,8 @@ class Generation:
         generations, which this one is in until it closes."""
         snap = engine.snapshot
         try:
-            self.reader = engine.submit(ids, sampling=sampling, max_tokens=params.max_tokens, stop=params.stop,
-                                        cache_prompt=params.cache_prompt, id_slot=params.id_slot, constraint=constraint)
+            self.text = engine.submit(ids, sampling=sampling, max_tokens=params.max_tokens, stop=params.stop,
+                                      cache_prompt=params.cache_prompt, id_slot=params.id_slot, constraint=constraint)
         except ServerBusy as exc:
             metrics.rejected.inc(1, "queue_full")
             raise HttpError(503, str(exc)) from None
@@ -59,7 +59,7 @@ class Generation:
             raise HttpError(503, "the server is shutting down") from None
         except RequestError as exc:
             raise HttpError(400, str(exc)) from None
-        self.request = self.reader.request         # slot and cached prompt tokens, set at admission
+        self.reader = self.text.reader              # token ids; its slot and cached prompt tokens once admitted
         self.params, self.sampling = params, sampling
         self.metrics, self.inflight = metrics, inflight
         self.exchange = exchange
@@ -67,9 +67,9 @@ class Generation:
         self.n_probs = sampling.n_probs
         self.limits = params.limits
         # the deadlines run from the request's arrival: its parse and grammar compile count (App.compile)
-        self.t_arrival = getattr(exchange, "t0", None) or self.reader.t_submit
+        self.t_arrival = getattr(exchange, "t0", None) or self.text.t_submit
         self.probs: list | None = [] if self.n_probs else None
-        self.t_progress = self.reader.t_submit
+        self.t_progress = self.text.t_submit
         self.t_admit = None
         self.queued_behind = snap.n_waiting + snap.n_running >= len(snap.slot_state)
         self.progress_seen = (0, -1)       # (tokens for the reader, tokens with KV written in the slot)
@@ -82,10 +82,9 @@ class Generation:
 
     async def deltas(self):
         """Async iterator of Delta until the request ends; raises HttpError when it failed."""
-        reader = self.reader
         n_probs = self.n_probs
         try:
-            async with aclosing(reader.abatches(probs=bool(n_probs))) as batches:
+            async with aclosing(self.reader.abatches(probs=bool(n_probs))) as batches:
                 async for got in batches:
                     if n_probs:
                         ids, top_ids, top_probs = got
@@ -95,9 +94,9 @@ class Generation:
                     delta = self._feed(ids, probs)
                     if delta.text or delta.ids:
                         yield delta
-                    if reader.stopped:
+                    if self.text.stopped:
                         break
-            tail = reader.flush()
+            tail = self.text.flush()
             self._finish()
             if tail:
                 yield Delta(tail, [], [] if self.n_probs else None)
@@ -110,14 +109,14 @@ class Generation:
             pass
 
     def _feed(self, ids: list, probs) -> Delta:
-        reader, m = self.reader, self.metrics
-        t_last = reader.t_last
-        text, n = reader.feed(ids)          # a stop string cancels the request: the slot is free within a step
-        now = reader.t_last
+        stream, m = self.text, self.metrics
+        t_last = stream.t_last
+        text, n = stream.feed(ids)          # a stop string cancels the request: the slot is free within a step
+        now = stream.t_last
         if t_last is None:
-            m.ttft.observe(now - reader.t_submit)
+            m.ttft.observe(now - stream.t_submit)
             if self.t_admit is None:
-                self._admitted(now if self.queued_behind else reader.t_submit)
+                self._admitted(now if self.queued_behind else stream.t_submit)
         else:
             m.itl.observe((now - t_last) / len(ids), len(ids))
         used = ids[:n] if n < len(ids) else ids
@@ -128,27 +127,22 @@ class Generation:
 
     def _finish(self) -> None:
         """The reader ended: how (request.OUTCOMES), or raise the failure."""
-        reader = self.reader
-        reason = reader.outcome()
+        stream = self.text
+        reason = stream.outcome()
         outcome = OUTCOMES.get(reason, ENDED_EARLY)
         if outcome.status:
-            raise HttpError(outcome.status, outcome.message.format(error=reader.error or "unknown error",
+            raise HttpError(outcome.status, outcome.message.format(error=self.reader.error or "unknown error",
                                                                    reason=reason))
         self.outcome = outcome
-        self.metrics.e2e.observe(reader.t_end - reader.t_submit)
+        self.metrics.e2e.observe(stream.t_end - stream.t_submit)
         self.metrics.requests_done.inc(1, outcome.stop_type)
 
     # -- what the routes read ----------------------------------------------------------------
 
     @property
-    def text(self):
-        """The text layer (its .text, .stopping_word)."""
-        return self.reader
-
-    @property
     def ids(self) -> list:
         """The generated token ids behind the text so far."""
-        return self.reader.token_ids
+        return self.text.token_ids
 
     @property
     def stop_type(self) -> str:
@@ -160,7 +154,7 @@ class Generation:
 
     def _admitted(self, t: float) -> None:
         self.t_admit = t
-        self.metrics.queue_time.observe(t - self.reader.t_submit)
+        self.metrics.queue_time.observe(t - self.text.t_submit)
 
     def close(self) -> None:
         """Stop the request if it still runs (idempotent); nothing is left behind."""
@@ -177,7 +171,7 @@ class Generation:
         """Deadlines and admission tracking, from the snapshot only. Returns the failure, if any."""
         reader = self.reader
         if self.t_admit is None:
-            if self.request.slot >= 0 or reader.count or reader.finished:
+            if reader.slot >= 0 or reader.count or reader.finished:
                 self._admitted(now)
             elif self.limits.queue and now - self.t_arrival > self.limits.queue:
                 self.metrics.deadlines.inc(1, "queue")
@@ -188,7 +182,7 @@ class Generation:
         if self.limits.total and now - self.t_arrival > self.limits.total:
             self.metrics.deadlines.inc(1, "total")
             return HttpError(504, f"the request ran past its time limit of {self.limits.total:g} s")
-        slot = self.request.slot
+        slot = reader.slot
         progress = (reader.count, snap.slot_past[slot] if 0 <= slot < len(snap.slot_past) else -1)
         if progress != self.progress_seen:
             self.progress_seen = progress
@@ -202,24 +196,24 @@ class Generation:
         return None
 
     def id_slot(self) -> int:
-        return self.request.slot
+        return self.reader.slot
 
     # -- summaries ---------------------------------------------------------------------------
 
     def timings(self) -> dict:
         """llama.cpp's timings object (ms), from the text layer's clocks. prompt_ms runs from admission to
         the first token."""
-        reader = self.reader
-        t_end = reader.t_end or time.monotonic()
-        t0 = self.t_admit if self.t_admit is not None else reader.t_submit
-        t1 = reader.t_first if reader.t_first is not None else t_end
+        stream, n_cached = self.text, self.reader.n_cached
+        t_end = stream.t_end or time.monotonic()
+        t0 = self.t_admit if self.t_admit is not None else stream.t_submit
+        t1 = stream.t_first if stream.t_first is not None else t_end
         prompt_ms = max(0.0, (t1 - t0) * 1e3)
-        n_gen = len(reader.token_ids)
-        n_eval = self.n_prompt - self.request.n_cached
+        n_gen = len(stream.token_ids)
+        n_eval = self.n_prompt - n_cached
         predicted_ms = max(0.0, (t_end - t1) * 1e3)
         return {
-            "cache_n": self.request.n_cached,
-            "prompt_n": self.n_prompt - self.request.n_cached,
+            "cache_n": n_cached,
+            "prompt_n": n_eval,
             "prompt_ms": prompt_ms,
             "prompt_per_token_ms": prompt_ms / n_eval if n_eval else 0.0,
             "prompt_per_second": n_eval / prompt_ms * 1e3 if prompt_ms > 0 else 0.0,
@@ -227,7 +221,7 @@ class Generation:
             "predicted_ms": predicted_ms,
             "predicted_per_token_ms": predicted_ms / n_gen if n_gen else 0.0,
             "predicted_per_second": n_gen / predicted_ms * 1e3 if predicted_ms > 0 else 0.0,
-            "queue_ms": max(0.0, (t0 - reader.t_submit) * 1e3),
+            "queue_ms": max(0.0, (t0 - stream.t_submit) * 1e3),
         }
 
 

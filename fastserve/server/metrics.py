@@ -169,16 +169,16 @@ class LlamaTotals:
 
     def add(self, gen) -> None:
         """gen: a Generation that ended (however it ended)."""
-        n_cached = gen.request.n_cached
+        n_cached = gen.reader.n_cached
         n_gen = len(gen.ids)
         self.n_tokens_max = max(self.n_tokens_max, gen.n_prompt + n_gen)
-        reader = gen.reader
-        if reader.t_first is None:            # it never computed its prompt to the end
+        text = gen.text
+        if text.t_first is None:              # it never computed its prompt to the end
             return
-        t0 = gen.t_admit if gen.t_admit is not None else reader.t_submit
-        t_end = reader.t_end if reader.t_end is not None else time.monotonic()
+        t0 = gen.t_admit if gen.t_admit is not None else text.t_submit
+        t_end = text.t_end if text.t_end is not None else time.monotonic()
         n_eval = gen.n_prompt - n_cached
-        prompt_s, gen_s = max(0.0, reader.t_first - t0), max(0.0, t_end - reader.t_first)
+        prompt_s, gen_s = max(0.0, text.t_first - t0), max(0.0, t_end - text.t_first)
         self.prompt_n += n_eval
         self.prompt_cached += n_cached
         self.prompt_s += prompt_s

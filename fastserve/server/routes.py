@@ -40,7 +40,7 @@ def slots(req, ex, *, config, engine, info, inflight):
     # Sliding-window models: n_swa keys per local layer, which keeps swa_ring positions per slot (0: all);
     # an idle slot's cached prefix is reused by a prompt sharing m tokens with it only for m in
     # swa_reusable = [lo, n_tokens] (null while the slot is busy); a shorter shared prefix reuses nothing.
-    running = {g.request.id: g for g in inflight}
+    running = {g.text.id: g for g in inflight}
     return json_response([
         {"id": i, "id_task": job or -1, "n_ctx": info.n_ctx_slot, "is_processing": state != IDLE,
          "state": SlotState(state).name.lower(), "n_tokens": n_tok, "speculative": False,
@@ -56,7 +56,7 @@ def _request_fields(gen) -> dict:
     computed and reused, the request's sampling `params` (seed: the one in use, drawn at random when the
     request gave none) and `next_token`: whether more are coming, a newline among them so far, tokens
     left (-1: until the slot is full) and generated. Read on the loop from the request's own objects."""
-    reader, n_cached, max_tokens = gen.reader, gen.request.n_cached, gen.params.max_tokens
+    reader, n_cached, max_tokens = gen.reader, gen.reader.n_cached, gen.params.max_tokens
     n_decoded = reader.count
     return {
         "n_prompt_tokens": gen.n_prompt,

@@ -66,12 +66,12 @@ def refused_copy() -> dict:
         for s in (0, 1):                                        # both slots hold X
             e.generate(X, max_tokens=4, id_slot=s, **GREEDY)
         pair = _pinned_pair(e, Y)                               # each saves X first: both copies refused
-        after_pair = e.prompt_cache.stats()
+        after_pair = e.stats().prompt_cache
         healthy = _healthy(e)
         back = e.generate(X, max_tokens=4, id_slot=0, **GREEDY)   # X's copy was refused: cold
         again = e.generate(Y, max_tokens=8, id_slot=0, **GREEDY)  # Y was saved by `back`: restored
         return {"pair": [_view(c) for c in pair], "stats_after_pair": after_pair, "healthy": healthy,
-                "back": _view(back), "again": _view(again), "stats": e.prompt_cache.stats(), "log": log.lines}
+                "back": _view(back), "again": _view(again), "stats": e.stats().prompt_cache, "log": log.lines}
 
 
 def failed_fill() -> dict:
@@ -79,7 +79,7 @@ def failed_fill() -> dict:
     with fastserve.Engine(model, n_parallel=2, n_ctx=256) as e:
         pair = _pinned_pair(e, X)
         bad = [c.id_slot for c in pair if c.finish_reason == "error"]
-        kept = {s: int(e.slots.n_tokens[s]) for s in bad}      # the faulted slot's reusable prefix
+        kept = {s: int(e._slots.n_tokens[s]) for s in bad}     # the faulted slot's reusable prefix
         retry = e.generate(X, max_tokens=8, id_slot=bad[0], **GREEDY) if bad else None
         healthy = _healthy(e)
         return {"pair": [_view(c) for c in pair], "kept": kept, "healthy": healthy,
@@ -90,16 +90,16 @@ def stall() -> dict:
     model, log = _setup()
     with fastserve.Engine(model, n_parallel=1, n_ctx=128) as e:
         t0 = time.monotonic()
-        reader = e.submit(X, max_tokens=4, **GREEDY)
+        stream = e.submit(X, max_tokens=4, **GREEDY)
         frozen, last, since = 0.0, e.snapshot.step, time.monotonic()
-        while not reader.finished and time.monotonic() - t0 < 30:
+        while not stream.reader.finished and time.monotonic() - t0 < 30:
             time.sleep(0.02)
             snap = e.snapshot
             if snap.step != last:
                 last, since = snap.step, time.monotonic()
             else:                           # a request is pending and the heartbeat stands still
                 frozen = max(frozen, time.monotonic() - since)
-        res = reader.result(timeout=30)
+        res = stream.result(timeout=30)
         quick = time.monotonic()
         second = e.generate(Y, max_tokens=4, **GREEDY)          # the stall was for one step only
         return {"first": _view(res), "frozen_s": frozen, "second": _view(second),
@@ -115,7 +115,7 @@ def everything() -> dict:
             e.generate(X, max_tokens=4, id_slot=s, **GREEDY)
         pair = _pinned_pair(e, Y)
         return {"enabled": _faults.ENABLED, "settings": _faults.settings(), "pair": [_view(c) for c in pair],
-                "stats": e.prompt_cache.stats(), "seconds": time.monotonic() - t0, "log": log.lines}
+                "stats": e.stats().prompt_cache, "seconds": time.monotonic() - t0, "log": log.lines}
 
 
 if __name__ == "__main__":

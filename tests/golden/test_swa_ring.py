@@ -51,7 +51,7 @@ def _run(engine, prompt, n=12, **kw):
 def full(gemma):
     """The model keeping every position (n_batch large enough that no ring is smaller than the context)."""
     with fastserve.Engine(gemma, n_parallel=1, n_ctx=N_CTX, n_batch=N_CTX, threads=1) as e:
-        assert e.backend.kv_ring == 0
+        assert e.describe().ring == 0
         yield e
 
 
@@ -61,8 +61,8 @@ def test_ring_gives_the_bits_of_every_position(gemma, full, n_batch, prefill_chu
     want = _run(full, prompt, cache_prompt=False)
     with fastserve.Engine(gemma, n_parallel=2, n_ctx=2 * N_CTX, n_batch=n_batch, prefill_chunk=prefill_chunk,
                           threads=1) as e:
-        assert e.backend.kv_ring == RING
-        kv = e.backend.kv
+        assert e.describe().ring == RING
+        kv = e._backend.kv
         assert kv.nbytes() < 0.5 * 7 * 2 * N_CTX * kv.n_head_kv * (kv.row_k + kv.row_v)   # 5 of 7 layers: 64 rows
         assert _run(e, prompt, cache_prompt=False) == want
         # beside another request (other slot, other chunks): the same bits
@@ -74,10 +74,10 @@ def test_ring_gives_the_bits_of_every_position(gemma, full, n_batch, prefill_chu
 def test_prefix_reuse_where_the_ring_allows(gemma, full):
     first = _prompt(4, 300)
     with fastserve.Engine(gemma, n_parallel=1, n_ctx=N_CTX, n_batch=32, threads=1) as e:
-        assert e.backend.kv_ring == RING
+        assert e.describe().ring == RING
         r = e.generate(first, max_tokens=20, temperature=0)
         n_held = len(first) + 19                           # the last token's KV is never written
-        reuse_from = e.backend.kv_reuse_from(0, n_held)
+        reuse_from = e._backend.kv_reuse_from(0, n_held)
         # the ring holds positions n_held - 64 .. n_held - 1: a continuation needs the 7 keys before it
         assert reuse_from == n_held - RING + 8 - 1 == e.snapshot.slot_reuse_from[0]
         for diverge, reused in ((300, 300), (n_held - RING + 8 - 1, n_held - RING + 7),   # within the ring
@@ -98,7 +98,7 @@ def test_the_host_ram_cache_restores_what_the_ring_held(gemma, full):
     with fastserve.Engine(gemma, n_parallel=1, n_ctx=N_CTX, n_batch=32, threads=1, cache_ram_mib=64) as e:
         e.generate(a, max_tokens=10, temperature=0)
         e.generate(b, max_tokens=10, temperature=0)       # a's prefix goes to the host-RAM cache
-        entry = next(iter(e.prompt_cache.index.values()))
+        entry = next(iter(e._prompt_cache.index.values()))
         assert entry.n == 259 and entry.held_from == 259 - RING
         for diverge, reused in ((250, 250), (200, 0)):
             prompt = a[:diverge] + _prompt(diverge + 1, 30)
@@ -136,7 +136,7 @@ def test_the_host_ram_cache_chooses_the_entry_a_restore_can_reuse(gemma, full):
     other = _prompt(14, 40)
     prompt = a[:100] + _prompt(15, 30)
     with fastserve.Engine(gemma, n_parallel=1, n_ctx=N_CTX, n_batch=32, threads=1, cache_ram_mib=64) as e:
-        pc = e.prompt_cache
+        pc = e._prompt_cache
         e.generate(a, max_tokens=10, temperature=0)
         e.generate(other, max_tokens=1, temperature=0)      # a's prefix goes to the host-RAM cache
         assert [(x.n, x.held_from) for x in pc.index.values()] == [(309, 309 - RING)]
@@ -161,7 +161,7 @@ def test_a_longer_entry_replaces_a_shorter_one_only_if_it_serves_its_prefixes(ge
     other = _prompt(18, 30)
     prompt = s + _prompt(19, 30)
     with fastserve.Engine(gemma, n_parallel=1, n_ctx=N_CTX, n_batch=32, threads=1, cache_ram_mib=64) as e:
-        pc = e.prompt_cache
+        pc = e._prompt_cache
         for p in (s, other, long, other):                   # s's, then long's prefixes go to the cache
             e.generate(p, max_tokens=1, temperature=0)
         assert sorted((x.n, x.held_from) for x in pc.index.values()) == [(30, 0), (40, 0), (240, 240 - RING)]

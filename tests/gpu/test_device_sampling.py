@@ -288,7 +288,7 @@ def test_engine_samples_on_the_device_as_on_the_host(fake, tiny_model, n_batch):
             return be
 
         with fastserve.Engine(tiny_model, n_parallel=6, n_ctx=384, n_batch=n_batch, backend=factory) as e:
-            assert e.backend.samples_on_device == (cls is CupyBackend)
+            assert e.describe().samples_on_device == (cls is CupyBackend)
             first = e.submit([1, 2], max_tokens=1, temperature=0)
             assert entered.wait(30)
             readers = [e.submit(r.pop("prompt"), max_tokens=10, **r) for r in [dict(q) for q in reqs]]

@@ -213,6 +213,16 @@ def test_reject_an_unattached_reader(impl):
     assert dl.wake() == 1 and w.calls == [[b]]
 
 
+def test_attach_tells_the_buffer_where_its_request_runs(impl):
+    """The buffer is all the two sides share of a request: its slot and prompt tokens reused come in it too."""
+    dl = impl.Delivery(3, Calls())
+    b, refused = impl.ResultBuffer(4), impl.ResultBuffer(4)
+    assert (b.slot, b.n_cached) == (-1, 0)
+    dl.attach(2, b, 5)
+    dl.reject(refused, impl.FINISH_LENGTH)
+    assert (b.slot, b.n_cached) == (2, 5) and (refused.slot, refused.n_cached) == (-1, 0)
+
+
 def test_bad_arguments(impl):
     dl = impl.Delivery(2, Calls())
     with pytest.raises(ValueError):

@@ -16,7 +16,7 @@ REQUESTS = [
 
 def _run(model, twins):
     with fastserve.Engine(model, n_parallel=2, n_ctx=256, twins=twins) as e:
-        running = {"batch": e.batch, "slots": e.slots, "delivery": e.delivery, "sampling": e.backend.sampler}
+        running = {"batch": e._batch, "slots": e._slots, "delivery": e._delivery, "sampling": e._backend.sampler}
         assert {n for n, obj in running.items() if type(obj).__module__.startswith("fastserve.ref.")} == set(twins)
         readers = [e.submit(r["prompt"], **{k: v for k, v in r.items() if k != "prompt"}) for r in REQUESTS]
         done = [rd.result(timeout=60) for rd in readers]

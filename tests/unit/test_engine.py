@@ -1,4 +1,5 @@
 """The Engine on the tiny model: generation, streaming, concurrency, cancellation, limits, failures."""
+import gc
 import threading
 import time
 
@@ -122,7 +123,7 @@ def test_erase_of_a_busy_slot_waits_for_its_request_to_end(tiny_model):
         second = e.submit("the running one", max_tokens=4, temperature=0)     # same prompt: would reuse it
         assert first.result(timeout=10).finish_reason == "length" and len(first.result().token_ids) == 24
         assert second.result(timeout=10).finish_reason == "length"
-        assert second.request.n_cached == 0           # the erase came between the two
+        assert second.reader.n_cached == 0            # the erase came between the two
         assert _slots_free(e)
         assert e.snapshot.slot_erased[0][0] == 1 and e.snapshot.slot_erased[0][1] > 0
         e.erase(0)                            # idle: at once
@@ -166,7 +167,7 @@ def test_bad_requests_are_refused_clearly(engine):
 
 def test_truncation_when_asked(engine):
     out = engine.generate(list(range(1, 200)), max_tokens=3, temperature=0, truncate=True)
-    assert out.prompt_tokens == engine.n_ctx_slot // 2 and len(out.token_ids) == 3
+    assert out.prompt_tokens == engine.describe().n_ctx_slot // 2 and len(out.token_ids) == 3
 
 
 def test_max_tokens_zero(engine):
@@ -211,12 +212,12 @@ class _FailingFill(fastserve.Engine):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.slots = FailingFills(self.slots, self._on_fill)
+        self._slots = FailingFills(self._slots, self._on_fill)
 
     def _on_fill(self, slot):
         if self.fail > 0:
             self.fail -= 1
-            self.seen = (self.batch.mark(), slot)
+            self.seen = (self._batch.mark(), slot)
             raise MemoryError("injected: state copy failed")
 
 
@@ -227,7 +228,7 @@ def test_failed_fill_rolls_back_and_spares_the_others(tiny_model):
         running = e.submit("the good one", max_tokens=10, temperature=0, cache_prompt=False)
         next(iter(running))                       # decoding: its token is in every batch from now
         marks = []
-        real_rollback = e.batch.rollback
+        real_rollback = e._batch.rollback
 
         e.fail = 1
         bad = e.submit("the bad one", max_tokens=10, temperature=0, id_slot=1, cache_prompt=False)
@@ -239,7 +240,7 @@ def test_failed_fill_rolls_back_and_spares_the_others(tiny_model):
         (n, n_out, owner), slot = e.seen
         assert slot == 1 and owner == 1
         # KV that was never written is not reused: the retry recomputes and matches a healthy run.
-        assert e.slots.n_past[1] == 0
+        assert e._slots.n_past[1] == 0
         again = e.generate("the bad one", max_tokens=10, temperature=0, id_slot=1)
         assert again.token_ids == bad_alone
 
@@ -272,19 +273,19 @@ def test_admission_failure_fails_that_request_only(tiny_model, monkeypatch):
     slot is free again, the snapshot's slot_reuse_from is the backend's, the next request is served."""
     with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=512) as e:
         want = e.generate("after", max_tokens=5, temperature=0).token_ids
-        real = e.backend.configure
+        real = e._backend.configure
 
         def configure(slot, sampling, prompt, **kw):
             if list(prompt) == e.tokenizer.encode("victim"):
                 raise RuntimeError("no room for its sampler")
             return real(slot, sampling, prompt, **kw)
 
-        monkeypatch.setattr(e.backend, "configure", configure)
+        monkeypatch.setattr(e._backend, "configure", configure)
         res = e.generate("victim", max_tokens=5, temperature=0)
         assert res.finish_reason == "error" and "admission failed: no room for its sampler" in res.error
         assert _slots_free(e)
         snap = e.snapshot
-        assert snap.slot_reuse_from == (e.backend.kv_reuse_from(0, int(e.slots.n_tokens[0])),)
+        assert snap.slot_reuse_from == (e._backend.kv_reuse_from(0, int(e._slots.n_tokens[0])),)
         assert e.generate("after", max_tokens=5, temperature=0).token_ids == want
 
 
@@ -295,7 +296,7 @@ def test_tracer_summary(tiny_model):
     assert s["steps"] >= 8 and s["tokens_sent"] >= 8
     assert set(s["ms_per_step"]) == {"admit", "build", "forward", "sync", "sample", "publish"}
     assert 0 < s["host_share"] < 1
-    counts, total_s = e.tracer.step_histogram()       # every traced step in one bucket, its time summed
+    counts, total_s = e.stats().step_histogram        # every traced step in one bucket, its time summed
     assert len(counts) == len(STEP_SECONDS_BUCKETS) + 1 and sum(counts) == s["steps"]
     assert 0 < total_s <= s["step_ms"] * s["steps"] / 1e3 * 1.001    # the phases also time idle admits
     with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=64) as e:
@@ -322,3 +323,38 @@ def test_slot_states_agree_with_the_slot_table():
     from fastserve import _slots
     from fastserve.request import SlotState
     assert (SlotState.IDLE, SlotState.PREFILL, SlotState.DECODE) == (_slots.IDLE, _slots.PREFILL, _slots.DECODE)
+
+
+def test_describe_says_what_the_engine_is(tiny_model):
+    with fastserve.Engine(tiny_model, n_parallel=2, n_ctx=512, n_batch=64, threads=1) as e:
+        info = e.describe()
+        deadline = time.monotonic() + 10
+        while not e.describe().kv_resident and time.monotonic() < deadline:    # it comes in on its own thread
+            time.sleep(0.01)
+        assert e.describe().kv_resident
+    assert (info.n_slots, info.n_ctx_slot, info.n_batch, info.threads, info.n_vocab) == (
+        2, 256, 64, 1, tiny_model.config.n_vocab)
+    assert (info.device, info.samples_on_device, info.cache_type_k, info.cache_type_v) == ("cpu", False, "f16", "f16")
+    assert (info.window, info.ring) == (tiny_model.config.sliding_window, 0) and info.kv_bytes > 0
+    assert info.model_path == str(tiny_model.path) and info.model_summary == tiny_model.load_summary()
+
+
+def test_the_caller_and_the_decode_thread_share_a_requests_buffer_only(engine):
+    """What submit() hands back (the text layer and its Reader) holds no Request; where the request ran
+    comes to the reader in its buffer."""
+    from fastserve.request import Request
+    text = engine.submit("hello", max_tokens=3, temperature=0)
+    held = [text, text.reader, *gc.get_referents(text), *gc.get_referents(text.reader)]
+    assert not any(isinstance(o, Request) for o in held)
+    done = text.result(timeout=10)
+    assert text.reader.slot == done.id_slot >= 0 and text.reader.n_cached == done.timings["cache_n"]
+
+
+def test_trace_summary_of_a_window(tiny_model):
+    with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=256, trace=True) as e:
+        e.generate("the first", max_tokens=8, temperature=0)
+        since = e.trace_totals()
+        e.generate("the second", max_tokens=4, temperature=0)
+        window, whole = e.trace_summary(since), e.trace_summary()
+    assert 4 <= window["steps"] < whole["steps"] and window["tokens_sent"] == 4
+    assert set(window["ms_per_step"]) == set(whole["ms_per_step"]) and window["step_ms"] > 0

@@ -38,7 +38,7 @@ def _engine(tiny_model, backends):
         backends.append(_TimedSteps(CpuBackend(cfg, weights, n_slots, n_ctx_slot)))
         return backends[0]
     engine = fastserve.Engine(tiny_model, n_parallel=4, n_ctx=4 * 1536, n_batch=512, backend=factory)
-    engine.step_target_s = TARGET_S
+    engine._step_target_s = TARGET_S
     return engine
 
 
@@ -67,7 +67,7 @@ def test_beside_decode_rows_the_chunk_keeps_the_step_near_its_target(tiny_model)
     with _engine(tiny_model, backends) as engine:
         streams = [engine.submit(_prompt(20, 10 + i), max_tokens=400, temperature=0) for i in range(3)]
         t0 = time.monotonic()
-        while any(r.buffer.count == 0 for r in streams) and time.monotonic() - t0 < 10:
+        while any(r.reader.count == 0 for r in streams) and time.monotonic() - t0 < 10:
             time.sleep(0.005)
         first = len(backends[0].steps)
         engine.generate(_prompt(1400, 2), max_tokens=1, temperature=0, cache_prompt=False)

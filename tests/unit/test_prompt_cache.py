@@ -168,7 +168,7 @@ def test_host_cache_restores_a_prefix_the_slot_lost(tiny_model, caplog):
         e.generate(b, max_tokens=5, **GREEDY)                   # the slot's prefix of a is saved
         again = e.generate(a, max_tokens=5, **GREEDY)           # ... and restored
         off = e.generate(a, max_tokens=5, cache_prompt=False, **GREEDY)
-        stats = e.prompt_cache.stats()
+        stats = e.stats().prompt_cache
     assert again.timings["cache_n"] == 39 and again.token_ids == first.token_ids == off.token_ids
     assert off.timings["cache_n"] == 0
     assert stats["saved"] >= 2 and stats["restored"] == 1 and stats["refused"] == 0
@@ -184,7 +184,7 @@ def test_a_refused_copy_is_not_a_slot_failure(tiny_model, caplog):
             out = [r.result(timeout=30) for r in rs]
         assert [o.finish_reason for o in out] == ["length", "length"]
         assert out[0].token_ids == out[1].token_ids
-        assert e.prompt_cache.stats()["refused"] == 2 and "refused" in caplog.text
+        assert e.stats().prompt_cache["refused"] == 2 and "refused" in caplog.text
         back = e.generate(_ids(0, 40), max_tokens=3, id_slot=0, **GREEDY)
         assert back.timings["cache_n"] == 0                      # its copy was refused: cold
         assert e.snapshot.n_running == 0 and e._thread.is_alive()
@@ -199,7 +199,7 @@ class _Gated(fastserve.Engine):
         self.fail = {}
         self.builds = []
         super().__init__(*args, **kwargs)
-        self.slots = FailingFills(self.slots, self._on_fill)
+        self._slots = FailingFills(self._slots, self._on_fill)
 
     def _admit(self):
         self.gate.wait()
@@ -207,7 +207,7 @@ class _Gated(fastserve.Engine):
 
     def _build(self):
         built = super()._build()
-        self.builds.append(self.batch.view()[2].tolist())
+        self.builds.append(self._batch.view()[2].tolist())
         return built
 
     def _on_fill(self, slot):
@@ -249,7 +249,7 @@ def test_a_fill_failing_on_its_second_chunk_keeps_the_first(tiny_model):
         e.fail = {0: 1}
         res = e.generate(_ids(0, 40), max_tokens=4, **GREEDY)
         assert res.finish_reason == "error" and "injected" in res.error
-        assert e.slots.n_past[0] == 16 and e.slots.n_tokens[0] == 16    # the chunk whose KV was written
+        assert e._slots.n_past[0] == 16 and e._slots.n_tokens[0] == 16   # the chunk whose KV was written
         retry = e.generate(_ids(0, 40), max_tokens=4, **GREEDY)
         assert retry.timings["cache_n"] == 16 and retry.token_ids == want
 
@@ -259,12 +259,12 @@ def test_a_failed_fill_leaves_no_cache_entry_behind(tiny_model):
         e.gate.set()
         want = _answer_then_another(e)
         e.generate(_ids(2, 30), max_tokens=2, **GREEDY)          # saves stem 1
-        pc = e.prompt_cache
+        pc = e._prompt_cache
         e.fail = {0: 0}
         res = e.generate(_ids(1, 20, [9] * 20), max_tokens=4, **GREEDY)   # restores 20, saves stem 2, fails
         assert res.finish_reason == "error"
         assert [x.n for x in pc.index.values()] == [43, 31, 31]           # stem 0, stem 1, stem 2: whole
-        assert e.slots.n_tokens[0] == 20                                  # the restored rows are real KV
+        assert e._slots.n_tokens[0] == 20                                 # the restored rows are real KV
         e.generate(_ids(2, 30), max_tokens=2, **GREEDY)
         assert len(pc.index) == 3                                         # 20 tokens of stem 1: held already
         retry = e.generate(_ids(0, 40), max_tokens=4, **GREEDY)
@@ -277,7 +277,7 @@ def test_a_failed_fill_leaves_no_cache_entry_behind(tiny_model):
 def engines(tiny_model):
     kw = dict(n_parallel=2, n_ctx=2 * 128, n_batch=32)
     es = {"ref": fastserve.Engine(tiny_model, **kw)}
-    block = 32 * es["ref"].backend.kv_bytes_per_token()                          # a pool block's bytes
+    block = 32 * es["ref"]._backend.kv_bytes_per_token()                         # a pool block's bytes
     es.update({"slots": fastserve.Engine(tiny_model, **kw),
                "ram": fastserve.Engine(tiny_model, cache_ram_mib=6 * block / MIB, **kw),   # evictions
                "ram_tiny": fastserve.Engine(tiny_model, cache_ram_mib=block / MIB, **kw)})  # refusals
@@ -315,10 +315,10 @@ def test_cache_never_changes_greedy_output(engines, waves):
 
 def test_the_cache_engines_save_restore_evict_and_refuse(engines):
     """A fixed sequence through the property's engines: each cache path is really taken."""
-    before = {n: engines[n].prompt_cache.stats() for n in ("ram", "ram_tiny")}
+    before = {n: engines[n].stats().prompt_cache for n in ("ram", "ram_tiny")}
     seq = [[(s, 48, [], 3, -1, True) for s in (0, 1)], [(2, 48, [], 3, 0, True)], [(2, 40, [], 3, 1, True)],
            [(0, 44, [1], 3, 0, True)], [(1, 30, [2, 3], 3, -1, True)], [(0, 48, [4], 3, 1, False)]]
     _check_waves(engines, seq)
-    ram, tiny = (engines[n].prompt_cache.stats() for n in ("ram", "ram_tiny"))
+    ram, tiny = (engines[n].stats().prompt_cache for n in ("ram", "ram_tiny"))
     assert ram["saved"] > before["ram"]["saved"] and ram["restored"] > before["ram"]["restored"]
     assert tiny["refused"] > before["ram_tiny"]["refused"]

@@ -1,7 +1,13 @@
-"""TextStream: stop strings never leak, not even in part; text is UTF-8 safe."""
+"""TextStream: stop strings never leak, not even in part; text is UTF-8 safe. TextReader: that text as a
+layer over a request's Reader, which keeps its own meaning (token ids, Result)."""
+import numpy as np
 import pytest
 
+import fastserve._delivery as cdelivery
+import fastserve.ref.delivery as rdelivery
+from fastserve.reader import Reader, Waker
 from fastserve.text import TextStream
+from fastserve.text_reader import TextReader
 
 
 class _Chars:
@@ -76,3 +82,24 @@ def test_utf8_safe_with_real_tokenizer(tiny_model):
     pieces = [s.push(i) for i in ids] + [s.finish()]
     assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("impl", [cdelivery, rdelivery], ids=["cython", "ref"])
+def test_text_reader_is_a_layer_over_a_reader(impl):
+    """The text of a request read through its Reader: pieces, a stop string that cancels through the reader's
+    on_cancel, and a Completion whose slot and reused prompt tokens came in the buffer; the Reader under it
+    still gives every token id and its Result."""
+    cancels = []
+    reader = Reader(16, on_cancel=lambda: cancels.append(1), impl=impl)
+    text = TextReader(reader, _Chars(ALPHA), stop=["XY"], id=7, max_tokens=10, n_prompt=3)
+    dl = impl.Delivery(1, Waker())
+    dl.attach(0, reader, 2)
+    ids = _ids("ab cXYd")
+    for t in ids:
+        dl.send_step(np.zeros(1, np.int32), np.array([t], np.int32))
+    assert "".join(text) == "ab c" and cancels == [1]          # the stop string cancelled the request
+    done = text.result()
+    assert (done.text, done.finish_reason, done.stopping_word, done.token_ids) == ("ab c", "stop", "XY", ids[:6])
+    assert (done.id_slot, done.timings["cache_n"], done.timings["prompt_n"], done.tokens_cached) == (0, 2, 1, 10)
+    dl.finish(0, impl.FINISH_CANCELLED)
+    assert reader.result().tokens == ids and reader.result().finish_reason == "cancelled"

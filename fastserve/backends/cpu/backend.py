@@ -39,7 +39,6 @@ class CpuBackend(HostSampling):
 
     reference: run fastserve.backends.cpu.ref.forward (NumPy, the same bits, slower) instead of the C forward.
     """
-    device = "cpu"
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, n_slots: int, n_ctx_slot: int,
                  threads: int = 1, cache_type_k: str = DEFAULT_CACHE_TYPE,

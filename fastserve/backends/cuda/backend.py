@@ -420,7 +420,6 @@ class CupyBackend:
 
     # Its KV keeps every position of every layer, the sliding-window layers too (no ring).
     kv_ring = 0
-    device = "cuda"
 
     def kv_held_from(self, slot: int, n_tokens: int) -> int:
         return 0
