@@ -262,10 +262,6 @@ class Delivery:
         buf = self._bufs[slot]
         if buf is None:
             raise ValueError(f"slot {slot} has no reader attached")
-        if code <= 0:
-            raise ValueError(f"finish code must be > 0, got {code}")
-        if error is not None and not isinstance(error, str):
-            raise TypeError("error must be a str or None")
         self._finish_buf(buf, code, error)
 
     def reject(self, reader, code, error=None):
@@ -273,13 +269,13 @@ class Delivery:
         buf = reader if isinstance(reader, ResultBuffer) else getattr(reader, "buffer", reader)
         if not isinstance(buf, ResultBuffer):
             raise TypeError(f"Cannot convert {type(buf).__name__} to fastserve.ref.delivery.ResultBuffer")
+        self._finish_buf(buf, code, error)
+
+    def _finish_buf(self, buf, code, error):
         if code <= 0:
             raise ValueError(f"finish code must be > 0, got {code}")
         if error is not None and not isinstance(error, str):
             raise TypeError("error must be a str or None")
-        self._finish_buf(buf, code, error)
-
-    def _finish_buf(self, buf, code, error):
         if buf._finish_code != 0:
             return
         buf._error = error

@@ -79,17 +79,15 @@ class Body:
         return v
 
     def bool(self, name: str, default=False) -> bool:
-        v = self.data.get(name)
-        if v is None:
-            return default
-        if not isinstance(v, bool):
-            raise HttpError(400, f"'{name}' must be true or false, got {kind(v)}")
-        return v
+        return self._typed(name, default, bool, "true or false")
 
     def str(self, name: str, default=None):
+        return self._typed(name, default, str, "a string")
+
+    def _typed(self, name: str, default, typ, what: str):
         v = self.data.get(name)
         if v is None:
             return default
-        if not isinstance(v, str):
-            raise HttpError(400, f"'{name}' must be a string, got {kind(v)}")
+        if not isinstance(v, typ):
+            raise HttpError(400, f"'{name}' must be {what}, got {kind(v)}")
         return v
