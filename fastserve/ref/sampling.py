@@ -38,7 +38,7 @@ import math
 
 import numpy as np
 
-from fastserve.config import _integer, check_fits, check_sampling as check_config  # the twins' shared checks
+from fastserve.config import SAMPLING_DEFAULTS, _integer, check_fits, check_sampling as check_config  # the twins' shared checks
 from fastserve.errors import RequestError
 
 MASK64 = (1 << 64) - 1
@@ -127,20 +127,15 @@ class Sampler:
         self.n_mask_words = (self.n_vocab + 31) // 32
         self.masks = np.zeros((self.n_slots, self.n_mask_words), np.uint32)
 
-    def configure(self, slot, *, seed, temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
-                  repeat_penalty=1.0, repeat_last_n=64, presence_penalty=0.0, frequency_penalty=0.0,
-                  logit_bias=None, n_probs=0, post_sampling_probs=False, history=(), constrained=False):
-        """Give `slot` a request's parameters, its RNG seed, and its prompt as penalty history;
+    def configure(self, slot, *, seed, history=(), constrained=False, **params):
+        """Give `slot` a request's parameters (SamplingParams' fields; config.SAMPLING_DEFAULTS for those not
+        given), its RNG seed, and its prompt as penalty history;
         constrained: sample only tokens whose bit is set in masks[slot]."""
         slot = _integer("slot", slot)
         if not 0 <= slot < self.n_slots:
             raise RequestError(f"slot {slot} out of range [0, {self.n_slots})")
-        cfg = check_config(self.n_vocab, self.max_penalty_window, self.max_logit_bias,
-                           temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                           repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-                           presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                           seed=seed, logit_bias=logit_bias, n_probs=n_probs,
-                           post_sampling_probs=post_sampling_probs, history=history)
+        cfg = check_config(self.n_vocab, self.max_penalty_window, self.max_logit_bias, seed=seed, history=history,
+                           **{**SAMPLING_DEFAULTS, **params})
         self.configure_checked(slot, cfg, constrained)
 
     def configure_checked(self, slot, cfg, constrained=False):

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 
 from ..config import SAMPLING_DEFAULTS, SamplingParams
+
+DEFAULTS = SAMPLING_DEFAULTS      # the help texts' defaults, stated once (config.SamplingParams)
 from ..errors import RequestError
 from ..models.chat_template import CHATML
 
@@ -95,16 +97,16 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--ignore-eos", DIFFERS, "every request's default for ignore_eos (the end-of-generation tokens are never "
                               "sampled); a request's own ignore_eos: false wins, and its logit_bias adds to the ban "
                               "(llama-server 34af94cd keeps the ban for the first and drops it for the second)"),
-    ("--temp, --temperature N", SAME, "server-wide default (0.8); a request's own value wins"),
-    ("--top-k N", SAME, "server-wide default (40)"),
-    ("--top-p N", SAME, "server-wide default (0.95)"),
-    ("--min-p N", SAME, "server-wide default (0.05)"),
+    ("--temp, --temperature N", SAME, f"server-wide default ({DEFAULTS['temperature']}); a request's own value wins"),
+    ("--top-k N", SAME, f"server-wide default ({DEFAULTS['top_k']})"),
+    ("--top-p N", SAME, f"server-wide default ({DEFAULTS['top_p']})"),
+    ("--min-p N", SAME, f"server-wide default ({DEFAULTS['min_p']})"),
     ("--top-nsigma, --top-n-sigma, --xtc-probability, --xtc-threshold, --typical, --typical-p, --dry-*, --adaptive-*, --dynatemp-*, "
      "--mirostat*", REFUSED, "fastserve has no such sampler (a request that turns one on gets a 400)"),
-    ("--repeat-last-n N", SAME, "server-wide default (64)"),
-    ("--repeat-penalty N", SAME, "server-wide default (1.0)"),
-    ("--presence-penalty N", SAME, "server-wide default (0.0)"),
-    ("--frequency-penalty N", SAME, "server-wide default (0.0)"),
+    ("--repeat-last-n N", SAME, f"server-wide default ({DEFAULTS['repeat_last_n']})"),
+    ("--repeat-penalty N", SAME, f"server-wide default ({DEFAULTS['repeat_penalty']})"),
+    ("--presence-penalty N", SAME, f"server-wide default ({DEFAULTS['presence_penalty']})"),
+    ("--frequency-penalty N", SAME, f"server-wide default ({DEFAULTS['frequency_penalty']})"),
     ("-l, --logit-bias", REFUSED, "not as a flag; a request's logit_bias takes every llama-server form"),
     ("--grammar, --grammar-file, -j, --json-schema, -jf, --json-schema-file", REFUSED,
      "no server-wide constraint: a request gives its own grammar or json_schema (enforced in the sampler)"),
