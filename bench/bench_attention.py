@@ -31,7 +31,8 @@ CHUNK = 512
 
 def load_tree(tree: str):
     """Another tree's built fastserve.backends.cpu._attention, loaded beside this one (its own copy of the module)."""
-    paths = glob.glob(os.path.join(tree, "fastserve", "_attention.*.so"))
+    paths = (glob.glob(os.path.join(tree, "fastserve", "backends", "cpu", "_attention.*.so"))
+             or glob.glob(os.path.join(tree, "fastserve", "_attention.*.so")))       # a tree from before the move
     if not paths:
         raise SystemExit(f"{tree}: no built fastserve/backends/cpu/_attention.*.so (build it in place first)")
     loader = importlib.machinery.ExtensionFileLoader("fastserve.backends.cpu._attention", paths[0])

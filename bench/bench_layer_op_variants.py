@@ -63,7 +63,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # the repository: tests.reference_data
 
 import fastserve  # noqa: E402
-from fastserve.backends.cpu import backend as numpy_backend  # noqa: E402
+from fastserve.backends.cpu import backend as cpu_backend  # noqa: E402
 from fastserve.backends.cpu.ref import forward as ref_forward, layer_ops as L  # noqa: E402
 from tests.golden.test_families import KNOWN_FLIPS, NEAR_TIE, teacher_forced_scores  # noqa: E402
 from tests.reference_data import DEFAULT_MODEL_REFERENCE, GOLDEN_DATA, SHARED_REFERENCE, load_reference  # noqa: E402
@@ -247,12 +247,12 @@ def use_variant(name: str) -> None:
             flat = x.reshape(-1, x.shape[2])
             norm(flat, w, eps, out=flat)
         L.head_norm = ref_forward.head_norm = head_norm
-    init = numpy_backend.CpuBackend.__init__
+    init = cpu_backend.CpuBackend.__init__
 
     def reference_init(self, *args, **kwargs):
         kwargs["reference"] = True
         init(self, *args, **kwargs)
-    numpy_backend.CpuBackend.__init__ = reference_init
+    cpu_backend.CpuBackend.__init__ = reference_init
 
 
 def free_greedy(model, ref, prompts, n_ctx, cache_type="f16"):

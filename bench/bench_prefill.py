@@ -56,7 +56,7 @@ def prompt_ids(tokenizer, n: int) -> list:
 def worker(threads: int, model_file: str, n_ctx: int) -> None:
     import numpy as np
     import fastserve
-    from fastserve.backends.cpu import backend as numpy_backend
+    from fastserve.backends.cpu import backend as cpu_backend
 
     model = fastserve.load_model(model_file)
     kw = {"threads": threads}
@@ -75,7 +75,7 @@ def worker(threads: int, model_file: str, n_ctx: int) -> None:
         elif cmd[0] == "decode":
             print(json.dumps(_decode_rate(engine, model.tokenizer, int(cmd[1]), int(cmd[2]))), flush=True)
         elif cmd[0] == "share":
-            print(json.dumps(_attention_share(model, numpy_backend, int(cmd[1]), int(cmd[2]), threads, np)),
+            print(json.dumps(_attention_share(model, cpu_backend, int(cmd[1]), int(cmd[2]), threads, np)),
                   flush=True)
     engine.close()
 

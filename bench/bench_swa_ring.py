@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 import fastserve
-from fastserve.backends.cpu import kv_cache, backend as numpy_backend
+from fastserve.backends.cpu import kv_cache, backend as cpu_backend
 from fastserve.models.catalog import model_path
 from fastserve.resources import rss_bytes
 
@@ -33,11 +33,11 @@ class _EveryPosition(kv_cache.KVCache):
 
 
 def engine(model, ctx: int, ring: bool, threads: int):
-    numpy_backend.KVCache = kv_cache.KVCache if ring else _EveryPosition
+    cpu_backend.KVCache = kv_cache.KVCache if ring else _EveryPosition
     try:
         return fastserve.Engine(model, n_parallel=1, n_ctx=ctx, threads=threads)
     finally:
-        numpy_backend.KVCache = kv_cache.KVCache
+        cpu_backend.KVCache = kv_cache.KVCache
 
 
 def memory(ctx: int, ring: bool) -> dict:
@@ -60,11 +60,11 @@ def speed(ctx: int, n_prompt: int, n_gen: int, rounds: int, threads: int) -> dic
     cfg, w = model.config, model.weights
     backends = {}
     for name, ring in (("every position", False), ("ring", True)):
-        numpy_backend.KVCache = kv_cache.KVCache if ring else _EveryPosition
+        cpu_backend.KVCache = kv_cache.KVCache if ring else _EveryPosition
         try:
-            backends[name] = numpy_backend.CpuBackend(cfg, w, 1, ctx, threads=threads, max_tokens=512)
+            backends[name] = cpu_backend.CpuBackend(cfg, w, 1, ctx, threads=threads, max_tokens=512)
         finally:
-            numpy_backend.KVCache = kv_cache.KVCache
+            cpu_backend.KVCache = kv_cache.KVCache
     rng = np.random.default_rng(7)
     tokens = rng.integers(1000, cfg.n_vocab, n_prompt + rounds * n_gen).astype(np.int32)
     zero = np.zeros(512, np.int32)

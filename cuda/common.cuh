@@ -1,7 +1,7 @@
 // Shared by every kernel family in cuda/: storage types, conversions, reductions.
 //
 // No CUDA header is included: the same text compiles under nvcc (CI) and under NVRTC (CuPy's
-// RawModule, at run time), and the kernel loader (fastserve/backends/kernels.py) pastes this file
+// RawModule, at run time), and the kernel loader (fastserve/backends/cuda/kernels.py) pastes this file
 // in place of its #include, so that CuPy's on-disk kernel cache keys on the header's text too.
 //
 // Storage types are two-byte structs rather than CUDA's __half / __nv_bfloat16 so that nothing
@@ -72,7 +72,7 @@ __device__ __forceinline__ T rms_apply(float x, float inv, float w) { return fro
 
 __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
-// gelu_mul: GELU's tanh form times u, as fastserve/ref/layer_ops.geglu writes it:
+// gelu_mul: GELU's tanh form times u, as fastserve/backends/cpu/ref/layer_ops.geglu writes it:
 // 0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2))) = g sigmoid(2 sqrt(2/pi) g (1 + 0.044715 g^2)).
 // gate_mul: the gated FFN's activation, silu_mul (SwiGLU) or gelu_mul (GeGLU, gelu != 0).
 #define FS_GELU_K 1.5957691216057308f     // 2 sqrt(2 / pi)

@@ -1,7 +1,7 @@
 // What some architectures (models/architecture.py) do to a token's fused QKV row before RoPE, in place:
 //   1. bias (qwen2): row[j] += bias[j] over the whole row (Q, K and V);
 //   2. per-head RMSNorm (qwen3, gemma3): each Q head x[0..D) = x / sqrt(mean(x^2) + eps) * q_norm, each
-//      K head the same with k_norm; V untouched. Arithmetic as numpy_backend.rms_norm: x * (1 / sqrt(ms +
+//      K head the same with k_norm; V untouched. Arithmetic as backends/cpu/ref/layer_ops.rms_norm: x * (1 / sqrt(ms +
 //      eps)) * w, the sum of squares by block_sum.
 // qkv: float32 [n, qkv_stride], rows = n_head Q heads, n_head_kv K heads, n_head_kv V heads of head_dim;
 // bias: float32 [qkv_stride] or NULL; q_norm, k_norm: float32 [head_dim], both or neither NULL.

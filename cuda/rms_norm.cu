@@ -2,7 +2,7 @@
 // index is given (the final norm runs on the output rows only) and src = r otherwise (rows == NULL).
 //
 // x: float32 [*, d] (the residual stream); w: float32 [d]; out: [n, d] in the type the next matrix
-// product reads (f16 / bf16), or float32. Arithmetic in float32, as numpy_backend.rms_norm:
+// product reads (f16 / bf16), or float32. Arithmetic in float32, as backends/cpu/ref/layer_ops.rms_norm:
 // x * (1 / sqrt(ms + eps)) * w.
 //
 // rms_norm_add_f32: x[r, :] += y[r, :] / sqrt(mean(y[r, :]^2) + eps) * w, the sandwich norms (gemma3's

@@ -1,7 +1,7 @@
 // RoPE in place on the Q and K parts of the fused QKV rows (see rope.cuh for the rotation).
 //
 // qkv: float32 [n, qkv_stride], each row = n_head Q heads, then n_head_kv K heads, then V (untouched),
-// head_dim floats per head; cos, sin: float32 [n_ctx_slot, rope_dim / 2] (numpy_backend.rope_tables);
+// head_dim floats per head; cos, sin: float32 [n_ctx_slot, rope_dim / 2] (backends/rope.rope_tables);
 // positions: int32 [n]; n_rot_heads = n_head + n_head_kv.
 // Grid: n blocks, one per token; any block size.
 // (The backend uses rope_store_* in kv_cache.cu, which fuses this with the KV-cache write.)

@@ -1,5 +1,5 @@
 // RoPE on one token's fused QKV row, shared by rope.cu and the fused kernel in kv_cache.cu.
-// llama.cpp's "normal" layout (adjacent pairs), as numpy_backend.apply_rope: pair (2i, 2i+1) of the
+// llama.cpp's "normal" layout (adjacent pairs), as backends/cpu/ref/layer_ops.apply_rope: pair (2i, 2i+1) of the
 // first rope_dim dimensions of each of the first n_rot_heads heads turns by pos * inv_freq[i]:
 //     x[2i] = x0 * cos - x1 * sin,   x[2i+1] = x0 * sin + x1 * cos
 // c, s: the token's row of the cos / sin tables [rope_dim / 2]. The block's threads share the work.

@@ -94,7 +94,7 @@ extern "C" __global__ void argmax_rows_f32(const float* __restrict__ logits, int
 
 // -- sample_chain_f32 ------------------------------------------------------------------------------
 
-struct SampleRow {                // 88 bytes; fastserve/backends/cuda/sampling.py ROW_DTYPE has the same layout
+struct SampleRow {                // 88 bytes; fastserve/backends/cuda/kernels.py SAMPLE_ROW has the same layout
     double temperature;           // <= 0: greedy (and flags has SAMPLE_GREEDY)
     double top_p;                 // 1.0: off
     double min_p;                 // 0.0: off

@@ -1,6 +1,6 @@
 // Final-logit soft-capping (Gemma 2 style, <arch>.final_logit_softcapping): in place,
 // logits[e] = cap * tanh(logits[e] / cap) over the first `size` elements (the output rows' logits),
-// as fastserve/ref/layer_ops.softcap: tanh(z) = sign(z) (1 - e^(-2|z|)) / (1 + e^(-2|z|)).
+// as fastserve/backends/cpu/ref/layer_ops.softcap: tanh(z) = sign(z) (1 - e^(-2|z|)) / (1 + e^(-2|z|)).
 //
 // logits: float32 [size]; cap > 0. Grid-stride; any grid and block.
 #include "common.cuh"

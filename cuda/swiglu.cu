@@ -1,6 +1,6 @@
 // SwiGLU: out[t, j] = silu(gu[t, j]) * gu[t, n_ff + j], silu(g) = g / (1 + exp(-g)), or GeGLU (gelu != 0:
 // gemma3) gelu(gu[t, j]) * gu[t, n_ff + j] in GELU's tanh form (common.cuh gate_mul), as
-// fastserve/ref/layer_ops: the fused gate/up product's rows hold the gate, then the up projection.
+// fastserve/backends/cpu/ref/layer_ops: the fused gate/up product's rows hold the gate, then the up projection.
 //
 // gu: float32 [n, 2 * n_ff]; out: [n, n_ff] in the type the down projection reads (or float32).
 // Grid-stride over n * n_ff elements; any grid and block.

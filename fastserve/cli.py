@@ -102,7 +102,7 @@ def _model_args(p) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=EngineConfig.n_ctx, help="KV cache tokens, shared by the slots")
     p.add_argument("-np", "--parallel", type=int, default=EngineConfig.n_parallel, help="slots (concurrent requests)")
     p.add_argument("-b", "--batch-size", type=int, default=EngineConfig.n_batch, help="most tokens in one step")
-    # The choices are backends/kv_cache.KV_CACHE_TYPES (tests/unit/test_cli.py checks), written out so
+    # The choices are backends/cpu/kv_cache.KV_CACHE_TYPES (tests/unit/test_cli.py checks), written out so
     # that parsing the command line loads no extension.
     for flag, short in (("--cache-type-k", "-ctk"), ("--cache-type-v", "-ctv")):
         p.add_argument(short, flag, choices=("f16", "f32", "q8_0"), default=EngineConfig.cache_type_k,
@@ -112,7 +112,7 @@ def _model_args(p) -> None:
 def _device_arg(p) -> None:
     # Default cpu until the GPU backend has passed its device check (bench/gpu_check.py); then auto.
     p.add_argument("--device", choices=DEVICES, default=EngineConfig.device,
-                   help="where the model math runs: cpu (NumPy), cuda (CuPy kernels), auto (cuda when CuPy sees "
+                   help="where the model math runs: cpu (C kernels), cuda (CuPy kernels), auto (cuda when CuPy sees "
                         "a GPU, else cpu)")
 
 

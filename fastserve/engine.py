@@ -318,7 +318,7 @@ class Engine:
     def describe(self) -> EngineInfo:
         """The engine's shape and model, read now from any thread (all fixed at start but kv_resident)."""
         info = self._info
-        if not info.kv_resident and self._backend.kv.resident.is_set():
+        if not info.kv_resident and self._backend.kv_resident():
             info = self._info = replace(info, kv_resident=True)
         return info
 
@@ -614,16 +614,14 @@ class Engine:
 
     def _make_info(self) -> EngineInfo:
         be, m = self._backend, self._model
-        # The CPU backend's KVCache is made resident on a thread of its own; the CUDA backend's kv is an array.
-        kv = getattr(be, "kv", None)
-        resident = getattr(kv, "resident", None)
+        # A backend handed in (tests, benchmarks) may hold no KV cache of its own.
+        kv_bytes, kv_resident = (be.kv_bytes(), be.kv_resident()) if hasattr(be, "kv_bytes") else (0, True)
         return EngineInfo(
             n_slots=self._n_slots, n_ctx_slot=self._n_ctx_slot, n_batch=self._n_batch, n_vocab=m.config.n_vocab,
             threads=self._threads, device=self._device, samples_on_device=be.samples_on_device,
             cache_type_k=self._config.cache_type_k, cache_type_v=self._config.cache_type_v,
             window=m.config.sliding_window, ring=getattr(be, "kv_ring", 0),
-            kv_bytes=kv.nbytes() if resident is not None else int(getattr(kv, "nbytes", 0)),
-            kv_resident=resident is None or resident.is_set(),
+            kv_bytes=kv_bytes, kv_resident=kv_resident,
             model_name=getattr(m, "name", "model"), model_path=str(getattr(m, "path", "")),
             model_summary=m.load_summary() if hasattr(m, "load_summary") else "")
 

@@ -79,6 +79,14 @@ class Backend(Protocol):
 
     kv_ring: int                    # positions a local layer keeps per slot (0: every position, no ring)
 
+    def kv_bytes(self) -> int:
+        """Bytes of the whole KV cache."""
+        ...
+
+    def kv_resident(self) -> bool:
+        """Every page of the KV cache is in memory (a CPU cache comes in on a thread of its own)."""
+        ...
+
     def kv_held_from(self, slot: int, n_tokens: int) -> int:
         """The first position from which the rings hold every position before n_tokens of slot (0: all)."""
         ...

@@ -44,6 +44,7 @@ class Model:
     def logits(self, token_ids, cache_type_k: str = "f16", cache_type_v: str = "f16") -> np.ndarray:
         """Teacher forcing: float32 [len(token_ids), n_vocab] for one fresh sequence from position 0,
         with the KV cache in those types (see backends/cpu/kv_cache.py)."""
+        # up a layer, on purpose: teacher forcing is the CPU backend's forward (the golden tests' oracle), imported here lazily
         from ..backends.cpu.backend import CpuBackend
 
         ids = np.asarray(list(token_ids), dtype=np.int32)

@@ -173,6 +173,7 @@ def dequantize(entry, path: str) -> np.ndarray:
 def matrix_part(entry, path: str):
     """(label, type, data, rows) of one 2-D tensor for BlockMatrix: its mapped bytes as they are for a
     kernel type; any other type repacked once into Q8_0 blocks (F64 into F32), logged."""
+    # up a layer, on purpose: the types the CPU kernels run on the file's own blocks (the rest is repacked)
     from ..backends.cpu._matmul import KERNEL_TYPES
 
     if entry.type_name not in SUPPORTED_TENSOR_TYPES:
@@ -192,6 +193,7 @@ def matrix_part(entry, path: str):
 
 def block_matrix(entries, path: str):
     """The BlockMatrix of the row-wise concatenation of entries (2-D tensors of one width)."""
+    # up a layer, on purpose: the weights are the CPU kernel's own view of the mapped blocks (no copy, no decode)
     from ..backends.cpu._matmul import BlockMatrix
 
     try:

@@ -22,7 +22,7 @@ def fake(monkeypatch):
     return fake_cupy.install(monkeypatch)
 
 
-def _numpy_backend(cfg, weights, n_slots, n_ctx):
+def _cpu_backend(cfg, weights, n_slots, n_ctx):
     kw = {"weight_type": "f32"} if "weight_type" in inspect.signature(CpuBackend).parameters else {}
     return CpuBackend(cfg, weights, n_slots, n_ctx, **kw)
 
@@ -47,13 +47,13 @@ def _prefill_then_decode(backend, prompts, n_decode, rng):
 
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])
-def test_logits_match_numpy_backend(fake, tiny_model, dtype):
+def test_logits_match_cpu_backend(fake, tiny_model, dtype):
     from fastserve.backends.cuda.backend import CupyBackend
     cfg, w = tiny_model.config, tiny_model.weights
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, cfg.n_vocab, n).astype(np.int32) for n in (7, 3, 12)]
     gpu = CupyBackend(cfg, w, n_slots=4, n_ctx_slot=64, dtype=dtype, attn_chunk=4)
-    ref = _numpy_backend(cfg, rounded_weights(w, dtype), 4, 64)
+    ref = _cpu_backend(cfg, rounded_weights(w, dtype), 4, 64)
     got = _prefill_then_decode(gpu, prompts, 6, rng)
     want = _prefill_then_decode(ref, prompts, 6, rng)
     worst = max(rel_err(g, r) for g, r in zip(got, want))
@@ -205,7 +205,7 @@ def test_engine_runs_on_the_backend(fake, request, model_name):
                           backend=lambda cfg, w, ns, nc: CupyBackend(cfg, w, ns, nc)) as e:
         got = [r.result().token_ids for r in [e.submit(p, max_tokens=8, temperature=0) for p in prompts]]
     with fastserve.Engine(tiny_model, n_parallel=2, n_ctx=128,
-                          backend=lambda cfg, w, ns, nc: _numpy_backend(cfg, rounded_weights(w, "f16"), ns, nc)) as e:
+                          backend=lambda cfg, w, ns, nc: _cpu_backend(cfg, rounded_weights(w, "f16"), ns, nc)) as e:
         want = [r.result().token_ids for r in [e.submit(p, max_tokens=8, temperature=0) for p in prompts]]
     assert got == want
 
@@ -219,7 +219,7 @@ def _row_against_numpy(cfg, w, lengths) -> float:
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, cfg.n_vocab, n).astype(np.int32) for n in lengths]
     gpu = CupyBackend(cfg, w, n_slots=4, n_ctx_slot=64, dtype="f16", attn_chunk=4)
-    ref = _numpy_backend(cfg, rounded_weights(w, "f16"), 4, 64)
+    ref = _cpu_backend(cfg, rounded_weights(w, "f16"), 4, 64)
     got = _prefill_then_decode(gpu, prompts, 6, rng)
     want = _prefill_then_decode(ref, prompts, 6, rng)
     assert gpu._graphs, "decode steps did not go through a CUDA graph"
@@ -227,7 +227,7 @@ def _row_against_numpy(cfg, w, lengths) -> float:
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_other_rows_match_numpy_backend(fake, tmp_path, arch):
+def test_other_rows_match_cpu_backend(fake, tmp_path, arch):
     """The rows the kernels run besides llama's: NeoX RoPE (Q/K rows uploaded in neox_order), q/k/v biases
     and per-head q/k RMSNorm (cuda/qk_prep.cu), head_dim decoupled from n_embd / n_head."""
     import fastserve
@@ -237,7 +237,7 @@ def test_other_rows_match_numpy_backend(fake, tmp_path, arch):
     assert worst <= 1e-2, f"{arch}: worst per-step relative error {worst:.2e}"
 
 
-def test_gemma3_row_matches_numpy_backend(fake, tiny_gemma3):
+def test_gemma3_row_matches_cpu_backend(fake, tiny_gemma3):
     """gemma3's row (tests/gpu/conftest.tiny_gemma3: GeGLU, sandwich norms, scaled embedding, a local layer
     with its own RoPE table and window 8, 256-wide heads, soft-capping): every launch's arguments against
     the kernels' signatures, the logits against the NumPy backend over a prompt past the window, and decode

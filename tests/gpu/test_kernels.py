@@ -122,7 +122,7 @@ def test_softcap_matches_the_reference(cupy):
     np.testing.assert_array_equal(got[m], logits[m])
 
 
-def test_rope_matches_numpy_backend(cupy):
+def test_rope_matches_cpu_backend(cupy):
     from fastserve.backends.cpu.ref.layer_ops import apply_rope
     rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     H, Hkv, D, rope_dim, n_ctx = 6, 2, 32, 24, 100
@@ -298,7 +298,7 @@ def test_swiglu(cupy, storage, gelu):
 
 @pytest.mark.parametrize("bias, norms", [(True, False), (False, True), (True, True)])
 def test_qk_prep_is_bias_then_head_norms(cupy, bias, norms):
-    """qwen2's q/k/v bias and qwen3's per-head q/k RMSNorm, as numpy_backend computes them."""
+    """qwen2's q/k/v bias and qwen3's per-head q/k RMSNorm, as the CPU backend computes them."""
     from fastserve.backends.cpu.ref.layer_ops import head_norm
     rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     H, Hkv, D, n, eps = 4, 2, 48, 5, 1e-6

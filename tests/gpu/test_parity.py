@@ -21,7 +21,7 @@ from .helpers import rel_err, rounded_weights
 GREEDY_TOKENS = 32
 
 
-def _numpy_backend(cfg, weights, n_slots, n_ctx):
+def _cpu_backend(cfg, weights, n_slots, n_ctx):
     kw = {"weight_type": "f32"} if "weight_type" in inspect.signature(CpuBackend).parameters else {}
     return CpuBackend(cfg, weights, n_slots, n_ctx, **kw)
 
@@ -105,7 +105,7 @@ def _worst_logit_error(model, dtype: str, n_prompts: int, longest: int, n_ctx: i
     seed = int(rng.integers(1 << 30))
     got = _logit_steps(_cupy_backend(cfg, w, n_prompts, n_ctx, dtype=dtype), prompts, n_steps,
                        np.random.default_rng(seed))
-    want = _logit_steps(_numpy_backend(cfg, rounded_weights(w, "f32"), n_prompts, n_ctx), prompts, n_steps,
+    want = _logit_steps(_cpu_backend(cfg, rounded_weights(w, "f32"), n_prompts, n_ctx), prompts, n_steps,
                         np.random.default_rng(seed))
     return max(rel_err(g, r) for g, r in zip(got, want))
 
@@ -122,7 +122,7 @@ def test_tiny_greedy_32_tokens_identical(cupy, tiny_model):
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, cfg.n_vocab, n).astype(np.int32) for n in (3, 17, 30, 1, 9)]
     got, _ = _greedy(_cupy_backend(cfg, w, 5, 128), prompts, GREEDY_TOKENS)
-    want, rows = _greedy(_numpy_backend(cfg, rounded_weights(w, "f16"), 5, 128), prompts, GREEDY_TOKENS)
+    want, rows = _greedy(_cpu_backend(cfg, rounded_weights(w, "f16"), 5, 128), prompts, GREEDY_TOKENS)
     assert got == want, _explain(got, want, rows, [f"prompt {i}" for i in range(len(prompts))])
 
 
@@ -131,7 +131,7 @@ def test_tiny_engine_on_cuda_matches_cpu_engine(cupy, tiny_model):
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [40, 41, 42, 43, 44]]
     with fastserve.Engine(tiny_model, n_parallel=3, n_ctx=3 * 128, backend="cuda") as e:
         got = [r.result().token_ids for r in [e.submit(p, max_tokens=24, temperature=0) for p in prompts]]
-    factory = lambda cfg, w, ns, nc: _numpy_backend(cfg, rounded_weights(w, "f16"), ns, nc)    # noqa: E731
+    factory = lambda cfg, w, ns, nc: _cpu_backend(cfg, rounded_weights(w, "f16"), ns, nc)    # noqa: E731
     with fastserve.Engine(tiny_model, n_parallel=3, n_ctx=3 * 128, backend=factory) as e:
         want = [r.result().token_ids for r in [e.submit(p, max_tokens=24, temperature=0) for p in prompts]]
     assert got == want
@@ -208,7 +208,7 @@ def test_tiny_gemma3_logits_within_bar_of_numpy(cupy, tiny_gemma3, dtype):
     prompts = _gemma_prompts(cfg)
     gpu = _cupy_backend(cfg, w, 4, 64, dtype=dtype, attn_chunk=8)
     got = _logit_steps(gpu, prompts, 8, np.random.default_rng(5))
-    want = _logit_steps(_numpy_backend(cfg, rounded_weights(w, dtype), 4, 64), prompts, 8, np.random.default_rng(5))
+    want = _logit_steps(_cpu_backend(cfg, rounded_weights(w, dtype), 4, 64), prompts, 8, np.random.default_rng(5))
     err = max(rel_err(g, r) for g, r in zip(got, want))
     print(f"tiny gemma3, {dtype} weights: worst relative error of the logits {err:.2e}")
     assert err <= BAR[dtype]
@@ -221,7 +221,7 @@ def test_tiny_gemma3_greedy_identical_and_graphs_equal_eager(cupy, tiny_gemma3):
     cfg, w = tiny_gemma3.config, tiny_gemma3.weights
     prompts = _gemma_prompts(cfg)
     got, _ = _greedy(_cupy_backend(cfg, w, 3, 64), prompts, 12)
-    want, rows = _greedy(_numpy_backend(cfg, rounded_weights(w, "f16"), 3, 64), prompts, 12)
+    want, rows = _greedy(_cpu_backend(cfg, rounded_weights(w, "f16"), 3, 64), prompts, 12)
     assert got == want, _explain(got, want, rows, [f"prompt {i}" for i in range(len(prompts))])
     a = _logit_steps(_cupy_backend(cfg, w, 3, 64, graphs=True), prompts, 3, np.random.default_rng(6))
     b = _logit_steps(_cupy_backend(cfg, w, 3, 64, graphs=False), prompts, 3, np.random.default_rng(6))
@@ -254,7 +254,7 @@ def test_default_greedy_32_tokens_identical_on_reference_prompts(cupy, default_m
     names = [c["name"] for c in reference_cases]
     n_ctx = 64 * (-(-(max(len(p) for p in prompts) + GREEDY_TOKENS) // 64))
     got, _ = _greedy(_cupy_backend(cfg, w, len(prompts), n_ctx), prompts, GREEDY_TOKENS)
-    want, rows = _greedy(_numpy_backend(cfg, rounded_weights(w, "f16"), len(prompts), n_ctx), prompts, GREEDY_TOKENS)
+    want, rows = _greedy(_cpu_backend(cfg, rounded_weights(w, "f16"), len(prompts), n_ctx), prompts, GREEDY_TOKENS)
     same_as_llama = sum(g[:16] == c["generated_token_ids"][:16] for g, c in zip(got, reference_cases))
     print(f"GPU greedy equals llama.cpp's first 16 tokens on {same_as_llama}/{len(prompts)} prompts")
     assert got == want, _explain(got, want, rows, names)

@@ -178,7 +178,7 @@ cdef inline double _now() noexcept nogil:
 
 
 cdef class Forward:
-    """The forward pass over one model's weights and KV cache (kv: backends.kv_cache.KVCache), with
+    """The forward pass over one model's weights and KV cache (kv: backends.cpu.kv_cache.KVCache), with
     the products on mm (a fastserve.backends.cpu._matmul.Matmul) and attention on attn (a fastserve.backends.cpu._attention.
     Attention), both on pool (fastserve.backends.cpu._pool.Pool), whose threads also run the element-wise stages
     of big batches. ropes: (cos, sin) float32 [n_ctx, rope_dim / 2] of the global layers, and of the

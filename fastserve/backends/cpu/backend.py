@@ -26,7 +26,7 @@ class CpuBackend(HostSampling):
     ("f16", the default, "f32" or "q8_0"), read directly by attention.
 
     max_tokens: the most tokens a step carries (its buffers; and the most one step writes into one
-    slot, which sizes the local layers' rings: backends/kv_cache.ring_size); a step of more tokens in
+    slot, which sizes the local layers' rings: backends/cpu/kv_cache.ring_size); a step of more tokens in
     one slot is refused when the model has a ring (Model.logits makes its backend for the whole sequence).
 
     threads: threads of the step's loops (self.pool: the caller + threads - 1 helpers); 1 is the safe default
@@ -68,6 +68,12 @@ class CpuBackend(HostSampling):
 
     def kv_bytes_per_token(self) -> int:
         return self.kv.bytes_per_token()
+
+    def kv_bytes(self) -> int:
+        return self.kv.nbytes()
+
+    def kv_resident(self) -> bool:
+        return self.kv.resident.is_set()
 
     def copy_slot(self, src: int, dst: int, n_tokens: int) -> None:
         self.kv.copy_slot(src, dst, n_tokens)
@@ -115,5 +121,3 @@ class CpuBackend(HostSampling):
 def _int64(a) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int64).reshape(-1)
 
-
-NumpyBackend = CpuBackend   # its old name (it runs C, not NumPy), importable for one more release

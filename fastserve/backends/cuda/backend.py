@@ -305,6 +305,12 @@ class CupyBackend:
         c = self.cfg
         return 2 * c.n_layer * c.n_head_kv * c.head_dim * self.kv.itemsize
 
+    def kv_bytes(self) -> int:
+        return int(self.kv.nbytes)
+
+    def kv_resident(self) -> bool:
+        return True                 # device memory, allocated at start
+
     def forward(self, tokens, positions, slots, out_rows) -> np.ndarray:
         """tokens, positions, slots int32 [n]; out_rows int32 [m] -> float32 logits [m, n_vocab] on the
         host (a pinned buffer reused at the next call when m <= max_out)."""

@@ -32,7 +32,7 @@ class Activations:
 
 
 def forward(be, tokens, positions, slots, out_rows, logits: np.ndarray) -> np.ndarray:
-    """be: a backends.numpy_backend.CpuBackend (its weights, KV cache, RoPE tables, products _mm,
+    """be: a backends.cpu.backend.CpuBackend (its weights, KV cache, RoPE tables, products _mm,
     attention _attn and reference activations act). tokens, positions, slots [n]; out_rows [m]:
     logits[:m] float32 [m, n_vocab] of those rows, written into logits."""
     cfg, w = be.cfg, be.w
