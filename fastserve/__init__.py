@@ -6,10 +6,11 @@
         print(engine.generate("The capital of France is", max_tokens=16, temperature=0).text)
 """
 from .engine import Engine
-from .errors import EngineClosed, FastserveError, ModelLoadError, PullError, RequestError, ServerBusy
+from .errors import ContextExceeded, EngineClosed, FastserveError, ModelLoadError, PullError, RequestError, ServerBusy
 from .models.model import Model, load_model
 from .models.default_model import default_model_path, pull
 from .request import Completion
 
 __all__ = ["Engine", "Model", "Completion", "load_model", "default_model_path", "pull",
-           "FastserveError", "ModelLoadError", "PullError", "RequestError", "ServerBusy", "EngineClosed"]
+           "FastserveError", "ModelLoadError", "PullError", "RequestError", "ContextExceeded", "ServerBusy",
+           "EngineClosed"]

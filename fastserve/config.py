@@ -18,7 +18,7 @@ from typing import Optional
 
 import numpy as np
 
-from .errors import RequestError
+from .errors import ContextExceeded, RequestError
 
 MAX_N_PROBS = 100               # most top-N probabilities a request may ask for per token (llama-server's cap)
 MAX_PENALTY_WINDOW = 256        # most tokens of history a request's penalties may look back on (repeat_last_n)
@@ -158,6 +158,26 @@ FLAGS = dict(n_parallel="parallel", n_ctx="ctx_size", n_batch="batch_size", devi
 
 
 # -- the checks -----------------------------------------------------------------------------------------
+
+def check_token_ids(ids, n_vocab: int, what: str = "prompt") -> None:
+    """Every id in the vocabulary: a prompt's (Engine.submit), /tokenize's."""
+    bad = next((t for t in ids if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise RequestError(f"{what} token ids must be in [0, {n_vocab}), got {bad}")
+
+
+def check_context(n_prompt: int, n_ctx_slot: int) -> None:
+    """A prompt must leave its slot room for one token (llama-server's exceed_context_size_error)."""
+    if n_prompt >= n_ctx_slot:
+        raise ContextExceeded(n_prompt, n_ctx_slot)
+
+
+def check_max_tokens(max_tokens) -> None:
+    """The tokens to generate: -1 (until the slot is full) or a count (llama-server's n_predict)."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < -1:
+        raise RequestError(f"max_tokens (n_predict) must be an integer >= -1 (-1: until the context is full), "
+                           f"got {max_tokens!r}")
+
 
 def check_fits(cfg: dict, max_penalty_window: int, max_logit_bias: int, what: str = "this sampler") -> None:
     """A checked configuration (SamplingParams.slot_config) against a sampler's capacities: the one check

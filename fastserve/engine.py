@@ -27,7 +27,8 @@ import numpy as np
 from . import _batch, _delivery, _faults, _sampling, _slots
 from ._slots import IDLE
 from .backends.host_sampling import HostSampled
-from .config import MAX_LOGIT_BIAS, MAX_PENALTY_WINDOW, EngineConfig, SamplingParams
+from .config import (MAX_LOGIT_BIAS, MAX_PENALTY_WINDOW, EngineConfig, SamplingParams, check_context,
+                     check_max_tokens, check_token_ids)
 from .errors import ConfigError, EngineClosed, RequestError, ServerBusy
 from .grammar import Constraint, compile_grammar
 from .inbox import Cancel, Erase, Inbox, Submit
@@ -240,7 +241,9 @@ class Engine:
         grammar (GBNF text) or json_schema (a dict or its JSON text): only output it accepts is
         sampled (fastserve/grammar.py); it is compiled here, in the caller's thread. constraint: one
         compiled beforehand (Engine.constraint(), e.g. in a worker thread), for this request alone.
-        Raises RequestError (bad request), ServerBusy (queue full), EngineClosed."""
+        The prompt's token ids, its room in a slot and max_tokens are checked here only (the server leaves
+        them to this call). Raises RequestError (bad request; ContextExceeded: a prompt its slot cannot
+        hold), ServerBusy (queue full), EngineClosed."""
         if self._closing:
             raise EngineClosed("the engine is closed")
         if constraint is None:
@@ -257,8 +260,7 @@ class Engine:
             params = sampling
         if isinstance(stop, str):
             stop = [stop]
-        if not isinstance(max_tokens, int) or max_tokens < -1:
-            raise RequestError("max_tokens must be an integer >= -1 (-1: until the context is full)")
+        check_max_tokens(max_tokens)
         if not -1 <= id_slot < self._n_slots:
             raise RequestError(f"id_slot must be -1 or in [0, {self._n_slots})")
         if len(self._waiting) + len(self._inbox) >= self._max_queue + self._free_slots_hint():
@@ -355,17 +357,14 @@ class Engine:
         elif isinstance(prompt, (list, tuple, np.ndarray)) and all(
                 isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
             ids = [int(t) for t in prompt]
-            if any(not 0 <= t < self._model.config.n_vocab for t in ids):
-                raise RequestError(f"prompt token ids must be in [0, {self._model.config.n_vocab})")
+            check_token_ids(ids, self._model.config.n_vocab)
         else:
             raise RequestError("prompt must be a string or a list of token ids")
         if not ids:
             raise RequestError("the prompt is empty")
-        if len(ids) >= self._n_ctx_slot:
-            if not truncate:
-                raise RequestError(f"the prompt has {len(ids)} tokens but a slot holds {self._n_ctx_slot} "
-                                   f"(n_ctx / n_parallel); shorten it or ask for truncation")
+        if truncate and len(ids) >= self._n_ctx_slot:
             ids = ids[-(self._n_ctx_slot // 2):]
+        check_context(len(ids), self._n_ctx_slot)       # ContextExceeded: the server's exceed_context_size_error
         return np.asarray(ids, dtype=np.int32)
 
     # -- the decode thread -----------------------------------------------------------------

@@ -17,6 +17,16 @@ class RequestError(FastserveError, ValueError):
     """A request is invalid (bad parameter, prompt too long, empty prompt)."""
 
 
+class ContextExceeded(RequestError):
+    """A prompt leaves its slot no room for a token: n_prompt tokens against a slot of n_ctx (llama-server's
+    exceed_context_size_error, whose fields the server answers with)."""
+
+    def __init__(self, n_prompt: int, n_ctx: int):
+        super().__init__(f"the prompt has {n_prompt} tokens but a slot holds {n_ctx} (n_ctx / n_parallel); "
+                         f"shorten it or ask for truncation")
+        self.n_prompt, self.n_ctx = n_prompt, n_ctx
+
+
 class ServerBusy(FastserveError):
     """Every slot is busy and the waiting queue is full."""
 

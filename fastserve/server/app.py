@@ -27,7 +27,7 @@ from functools import partial
 from ..errors import RequestError
 from . import routes
 from .config import ServerConfig
-from .errors import LLAMA, OPENAI, HttpError, error_json
+from .errors import LLAMA, OPENAI, HttpError, error_json, refused
 from .generation import Generation
 from .metrics import ServerMetrics
 from .params import Parser
@@ -98,7 +98,7 @@ class App:
         except HttpError as err:
             return self.error_response(ex.family, err)
         except RequestError as exc:
-            return self.error_response(ex.family, HttpError(400, str(exc)))
+            return self.error_response(ex.family, refused(exc))
         except Exception as exc:        # a bug in a route: log it, answer 500, keep serving
             self.log_exception(ex, exc)
             return self.error_response(ex.family, HttpError(500, f"internal error: {type(exc).__name__}"))
@@ -144,9 +144,10 @@ class App:
         """The engine's Constraint of a request's grammar or json_schema (None for neither), compiled in a worker
         thread: llguidance takes tens of ms for a large schema and much more for a pathological one, which on the
         loop would stall every stream and /health (it drops the GIL while it compiles). An invalid grammar or
-        schema is a 400 with the compiler's message. limits (generation.Limits): the wait for a worker and the
-        compile count against the request's queue and total limits, which run from its arrival (503 / 504
-        when they run out during the compile, which runs on, its result dropped; Generation.check after)."""
+        schema raises the compiler's RequestError (the exchange's 400). limits (params.Limits): the wait for a
+        worker and the compile count against the request's queue and total limits, which run from its arrival
+        (503 / 504 when they run out during the compile, which runs on, its result dropped; Generation.check
+        after)."""
         if not constrain:
             return None
         if self.closing:
@@ -157,8 +158,6 @@ class App:
         work = asyncio.get_running_loop().run_in_executor(self._compiler, partial(self._engine.constraint, **constrain))
         try:
             return await asyncio.wait_for(work, limit)
-        except RequestError as exc:
-            raise HttpError(400, str(exc)) from None
         except asyncio.TimeoutError:
             self.metrics.deadlines.inc(1, kind)
             if kind == "queue":

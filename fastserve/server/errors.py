@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import orjson
 
+from ..errors import ContextExceeded, RequestError
+
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -41,6 +43,17 @@ class HttpError(Exception):
 
     def payload(self, family: str) -> dict:
         return error_payload(family, self.status, self.message, self.type, self.fields)
+
+
+def refused(exc: RequestError) -> HttpError:
+    """The 400 of a request the engine, the tokenizer or the grammar compiler refused: the one mapping of a
+    RequestError, for both families, streamed or not. A prompt its slot cannot hold is llama-server's
+    exceed_context_size_error, with its message and its fields."""
+    if isinstance(exc, ContextExceeded):
+        return HttpError(400, f"request ({exc.n_prompt} tokens) exceeds the available context size ({exc.n_ctx} "
+                              f"tokens) of a slot (n_ctx / n_parallel), try increasing it",
+                         type="exceed_context_size_error", fields={"n_prompt_tokens": exc.n_prompt, "n_ctx": exc.n_ctx})
+    return HttpError(400, str(exc))
 
 
 def error_payload(family: str, status: int, message: str, type: str | None = None, fields: dict | None = None) -> dict:

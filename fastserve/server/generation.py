@@ -20,16 +20,9 @@ import time
 from contextlib import aclosing
 from typing import NamedTuple
 
-from ..errors import EngineClosed, RequestError, ServerBusy
+from ..errors import EngineClosed, ServerBusy
 from ..request import ENDED_EARLY, OUTCOMES
 from .errors import HttpError
-
-
-class Limits(NamedTuple):
-    """Seconds; 0 means no limit."""
-    queue: float
-    total: float
-    token: float
 
 
 class Delta(NamedTuple):
@@ -47,7 +40,8 @@ class Generation:
         """One choice of a request, submitted to the engine. ids: its prompt's token ids and sampling its
         SamplingParams (params.Params.choices); params: what the request asked (params.Params); constraint:
         this choice's own compiled grammar or schema (App.compile). inflight: the server's running
-        generations, which this one is in until it closes."""
+        generations, which this one is in until it closes. Raises HttpError (503: queue full, shutting down)
+        or the engine's RequestError (the exchange's 400: errors.refused)."""
         snap = engine.snapshot
         try:
             self.text = engine.submit(ids, sampling=sampling, max_tokens=params.max_tokens, stop=params.stop,
@@ -57,8 +51,6 @@ class Generation:
             raise HttpError(503, str(exc)) from None
         except EngineClosed:
             raise HttpError(503, "the server is shutting down") from None
-        except RequestError as exc:
-            raise HttpError(400, str(exc)) from None
         self.reader = self.text.reader              # token ids; its slot and cached prompt tokens once admitted
         self.params, self.sampling = params, sampling
         self.metrics, self.inflight = metrics, inflight

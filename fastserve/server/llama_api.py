@@ -27,9 +27,11 @@ async def completion(req, ex, *, parser, compile, start, tokenizer, alias):
     compiled = await compile(params.constraint, params.limits)     # in a worker thread: a big schema takes long
     gens = start_all(start, ex, params, compiled)
     settings = params.settings()
+    # each prompt's "prompt": given ids are decoded once the engine took them (it checks their range)
+    texts = [tokenizer.decode(ids) if t is None else t for t, ids in zip(params.texts, params.prompts)]
 
     def final(i: int, content: str, tokens: list) -> dict:
-        return _select(_final(alias, gens[i], i, settings, params.texts[i], content, tokens), params.response_fields)
+        return _select(_final(alias, gens[i], i, settings, texts[i], content, tokens), params.response_fields)
 
     if params.stream:
         return StreamResponse(_stream(tokenizer, gens, final, params),

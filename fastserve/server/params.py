@@ -4,8 +4,10 @@ llama-server's params_from_json_cmpl does, each field read and each value checke
 
     fields.Body            the field's JSON type ("'top_p' must be a number")
     SamplingParams.make    every sampling value (config.check_sampling): ranges, seed, n_probs, logit_bias ids
-    here                   the prompt (its text's length before it is tokenized, its token ids, room in a
-                           slot), max_tokens, choices, limits, constraints, the fields fastserve cannot honour
+    here                   the prompt's form and its text's length before it is tokenized, choices, limits,
+                           constraints, the fields fastserve cannot honour
+    Engine.submit          the prompt's token ids, its room in a slot, max_tokens: the engine's own checks,
+                           run once per choice (errors.refused answers them, llama-server's way)
 
 A sampling field a request leaves out takes the server's default (ServerConfig.sampling: --temp, --top-k,
 ...; else SamplingParams' own). Unknown fields are ignored, as llama-server and OpenAI do.
@@ -14,11 +16,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from ..config import SamplingParams
 from .errors import HttpError
 from .fields import Body, kind, parse_object
-from .generation import Limits
 from .tools import ToolPlan, chat_messages, response_format, tool_plan, with_tools
 
 # A request's sampling fields (SamplingParams' names, llama-server's) and the JSON type of each.
@@ -71,13 +73,20 @@ MAX_BIAS_TEXT = 256             # characters of one logit_bias text (tokenized o
 MAX_TOKENS = {"llama": ("n_predict", "max_tokens"), "openai": ("max_completion_tokens", "max_tokens")}
 
 
+class Limits(NamedTuple):
+    """A request's time limits (queue_timeout, request_timeout, token_timeout), seconds; 0 means no limit."""
+    queue: float
+    total: float
+    token: float
+
+
 @dataclass(frozen=True)
 class Params:
     """What one request asks for, parsed and checked: llama-server's slot_params."""
-    prompts: list                   # each prompt's token ids: in the vocabulary, leaving its slot room for a token
+    prompts: list                   # each prompt's token ids (Engine.submit checks their range and length)
     sampling: SamplingParams        # checked; its seed is the first choice's (drawn when the request gave none)
     seed: int | None                # as given (None: drawn), for the generation settings
-    max_tokens: int                 # -1: until the slot is full; at most a slot's context
+    max_tokens: int                 # -1: until the slot is full; at most a slot's context (Engine.submit checks it)
     stop: list
     limits: Limits
     constraint: dict                # grammar or json_schema for App.compile ({}: none)
@@ -87,7 +96,8 @@ class Params:
     cache_prompt: bool = True
     id_slot: int = -1
     # the answer's shape
-    texts: tuple = ()               # /completion: each prompt as text (its answer's "prompt")
+    texts: tuple = ()               # /completion: each prompt's text, None for ids (llama_api decodes them once
+                                    # the engine took them): its answer's "prompt"
     return_tokens: bool = False
     timings_per_token: bool = False
     response_fields: tuple = ()     # /completion: the paths its answer keeps ("a/b" reaches into objects)
@@ -148,8 +158,7 @@ class Parser:
                             constraint=self.constraint(body), cache_prompt=body.bool("cache_prompt", True),
                             id_slot=body.int("id_slot", -1, lo=-1), return_tokens=body.bool("return_tokens"),
                             timings_per_token=body.bool("timings_per_token"), response_fields=tuple(fields),
-                            texts=tuple(t if isinstance(t, str) else self.tokenizer.decode(ids)
-                                        for t, ids in zip(texts, prompts)))
+                            texts=tuple(t if isinstance(t, str) else None for t in texts))
 
     def completions(self, data: bytes) -> Params:
         """OpenAI's legacy /v1/completions: a prompt or a list of them (as llama-server), n choices of each."""
@@ -201,7 +210,7 @@ class Parser:
         max_tokens = cfg.n_predict
         for name in MAX_TOKENS[api]:
             if body.has(name):
-                max_tokens = body.int(name, lo=-1)
+                max_tokens = body.int(name)         # its range: Engine.submit's
                 break
         return Params(prompts, sampling, seed, min(max_tokens, self.n_ctx), stop(body), limits(body, cfg),
                       stream=body.bool("stream"), ignore_eos=ignore_eos, **fields)
@@ -279,8 +288,8 @@ class Parser:
 
     def prompt(self, value, name: str = "prompt", limit: int | None = None) -> list[int]:
         """One prompt as token ids: text, token ids, or llama.cpp's mix of both ([1, "text", 2, ...]); text
-        gets the BOS token when it comes first. Refuses a prompt its slot cannot hold (check_context), or,
-        given a limit (/tokenize), more than limit tokens."""
+        gets the BOS token when it comes first. Reads no further once it is longer than a slot (Engine.submit
+        refuses it then); given a limit (/tokenize), refuses more than limit tokens."""
         tok = self.tokenizer
         cap = self.n_ctx if limit is None else limit
         if value is None:
@@ -297,17 +306,13 @@ class Parser:
             elif not isinstance(x, int) or isinstance(x, bool):
                 raise HttpError(400, f"'{name}' must be a string, an array of token ids and strings, or an array "
                                      f"of such prompts; got {type(x).__name__} at [{i}]")
-            elif not 0 <= x < tok.n_vocab:
-                raise HttpError(400, f"'{name}' token ids must be in [0, {tok.n_vocab}), got {x}")
             else:
                 ids.append(x)
             if len(ids) > cap:
-                break                          # already too long (and refused below): tokenize no more
+                break                          # already too long: tokenize no more
         if not ids:
             raise HttpError(400, f"'{name}' is empty")
-        if limit is None:
-            self.check_context(len(ids))
-        elif len(ids) > limit:
+        if limit is not None and len(ids) > limit:
             raise HttpError(400, f"'{name}' has more than {limit} tokens; at most {limit} are tokenized at once")
         return ids
 
@@ -324,7 +329,6 @@ class Parser:
         ids = tok.encode(text, add_special=True)
         if not ids:
             raise HttpError(400, "the conversation is empty")
-        self.check_context(len(ids))
         return replace(params, prompts=[ids])
 
     def check_length(self, n_chars: int, what: str) -> None:
@@ -332,13 +336,6 @@ class Parser:
         if n_chars > self.max_chars:
             raise HttpError(400, f"{what} has {n_chars} characters, more than a slot of {self.n_ctx} tokens can "
                                  f"hold (at most {self.max_chars} characters are accepted); shorten it")
-
-    def check_context(self, n_prompt: int) -> None:
-        """llama-server's exceed_context_size_error: a prompt must leave its slot room for one token."""
-        if n_prompt >= self.n_ctx:
-            raise HttpError(400, f"request ({n_prompt} tokens) exceeds the available context size ({self.n_ctx} "
-                                 f"tokens) of a slot (n_ctx / n_parallel), try increasing it",
-                            type="exceed_context_size_error", fields={"n_prompt_tokens": n_prompt, "n_ctx": self.n_ctx})
 
     @staticmethod
     def constraint(body: Body) -> dict:

@@ -19,7 +19,7 @@ import socket
 import time
 
 from ..errors import RequestError
-from .errors import HttpError
+from .errors import HttpError, refused
 from .http import ProtocolFailure, ServerConnection
 from .response import Response, StreamResponse
 
@@ -169,7 +169,7 @@ class HttpProtocol(asyncio.Protocol):
             except HttpError as err:
                 resp = self.app.error_response(ex.family, err)
             except RequestError as exc:
-                resp = self.app.error_response(ex.family, HttpError(400, str(exc)))
+                resp = self.app.error_response(ex.family, refused(exc))
             if isinstance(resp, StreamResponse):
                 ex.status = resp.status
                 ex.streaming = True
@@ -186,7 +186,7 @@ class HttpProtocol(asyncio.Protocol):
         except HttpError as err:
             self._cut(ex, resp, err)
         except RequestError as exc:     # the engine or tokenizer refused the input
-            self._cut(ex, resp, HttpError(400, str(exc)))
+            self._cut(ex, resp, refused(exc))
         except ConnectionError:
             pass
         except Exception as exc:       # a bug: log it, answer 500, keep serving everyone else

@@ -13,6 +13,7 @@ import inspect
 import time
 from functools import partial
 
+from ..config import check_token_ids
 from ..request import SlotState
 from . import llama_api, openai_api, webui
 from .config import BUILD_INFO
@@ -143,6 +144,7 @@ def tokenize(req, ex, *, parser, tokenizer, info):
                                parse_special=body.bool("parse_special", True))
     else:
         ids = parser.prompt(content, "content", limit=cap)
+        check_token_ids(ids, tokenizer.n_vocab, "'content'")
     if body.bool("with_pieces"):
         out = []
         for t in ids:
@@ -164,9 +166,7 @@ def detokenize(req, ex, *, tokenizer, info):
         raise HttpError(400, "'tokens' must be an array of token ids")
     if len(ids) > cap:
         raise HttpError(400, f"'tokens' has {len(ids)} ids; at most {cap} are detokenized at once")
-    if any(not 0 <= t < tokenizer.n_vocab for t in ids):
-        raise HttpError(400, f"token ids must be in [0, {tokenizer.n_vocab})")
-    return json_response({"content": tokenizer.decode(ids)})
+    return json_response({"content": tokenizer.decode(ids)})      # an id outside the vocabulary: its RequestError
 
 
 async def slot_action(req, ex, slot: int, *, engine, config, unhealthy):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import fastserve
-from fastserve.errors import EngineClosed, RequestError, ServerBusy
+from fastserve.errors import ContextExceeded, EngineClosed, RequestError, ServerBusy
 from fastserve.tracer import STEP_SECONDS_BUCKETS
 from fill_failures import FailingFills
 
@@ -151,8 +151,9 @@ def test_context_full_ends_with_length(tiny_model):
 def test_bad_requests_are_refused_clearly(engine):
     with pytest.raises(RequestError, match="empty"):
         engine.submit("")
-    with pytest.raises(RequestError, match="prompt has .* tokens but a slot holds 128"):
+    with pytest.raises(ContextExceeded, match="prompt has .* tokens but a slot holds 128") as exc:
         engine.submit(list(range(1, 200)))
+    assert (exc.value.n_prompt, exc.value.n_ctx) == (199, 128)
     with pytest.raises(RequestError, match="token ids must be in"):
         engine.submit([1, 2, 100000])
     with pytest.raises(RequestError, match="top_p"):

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import fields
 from types import SimpleNamespace
 
 import pytest
 
-from fastserve.config import MAX_N_PROBS, SamplingParams
-from fastserve.errors import RequestError
+import fastserve
+from fastserve.config import MAX_N_PROBS, SamplingParams, check_context, check_max_tokens, check_token_ids
+from fastserve.errors import ContextExceeded, RequestError
 from fastserve.server.config import ServerConfig
-from fastserve.server.errors import HttpError
+from fastserve.server.errors import LLAMA, OPENAI, HttpError, refused
 from fastserve.server.fields import Body
+from fastserve.server.generation import Generation
+from fastserve.server.metrics import LlamaTotals
 from fastserve.server.params import (LOGPROB_POOL, MAX_CHOICES, MAX_PROMPTS, PROMPT_CHARS_PER_TOKEN, SAMPLING,
                                      Parser)
 
@@ -142,7 +146,6 @@ def test_a_chat_prompt_is_made_after_the_rest(tok):
     ({"n_probs": -1}, "n_probs"),
     ({"seed": 1.5}, "'seed' must be an integer"),
     ({"seed": 2 ** 64}, "seed must be in [0, 2**64)"),
-    ({"n_predict": -2}, "'n_predict' must be in [-1, inf]"),
     ({"max_tokens": "x"}, "'max_tokens' must be an integer"),
     ({"id_slot": -2}, "'id_slot'"),
     ({"stop": [1]}, "'stop' must be a string or an array of strings"),
@@ -179,8 +182,6 @@ def test_neutral_values_of_unsupported_fields_pass(tok):
     (5, "'prompt' must be a string or an array"),
     ("", "'prompt' is empty"),
     ([], "'prompt' is empty"),
-    ([1, -4], "token ids must be in [0, 512)"),
-    ([1, 512], "token ids must be in [0, 512)"),
     ([1, 2.5], "got float at [1]"),
     ([[1], [2, "x", {}]], "'prompt[1]'"),
     (["a"] * (MAX_PROMPTS + 1), f"at most {MAX_PROMPTS}"),
@@ -190,17 +191,85 @@ def test_prompt_checks(tok, prompt, needle):
     _refused(lambda: _parser(tok).completion(_json({"prompt": prompt})), needle)
 
 
-def test_a_prompt_must_leave_its_slot_a_token(tok):
+def test_prompt_limits_of_the_parse(tok):
     parser = _parser(tok)
-    assert parser.completion(_json({"prompt": list(range(N_CTX - 1))})).prompts == [list(range(N_CTX - 1))]
-    err = _refused(lambda: parser.completion(_json({"prompt": list(range(N_CTX))})), "exceeds the available context")
-    assert err.type == "exceed_context_size_error" and err.fields == {"n_prompt_tokens": N_CTX, "n_ctx": N_CTX}
-    long_chat = parser.chat(_json({"messages": [{"role": "user", "content": "word " * 50}]}))
-    _refused(lambda: parser.conversation(long_chat), "exceeds the available context")
     longer = parser.chat(_json({"messages": [{"role": "user", "content": "word " * 250}]}))
     _refused(lambda: parser.conversation(longer), "the conversation has")          # refused untokenized
+    assert parser.completion(_json({"prompt": list(range(1000))})).prompts == [list(range(N_CTX + 1))]  # read no further
     assert parser.prompt(list(range(200)), "content", limit=200) == list(range(200))       # /tokenize's limit
     _refused(lambda: parser.prompt(list(range(201)), "content", limit=200), "more than 200 tokens")
+
+
+# -- the engine's checks (token ids, room in a slot, max_tokens): once per choice, answered by errors.refused
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=N_CTX) as e:
+        yield e
+
+
+def _start(engine, params) -> None:
+    """Each choice submitted as App.start_generation does (a Generation), then closed."""
+    metrics = SimpleNamespace(rejected=None, llama=LlamaTotals())
+    for ids, sampling in params.choices():
+        Generation(SimpleNamespace(generation=None), ids, sampling, params, engine=engine, metrics=metrics,
+                   inflight=set()).close()
+
+
+def _spy(monkeypatch, fn) -> list:
+    """fn replaced, in every fastserve module that holds it, by a spy: the list of its calls."""
+    calls = []
+
+    def spy(*args):
+        calls.append(args)
+        return fn(*args)
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("fastserve") and getattr(module, fn.__name__, None) is fn:
+            monkeypatch.setattr(module, fn.__name__, spy)
+    return calls
+
+
+def test_each_engine_check_runs_once_per_choice(tok, engine, monkeypatch):
+    calls = [_spy(monkeypatch, fn) for fn in (check_token_ids, check_context, check_max_tokens)]
+    parser = Parser(tok, engine.describe(), ServerConfig())
+    params = parser.completions(_json({"prompt": [1, 2, 3], "max_tokens": 2, "n": 2}))
+    assert [len(c) for c in calls] == [0, 0, 0]                # the parse leaves them to the engine
+    _start(engine, params)
+    assert [len(c) for c in calls] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("body, needle", [
+    ({"prompt": [1, -4]}, "token ids must be in [0, 512), got -4"),
+    ({"prompt": [1, 512]}, "token ids must be in [0, 512), got 512"),
+    ({"prompt": "hi", "n_predict": -2}, "max_tokens (n_predict) must be an integer >= -1"),
+    ({"prompt": list(range(N_CTX))}, f"request ({N_CTX} tokens) exceeds the available context size ({N_CTX} tokens)"),
+])
+def test_the_engines_refusals_are_400s(tok, engine, body, needle):
+    params = Parser(tok, engine.describe(), ServerConfig()).completion(_json(body))
+    with pytest.raises(RequestError) as exc:
+        _start(engine, params)
+    err = refused(exc.value)
+    assert err.status == 400 and needle in err.message, err.message
+
+
+def test_a_prompt_must_leave_its_slot_a_token(tok, engine):
+    parser = Parser(tok, engine.describe(), ServerConfig())
+    _start(engine, parser.completion(_json({"prompt": list(range(N_CTX - 1)), "n_predict": 1})))
+    long_chat = parser.conversation(parser.chat(_json({"messages": [{"role": "user", "content": "word " * 50}]})))
+    with pytest.raises(ContextExceeded) as exc:
+        _start(engine, long_chat)
+    assert (exc.value.n_prompt, exc.value.n_ctx) == (len(long_chat.prompts[0]), N_CTX)
+
+
+def test_refused_keeps_llama_servers_context_error_in_both_families():
+    err = refused(ContextExceeded(300, 256))
+    for family in (LLAMA, OPENAI):
+        e = err.payload(family)["error"]
+        assert (e["type"], e["n_prompt_tokens"], e["n_ctx"]) == ("exceed_context_size_error", 300, 256), e
+        assert e["message"].startswith("request (300 tokens) exceeds the available context size (256 tokens)")
+    plain = refused(RequestError("top_p must be in [0, 1]"))
+    assert (plain.status, plain.type, plain.message, plain.fields) == (400, "invalid_request_error",
+                                                                       "top_p must be in [0, 1]", None)
 
 
 @pytest.mark.parametrize("body, needle", [

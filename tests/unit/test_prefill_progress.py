@@ -11,9 +11,9 @@ import fastserve
 from fastserve.backends.cpu.backend import CpuBackend
 from fastserve.config import SamplingParams
 from fastserve.server.errors import HttpError
-from fastserve.server.generation import Generation, Limits
+from fastserve.server.generation import Generation
 from fastserve.server.metrics import LlamaTotals
-from fastserve.server.params import Params
+from fastserve.server.params import Limits, Params
 
 
 class _SlowSteps:

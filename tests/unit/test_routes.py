@@ -14,6 +14,7 @@ from fastserve.server import routes
 from fastserve.server.config import ServerConfig
 from fastserve.server.errors import HttpError
 from fastserve.server.http import HttpRequest
+from fastserve.server.params import Parser
 
 IDLE, DECODE = int(SlotState.IDLE), int(SlotState.DECODE)
 
@@ -93,3 +94,17 @@ def test_routes_give_each_route_the_services_it_names():
     assert table.lookup("/slots/x") == (None, ()) and table.lookup("/nope") == (None, ())
     with pytest.raises(KeyError):
         routes.Routes({k: v for k, v in services.items() if k != "parser"})     # found missing at start
+
+
+def test_tokenize_and_detokenize_refuse_ids_outside_the_vocabulary(tiny_model):
+    tok = tiny_model.tokenizer
+    parser = Parser(tok, SimpleNamespace(n_vocab=tok.n_vocab, n_ctx_slot=128), ServerConfig())
+
+    def tokenize(body: bytes):
+        return routes.tokenize(_req("/tokenize", "POST", body), None, parser=parser, tokenizer=tok, info=INFO)
+
+    assert orjson.loads(tokenize(b'{"content": [1, 2]}').body) == {"tokens": [1, 2]}
+    with pytest.raises(RequestError, match=r"'content' token ids must be in \[0, 512\), got 512"):
+        tokenize(b'{"content": [1, 512]}')
+    with pytest.raises(RequestError, match="not in the vocabulary"):          # the tokenizer's own check
+        routes.detokenize(_req("/detokenize", "POST", b'{"tokens": [512]}'), None, tokenizer=tok, info=INFO)
