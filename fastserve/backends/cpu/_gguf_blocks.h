@@ -309,6 +309,31 @@ static inline void fs_prefetch_range(const uint8_t *next, int64_t from, int64_t 
         __builtin_prefetch(next + off, 0, 2);
 }
 
+/* The next panel's bytes [0, total) prefetched in `steps` even slices, one per call of
+ * fs_prefetch_step: the slice size comes from one division per panel, not two per step. */
+typedef struct {
+    const uint8_t *next;
+    int64_t at, per, total;
+} fs_prefetcher;
+
+static inline fs_prefetcher fs_prefetch_plan(const uint8_t *next, int64_t total, int64_t steps)
+{
+    fs_prefetcher p = {next, 0, 0, total};
+    if (next && steps > 0)
+        p.per = ((total + steps - 1) / steps + 63) & ~(int64_t)63;
+    return p;
+}
+
+static inline void fs_prefetch_step(fs_prefetcher *p)
+{
+    if (!p->next || p->at >= p->total)
+        return;
+    const int64_t to = p->at + p->per < p->total ? p->at + p->per : p->total;
+    for (int64_t off = p->at; off < to; off += 64)
+        __builtin_prefetch(p->next + off, 0, 2);
+    p->at = to;
+}
+
 /* The 4 bytes at byte `at` of block b of each of the 16 rows, copied (scalar: the load and store
  * ports are idle while the vector units transpose) to dst [16] as 32-bit words. */
 static inline void fs_copy_dwords(const uint8_t *rows, int64_t row_bytes, int64_t at, uint8_t *dst)
