@@ -496,10 +496,9 @@ FS_FUSED256 FS_INLINE void fs_fused_half_avx2(const fs_job *j, const int type, c
  *   block jj (32 inputs) of row l as 32 unsigned bytes in one register: Q4_K the low (jj even) or high
  *   nibbles of its 32-byte chunk jj / 2; Q6_K q + 32 = the 4 low bits of ql (chunk, nibble as the
  *   decoder says) | the 2 bits of qh moved to bits 4..5 (0..63);
- *   maddubs (pairs <= 2 * 63 * 127 < 2^15) and madd with ones: 8 partials per row, the first 4 of
- *   inputs 0..15, the last 4 of 16..31; the transpose-reduce of fs_fused_half_avx2 (unpack dwords,
- *   unpack qwords) keeps the two 128-bit halves apart, so one lane swap gives per row the dots of
- *   inputs 0..15 (lo) and 16..31 (hi):
+ *   maddubs (pairs <= 2 * 63 * 127 < 2^15) on two rows interleaved by dwords, a transpose-reduce
+ *   (fs_kq_dots_avx2) that keeps the two 128-bit halves apart, so one lane swap gives per row the
+ *   dots of inputs 0..15 (lo) and 16..31 (hi):
  *     Q4_K: isum = lo + hi;
  *     Q6_K: isum = s0 * (lo - 32 * h_x) + s1 * (hi - 32 * (sum_x - h_x)), h_x the sum of the block's
  *           first 16 quantized inputs (the offset 32 taken back per half, then the int8 sub-scales);
@@ -521,10 +520,15 @@ FS_FUSED256 FS_INLINE __m256i fs_kq_weights_avx2(const int type, const uint8_t *
     return _mm256_or_si256(ql, _mm256_and_si256(qh, _mm256_set1_epi8(0x30)));
 }
 
-/* Rows rp[0..7]'s exact dots of block jj of 256-block sb with the R activation rows xv: lo[r], hi[r]
- * (lane l: row l's inputs 0..15 and 16..31). */
+/* Rows rp[0..7]'s exact dots of block jj of 256-block sb with the R activation rows (xd: their 32
+ * inputs' dwords doubled, xd[r] = 0, 0, 1, 1 | 4, 4, 5, 5 and xd[FS_FUSED_MAX_N + r] = 2, 2, 3, 3 |
+ * 6, 6, 7, 7): two rows' weights interleaved by dwords, so that two maddubs and one 16-bit add leave
+ * both rows' partials (one row per dword, as fs_fold32_avx2 would); the sums stay 16-bit while they
+ * fit (Q4_K: |sum| <= 8 * 2 * 15 * 127 < 2^15 up to the whole block; Q6_K: 2 * 2 * 63 * 127 < 2^15,
+ * then madd). Q4_K: lo[r] = the block's isum (lane l: row l); Q6_K: lo[r], hi[r] = the dots of
+ * inputs 0..15 and 16..31. */
 FS_FUSED256 FS_INLINE void fs_kq_dots_avx2(const int type, const uint8_t *const *rp, int64_t at, const int jj,
-                                           const __m256i *xv, const int R, __m256i *lo, __m256i *hi)
+                                           const __m256i *xd, const int R, __m256i *lo, __m256i *hi)
 {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i e[2][FS_FUSED_MAX_N];
@@ -535,19 +539,26 @@ FS_FUSED256 FS_INLINE void fs_kq_dots_avx2(const int type, const uint8_t *const 
         for (int t = 0; t < 2; t++) {
             const __m256i w0 = fs_kq_weights_avx2(type, rp[4 * u + 2 * t] + at, jj);
             const __m256i w1 = fs_kq_weights_avx2(type, rp[4 * u + 2 * t + 1] + at, jj);
+            const __m256i wl = _mm256_unpacklo_epi32(w0, w1), wh = _mm256_unpackhi_epi32(w0, w1);
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++)
-                c[t][r] = fs_fold32_avx2(_mm256_madd_epi16(_mm256_maddubs_epi16(w0, xv[r]), ones),
-                                         _mm256_madd_epi16(_mm256_maddubs_epi16(w1, xv[r]), ones));
+            for (int r = 0; r < R; r++) {
+                c[t][r] = _mm256_add_epi16(_mm256_maddubs_epi16(wl, xd[r]), _mm256_maddubs_epi16(wh, xd[FS_FUSED_MAX_N + r]));
+                if (type == FS_T_Q6_K)
+                    c[t][r] = _mm256_madd_epi16(c[t][r], ones);
+            }
         }
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
-            e[u][r] = fs_fold64_avx2(c[0][r], c[1][r]);
+            e[u][r] = type == FS_T_Q6_K ? fs_fold64_avx2(c[0][r], c[1][r])
+                                        : _mm256_add_epi16(_mm256_unpacklo_epi64(c[0][r], c[1][r]),
+                                                           _mm256_unpackhi_epi64(c[0][r], c[1][r]));
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
         lo[r] = _mm256_permute2x128_si256(e[0][r], e[1][r], 0x20);
         hi[r] = _mm256_permute2x128_si256(e[0][r], e[1][r], 0x31);
+        if (type == FS_T_Q4_K)
+            lo[r] = _mm256_madd_epi16(_mm256_add_epi16(lo[r], hi[r]), ones);
     }
 }
 
@@ -594,11 +605,14 @@ FS_FUSED256 FS_INLINE void fs_kq_half_avx2(const fs_job *j, const int type, cons
 #pragma GCC unroll 8
         for (int jj = 0; jj < 8; jj++) {
             const int64_t b = sb * 8 + jj;
-            __m256i xv[FS_FUSED_MAX_N], lo[FS_FUSED_MAX_N], hi[FS_FUSED_MAX_N];
+            __m256i xd[2 * FS_FUSED_MAX_N], lo[FS_FUSED_MAX_N], hi[FS_FUSED_MAX_N];
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++)
-                xv[r] = _mm256_loadu_si256((const __m256i *)(j->xq + r * K + b * FS_QK));
-            fs_kq_dots_avx2(type, rp, at, jj, xv, R, lo, hi);
+            for (int r = 0; r < R; r++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(j->xq + r * K + b * FS_QK));
+                xd[r] = _mm256_unpacklo_epi32(x, x);
+                xd[FS_FUSED_MAX_N + r] = _mm256_unpackhi_epi32(x, x);
+            }
+            fs_kq_dots_avx2(type, rp, at, jj, xd, R, lo, hi);
             __m256i s0 = lo[0], s1 = lo[0];
             if (type == FS_T_Q6_K) {
                 const int i0 = 2 * jj, i1 = 2 * jj + 1;
@@ -615,7 +629,7 @@ FS_FUSED256 FS_INLINE void fs_kq_half_avx2(const fs_job *j, const int type, cons
                                           _mm256_mullo_epi32(_mm256_sub_epi32(hi[r], _mm256_set1_epi32(32 * (xs - xh))), s1));
                     f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(d6, _mm256_set1_ps(j->dx[o]))));
                 } else {
-                    is = _mm256_add_epi32(lo[r], hi[r]);
+                    is = lo[r];
                     f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(dsc[jj], _mm256_set1_ps(j->dx[o]))));
                     f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(mneg[jj], _mm256_set1_ps(j->sx[o])));
                 }
