@@ -14,10 +14,12 @@ the same run between the requests.
 
 --isa avx2 runs fastserve's AVX2 kernels (FASTSERVE_ISA) on a machine with AVX-512; --llama-lib DIR
 runs llama-server with the libggml-cpu.so in DIR (e.g. one built with -DGGML_AVX512=OFF), so that both
-run AVX2 code. Without llama-server or llama-quantize it says why and exits 0.
+run AVX2 code. --before DIR adds a third server, fastserve from another checkout DIR (built in place),
+taking its turn with the others: a change's before and after in one run. Without llama-server or
+llama-quantize it says why and exits 0.
 
 Run: python bench/bench_sizes.py --llama-bin DIR [--shapes 1b] [--quants Q4_K_M,Q8_0] [--reps 3]
-     [--isa auto|avx2|avx512vnni] [--llama-lib DIR] [--dir /tmp/fastserve-sizes] [--json out.json]
+     [--isa auto|avx2|avx512vnni] [--llama-lib DIR] [--before DIR] [--dir /tmp/fastserve-sizes] [--json out.json]
      (DIR holding llama-server and llama-quantize; or LLAMA_BIN=DIR)
 """
 from __future__ import annotations
@@ -49,7 +51,6 @@ SHAPES = {
 }
 QUANTS = ("Q4_K_M", "Q8_0")
 N_PROMPT, N_PREDICT, N_CTX, THREADS = 400, 48, 4096, 2
-NAMES = ("fastserve", "llama-server")
 
 
 # -- the models ---------------------------------------------------------------------------------
@@ -150,11 +151,19 @@ def model_file(dirpath: Path, shape: str, quant: str, bin_dir: Path) -> Path:
 
 # -- the servers --------------------------------------------------------------------------------
 
-def commands(model: Path, bin_dir: Path):
+def commands(model: Path, bin_dir: Path, before: str | None = None):
     """name -> (port -> argv)"""
-    return {"fastserve": lambda port: fastserve_command(str(model), port, 1, N_CTX, THREADS, "--log-disable"),
-            "llama-server": lambda port: [str(bin_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
-                                          "--port", str(port), "-np", "1", "-c", str(N_CTX), "-t", str(THREADS)]}
+    out = {"fastserve": lambda port: fastserve_command(str(model), port, 1, N_CTX, THREADS, "--log-disable"),
+           "llama-server": lambda port: [str(bin_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
+                                         "--port", str(port), "-np", "1", "-c", str(N_CTX), "-t", str(THREADS)]}
+    if before:
+        def old(port):      # `python -m fastserve` with the other checkout first on the path
+            argv = fastserve_command(str(model), port, 1, N_CTX, THREADS, "--log-disable")
+            run = (f"import sys, runpy; sys.path.insert(0, {os.path.abspath(before)!r}); "
+                   f"sys.argv[0] = 'fastserve'; runpy.run_module('fastserve', run_name='__main__')")
+            return [argv[0], "-c", run, *argv[3:]]
+        out["fastserve-before"] = old
+    return out
 
 
 def completion(port: int, prompt: list[int]) -> dict:
@@ -169,15 +178,16 @@ def completion(port: int, prompt: list[int]) -> dict:
     return {"prefill_ms": t["prompt_per_token_ms"], "decode_ms": t["predicted_per_token_ms"], "text": out["content"]}
 
 
-def measure(model: Path, bin_dir: Path, reps: int, env: dict, rng, logdir: Path) -> dict:
+def measure(model: Path, bin_dir: Path, reps: int, env: dict, rng, logdir: Path, before: str | None) -> dict:
     """{name: {"prefill_ms": [..], "decode_ms": [..]}, "bandwidth": [..] B/s}: the servers take turns."""
     n_vocab = SHAPES_BY_FILE[model][6]
-    servers, out = {}, {n: {"prefill_ms": [], "decode_ms": []} for n in NAMES}
+    cmds = commands(model, bin_dir, before)
+    servers, out = {}, {n: {"prefill_ms": [], "decode_ms": []} for n in cmds}
     out["bandwidth"] = []
     saved = dict(os.environ)
     try:
-        for name, cmd in commands(model, bin_dir).items():
-            os.environ.update(env.get(name, {}))
+        for name, cmd in cmds.items():
+            os.environ.update(env.get(name.split("-before")[0], {}))
             port = free_port()
             servers[name] = ServerProcess(cmd(port), port, logdir / f"{name}-{model.stem}.log", start_timeout=600)
             os.environ.clear()
@@ -220,11 +230,11 @@ def run(a) -> dict:
             model = model_file(dirpath, shape, quant, bin_dir)
             SHAPES_BY_FILE[model] = SHAPES[shape]
             wbytes, _ = weight_bytes_per_token(str(model))
-            m = measure(model, bin_dir, a.reps, env, rng, logdir)
+            m = measure(model, bin_dir, a.reps, env, rng, logdir, a.before)
             bw = statistics.median(m["bandwidth"])
             row = {"shape": shape, "quant": quant, "file_mb": model.stat().st_size / 1e6, "weight_bytes": wbytes,
                    "bandwidth_gbs": bw / 1e9, "floor_ms": wbytes / bw * 1e3, "loadavg_1m": os.getloadavg()[0]}
-            for name in NAMES:
+            for name in [k for k in m if k != "bandwidth"]:
                 row[name] = {k: statistics.median(m[name][k]) for k in ("prefill_ms", "decode_ms")}
                 row[name]["all"] = {k: m[name][k] for k in ("prefill_ms", "decode_ms")}
                 row[name]["text"] = m[name]["text"][:80]
@@ -234,12 +244,18 @@ def run(a) -> dict:
 
 
 def line(r: dict) -> str:
-    f, ll = r["fastserve"], r["llama-server"]
-    return (f"{r['shape']:3s} {r['quant']:7s} {r['file_mb']:6.0f} MB  decode fastserve {f['decode_ms']:6.1f} "
-            f"llama {ll['decode_ms']:6.1f} ms/tok ratio {ll['decode_ms'] / f['decode_ms']:.2f}x  floor "
-            f"{r['floor_ms']:5.1f} ms ({r['bandwidth_gbs']:.1f} GB/s; fastserve {f['decode_ms'] / r['floor_ms']:.2f}x "
-            f"floor)  prefill fastserve {f['prefill_ms']:5.2f} llama {ll['prefill_ms']:5.2f} ms/tok ratio "
-            f"{ll['prefill_ms'] / f['prefill_ms']:.2f}x")
+    ll = r["llama-server"]
+    out = []
+    for name in ("fastserve", "fastserve-before"):
+        if name not in r:
+            continue
+        f = r[name]
+        out.append(f"{r['shape']:3s} {r['quant']:7s} {r['file_mb']:6.0f} MB {name:16s} decode {f['decode_ms']:6.1f} "
+                   f"llama {ll['decode_ms']:6.1f} ms/tok ratio {ll['decode_ms'] / f['decode_ms']:.2f}x  floor "
+                   f"{r['floor_ms']:5.1f} ms ({r['bandwidth_gbs']:.1f} GB/s; {f['decode_ms'] / r['floor_ms']:.2f}x "
+                   f"floor)  prefill {f['prefill_ms']:5.2f} llama {ll['prefill_ms']:5.2f} ms/tok ratio "
+                   f"{ll['prefill_ms'] / f['prefill_ms']:.2f}x")
+    return "\n".join(out)
 
 
 def report(out: dict) -> str:
@@ -262,6 +278,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quants", default=",".join(QUANTS))
     ap.add_argument("--reps", type=int, default=3, help="requests per server and model after the warm-up")
     ap.add_argument("--isa", default="auto", help="fastserve's kernels (FASTSERVE_ISA): auto or a name of _matmul.isas()")
+    ap.add_argument("--before", help="another fastserve checkout (built in place) to run beside, as fastserve-before")
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "fastserve-sizes"),
                     help="where the models are written (outside the repository)")
     ap.add_argument("--json", default=None, help="where the figures go (JSON)")
