@@ -569,7 +569,6 @@ FS_FUSED256 FS_INLINE void fs_kq_half_avx2(const fs_job *j, const int type, cons
     const uint8_t *r8 = rows + 8 * h * row_bytes, *rp[8];
     for (int l = 0; l < 8; l++)
         rp[l] = r8 + l * row_bytes;
-    const __m256i m63 = _mm256_set1_epi32(63), m15 = _mm256_set1_epi32(15);
     __m256 f[FS_FUSED_MAX_N];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
@@ -581,23 +580,8 @@ FS_FUSED256 FS_INLINE void fs_kq_half_avx2(const fs_job *j, const int type, cons
         __m256 dsc[8], mneg[8], d6 = _mm256_setzero_ps();
         if (type == FS_T_Q4_K) {
             fs_rows8_avx2(r8, row_bytes, at, 1, hs);       /* d | dmin, scales[0..3], [4..7], [8..11] */
-            const __m256 d = _mm256_cvtph_ps(fs_low16x8_avx2(hs[0]));
-            const __m256 dmin = _mm256_cvtph_ps(fs_low16x8_avx2(_mm256_srli_epi32(hs[0], 16)));
-#pragma GCC unroll 8
-            for (int jj = 0; jj < 8; jj++) {
-                __m256i sc, mn;
-                if (jj < 4) {
-                    sc = _mm256_and_si256(fs_byte256(hs[1], jj), m63);
-                    mn = _mm256_and_si256(fs_byte256(hs[2], jj), m63);
-                } else {
-                    const __m256i lo = fs_byte256(hs[3], jj - 4);
-                    sc = _mm256_or_si256(_mm256_and_si256(lo, m15), _mm256_slli_epi32(_mm256_srli_epi32(fs_byte256(hs[1], jj - 4), 6), 4));
-                    mn = _mm256_or_si256(_mm256_srli_epi32(lo, 4), _mm256_slli_epi32(_mm256_srli_epi32(fs_byte256(hs[2], jj - 4), 6), 4));
-                }
-                dsc[jj] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
-                const __m256i m = _mm256_castps_si256(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn)));
-                mneg[jj] = _mm256_castsi256_ps(_mm256_xor_si256(m, _mm256_set1_epi32((int)0x80000000u)));
-            }
+            fs_k45_scales_avx2(hs, _mm256_cvtph_ps(fs_low16x8_avx2(hs[0])),
+                               _mm256_cvtph_ps(fs_low16x8_avx2(_mm256_srli_epi32(hs[0], 16))), dsc, mneg);
         } else {
             fs_rows8_avx2(r8, row_bytes, at + 192, 1, hs);  /* the 16 int8 sub-scales, 4 per dword */
             d6 = _mm256_cvtph_ps(fs_low16x8_avx2(_mm256_srli_epi32(fs_dword8_avx2(rp, at + 206), 16)));
