@@ -364,6 +364,23 @@ def test_unknown_isa_is_refused():
     assert "scalar" in c_mod().isas() and c_mod().best_isa() in c_mod().isas()
 
 
+def test_isa_named_by_the_environment(monkeypatch):
+    """FASTSERVE_ISA picks the kernels "auto" runs (a lesser ISA's path on a better machine), for the
+    products and attention alike; a name this machine cannot run is refused, never ignored."""
+    from fastserve.backends.cpu import _attention
+    for isa in c_mod().isas():
+        monkeypatch.setenv("FASTSERVE_ISA", isa)
+        assert c_mod().best_isa() == isa and c_mod().Matmul().isa == isa
+        assert _attention.Attention().isa in _attention.isas()
+    monkeypatch.setenv("FASTSERVE_ISA", "scalar")
+    assert _attention.Attention().isa == "scalar"
+    monkeypatch.setenv("FASTSERVE_ISA", "sse9")
+    with pytest.raises(ValueError):
+        c_mod().Matmul()
+    with pytest.raises(ValueError):
+        _attention.Attention()
+
+
 # -- in the backend --------------------------------------------------------------------------------
 
 def test_backend_threads_change_no_bit(tiny_model):

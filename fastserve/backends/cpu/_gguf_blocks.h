@@ -309,6 +309,31 @@ static inline void fs_prefetch_range(const uint8_t *next, int64_t from, int64_t 
         __builtin_prefetch(next + off, 0, 2);
 }
 
+/* The next panel's bytes [0, total) prefetched in `steps` even slices, one per call of
+ * fs_prefetch_step: the slice size comes from one division per panel, not two per step. */
+typedef struct {
+    const uint8_t *next;
+    int64_t at, per, total;
+} fs_prefetcher;
+
+static inline fs_prefetcher fs_prefetch_plan(const uint8_t *next, int64_t total, int64_t steps)
+{
+    fs_prefetcher p = {next, 0, 0, total};
+    if (next && steps > 0)
+        p.per = ((total + steps - 1) / steps + 63) & ~(int64_t)63;
+    return p;
+}
+
+static inline void fs_prefetch_step(fs_prefetcher *p)
+{
+    if (!p->next || p->at >= p->total)
+        return;
+    const int64_t to = p->at + p->per < p->total ? p->at + p->per : p->total;
+    for (int64_t off = p->at; off < to; off += 64)
+        __builtin_prefetch(p->next + off, 0, 2);
+    p->at = to;
+}
+
 /* The 4 bytes at byte `at` of block b of each of the 16 rows, copied (scalar: the load and store
  * ports are idle while the vector units transpose) to dst [16] as 32-bit words. */
 static inline void fs_copy_dwords(const uint8_t *rows, int64_t row_bytes, int64_t at, uint8_t *dst)
@@ -732,12 +757,34 @@ FS_STAGE256 static inline __m256i fs_bytes_srl256(__m256i v, int s, int mask)
     return _mm256_and_si256(_mm256_srli_epi16(v, s), _mm256_set1_epi8((char)mask));
 }
 
+/* Q4_K / Q5_K: the 8 scales d * sc_j and offsets -(dmin * mn_j) of a 256-block of 8 rows from hs
+ * (fs_rows8_avx2 of its first 16 bytes: d | dmin, scales[0..3], [4..7], [8..11]) and d, dmin. */
+FS_STAGE256 static inline void fs_k45_scales_avx2(const __m256i hs[4], __m256 d, __m256 dmin, __m256 dsc[8],
+                                                  __m256 mneg[8])
+{
+    const __m256i m63 = _mm256_set1_epi32(63), m15 = _mm256_set1_epi32(15);
+    for (int j = 0; j < 8; j++) {
+        __m256i sc, mn;
+        if (j < 4) {
+            sc = _mm256_and_si256(fs_byte256(hs[1], j), m63);
+            mn = _mm256_and_si256(fs_byte256(hs[2], j), m63);
+        } else {
+            __m256i lo = fs_byte256(hs[3], j - 4);
+            sc = _mm256_or_si256(_mm256_and_si256(lo, m15), _mm256_slli_epi32(_mm256_srli_epi32(fs_byte256(hs[1], j - 4), 6), 4));
+            mn = _mm256_or_si256(_mm256_srli_epi32(lo, 4), _mm256_slli_epi32(_mm256_srli_epi32(fs_byte256(hs[2], j - 4), 6), 4));
+        }
+        dsc[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+        __m256i m = _mm256_castps_si256(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn)));      /* negated: sign bit */
+        mneg[j] = _mm256_castsi256_ps(_mm256_xor_si256(m, _mm256_set1_epi32((int)0x80000000u)));
+    }
+}
+
 /* Q4_K / Q5_K, as fs_stage_k45_avx512 over two halves of 8 rows. */
 FS_STAGE256 static void fs_stage_k45_avx2(int five, const uint8_t *rows, int64_t row_bytes, int64_t nb,
                                           uint8_t *stage, const uint8_t *next)
 {
     const int bb = five ? 176 : 144, qoff = five ? 48 : 16;
-    const __m256i hi80 = _mm256_set1_epi8((char)0x80), m63 = _mm256_set1_epi32(63), m15 = _mm256_set1_epi32(15);
+    const __m256i hi80 = _mm256_set1_epi8((char)0x80);
     for (int64_t sb = 0; sb < nb / 8; sb++) {
         fs_prefetch_range(next, 16 * row_bytes * sb * 8 / nb, 16 * row_bytes * (sb + 1) * 8 / nb);
         float dd[16], dm[16];
@@ -747,21 +794,12 @@ FS_STAGE256 static void fs_stage_k45_avx2(int five, const uint8_t *rows, int64_t
             const uint8_t *r8 = rows + 8 * h * row_bytes;
             __m256i hs[8], qh[8];
             fs_rows8_avx2(r8, row_bytes, sb * bb, 1, hs);      /* d | dmin, scales[0..3], [4..7], [8..11] */
-            const __m256 d = _mm256_loadu_ps(dd + 8 * h), dmin = _mm256_loadu_ps(dm + 8 * h);
+            __m256 dsc[8], mneg[8];
+            fs_k45_scales_avx2(hs, _mm256_loadu_ps(dd + 8 * h), _mm256_loadu_ps(dm + 8 * h), dsc, mneg);
             for (int j = 0; j < 8; j++) {
-                __m256i sc, mn;
-                if (j < 4) {
-                    sc = _mm256_and_si256(fs_byte256(hs[1], j), m63);
-                    mn = _mm256_and_si256(fs_byte256(hs[2], j), m63);
-                } else {
-                    __m256i lo = fs_byte256(hs[3], j - 4);
-                    sc = _mm256_or_si256(_mm256_and_si256(lo, m15), _mm256_slli_epi32(_mm256_srli_epi32(fs_byte256(hs[1], j - 4), 6), 4));
-                    mn = _mm256_or_si256(_mm256_srli_epi32(lo, 4), _mm256_slli_epi32(_mm256_srli_epi32(fs_byte256(hs[2], j - 4), 6), 4));
-                }
                 uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QM + h * 32;
-                _mm256_storeu_ps((float *)(pb + 512), _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
-                __m256i m = _mm256_castps_si256(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn)));
-                _mm256_storeu_si256((__m256i *)(pb + 576), _mm256_xor_si256(m, _mm256_set1_epi32((int)0x80000000u)));
+                _mm256_storeu_ps((float *)(pb + 512), dsc[j]);
+                _mm256_storeu_ps((float *)(pb + 576), mneg[j]);
             }
             if (five)
                 fs_rows8_avx2(r8, row_bytes, sb * bb + 16, 0, qh);

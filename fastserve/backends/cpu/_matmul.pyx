@@ -17,6 +17,8 @@ twin fastserve.backends.cpu.ref.matmul.
 
 A Matmul serves one calling thread at a time.
 """
+import os
+
 import numpy as np
 
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t
@@ -85,7 +87,8 @@ def isas():
 
 def fused_types(str isa="auto"):
     """The types whose products at small n the isa's fused kernel computes straight from the file's
-    rows (n <= FUSED_MAX_N; Q4_K and Q6_K n <= 2, where fusing still wins), the others stage panels."""
+    rows (n <= FUSED_MAX_N; Q4_K and Q6_K: n <= 2 on avx512vnni, where fusing still wins there, whole
+    panels of 16 rows), the others stage panels."""
     cdef int isa_id = _isa_id(isa)
     return tuple(t for t, i in TYPE_IDS.items() if fs_fused_ok(isa_id, i, 1, FS_LANES))
 
@@ -94,12 +97,16 @@ FUSED_MAX_N = FS_FUSED_MAX_N
 
 
 def best_isa():
-    return ISA_NAMES[fs_best_isa()]
+    """The kernel "auto" runs: FASTSERVE_ISA's when set (a name from isas(): to run a lesser ISA's path on a
+    better machine, e.g. FASTSERVE_ISA=avx2 on an AVX-512 one), else the best this machine has."""
+    return ISA_NAMES[_isa_id("auto")]
 
 
 def _isa_id(str isa):
     if isa == "auto":
-        return fs_best_isa()
+        isa = os.environ.get("FASTSERVE_ISA") or ""
+        if not isa:
+            return fs_best_isa()
     if isa not in _ISA_IDS:
         raise ValueError(f"unknown isa {isa!r}; known: {', '.join(_ISA_IDS)}")
     if not fs_isa_supported(_ISA_IDS[isa]):

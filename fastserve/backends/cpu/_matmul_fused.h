@@ -27,7 +27,12 @@
  *   integers, so the float part below (the staged kernels' operations in their order) gives the
  *   same bits.
  *
- * AVX2 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): the same in 8-row halves, one block per register (see there).
+ * AVX2 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): the same in 8-row halves, one block per register (see there);
+ * Q4_K and Q6_K (whole panels) likewise from their 256-blocks, at n <= 4 (fs_kq_half_avx2: the dots of
+ * each half block kept apart for Q6_K's sub-scales), so that no K-quant panel is staged at small n.
+ *
+ * Prefetch: the next panel's rows in even slices, one per step (fs_prefetcher: one division per
+ * panel); the type is a constant in each kernel instance (a switch outside the block loop).
  *
  * Scales: the 16 rows' first dword of each block (f16 d, and m for Q4_1 / Q5_1) copied by scalar loads, then
  * widened with vcvtph2ps (exact), as the staging decoders do.
@@ -238,10 +243,11 @@ FS_FUSED512 FS_INLINE void fs_fused_q32_avx512(const fs_job *j, const int type, 
     const uint8_t *rp[16];
     __m512 f[FS_FUSED_MAX_N];
     fs_fused_begin(j, rows, row_bytes, rp, f, R);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, (nb + 1) / 2);
     for (int64_t b = 0; b < nb; b += 2) {
         const int two = b + 1 < nb;
         const int64_t b1 = two ? b + 1 : b;          /* an odd last block: read twice, kept once */
-        fs_prefetch_range(next, 16 * row_bytes * b / nb, 16 * row_bytes * (b + 2) / nb);
+        fs_prefetch_step(&pf);
         __m512i xv[2 * FS_FUSED_MAX_N], is0[FS_FUSED_MAX_N], is1[FS_FUSED_MAX_N];
         fs_fused_acts(j, b, two, R, xv);
         fs_fused_isums(type, rp, b, b1, xv, R, is0, is1);
@@ -272,8 +278,9 @@ FS_FUSED512 FS_INLINE void fs_fused_q4k_avx512(const fs_job *j, const uint8_t *r
     const uint8_t *rp[16];
     __m512 f[FS_FUSED_MAX_N];
     fs_fused_begin(j, rows, row_bytes, rp, f, R);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
     for (int64_t sb = 0; sb < nb / 8; sb++) {
-        fs_prefetch_range(next, 16 * row_bytes * sb * 8 / nb, 16 * row_bytes * (sb + 1) * 8 / nb);
+        fs_prefetch_step(&pf);
         __m512i h[4];
         __m512 dsc[8], mneg[8];
         fs_rows16x4(rows, row_bytes, sb * 144, h);
@@ -306,8 +313,9 @@ FS_FUSED512 FS_INLINE void fs_fused_q6k_avx512(const fs_job *j, const uint8_t *r
     fs_fused_begin(j, rows, row_bytes, rp, f, R);
     /* per 128-bit lane k: byte k of each dword (the sub-scale of half k % 2 of block k / 2) */
     const __m512i to_top = _mm512_set_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
     for (int64_t sb = 0; sb < nb / 8; sb++) {
-        fs_prefetch_range(next, 16 * row_bytes * sb * 8 / nb, 16 * row_bytes * (sb + 1) * 8 / nb);
+        fs_prefetch_step(&pf);
         /* d: the block's last two bytes (read as the high half of the dword before them) */
         const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(fs_fused_scales(rp, sb * 210 + 206), 16)));
         for (int jj = 0; jj < 8; jj += 2) {
@@ -383,6 +391,22 @@ FS_FUSED512 static void fs_fused_avx512(const fs_job *j, int type, const uint8_t
  * pairs <= 2 * 31 * 127),
  * Q8_0 as maddubs(|w|, sign(x, w)) (the staged AVX2 kernel's exact dot), then madd with ones, and
  * the transpose-reduce of 8 rows' 8 partials: unpack dwords, unpack qwords, swap 128-bit lanes. */
+/* The dword at byte `at` of each of the 8 rows rp (scalar loads: the load ports are idle meanwhile). */
+FS_FUSED256 FS_INLINE __m256i fs_dword8_avx2(const uint8_t *const *rp, int64_t at)
+{
+    uint32_t w[8];
+    for (int l = 0; l < 8; l++)
+        memcpy(&w[l], rp[l] + at, 4);
+    return _mm256_loadu_si256((const __m256i *)w);
+}
+
+/* The low 16 bits of each dword, packed (8 f16 for vcvtph2ps). */
+FS_FUSED256 FS_INLINE __m128i fs_low16x8_avx2(__m256i v)
+{
+    v = _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF));
+    return _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+}
+
 FS_FUSED256 FS_INLINE __m256i fs_fold32_avx2(__m256i a, __m256i b)
 {
     return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
@@ -419,7 +443,7 @@ FS_FUSED256 FS_INLINE __m256i fs_fused_dot_avx2(const int type, const uint8_t *p
 }
 
 FS_FUSED256 FS_INLINE void fs_fused_half_avx2(const fs_job *j, const int type, const uint8_t *const *rp, int h,
-                                              const uint8_t *next, int64_t next_bytes, const int R)
+                                              fs_prefetcher *pf, const int R)
 {
     const int64_t nb = j->nb, K = nb * FS_QK;
     const int has_m = type == FS_T_Q4_1 || type == FS_T_Q5_1, bb = fs_fused_block_bytes(type);
@@ -429,7 +453,7 @@ FS_FUSED256 FS_INLINE void fs_fused_half_avx2(const fs_job *j, const int type, c
     for (int r = 0; r < R; r++)
         f[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        fs_prefetch_range(next, next_bytes * (2 * b + h) / (2 * nb), next_bytes * (2 * b + h + 1) / (2 * nb));
+        fs_prefetch_step(pf);
         __m256i xv[FS_FUSED_MAX_N], e[2][FS_FUSED_MAX_N];
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
@@ -448,13 +472,9 @@ FS_FUSED256 FS_INLINE void fs_fused_half_avx2(const fs_job *j, const int type, c
             for (int r = 0; r < R; r++)
                 e[u][r] = fs_fold64_avx2(c[0][r], c[1][r]);
         }
-        uint16_t d16[8], m16[8];
-        for (int l = 0; l < 8; l++) {
-            memcpy(&d16[l], rp[l] + b * bb, 2);
-            memcpy(&m16[l], rp[l] + b * bb + 2, 2);
-        }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d16));
-        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m16));
+        const __m256i g = fs_dword8_avx2(rp, b * bb);                  /* d | m << 16 of each row */
+        const __m256 d = _mm256_cvtph_ps(fs_low16x8_avx2(g));
+        const __m256 m = has_m ? _mm256_cvtph_ps(fs_low16x8_avx2(_mm256_srli_epi32(g, 16))) : d;
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const int64_t o = r * nb + b;
@@ -472,25 +492,192 @@ FS_FUSED256 FS_INLINE void fs_fused_half_avx2(const fs_job *j, const int type, c
         fs_store_half_avx2(j, h, r, f[r]);
 }
 
+/* Q4_K / Q6_K on AVX2, read straight from the file's 256-blocks (whole panels; half h = rows 8h..8h+7):
+ *   block jj (32 inputs) of row l as 32 unsigned bytes in one register: Q4_K the low (jj even) or high
+ *   nibbles of its 32-byte chunk jj / 2; Q6_K q + 32 = the 4 low bits of ql (chunk, nibble as the
+ *   decoder says) | the 2 bits of qh moved to bits 4..5 (0..63);
+ *   maddubs (pairs <= 2 * 63 * 127 < 2^15) on two rows interleaved by dwords, a transpose-reduce
+ *   (fs_kq_dots_avx2) that keeps the two 128-bit halves apart, so one lane swap gives per row the
+ *   dots of inputs 0..15 (lo) and 16..31 (hi):
+ *     Q4_K: isum = lo + hi;
+ *     Q6_K: isum = s0 * (lo - 32 * h_x) + s1 * (hi - 32 * (sum_x - h_x)), h_x the sum of the block's
+ *           first 16 quantized inputs (the offset 32 taken back per half, then the int8 sub-scales);
+ *   exact integers, then the staged kernels' float steps in their order (d * sc_j, -(dmin * mn_j) for
+ *   Q4_K, d for Q6_K, from the 8 rows' scale bytes transposed as the staging decoder does). */
+FS_FUSED256 FS_INLINE __m256i fs_kq_weights_avx2(const int type, const uint8_t *blk, const int jj)
+{
+    const __m256i lo4 = _mm256_set1_epi8(15);
+    if (type == FS_T_Q4_K) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (jj >> 1)));
+        return _mm256_and_si256(jj & 1 ? _mm256_srli_epi16(q, 4) : q, lo4);
+    }
+    const int c = jj >> 2, t = jj & 3;
+    __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32 * (t & 1)));
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c));
+    ql = _mm256_and_si256(t >> 1 ? _mm256_srli_epi16(ql, 4) : ql, lo4);
+    /* bits 2t, 2t + 1 of each qh byte to bits 4, 5 (the bits shifted in from the neighbour byte are masked) */
+    qh = t == 0 ? _mm256_slli_epi16(qh, 4) : t == 1 ? _mm256_slli_epi16(qh, 2) : t == 3 ? _mm256_srli_epi16(qh, 2) : qh;
+    return _mm256_or_si256(ql, _mm256_and_si256(qh, _mm256_set1_epi8(0x30)));
+}
+
+/* Rows rp[0..7]'s exact dots of block jj of 256-block sb with the R activation rows (xd: their 32
+ * inputs' dwords doubled, xd[r] = 0, 0, 1, 1 | 4, 4, 5, 5 and xd[FS_FUSED_MAX_N + r] = 2, 2, 3, 3 |
+ * 6, 6, 7, 7): two rows' weights interleaved by dwords, so that two maddubs and one 16-bit add leave
+ * both rows' partials (one row per dword, as fs_fold32_avx2 would); the sums stay 16-bit while they
+ * fit (Q4_K: |sum| <= 8 * 2 * 15 * 127 < 2^15 up to the whole block; Q6_K: 2 * 2 * 63 * 127 < 2^15,
+ * then madd). Q4_K: lo[r] = the block's isum (lane l: row l); Q6_K: lo[r], hi[r] = the dots of
+ * inputs 0..15 and 16..31. */
+FS_FUSED256 FS_INLINE void fs_kq_dots_avx2(const int type, const uint8_t *const *rp, int64_t at, const int jj,
+                                           const __m256i *xd, const int R, __m256i *lo, __m256i *hi)
+{
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i e[2][FS_FUSED_MAX_N];
+#pragma GCC unroll 2
+    for (int u = 0; u < 2; u++) {
+        __m256i c[2][FS_FUSED_MAX_N];
+#pragma GCC unroll 2
+        for (int t = 0; t < 2; t++) {
+            const __m256i w0 = fs_kq_weights_avx2(type, rp[4 * u + 2 * t] + at, jj);
+            const __m256i w1 = fs_kq_weights_avx2(type, rp[4 * u + 2 * t + 1] + at, jj);
+            const __m256i wl = _mm256_unpacklo_epi32(w0, w1), wh = _mm256_unpackhi_epi32(w0, w1);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                c[t][r] = _mm256_add_epi16(_mm256_maddubs_epi16(wl, xd[r]), _mm256_maddubs_epi16(wh, xd[FS_FUSED_MAX_N + r]));
+                if (type == FS_T_Q6_K)
+                    c[t][r] = _mm256_madd_epi16(c[t][r], ones);
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+            e[u][r] = type == FS_T_Q6_K ? fs_fold64_avx2(c[0][r], c[1][r])
+                                        : _mm256_add_epi16(_mm256_unpacklo_epi64(c[0][r], c[1][r]),
+                                                           _mm256_unpackhi_epi64(c[0][r], c[1][r]));
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        lo[r] = _mm256_permute2x128_si256(e[0][r], e[1][r], 0x20);
+        hi[r] = _mm256_permute2x128_si256(e[0][r], e[1][r], 0x31);
+        if (type == FS_T_Q4_K)
+            lo[r] = _mm256_madd_epi16(_mm256_add_epi16(lo[r], hi[r]), ones);
+    }
+}
+
+FS_FUSED256 FS_INLINE void fs_kq_half_avx2(const fs_job *j, const int type, const uint8_t *rows, int64_t row_bytes,
+                                           int h, fs_prefetcher *pf, const int R)
+{
+    const int64_t nb = j->nb, K = nb * FS_QK, bb = type == FS_T_Q4_K ? 144 : 210;
+    const uint8_t *r8 = rows + 8 * h * row_bytes, *rp[8];
+    for (int l = 0; l < 8; l++)
+        rp[l] = r8 + l * row_bytes;
+    __m256 f[FS_FUSED_MAX_N];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        f[r] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        fs_prefetch_step(pf);
+        const int64_t at = sb * bb;
+        __m256i hs[8];
+        __m256 dsc[8], mneg[8], d6 = _mm256_setzero_ps();
+        if (type == FS_T_Q4_K) {
+            fs_rows8_avx2(r8, row_bytes, at, 1, hs);       /* d | dmin, scales[0..3], [4..7], [8..11] */
+            fs_k45_scales_avx2(hs, _mm256_cvtph_ps(fs_low16x8_avx2(hs[0])),
+                               _mm256_cvtph_ps(fs_low16x8_avx2(_mm256_srli_epi32(hs[0], 16))), dsc, mneg);
+        } else {
+            fs_rows8_avx2(r8, row_bytes, at + 192, 1, hs);  /* the 16 int8 sub-scales, 4 per dword */
+            d6 = _mm256_cvtph_ps(fs_low16x8_avx2(_mm256_srli_epi32(fs_dword8_avx2(rp, at + 206), 16)));
+        }
+#pragma GCC unroll 8
+        for (int jj = 0; jj < 8; jj++) {
+            const int64_t b = sb * 8 + jj;
+            __m256i xd[2 * FS_FUSED_MAX_N], lo[FS_FUSED_MAX_N], hi[FS_FUSED_MAX_N];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const __m256i x = _mm256_loadu_si256((const __m256i *)(j->xq + r * K + b * FS_QK));
+                xd[r] = _mm256_unpacklo_epi32(x, x);
+                xd[FS_FUSED_MAX_N + r] = _mm256_unpackhi_epi32(x, x);
+            }
+            fs_kq_dots_avx2(type, rp, at, jj, xd, R, lo, hi);
+            __m256i s0 = lo[0], s1 = lo[0];
+            if (type == FS_T_Q6_K) {
+                const int i0 = 2 * jj, i1 = 2 * jj + 1;
+                s0 = _mm256_srai_epi32(_mm256_slli_epi32(hs[i0 >> 2], 24 - 8 * (i0 & 3)), 24);
+                s1 = _mm256_srai_epi32(_mm256_slli_epi32(hs[i1 >> 2], 24 - 8 * (i1 & 3)), 24);
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const int64_t o = r * nb + b;
+                __m256i is;
+                if (type == FS_T_Q6_K) {
+                    const int32_t xh = j->xh[o], xs = j->xs[o];
+                    is = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_sub_epi32(lo[r], _mm256_set1_epi32(32 * xh)), s0),
+                                          _mm256_mullo_epi32(_mm256_sub_epi32(hi[r], _mm256_set1_epi32(32 * (xs - xh))), s1));
+                    f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(d6, _mm256_set1_ps(j->dx[o]))));
+                } else {
+                    is = lo[r];
+                    f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(dsc[jj], _mm256_set1_ps(j->dx[o]))));
+                    f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(mneg[jj], _mm256_set1_ps(j->sx[o])));
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        fs_store_half_avx2(j, h, r, f[r]);
+}
+
 FS_FUSED256 static void fs_fused_avx2(const fs_job *j, int type, const uint8_t *rows, int64_t row_bytes,
                                       const uint8_t *next)
 {
+    const int kq = type == FS_T_Q4_K || type == FS_T_Q6_K;
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, 2 * (kq ? j->nb / 8 : j->nb));
+    if (kq) {
+        for (int h = 0; h < 2; h++) {
+#define FS_Q4K(R) fs_kq_half_avx2(j, FS_T_Q4_K, rows, row_bytes, h, &pf, R)
+#define FS_Q6K(R) fs_kq_half_avx2(j, FS_T_Q6_K, rows, row_bytes, h, &pf, R)
+            if (type == FS_T_Q4_K) {
+                FS_FUSED_BY_N(FS_Q4K);
+            } else {
+                FS_FUSED_BY_N(FS_Q6K);
+            }
+#undef FS_Q4K
+#undef FS_Q6K
+        }
+        return;
+    }
     const uint8_t *rp[16];
     for (int l = 0; l < 16; l++)
         rp[l] = rows + (l < j->valid ? l : 0) * row_bytes;
     for (int h = 0; h < 2 && h * 8 < j->valid; h++) {
-#define FS_HALF(R) fs_fused_half_avx2(j, type, rp + 8 * h, h, next, 16 * row_bytes, R)
-        FS_FUSED_BY_N(FS_HALF);
+        /* one instance per type: no type test inside the block loop */
+#define FS_HALF(T, R) fs_fused_half_avx2(j, T, rp + 8 * h, h, &pf, R)
+#define FS_Q40(R) FS_HALF(FS_T_Q4_0, R)
+#define FS_Q41(R) FS_HALF(FS_T_Q4_1, R)
+#define FS_Q50(R) FS_HALF(FS_T_Q5_0, R)
+#define FS_Q51(R) FS_HALF(FS_T_Q5_1, R)
+#define FS_Q80(R) FS_HALF(FS_T_Q8_0, R)
+        switch (type) {
+        case FS_T_Q4_0: FS_FUSED_BY_N(FS_Q40); break;
+        case FS_T_Q4_1: FS_FUSED_BY_N(FS_Q41); break;
+        case FS_T_Q5_0: FS_FUSED_BY_N(FS_Q50); break;
+        case FS_T_Q5_1: FS_FUSED_BY_N(FS_Q51); break;
+        default: FS_FUSED_BY_N(FS_Q80); break;
+        }
+#undef FS_Q40
+#undef FS_Q41
+#undef FS_Q50
+#undef FS_Q51
+#undef FS_Q80
 #undef FS_HALF
     }
 }
 #endif /* FS_HAVE_STAGE_AVX2 */
 
 /* Whether the fused kernel computes a panel of valid rows of this type at n activation rows with
- * this isa (valid < 16: only the 32-input types; Q4_K's last partial panel stages). Q4_K stops at
- * FS_FUSED_MAX_N_K rows: its staging decoder is cheaper per byte than the 32-input types', so the
- * fused kernel's per-row reduction wins only below that (measured: 1.34x at n = 1, 1.04x at 2,
- * 0.87x at 4, 1 thread, 2048x2048). */
+ * this isa (valid < 16: only the 32-input types; Q4_K's last partial panel stages). On AVX-512 Q4_K
+ * stops at FS_FUSED_MAX_N_K rows: its staging decoder is cheaper per byte than the 32-input types',
+ * so the fused kernel's per-row reduction wins only below that (measured: 1.34x at n = 1, 1.04x at 2,
+ * 0.87x at 4, 1 thread, 2048x2048). On AVX2 the direct K-quant kernels win at every n <= 4 (the 1 B
+ * shape's Q4_K_M products, 2 threads: 2.7x at n = 1, 1.4x at 2, 1.3x at 4). */
 static inline int fs_fused_ok(int isa, int type, int64_t n, int valid)
 {
 #if defined(FS_HAVE_FUSED_AVX512)
@@ -501,7 +688,8 @@ static inline int fs_fused_ok(int isa, int type, int64_t n, int valid)
 #endif
 #if defined(FS_HAVE_FUSED_AVX2)
     if (isa == FS_ISA_AVX2 && n >= 1 && n <= FS_FUSED_MAX_N &&
-        (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q5_0 || type == FS_T_Q5_1 || type == FS_T_Q8_0))
+        (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q5_0 || type == FS_T_Q5_1 || type == FS_T_Q8_0 ||
+         ((type == FS_T_Q4_K || type == FS_T_Q6_K) && valid == FS_LANES)))
         return 1;
 #endif
     (void)isa; (void)type; (void)n; (void)valid;

@@ -1,0 +1,309 @@
+"""fastserve and llama-server at the sizes people run (issue 25 item 5): decode and prefill ms/token per model
+shape x quant, with the memory-bandwidth floor.
+
+For each shape (1b: Llama-3.2-1B's, hidden 2048, 16 layers, 32 / 8 heads, FFN 8192, vocab 128256, tied;
+3b: Llama-3.2-3B's; 7b: Qwen2.5-7B's) it writes an F16 GGUF with random weights (once, into --dir, never the
+repository; the rows of the output matrix of the byte tokens that are not valid UTF-8 alone are zero, so
+greedy text stays printable), quantizes it with llama.cpp's own llama-quantize to each quant, starts both
+servers with `-t 2 -np 1 -c 4096` and sends each, taking turns, a 400-token prompt of fresh random ids
+(no prefix to reuse) with 48 greedy tokens and ignore_eos, reading each server's own /completion timings.
+The figures are medians over --reps requests per server (after one warm-up each); ratios are
+llama-server's ms/token / fastserve's (above 1: fastserve faster). Floor: the bytes of weight a decode
+step reads (bench_forward_bound.weight_bytes_per_token) / the read bandwidth of 2 threads, measured in
+the same run between the requests.
+
+--isa avx2 runs fastserve's AVX2 kernels (FASTSERVE_ISA) on a machine with AVX-512; --llama-lib DIR
+runs llama-server with the libggml-cpu.so in DIR (e.g. one built with -DGGML_AVX512=OFF), so that both
+run AVX2 code. --before DIR adds a third server, fastserve from another checkout DIR (built in place),
+taking its turn with the others: a change's before and after in one run. Without llama-server or
+llama-quantize it says why and exits 0.
+
+Run: python bench/bench_sizes.py --llama-bin DIR [--shapes 1b] [--quants Q4_K_M,Q8_0] [--reps 3]
+     [--isa auto|avx2|avx512vnni] [--llama-lib DIR] [--before DIR] [--dir /tmp/fastserve-sizes] [--json out.json]
+     (DIR holding llama-server and llama-quantize; or LLAMA_BIN=DIR)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_forward_bound import weight_bytes_per_token  # noqa: E402
+from bench_matmul import read_bandwidth  # noqa: E402
+from httpload import ServerProcess, fastserve_command, free_port  # noqa: E402
+
+# (architecture, layers, hidden, heads, KV heads, FFN, vocab, tied output)
+SHAPES = {
+    "1b": ("llama", 16, 2048, 32, 8, 8192, 128256, True),       # Llama-3.2-1B
+    "3b": ("llama", 28, 3072, 24, 8, 8192, 128256, True),       # Llama-3.2-3B
+    "7b": ("qwen2", 28, 3584, 28, 4, 18944, 152064, False),     # Qwen2.5-7B
+}
+QUANTS = ("Q4_K_M", "Q8_0")
+N_PROMPT, N_PREDICT, N_CTX, THREADS = 400, 48, 4096, 2
+
+
+# -- the models ---------------------------------------------------------------------------------
+
+def write_f16(path: Path, shape: str, seed: int = 0) -> None:
+    """A GGUF of the shape in F16 (norms F32) with random weights, streamed tensor by tensor."""
+    import gguf
+
+    from fastserve.models.synthetic import CHAT_TEMPLATE, tiny_vocab
+
+    arch, n_layer, d, n_head, n_kv, n_ff, n_vocab, tied = SHAPES[shape]
+    hd = d // n_head
+    rng = np.random.default_rng(seed)
+    tensors = [("token_embd.weight", (n_vocab, d), 1.0)]
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        tensors += [(b + "attn_norm.weight", (d,), None), (b + "attn_q.weight", (n_head * hd, d), d ** -0.5),
+                    (b + "attn_k.weight", (n_kv * hd, d), d ** -0.5), (b + "attn_v.weight", (n_kv * hd, d), d ** -0.5),
+                    (b + "attn_output.weight", (d, n_head * hd), (n_head * hd) ** -0.5),
+                    (b + "ffn_norm.weight", (d,), None), (b + "ffn_gate.weight", (n_ff, d), d ** -0.5),
+                    (b + "ffn_up.weight", (n_ff, d), d ** -0.5), (b + "ffn_down.weight", (d, n_ff), n_ff ** -0.5)]
+        if arch == "qwen2":
+            tensors += [(b + "attn_q.bias", (n_head * hd,), None), (b + "attn_k.bias", (n_kv * hd,), None),
+                        (b + "attn_v.bias", (n_kv * hd,), None)]
+    tensors.append(("output_norm.weight", (d,), None))
+    if not tied:
+        tensors.append(("output.weight", (n_vocab, d), d ** -0.5))
+    tokens, types, merges = tiny_vocab(n_vocab)
+    # byte tokens 0x80..0xFF (ids 3 + b) are not valid UTF-8 alone: their output rows stay zero
+    bad_rows = np.arange(3 + 0x80, 3 + 0x100)
+
+    w = gguf.GGUFWriter(os.fspath(path), arch)
+    w.add_block_count(n_layer)
+    w.add_context_length(N_CTX)
+    w.add_embedding_length(d)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_freq_base(500000.0 if arch == "llama" else 1000000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(hd)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+    for name, shp, _ in tensors:
+        vec = len(shp) == 1
+        dt = np.float32 if vec else np.float16
+        w.add_tensor_info(name, shp, np.dtype(dt), int(np.prod(shp)) * np.dtype(dt).itemsize)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for name, shp, scale in tensors:
+        if len(shp) == 1:
+            a = (0.1 * rng.standard_normal(shp, dtype=np.float32)) if name.endswith(".bias") else \
+                (1.0 + 0.1 * rng.standard_normal(shp, dtype=np.float32))
+            w.write_tensor_data(a.astype(np.float32))
+            continue
+        a = np.empty(shp, np.float16)
+        for r0 in range(0, shp[0], 4096):       # in slices: a 7b output matrix is 2 GB of float32
+            a[r0:r0 + 4096] = rng.standard_normal((min(4096, shp[0] - r0), shp[1]), dtype=np.float32) * scale
+        if name == ("token_embd.weight" if tied else "output.weight"):
+            a[bad_rows] = 0
+        w.write_tensor_data(a)
+    w.close()
+
+
+def model_file(dirpath: Path, shape: str, quant: str, bin_dir: Path) -> Path:
+    """The shape in quant, written and quantized unless it is there already."""
+    dirpath.mkdir(parents=True, exist_ok=True)
+    f16 = dirpath / f"rand-{shape}-F16.gguf"
+    out = dirpath / f"rand-{shape}-{quant}.gguf"
+    if out.exists():
+        return out
+    if not f16.exists():
+        t0 = time.perf_counter()
+        tmp = f16.with_suffix(".tmp")
+        write_f16(tmp, shape)
+        tmp.rename(f16)
+        print(f"  wrote {f16} ({f16.stat().st_size / 1e9:.2f} GB, {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    t0 = time.perf_counter()
+    tmp = out.with_suffix(".tmp")
+    p = subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(tmp), quant, str(os.cpu_count() or 1)],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"llama-quantize {quant} failed:\n{p.stderr[-2000:]}")
+    tmp.rename(out)
+    print(f"  quantized {out} ({out.stat().st_size / 1e6:.0f} MB, {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    return out
+
+
+# -- the servers --------------------------------------------------------------------------------
+
+def commands(model: Path, bin_dir: Path, before: str | None = None):
+    """name -> (port -> argv)"""
+    out = {"fastserve": lambda port: fastserve_command(str(model), port, 1, N_CTX, THREADS, "--log-disable"),
+           "llama-server": lambda port: [str(bin_dir / "llama-server"), "-m", str(model), "--host", "127.0.0.1",
+                                         "--port", str(port), "-np", "1", "-c", str(N_CTX), "-t", str(THREADS)]}
+    if before:
+        def old(port):      # `python -m fastserve` with the other checkout first on the path
+            argv = fastserve_command(str(model), port, 1, N_CTX, THREADS, "--log-disable")
+            run = (f"import sys, runpy; sys.path.insert(0, {os.path.abspath(before)!r}); "
+                   f"sys.argv[0] = 'fastserve'; runpy.run_module('fastserve', run_name='__main__')")
+            return [argv[0], "-c", run, *argv[3:]]
+        out["fastserve-before"] = old
+    return out
+
+
+def completion(port: int, prompt: list[int]) -> dict:
+    body = orjson.dumps({"prompt": prompt, "n_predict": N_PREDICT, "temperature": 0.0, "ignore_eos": True,
+                         "cache_prompt": False, "stream": False})
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        out = orjson.loads(r.read())
+    t = out["timings"]
+    if t["prompt_n"] < N_PROMPT - 1 or t["predicted_n"] != N_PREDICT:
+        raise RuntimeError(f"port {port}: {t['prompt_n']} prompt tokens evaluated, {t['predicted_n']} predicted")
+    return {"prefill_ms": t["prompt_per_token_ms"], "decode_ms": t["predicted_per_token_ms"], "text": out["content"]}
+
+
+def measure(model: Path, bin_dir: Path, reps: int, env: dict, rng, logdir: Path, before: str | None) -> dict:
+    """{name: {"prefill_ms": [..], "decode_ms": [..]}, "bandwidth": [..] B/s}: the servers take turns."""
+    n_vocab = SHAPES_BY_FILE[model][6]
+    cmds = commands(model, bin_dir, before)
+    servers, out = {}, {n: {"prefill_ms": [], "decode_ms": []} for n in cmds}
+    out["bandwidth"] = []
+    saved = dict(os.environ)
+    try:
+        for name, cmd in cmds.items():
+            os.environ.update(env.get(name.split("-before")[0], {}))
+            port = free_port()
+            servers[name] = ServerProcess(cmd(port), port, logdir / f"{name}-{model.stem}.log", start_timeout=600)
+            os.environ.clear()
+            os.environ.update(saved)
+        prompt = lambda: rng.integers(300, n_vocab, N_PROMPT).tolist()   # noqa: E731 (fresh: no reuse)
+        for name, srv in servers.items():
+            completion(srv.port, prompt())          # warm-up: the pages of the file, the first-call costs
+        for _ in range(reps):
+            out["bandwidth"].append(read_bandwidth(THREADS))
+            for name, srv in servers.items():
+                r = completion(srv.port, prompt())
+                out[name]["prefill_ms"].append(r["prefill_ms"])
+                out[name]["decode_ms"].append(r["decode_ms"])
+                out[name]["text"] = r["text"]
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        for srv in servers.values():
+            srv.stop()
+    return out
+
+
+SHAPES_BY_FILE: dict = {}
+
+
+def run(a) -> dict:
+    bin_dir, dirpath = Path(a.llama_bin), Path(a.dir)
+    env = {"fastserve": {"FASTSERVE_ISA": a.isa} if a.isa != "auto" else {},
+           "llama-server": {"LD_LIBRARY_PATH": a.llama_lib} if a.llama_lib else {}}
+    logdir = Path(tempfile.mkdtemp(prefix="bench_sizes-"))
+    rng = np.random.default_rng(1)
+    out = {"isa": a.isa, "llama_lib": a.llama_lib, "llama_bin": str(bin_dir), "cpus": os.cpu_count(),
+           "loadavg_start": os.getloadavg(), "logs": str(logdir), "rows": []}
+    from fastserve.backends.cpu import _matmul
+    os.environ.update(env["fastserve"])
+    out["fastserve_isa"] = _matmul.best_isa()
+    os.environ.pop("FASTSERVE_ISA", None)
+    for shape in a.shapes.split(","):
+        for quant in a.quants.split(","):
+            model = model_file(dirpath, shape, quant, bin_dir)
+            SHAPES_BY_FILE[model] = SHAPES[shape]
+            wbytes, _ = weight_bytes_per_token(str(model))
+            m = measure(model, bin_dir, a.reps, env, rng, logdir, a.before)
+            bw = statistics.median(m["bandwidth"])
+            row = {"shape": shape, "quant": quant, "file_mb": model.stat().st_size / 1e6, "weight_bytes": wbytes,
+                   "bandwidth_gbs": bw / 1e9, "floor_ms": wbytes / bw * 1e3, "loadavg_1m": os.getloadavg()[0]}
+            for name in [k for k in m if k != "bandwidth"]:
+                row[name] = {k: statistics.median(m[name][k]) for k in ("prefill_ms", "decode_ms")}
+                row[name]["best"] = {k: min(m[name][k]) for k in ("prefill_ms", "decode_ms")}
+                row[name]["all"] = {k: m[name][k] for k in ("prefill_ms", "decode_ms")}
+                row[name]["text"] = m[name]["text"][:80]
+            out["rows"].append(row)
+            print(line(row), file=sys.stderr, flush=True)
+    return out
+
+
+def line(r: dict) -> str:
+    ll = r["llama-server"]
+    out = []
+    for name in ("fastserve", "fastserve-before"):
+        if name not in r:
+            continue
+        f = r[name]
+        out.append(f"{r['shape']:3s} {r['quant']:7s} {r['file_mb']:6.0f} MB {name:16s} decode {f['decode_ms']:6.1f} "
+                   f"llama {ll['decode_ms']:6.1f} ms/tok ratio {ll['decode_ms'] / f['decode_ms']:.2f}x  floor "
+                   f"{r['floor_ms']:5.1f} ms ({r['bandwidth_gbs']:.1f} GB/s; {f['decode_ms'] / r['floor_ms']:.2f}x "
+                   f"floor)  prefill {f['prefill_ms']:5.2f} llama {ll['prefill_ms']:5.2f} ms/tok ratio "
+                   f"{ll['prefill_ms'] / f['prefill_ms']:.2f}x  (best of each: decode {f['best']['decode_ms']:.1f} / "
+                   f"{ll['best']['decode_ms']:.1f}, prefill {f['best']['prefill_ms']:.2f} / {ll['best']['prefill_ms']:.2f})")
+    return "\n".join(out)
+
+
+def report(out: dict) -> str:
+    lines = [f"fastserve kernels: {out['fastserve_isa']}; llama-server: {out['llama_bin']}"
+             f"{' with ggml-cpu from ' + out['llama_lib'] if out['llama_lib'] else ''}; both -t {THREADS} -np 1 "
+             f"-c {N_CTX}; prompt {N_PROMPT} tokens, {N_PREDICT} greedy tokens, ignore_eos; medians of each "
+             f"server's own /completion timings; ratio = llama-server ms / fastserve ms (> 1: fastserve faster); llama-server's "
+             f"threads wait by spinning: on a loaded machine its figures fall apart (compare the best ones then)"]
+    lines += [line(r) for r in out["rows"]]
+    la = ", ".join(f"{x:.1f}" for x in out["loadavg_start"])
+    lines.append(f"machine: {out['cpus']} CPUs, load average {la} at the start; logs: {out['logs']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN"),
+                    help="directory of llama-server and llama-quantize (default: $LLAMA_BIN)")
+    ap.add_argument("--llama-lib", help="a directory whose libggml-cpu.so llama-server loads instead (LD_LIBRARY_PATH)")
+    ap.add_argument("--shapes", default="1b", help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--quants", default=",".join(QUANTS))
+    ap.add_argument("--reps", type=int, default=3, help="requests per server and model after the warm-up")
+    ap.add_argument("--isa", default="auto", help="fastserve's kernels (FASTSERVE_ISA): auto or a name of _matmul.isas()")
+    ap.add_argument("--before", help="another fastserve checkout (built in place) to run beside, as fastserve-before")
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "fastserve-sizes"),
+                    help="where the models are written (outside the repository)")
+    ap.add_argument("--json", default=None, help="where the figures go (JSON)")
+    a = ap.parse_args(argv)
+    if not a.llama_bin:
+        print("bench_sizes: skipped: no llama.cpp build given (--llama-bin DIR or LLAMA_BIN=DIR, the directory of "
+              "llama-server and llama-quantize; ../shared/tools/build-llama-server.sh builds both)")
+        return 0
+    for tool in ("llama-server", "llama-quantize"):
+        if not os.access(Path(a.llama_bin) / tool, os.X_OK):
+            print(f"bench_sizes: skipped: {Path(a.llama_bin) / tool} is not an executable file")
+            return 0
+    if Path(a.dir).resolve().is_relative_to(Path(__file__).resolve().parents[1]):
+        print(f"bench_sizes: --dir {a.dir} is inside the repository; models go elsewhere")
+        return 2
+    out = run(a)
+    print(report(out))
+    if a.json:
+        Path(a.json).write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2))
+        print(f"figures: {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
