@@ -92,6 +92,7 @@ class EngineInfo:
     model_name: str
     model_path: str
     model_summary: str          # what the load says of itself (time, phases)
+    isa: str = ""               # the CPU kernels' instruction set ("avx512vnni", "avx2", "scalar", ...; "" off the CPU)
 
 
 class EngineStats(NamedTuple):
@@ -620,7 +621,7 @@ class Engine:
             threads=self._threads, device=self._device, samples_on_device=be.samples_on_device,
             cache_type_k=self._config.cache_type_k, cache_type_v=self._config.cache_type_v,
             window=m.config.sliding_window, ring=getattr(be, "kv_ring", 0),
-            kv_bytes=kv_bytes, kv_resident=kv_resident,
+            kv_bytes=kv_bytes, kv_resident=kv_resident, isa=getattr(be, "isa", ""),
             model_name=getattr(m, "name", "model"), model_path=str(getattr(m, "path", "")),
             model_summary=m.load_summary() if hasattr(m, "load_summary") else "")
 

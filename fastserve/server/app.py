@@ -327,7 +327,7 @@ def serve(args, backend=None) -> int:
               f"RSS {rss_bytes() / 2**20:.0f} MiB{coming}", file=sys.stderr, flush=True)
         print(f"fastserve: listening on http://{cfg.host}:{port} ({info.model_name}, {info.n_slots} slots x "
               f"{info.n_ctx_slot} tokens, KV {info.cache_type_k}/{info.cache_type_v}, {args.loop} loop, "
-              f"{info.threads} thread(s))", file=sys.stderr, flush=True)
+              f"{info.threads} thread(s){f', {info.isa} kernels' if info.isa else ''})", file=sys.stderr, flush=True)
         await server.wait()
 
     try:

@@ -340,6 +340,16 @@ def test_describe_says_what_the_engine_is(tiny_model):
     assert info.model_path == str(tiny_model.path) and info.model_summary == tiny_model.load_summary()
 
 
+def test_describe_names_the_kernels_isa(tiny_model, monkeypatch):
+    """The CPU kernels' instruction set is chosen at run time (FASTSERVE_ISA overrides it) and described."""
+    from fastserve.backends.cpu import _matmul
+    with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=64, threads=1) as e:
+        assert e.describe().isa == _matmul.best_isa() and e.describe().isa in _matmul.isas()
+    monkeypatch.setenv("FASTSERVE_ISA", "scalar")
+    with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=64, threads=1) as e:
+        assert e.describe().isa == "scalar"
+
+
 def test_the_caller_and_the_decode_thread_share_a_requests_buffer_only(engine):
     """What submit() hands back (the text layer and its Reader) holds no Request; where the request ran
     comes to the reader in its buffer."""

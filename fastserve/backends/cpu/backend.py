@@ -12,7 +12,7 @@ import numpy as np
 
 from ._attention import Attention
 from ._forward import Forward
-from ._matmul import Matmul
+from ._matmul import Matmul, best_isa
 from ._pool import Pool
 from ...models.transformer import ModelConfig, ModelWeights
 from .ref import forward as ref_forward
@@ -71,6 +71,11 @@ class CpuBackend(HostSampling):
 
     def kv_bytes(self) -> int:
         return self.kv.nbytes()
+
+    @property
+    def isa(self) -> str:
+        """The instruction set the products run on: the best this machine has, or FASTSERVE_ISA's."""
+        return best_isa()
 
     def kv_resident(self) -> bool:
         return self.kv.resident.is_set()
