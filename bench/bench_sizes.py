@@ -59,7 +59,7 @@ def write_f16(path: Path, shape: str, seed: int = 0) -> None:
     """A GGUF of the shape in F16 (norms F32) with random weights, streamed tensor by tensor."""
     import gguf
 
-    from fastserve.models.synthetic import CHAT_TEMPLATE, tiny_vocab
+    from fastserve.models.synthetic import CHAT_TEMPLATE, add_tiny_tokenizer
 
     arch, n_layer, d, n_head, n_kv, n_ff, n_vocab, tied = SHAPES[shape]
     hd = d // n_head
@@ -78,7 +78,6 @@ def write_f16(path: Path, shape: str, seed: int = 0) -> None:
     tensors.append(("output_norm.weight", (d,), None))
     if not tied:
         tensors.append(("output.weight", (n_vocab, d), d ** -0.5))
-    tokens, types, merges = tiny_vocab(n_vocab)
     # byte tokens 0x80..0xFF (ids 3 + b) are not valid UTF-8 alone: their output rows stay zero
     bad_rows = np.arange(3 + 0x80, 3 + 0x100)
 
@@ -94,15 +93,7 @@ def write_f16(path: Path, shape: str, seed: int = 0) -> None:
     w.add_rope_dimension_count(hd)
     w.add_vocab_size(n_vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    add_tiny_tokenizer(w, n_vocab, CHAT_TEMPLATE)
     for name, shp, _ in tensors:
         vec = len(shp) == 1
         dt = np.float32 if vec else np.float16

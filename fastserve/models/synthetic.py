@@ -45,6 +45,22 @@ def tiny_vocab(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
     return tokens, types, list(MERGES)
 
 
+
+def add_tiny_tokenizer(w, n_vocab: int, chat_template: str | None = None) -> None:
+    """tiny_vocab's byte-level BPE vocabulary (BOS 1, EOS 2, no BOS added) and a chat template into a
+    gguf.GGUFWriter: the tokenizer fastserve and llama.cpp both load."""
+    tokens, types, merges = tiny_vocab(n_vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_add_bos_token(False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+
 def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
                      n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 512, n_ctx: int = 2048,
                      weight_type: str = "F32", tied: bool = False, seed: int = 0,
@@ -85,17 +101,7 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(n_vocab)
-    tokens, types, merges = tiny_vocab(n_vocab)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
-    if chat_template is not None:
-        w.add_chat_template(chat_template)
+    add_tiny_tokenizer(w, n_vocab, chat_template)
 
     def mat(name, rows, cols, scale):
         t = weight_type

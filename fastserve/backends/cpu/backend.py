@@ -12,7 +12,7 @@ import numpy as np
 
 from ._attention import Attention
 from ._forward import Forward
-from ._matmul import Matmul, best_isa
+from ._matmul import Matmul
 from ._pool import Pool
 from ...models.transformer import ModelConfig, ModelWeights
 from .ref import forward as ref_forward
@@ -74,8 +74,9 @@ class CpuBackend(HostSampling):
 
     @property
     def isa(self) -> str:
-        """The instruction set the products run on: the best this machine has, or FASTSERVE_ISA's."""
-        return best_isa()
+        """The instruction set the products run on (chosen when they were made: the best this machine has, or
+        FASTSERVE_ISA's)."""
+        return self._mm.isa
 
     def kv_resident(self) -> bool:
         return self.kv.resident.is_set()
