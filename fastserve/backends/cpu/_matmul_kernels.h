@@ -139,6 +139,7 @@ typedef struct {
     int64_t n;
     float *y;               /* y[r * ldy + lane], lanes 0 .. valid-1 written */
     int64_t ldy;
+    int type;               /* the staged rows' GGUF type (the range of their q: fs_avx2_group) */
 } fs_job;
 
 typedef void (*fs_kernel)(const fs_job *);
@@ -266,15 +267,32 @@ FS_AVX2 FS_INLINE void fs_store_half_avx2(const fs_job *j, int h, int64_t r, __m
     }
 }
 
-/* AVX2 (no VNNI): one half panel (8 outputs) times R rows. The weights are made signed again
- * (xor 0x80) and multiplied with maddubs(|w|, sign(x, w)), whose i16 pair sums cannot saturate
- * (2 * 128 * 127 < 2^15); the integer result is VNNI's exact dot. */
-FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, int h, int64_t r0, const int R, const int kind)
+/* How the AVX2 tile reads a staged type's q (stored as q + 128): as the unsigned q + off (0..15,
+ * 0..31 or 0..63), in groups of G four-input steps whose maddubs pair sums add up in int16 without
+ * overflow (G * 2 * max * 127 < 2^15: widened once per group, not per step), off * sum(q_x) taken
+ * back from the exact integer dot; G = 0: q may be any int8 (Q8_0), maddubs(|w|, sign(x, w)). */
+static inline int fs_avx2_group(int type, int32_t *off)
+{
+    switch (type) {
+    case FS_T_Q4_0: *off = 8; return 8;
+    case FS_T_Q4_1: case FS_T_Q4_K: *off = 0; return 8;
+    case FS_T_Q5_0: *off = 16; return 4;
+    case FS_T_Q5_1: case FS_T_Q5_K: *off = 0; return 4;
+    case FS_T_Q6_K: *off = 32; return 2;
+    default: *off = 0; return 0;
+    }
+}
+
+/* AVX2 (no VNNI): one half panel (8 outputs) times R rows; G, off: fs_avx2_group's. The integer
+ * result is VNNI's exact dot either way. */
+FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, int h, int64_t r0, const int R, const int kind, const int G,
+                                    const int32_t off)
 {
     const int64_t nb = j->nb, K = nb * FS_QK, pbb = fs_stage_bytes(kind);
     const int S = kind == FS_KIND_QS, M = kind == FS_KIND_QM;
     const uint8_t *wp = j->w + h * 32;
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    const __m256i to_raw = _mm256_set1_epi8((char)(128 + off));     /* (q + 128) + (128 + off) = q + off (mod 256) */
     __m256 f[4];
     __m256i a[4], ah[4];
 #pragma GCC unroll 4
@@ -286,18 +304,58 @@ FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, int h, int64_t r0, const in
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
             a[r] = ah[r] = _mm256_setzero_si256();
+        if (G) {
 #pragma GCC unroll 8
-        for (int k = 0; k < 8; k++) {
-            __m256i ws = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(pb + k * 64)), flip);
-            __m256i aw = _mm256_abs_epi8(ws);
+            for (int k0 = 0; k0 < 8; k0 += G) {
+                __m256i s16[4];
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                __m256i xv = _mm256_set1_epi32(fs_load4(xb + r * K + k * 4));
-                __m256i m = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, ws)), ones);
-                if (S && k >= 4)
-                    ah[r] = _mm256_add_epi32(ah[r], m);
-                else
-                    a[r] = _mm256_add_epi32(a[r], m);
+                for (int r = 0; r < R; r++)
+                    s16[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+                for (int k = k0; k < k0 + G; k++) {
+                    const __m256i w = _mm256_add_epi8(_mm256_loadu_si256((const __m256i *)(pb + k * 64)), to_raw);
+#pragma GCC unroll 4
+                    for (int r = 0; r < R; r++)
+                        s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(fs_load4(xb + r * K + k * 4))));
+                }
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    const __m256i m = _mm256_madd_epi16(s16[r], ones);
+                    if (S && k0 >= 4)
+                        ah[r] = _mm256_add_epi32(ah[r], m);
+                    else
+                        a[r] = _mm256_add_epi32(a[r], m);
+                }
+            }
+            if (off) {
+                const __m256i offv = _mm256_set1_epi32(off);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    const int64_t o = (r0 + r) * nb + b;
+                    const __m256i xs = _mm256_set1_epi32(j->xs[o]);
+                    if (S) {
+                        const __m256i xh = _mm256_set1_epi32(j->xh[o]);
+                        a[r] = _mm256_sub_epi32(a[r], _mm256_mullo_epi32(xh, offv));
+                        ah[r] = _mm256_sub_epi32(ah[r], _mm256_mullo_epi32(_mm256_sub_epi32(xs, xh), offv));
+                    } else {
+                        a[r] = _mm256_sub_epi32(a[r], _mm256_mullo_epi32(xs, offv));
+                    }
+                }
+            }
+        } else {
+#pragma GCC unroll 2
+            for (int k = 0; k < 8; k++) {
+                __m256i ws = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(pb + k * 64)), flip);
+                __m256i aw = _mm256_abs_epi8(ws);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) {
+                    __m256i xv = _mm256_set1_epi32(fs_load4(xb + r * K + k * 4));
+                    __m256i m = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, ws)), ones);
+                    if (S && k >= 4)
+                        ah[r] = _mm256_add_epi32(ah[r], m);
+                    else
+                        a[r] = _mm256_add_epi32(a[r], m);
+                }
             }
         }
         if (S) {
@@ -345,23 +403,36 @@ FS_AVX2 FS_INLINE void fs_float_tile_avx2(const fs_job *j, int h, int64_t r0, co
         fs_store_half_avx2(j, h, r0 + r, f[r]);
 }
 
+/* One half panel's rows, in tiles of 4, for G a constant. */
+FS_AVX2 FS_INLINE void fs_half_avx2(const fs_job *j, int h, const int kind, const int G, const int32_t off)
+{
+    int64_t r = 0;
+#define FS_T(R) (kind == FS_KIND_F ? fs_float_tile_avx2(j, h, r, R) : fs_tile_avx2(j, h, r, R, kind, G, off))
+    for (; r + 4 <= j->n; r += 4)
+        FS_T(4);
+    switch (j->n - r) {
+    case 3: FS_T(3); break;
+    case 2: FS_T(2); break;
+    case 1: FS_T(1); break;
+    default: break;
+    }
+#undef FS_T
+}
+
 /* kind FS_N_KINDS: the float kernel */
 FS_AVX2 FS_INLINE void fs_panel_avx2(const fs_job *j, const int kind)
 {
+    int32_t off;
+    const int G = kind == FS_KIND_F ? 0 : fs_avx2_group(j->type, &off);
     for (int h = 0; h < 2; h++) {
         if (j->valid <= h * 8)
             break;
-        int64_t r = 0;
-#define FS_T(R) (kind == FS_KIND_F ? fs_float_tile_avx2(j, h, r, R) : fs_tile_avx2(j, h, r, R, kind))
-        for (; r + 4 <= j->n; r += 4)
-            FS_T(4);
-        switch (j->n - r) {
-        case 3: FS_T(3); break;
-        case 2: FS_T(2); break;
-        case 1: FS_T(1); break;
-        default: break;
+        switch (G) {
+        case 8: fs_half_avx2(j, h, kind, 8, off); break;
+        case 4: fs_half_avx2(j, h, kind, 4, off); break;
+        case 2: fs_half_avx2(j, h, kind, 2, off); break;
+        default: fs_half_avx2(j, h, kind, 0, 0); break;
         }
-#undef FS_T
     }
 }
 
@@ -826,6 +897,7 @@ static void fs_product_task(void *ctx, int64_t begin, int64_t end)
         }
         fs_stage_panel(pr->isa, pt->type, pt->data + r0 * pt->row_bytes, pt->row_bytes, valid, pr->n_in, stage, next);
         j.w = stage;
+        j.type = pt->type;
         pr->kern[pt->kind](&j);
     }
 }
