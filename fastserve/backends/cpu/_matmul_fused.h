@@ -15,7 +15,8 @@
  *     Q8_0:        the 32 quant bytes of each block, made unsigned (xor 0x80);
  *     Q4_K:        blocks 2c, 2c + 1 of a 256-block are the low and high nibbles of one 32-byte chunk:
  *                  broadcast to both halves, masked 0x0F / 0xF0 (n <= 2 only, whole panels);
- *     Q6_K:        the 64 low-bit bytes of two blocks and their high bits, q + 32 (n <= 2); its
+ *     Q6_K:        the 64 low-bit bytes of two blocks and their high bits, q + 32 (n <= 2, whole
+ *                  panels: the sub-scales of 16 rows come in one transposed load per 256-block); its
  *                  half-block dots are reduced apart and multiplied by their int8 sub-scales;
  *   activations: the 64 quantized inputs of blocks b, b+1 (one load, reused by 16 rows), their
  *   dwords doubled (0, 0, 1, 1 and 2, 2, 3, 3 per 128-bit lane);
@@ -94,18 +95,24 @@ FS_FUSED512 FS_INLINE __m512i fs_fused_scales(const uint8_t *const rp[16], int64
 
 /* Q6_K: row p's blocks jj, jj + 1 (jj even) of 256-block sb as unsigned 6-bit values q + 32: the
  * 64 low-bit bytes of chunk jj / 4 hold both (their low nibbles for jj % 4 = 0, high for 2), and
- * its 32 high-bit bytes, broadcast to both halves, bits jj % 4 * 2 (and + 2) for each. */
+ * its 32 high-bit bytes, broadcast to both halves, bits jj % 4 * 2 (and + 2) for each, moved to
+ * bits 4..5 by one variable shift of words (left 4 and 2, or right 0 and 2) and merged in one
+ * ternary logic op. */
 FS_FUSED512 FS_INLINE __m512i fs_fused_q6k_weights(const uint8_t *p, int64_t sb, int jj)
 {
     const uint8_t *blk = p + sb * 210;
     const int c = jj >> 2, t = jj & 3;
     __m512i ql = _mm512_loadu_si512((const void *)(blk + 64 * c));
-    if (t)
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c)));
+    __m512i hb;
+    if (t) {
         ql = _mm512_srli_epi16(ql, 4);
-    __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c)));
-    qh = _mm512_srlv_epi16(qh, _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * t)), _mm256_set1_epi16((short)(2 * t + 2)), 1));
-    return _mm512_or_si512(_mm512_and_si512(ql, _mm512_set1_epi8(15)),
-                           _mm512_slli_epi16(_mm512_and_si512(qh, _mm512_set1_epi8(3)), 4));
+        hb = _mm512_srlv_epi16(qh, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1));
+    } else {
+        hb = _mm512_sllv_epi16(qh, _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1));
+    }
+    hb = _mm512_and_si512(hb, _mm512_set1_epi8(0x30));
+    return _mm512_ternarylogic_epi32(ql, _mm512_set1_epi8(15), hb, 0xEA);     /* (ql & 15) | hb */
 }
 
 /* Row p's weights of blocks b, b1 (b1 = b + 1, or b for an odd last block) as unsigned bytes, laid
@@ -300,7 +307,7 @@ FS_FUSED512 FS_INLINE void fs_fused_q4k_avx512(const fs_job *j, const uint8_t *r
     fs_fused_store(j, f, R);
 }
 
-/* Q6_K: 16 rows at rows (lanes >= valid repeat row 0) times R activation rows. Per pair of blocks
+/* Q6_K: 16 rows at rows (a whole panel) times R activation rows. Per pair of blocks
  * the dots of each half block stay apart (two reduce steps, not three), lose the offset 32 *
  * sum(q_x) of their half, are multiplied by their int8 sub-scales, then summed: isum = s0 * lo16
  * + s1 * hi16, exactly. */
@@ -318,6 +325,8 @@ FS_FUSED512 FS_INLINE void fs_fused_q6k_avx512(const fs_job *j, const uint8_t *r
         fs_prefetch_step(&pf);
         /* d: the block's last two bytes (read as the high half of the dword before them) */
         const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(fs_fused_scales(rp, sb * 210 + 206), 16)));
+        __m512i scs[4];                    /* dword jj / 2: the sub-scales s0, s1 of blocks jj, jj + 1 */
+        fs_rows16x4(rows, row_bytes, sb * 210 + 192, scs);
         for (int jj = 0; jj < 8; jj += 2) {
             const int64_t b = sb * 8 + jj;
             __m512i xv[2 * FS_FUSED_MAX_N], e[4][FS_FUSED_MAX_N], corr[FS_FUSED_MAX_N];
@@ -331,7 +340,7 @@ FS_FUSED512 FS_INLINE void fs_fused_q6k_avx512(const fs_job *j, const uint8_t *r
                                            32 * (j->xs[o] - h0), 32 * (j->xs[o] - h0), 32 * (j->xs[o] - h0), 32 * (j->xs[o] - h0),
                                            32 * h0, 32 * h0, 32 * h0, 32 * h0);
             }
-            const __m512i sc = fs_fused_scales(rp, sb * 210 + 192 + 2 * jj);     /* s0, s1 of jj, jj + 1 */
+            const __m512i sc = scs[jj >> 1];
 #pragma GCC unroll 4
             for (int u = 0; u < 4; u++) {
                 fs_fused_quad(FS_T_Q6_K, rp + 4 * u, b, b + 1, xv, R, e[u]);
@@ -683,7 +692,7 @@ static inline int fs_fused_ok(int isa, int type, int64_t n, int valid)
 #if defined(FS_HAVE_FUSED_AVX512)
     if (isa == FS_ISA_AVX512VNNI && n >= 1 && n <= FS_FUSED_MAX_N &&
         (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q5_0 || type == FS_T_Q5_1 || type == FS_T_Q8_0 ||
-         (type == FS_T_Q4_K && valid == FS_LANES && n <= FS_FUSED_MAX_N_K) || (type == FS_T_Q6_K && n <= FS_FUSED_MAX_N_K)))
+         ((type == FS_T_Q4_K || type == FS_T_Q6_K) && valid == FS_LANES && n <= FS_FUSED_MAX_N_K)))
         return 1;
 #endif
 #if defined(FS_HAVE_FUSED_AVX2)
