@@ -15,6 +15,8 @@
  *     Q8_0:        the 32 quant bytes of each block, made unsigned (xor 0x80);
  *     Q4_K:        blocks 2c, 2c + 1 of a 256-block are the low and high nibbles of one 32-byte chunk:
  *                  broadcast to both halves, masked 0x0F / 0xF0 (n <= 2 only, whole panels);
+ *     Q5_K:        as Q4_K, the high nibbles shifted down, the fifth bits added as 16 under a
+ *                  byte mask (vptestmb of the 32 qh bytes against the blocks' bits);
  *     Q6_K:        the 64 low-bit bytes of two blocks and their high bits, q + 32 (n <= 2, whole
  *                  panels: the sub-scales of 16 rows come in one transposed load per 256-block); its
  *                  half-block dots are reduced apart and multiplied by their int8 sub-scales;
@@ -128,6 +130,17 @@ FS_FUSED512 FS_INLINE __m512i fs_fused_weights(const int type, const uint8_t *p,
     }
     if (type == FS_T_Q6_K)
         return fs_fused_q6k_weights(p, b >> 3, (int)(b & 7));
+    if (type == FS_T_Q5_K) {
+        /* the chunk's high nibbles shifted down in the upper half (a fifth bit leaves no room for
+         * x16), then bit b % 8 (lower half) and b % 8 + 1 (upper) of the block's 32 qh bytes add 16 */
+        const uint8_t *blk = p + (b >> 3) * 176;
+        const int jj = (int)(b & 7);
+        __m512i w = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 48 + 16 * jj)));
+        w = _mm512_and_si512(_mm512_mask_srli_epi16(w, 0xFFFF0000u, w, 4), _mm512_set1_epi8(15));
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
+        const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << jj)), _mm256_set1_epi8((char)(2 << jj)), 1);
+        return _mm512_mask_add_epi8(w, _mm512_test_epi8_mask(qh, bit), w, _mm512_set1_epi8(16));
+    }
     if (type == FS_T_Q4_K) {
         const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8((char)0xF0), 1);
         const __m512i w = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + (b >> 3) * 144 + 16 + 16 * (b & 7))));
@@ -277,10 +290,11 @@ FS_FUSED512 FS_INLINE void fs_fused_q32_avx512(const fs_job *j, const int type, 
     fs_fused_store(j, f, R);
 }
 
-/* Q4_K (whole panels: the scales of 16 rows come as the staging decoder reads them). */
-FS_FUSED512 FS_INLINE void fs_fused_q4k_avx512(const fs_job *j, const uint8_t *rows, int64_t row_bytes,
+/* Q4_K, Q5_K (type; whole panels: the scales of 16 rows come as the staging decoder reads them). */
+FS_FUSED512 FS_INLINE void fs_fused_k45_avx512(const fs_job *j, const int type, const uint8_t *rows, int64_t row_bytes,
                                                const uint8_t *next, const int R)
 {
+    const int64_t bb = type == FS_T_Q5_K ? 176 : 144;
     const int64_t nb = j->nb;
     const uint8_t *rp[16];
     __m512 f[FS_FUSED_MAX_N];
@@ -290,13 +304,13 @@ FS_FUSED512 FS_INLINE void fs_fused_q4k_avx512(const fs_job *j, const uint8_t *r
         fs_prefetch_step(&pf);
         __m512i h[4];
         __m512 dsc[8], mneg[8];
-        fs_rows16x4(rows, row_bytes, sb * 144, h);
+        fs_rows16x4(rows, row_bytes, sb * bb, h);
         fs_k45_scales(h, dsc, mneg);
         for (int c = 0; c < 4; c++) {
             const int64_t b = sb * 8 + 2 * c;
             __m512i xv[2 * FS_FUSED_MAX_N], is0[FS_FUSED_MAX_N], is1[FS_FUSED_MAX_N];
             fs_fused_acts(j, b, 1, R, xv);
-            fs_fused_isums(FS_T_Q4_K, rp, b, b + 1, xv, R, is0, is1);
+            fs_fused_isums(type, rp, b, b + 1, xv, R, is0, is1);
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 f[r] = fs_fused_float(j, f[r], is0[r], dsc[2 * c], mneg[2 * c], 1, r * nb + b);
@@ -369,7 +383,8 @@ FS_FUSED512 static void fs_fused_avx512(const fs_job *j, int type, const uint8_t
 #define FS_Q80(R) fs_fused_q32_avx512(j, FS_T_Q8_0, rows, row_bytes, next, R)
 #define FS_Q50(R) fs_fused_q32_avx512(j, FS_T_Q5_0, rows, row_bytes, next, R)
 #define FS_Q51(R) fs_fused_q32_avx512(j, FS_T_Q5_1, rows, row_bytes, next, R)
-#define FS_Q4K(R) fs_fused_q4k_avx512(j, rows, row_bytes, next, R)
+#define FS_Q4K(R) fs_fused_k45_avx512(j, FS_T_Q4_K, rows, row_bytes, next, R)
+#define FS_Q5K(R) fs_fused_k45_avx512(j, FS_T_Q5_K, rows, row_bytes, next, R)
 #define FS_Q6K(R) fs_fused_q6k_avx512(j, rows, row_bytes, next, R)
     switch (type) {
     case FS_T_Q4_0: FS_FUSED_BY_N(FS_Q40); break;
@@ -378,6 +393,7 @@ FS_FUSED512 static void fs_fused_avx512(const fs_job *j, int type, const uint8_t
     case FS_T_Q5_0: FS_FUSED_BY_N(FS_Q50); break;
     case FS_T_Q5_1: FS_FUSED_BY_N(FS_Q51); break;
     case FS_T_Q4_K: FS_FUSED_BY_N(FS_Q4K); break;
+    case FS_T_Q5_K: FS_FUSED_BY_N(FS_Q5K); break;
     case FS_T_Q6_K: FS_FUSED_BY_N(FS_Q6K); break;
     default: break;
     }
@@ -387,6 +403,7 @@ FS_FUSED512 static void fs_fused_avx512(const fs_job *j, int type, const uint8_t
 #undef FS_Q50
 #undef FS_Q51
 #undef FS_Q4K
+#undef FS_Q5K
 #undef FS_Q6K
 }
 #endif /* FS_HAVE_FUSED_AVX512 */
@@ -692,7 +709,7 @@ static inline int fs_fused_ok(int isa, int type, int64_t n, int valid)
 #if defined(FS_HAVE_FUSED_AVX512)
     if (isa == FS_ISA_AVX512VNNI && n >= 1 && n <= FS_FUSED_MAX_N &&
         (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q5_0 || type == FS_T_Q5_1 || type == FS_T_Q8_0 ||
-         ((type == FS_T_Q4_K || type == FS_T_Q6_K) && valid == FS_LANES && n <= FS_FUSED_MAX_N_K)))
+         ((type == FS_T_Q4_K || type == FS_T_Q5_K || type == FS_T_Q6_K) && valid == FS_LANES && n <= FS_FUSED_MAX_N_K)))
         return 1;
 #endif
 #if defined(FS_HAVE_FUSED_AVX2)
