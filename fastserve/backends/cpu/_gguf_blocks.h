@@ -75,6 +75,19 @@ static int fs_type(int type, fs_type_info *info)
     }
 }
 
+/* What makes a type's q unsigned (q + off >= 0): the kernels that multiply unsigned weights add it
+ * and take it back as off * sum(q_x), an exact integer. */
+static inline int32_t fs_q_offset(int type)
+{
+    switch (type) {
+    case FS_T_Q4_0: return 8;
+    case FS_T_Q5_0: return 16;
+    case FS_T_Q6_K: return 32;
+    case FS_T_Q8_0: return 128;
+    default: return 0;
+    }
+}
+
 static inline int64_t fs_stage_bytes(int kind)
 {
     static const int64_t b[FS_N_KINDS] = {FS_STAGE_Q, FS_STAGE_QM, FS_STAGE_QS, FS_STAGE_F};

@@ -61,12 +61,6 @@ static inline int fs_fused_block_bytes(int type)
     return type == FS_T_Q8_0 ? 34 : type == FS_T_Q5_1 ? 24 : type == FS_T_Q5_0 ? 22 : type == FS_T_Q4_1 ? 20 : 18;
 }
 
-/* What the fused kernels add to every weight to make it unsigned (taken back as offset * sum(q_x)). */
-static inline int32_t fs_fused_offset(int type)
-{
-    return type == FS_T_Q8_0 ? 128 : type == FS_T_Q5_0 ? 16 : type == FS_T_Q4_0 ? 8 : 0;
-}
-
 #if defined(FS_HAVE_AVX512VNNI) && defined(FS_HAVE_STAGE_AVX512)
 #define FS_HAVE_FUSED_AVX512 1
 #define FS_FUSED512 __attribute__((target("avx512f,avx512bw,avx512vnni,f16c")))
@@ -259,7 +253,7 @@ FS_FUSED512 FS_INLINE void fs_fused_q32_avx512(const fs_job *j, const int type, 
 {
     const int64_t nb = j->nb;
     const int has_m = type == FS_T_Q4_1 || type == FS_T_Q5_1, bb = fs_fused_block_bytes(type);
-    const int32_t offset = fs_fused_offset(type);
+    const int32_t offset = fs_q_offset(type);
     const uint8_t *rp[16];
     __m512 f[FS_FUSED_MAX_N];
     fs_fused_begin(j, rows, row_bytes, rp, f, R);
@@ -473,7 +467,7 @@ FS_FUSED256 FS_INLINE void fs_fused_half_avx2(const fs_job *j, const int type, c
 {
     const int64_t nb = j->nb, K = nb * FS_QK;
     const int has_m = type == FS_T_Q4_1 || type == FS_T_Q5_1, bb = fs_fused_block_bytes(type);
-    const int32_t offset = type == FS_T_Q8_0 ? 0 : fs_fused_offset(type);     /* Q8_0: signed as stored */
+    const int32_t offset = type == FS_T_Q8_0 ? 0 : fs_q_offset(type);     /* Q8_0: signed as stored */
     __m256 f[FS_FUSED_MAX_N];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)

@@ -139,7 +139,7 @@ typedef struct {
     int64_t n;
     float *y;               /* y[r * ldy + lane], lanes 0 .. valid-1 written */
     int64_t ldy;
-    int type;               /* the staged rows' GGUF type (the range of their q: fs_avx2_group) */
+    int type;               /* the staged rows' GGUF type (the range of their q: fs_avx2_group, fs_q_offset) */
 } fs_job;
 
 typedef void (*fs_kernel)(const fs_job *);
@@ -267,23 +267,21 @@ FS_AVX2 FS_INLINE void fs_store_half_avx2(const fs_job *j, int h, int64_t r, __m
     }
 }
 
-/* How the AVX2 tile reads a staged type's q (stored as q + 128): as the unsigned q + off (0..15,
- * 0..31 or 0..63), in groups of G four-input steps whose maddubs pair sums add up in int16 without
- * overflow (G * 2 * max * 127 < 2^15: widened once per group, not per step), off * sum(q_x) taken
- * back from the exact integer dot; G = 0: q may be any int8 (Q8_0), maddubs(|w|, sign(x, w)). */
-static inline int fs_avx2_group(int type, int32_t *off)
+/* How the AVX2 tile reads a staged type's q (stored as q + 128): as the unsigned q + fs_q_offset
+ * (0..15, 0..31 or 0..63), in groups of G four-input steps whose maddubs pair sums add up in int16
+ * without overflow (G * 2 * max * 127 < 2^15: widened once per group, not per step), the offset
+ * taken back from the exact integer dot; G = 0: q may be any int8 (Q8_0), maddubs(|w|, sign(x, w)). */
+static inline int fs_avx2_group(int type)
 {
     switch (type) {
-    case FS_T_Q4_0: *off = 8; return 8;
-    case FS_T_Q4_1: case FS_T_Q4_K: *off = 0; return 8;
-    case FS_T_Q5_0: *off = 16; return 4;
-    case FS_T_Q5_1: case FS_T_Q5_K: *off = 0; return 4;
-    case FS_T_Q6_K: *off = 32; return 2;
-    default: *off = 0; return 0;
+    case FS_T_Q4_0: case FS_T_Q4_1: case FS_T_Q4_K: return 8;
+    case FS_T_Q5_0: case FS_T_Q5_1: case FS_T_Q5_K: return 4;
+    case FS_T_Q6_K: return 2;
+    default: return 0;
     }
 }
 
-/* AVX2 (no VNNI): one half panel (8 outputs) times R rows; G, off: fs_avx2_group's. The integer
+/* AVX2 (no VNNI): one half panel (8 outputs) times R rows; G: fs_avx2_group's, off: fs_q_offset's. The integer
  * result is VNNI's exact dot either way. */
 FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, int h, int64_t r0, const int R, const int kind, const int G,
                                     const int32_t off)
@@ -422,8 +420,8 @@ FS_AVX2 FS_INLINE void fs_half_avx2(const fs_job *j, int h, const int kind, cons
 /* kind FS_N_KINDS: the float kernel */
 FS_AVX2 FS_INLINE void fs_panel_avx2(const fs_job *j, const int kind)
 {
-    int32_t off;
-    const int G = kind == FS_KIND_F ? 0 : fs_avx2_group(j->type, &off);
+    const int G = kind == FS_KIND_F ? 0 : fs_avx2_group(j->type);
+    const int32_t off = fs_q_offset(j->type);
     for (int h = 0; h < 2; h++) {
         if (j->valid <= h * 8)
             break;
