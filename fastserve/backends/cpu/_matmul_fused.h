@@ -13,8 +13,11 @@
  *                  and the 64 fifth bits of both blocks added as 16 under one byte mask (kmov from
  *                  the two 32-bit qh words: bit i is byte i of the register);
  *     Q8_0:        the 32 quant bytes of each block, made unsigned (xor 0x80);
- *     Q4_K:        blocks 2c, 2c + 1 of a 256-block are the low and high nibbles of one 32-byte chunk:
- *                  broadcast to both halves, masked 0x0F / 0xF0 (n <= 2 only, whole panels);
+ *     Q4_K:        blocks 2c, 2c + 1 of a 256-block are the low and high nibbles of one 32-byte chunk,
+ *                  so a register pairs blocks b, b + 2 (b = 0, 1, 4, 5): the 64 bytes of chunks c,
+ *                  c + 1 in one plain load, masked 0x0F (b even) or 0xF0 (odd: x16, shifted out after
+ *                  the sum); the four block sums then go into the float part in block order (n <= 2
+ *                  only, whole panels);
  *     Q5_K:        as Q4_K, the high nibbles shifted down, the fifth bits added as 16 under a
  *                  byte mask (vptestmb of the 32 qh bytes against the blocks' bits);
  *     Q6_K:        the 64 low-bit bytes of two blocks and their high bits, q + 32 (n <= 2, whole
@@ -111,10 +114,9 @@ FS_FUSED512 FS_INLINE __m512i fs_fused_q6k_weights(const uint8_t *p, int64_t sb,
     return _mm512_ternarylogic_epi32(ql, _mm512_set1_epi8(15), hb, 0xEA);     /* (ql & 15) | hb */
 }
 
-/* Row p's weights of blocks b, b1 (b1 = b + 1, or b for an odd last block) as unsigned bytes, laid
- * out [b: inputs 0..15 | 16..31 | b1: 0..15 | 16..31]; the nibble types' high nibbles stay x16:
- * Q4_0 / Q4_1 in the second and fourth 128-bit lanes, Q4_K (whose blocks 2c, 2c + 1 are the low
- * and high nibbles of one 32-byte chunk) in the upper 256 bits. */
+/* Row p's weights of blocks b, b1 (b1 = b + 1, or b for an odd last block; Q4_K and Q5_K: b1 = b + 2)
+ * as unsigned bytes, laid out [b: inputs 0..15 | 16..31 | b1: 0..15 | 16..31]; the nibble types'
+ * high nibbles stay x16: Q4_0 / Q4_1 in the second and fourth 128-bit lanes, Q4_K for odd b. */
 FS_FUSED512 FS_INLINE __m512i fs_fused_weights(const int type, const uint8_t *p, int64_t b, int64_t b1)
 {
     if (type == FS_T_Q8_0) {
@@ -125,20 +127,24 @@ FS_FUSED512 FS_INLINE __m512i fs_fused_weights(const int type, const uint8_t *p,
     if (type == FS_T_Q6_K)
         return fs_fused_q6k_weights(p, b >> 3, (int)(b & 7));
     if (type == FS_T_Q5_K) {
-        /* the chunk's high nibbles shifted down in the upper half (a fifth bit leaves no room for
-         * x16), then bit b % 8 (lower half) and b % 8 + 1 (upper) of the block's 32 qh bytes add 16 */
+        /* blocks b, b + 2: the low (b even) or high nibbles of chunks (b % 8) / 2 and the next, one
+         * plain 64-byte load, shifted down (a fifth bit leaves no room for x16); then bits b % 8
+         * (lower half) and b % 8 + 2 (upper) of the 32 qh bytes add 16 */
         const uint8_t *blk = p + (b >> 3) * 176;
         const int jj = (int)(b & 7);
-        __m512i w = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 48 + 16 * jj)));
-        w = _mm512_and_si512(_mm512_mask_srli_epi16(w, 0xFFFF0000u, w, 4), _mm512_set1_epi8(15));
+        __m512i w = _mm512_loadu_si512((const void *)(blk + 48 + 32 * (jj >> 1)));
+        if (jj & 1)
+            w = _mm512_srli_epi16(w, 4);
+        w = _mm512_and_si512(w, _mm512_set1_epi8(15));
         const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16)));
-        const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << jj)), _mm256_set1_epi8((char)(2 << jj)), 1);
+        const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << jj)), _mm256_set1_epi8((char)(4 << jj)), 1);
         return _mm512_mask_add_epi8(w, _mm512_test_epi8_mask(qh, bit), w, _mm512_set1_epi8(16));
     }
     if (type == FS_T_Q4_K) {
-        const __m512i nib = _mm512_inserti64x4(_mm512_set1_epi8(0x0F), _mm256_set1_epi8((char)0xF0), 1);
-        const __m512i w = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + (b >> 3) * 144 + 16 + 16 * (b & 7))));
-        return _mm512_and_si512(w, nib);
+        /* blocks b, b + 2: the low nibbles (b even) or the high ones, x16, of chunks (b % 8) / 2 and
+         * the next: one plain 64-byte load, no broadcast */
+        const __m512i w = _mm512_loadu_si512((const void *)(p + (b >> 3) * 144 + 16 + 32 * ((b & 7) >> 1)));
+        return _mm512_and_si512(w, _mm512_set1_epi8((char)(b & 1 ? 0xF0 : 0x0F)));
     }
     if (type == FS_T_Q5_0 || type == FS_T_Q5_1) {
         /* nibbles shifted down in the high-input lanes (1, 3: words 8..15, 24..31), then the 64 fifth
@@ -198,8 +204,10 @@ FS_FUSED512 FS_INLINE void fs_fused_isums(const int type, const uint8_t *const r
         const __m512i f0 = fs_fold128(e[0][r], e[1][r], lane_nibbles), f1 = fs_fold128(e[2][r], e[3][r], lane_nibbles);
         is0[r] = _mm512_shuffle_i64x2(f0, f1, 0x88);
         is1[r] = _mm512_shuffle_i64x2(f0, f1, 0xDD);
-        if (type == FS_T_Q4_K)
+        if (type == FS_T_Q4_K && (b & 1)) {
+            is0[r] = _mm512_srai_epi32(is0[r], 4);
             is1[r] = _mm512_srai_epi32(is1[r], 4);
+        }
     }
 }
 
@@ -213,14 +221,17 @@ FS_FUSED512 FS_INLINE __m512 fs_fused_float(const fs_job *j, __m512 acc, __m512i
     return acc;
 }
 
-/* The R activation rows' 64 quantized inputs of blocks b, b + 1 (32 when b is the last) as
- * fs_fused_quad reads them: xv[r] per 128-bit lane dwords 0, 0, 1, 1, xv[FS_FUSED_MAX_N + r] 2, 2, 3, 3. */
-FS_FUSED512 FS_INLINE void fs_fused_acts(const fs_job *j, int64_t b, int two, const int R, __m512i *xv)
+/* The R activation rows' quantized inputs of blocks b, b1 (32 each) as fs_fused_quad reads them:
+ * xv[r] per 128-bit lane dwords 0, 0, 1, 1, xv[FS_FUSED_MAX_N + r] 2, 2, 3, 3. */
+FS_FUSED512 FS_INLINE void fs_fused_acts(const fs_job *j, int64_t b, int64_t b1, const int R, __m512i *xv)
 {
     const int64_t K = j->nb * FS_QK;
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
-        const __m512i x = _mm512_maskz_loadu_epi8(two ? ~0ull : 0xFFFFFFFFull, j->xq + r * K + b * FS_QK);
+        const int8_t *xr = j->xq + r * K;
+        const __m512i x = b1 == b + 1 ? _mm512_loadu_si512((const void *)(xr + b * FS_QK))
+                                      : _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xr + b * FS_QK))),
+                                                           _mm256_loadu_si256((const __m256i *)(xr + b1 * FS_QK)), 1);
         xv[r] = _mm512_unpacklo_epi32(x, x);
         xv[FS_FUSED_MAX_N + r] = _mm512_unpackhi_epi32(x, x);
     }
@@ -263,7 +274,7 @@ FS_FUSED512 FS_INLINE void fs_fused_q32_avx512(const fs_job *j, const int type, 
         const int64_t b1 = two ? b + 1 : b;          /* an odd last block: read twice, kept once */
         fs_prefetch_step(&pf);
         __m512i xv[2 * FS_FUSED_MAX_N], is0[FS_FUSED_MAX_N], is1[FS_FUSED_MAX_N];
-        fs_fused_acts(j, b, two, R, xv);
+        fs_fused_acts(j, b, b1, R, xv);
         fs_fused_isums(type, rp, b, b1, xv, R, is0, is1);
         const __m512i g0 = fs_fused_scales(rp, b * bb), g1 = fs_fused_scales(rp, b1 * bb);
         const __m512 d0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g0)), d1 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g1));
@@ -300,16 +311,19 @@ FS_FUSED512 FS_INLINE void fs_fused_k45_avx512(const fs_job *j, const int type, 
         __m512 dsc[8], mneg[8];
         fs_rows16x4(rows, row_bytes, sb * bb, h);
         fs_k45_scales(h, dsc, mneg);
-        for (int c = 0; c < 4; c++) {
+        for (int c = 0; c < 4; c += 2) {     /* chunks c, c + 1: blocks b .. b + 3, low nibbles then high */
             const int64_t b = sb * 8 + 2 * c;
-            __m512i xv[2 * FS_FUSED_MAX_N], is0[FS_FUSED_MAX_N], is1[FS_FUSED_MAX_N];
-            fs_fused_acts(j, b, 1, R, xv);
-            fs_fused_isums(type, rp, b, b + 1, xv, R, is0, is1);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                f[r] = fs_fused_float(j, f[r], is0[r], dsc[2 * c], mneg[2 * c], 1, r * nb + b);
-                f[r] = fs_fused_float(j, f[r], is1[r], dsc[2 * c + 1], mneg[2 * c + 1], 1, r * nb + b + 1);
+            __m512i xv[2 * FS_FUSED_MAX_N], is[4][FS_FUSED_MAX_N];     /* is[k]: block b + k */
+#pragma GCC unroll 2
+            for (int hi = 0; hi < 2; hi++) {
+                fs_fused_acts(j, b + hi, b + hi + 2, R, xv);
+                fs_fused_isums(type, rp, b + hi, b + hi + 2, xv, R, is[hi], is[hi + 2]);
             }
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+                for (int k = 0; k < 4; k++)
+                    f[r] = fs_fused_float(j, f[r], is[k][r], dsc[2 * c + k], mneg[2 * c + k], 1, r * nb + b + k);
         }
     }
     fs_fused_store(j, f, R);
@@ -338,7 +352,7 @@ FS_FUSED512 FS_INLINE void fs_fused_q6k_avx512(const fs_job *j, const uint8_t *r
         for (int jj = 0; jj < 8; jj += 2) {
             const int64_t b = sb * 8 + jj;
             __m512i xv[2 * FS_FUSED_MAX_N], e[4][FS_FUSED_MAX_N], corr[FS_FUSED_MAX_N];
-            fs_fused_acts(j, b, 1, R, xv);
+            fs_fused_acts(j, b, b + 1, R, xv);
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 const int64_t o = r * nb + b;
