@@ -420,10 +420,11 @@ FS_STAGE512 static void fs_stage_q45_avx512(int type, const uint8_t *rows, int64
     const __m512i low = _mm512_set1_epi8(15);
     /* u8 = q + 128: value | 0x80 (Q4_1, Q5_1), nibble + 120 (Q4_0: q = nibble - 8), value + 112 (Q5_0) */
     const __m512i add = _mm512_set1_epi8(has_m ? (char)0x80 : five ? (char)112 : (char)120);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, (nb + 1) / 2);
     for (int64_t b = 0; b < nb; b += 2) {
         const int64_t b1 = b + 1 < nb ? b + 1 : b;        /* an odd last block: decoded twice, kept once */
         __m512i z[8], t[8];
-        fs_prefetch_range(next, 16 * row_bytes * b / nb, 16 * row_bytes * (b + 2) / nb);
+        fs_prefetch_step(&pf);
         for (int g = 0; g < 8; g++) {
             const uint8_t *r0 = rows + g * row_bytes, *r1 = rows + (g + 8) * row_bytes;
             z[g] = fs_load4x16(r0 + b * bb + qoff, r0 + b1 * bb + qoff, r1 + b * bb + qoff, r1 + b1 * bb + qoff);
@@ -455,9 +456,10 @@ FS_STAGE512 static void fs_stage_q8_avx512(const uint8_t *rows, int64_t row_byte
                                            const uint8_t *next)
 {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb);
     for (int64_t b = 0; b < nb; b++) {
         __m512i z[8], t[8];
-        fs_prefetch_range(next, 16 * row_bytes * b / nb, 16 * row_bytes * (b + 1) / nb);
+        fs_prefetch_step(&pf);
         for (int g = 0; g < 8; g++) {
             const uint8_t *r0 = rows + g * row_bytes + b * 34 + 2, *r1 = rows + (g + 8) * row_bytes + b * 34 + 2;
             z[g] = fs_load4x16(r0, r0 + 16, r1, r1 + 16);
@@ -537,8 +539,9 @@ FS_STAGE512 static void fs_stage_k45_avx512(int five, const uint8_t *rows, int64
 {
     const int bb = five ? 176 : 144, qoff = five ? 48 : 16;
     const __m512i hi80 = _mm512_set1_epi8((char)0x80);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
     for (int64_t sb = 0; sb < nb / 8; sb++) {
-        fs_prefetch_range(next, 16 * row_bytes * sb * 8 / nb, 16 * row_bytes * (sb + 1) * 8 / nb);
+        fs_prefetch_step(&pf);
         __m512i h[4], qh[8];
         __m512 dsc[8], mneg[8];
         fs_rows16x4(rows, row_bytes, sb * bb, h);
@@ -573,8 +576,9 @@ FS_STAGE512 static void fs_stage_q6k_avx512(const uint8_t *rows, int64_t row_byt
                                             const uint8_t *next)
 {
     const __m512i off = _mm512_set1_epi8(96);          /* u8 = (q6 - 32) + 128 */
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
     for (int64_t sb = 0; sb < nb / 8; sb++) {
-        fs_prefetch_range(next, 16 * row_bytes * sb * 8 / nb, 16 * row_bytes * (sb + 1) * 8 / nb);
+        fs_prefetch_step(&pf);
         const int64_t at = sb * 210;
         __m512i sc[4];
         fs_rows16x4(rows, row_bytes, at + 192, sc);      /* scales[0..15] as 4 dwords per row */
@@ -617,8 +621,9 @@ FS_STAGE512 static void fs_stage_float_avx512(int type, const uint8_t *rows, int
                                               uint8_t *stage, const uint8_t *next)
 {
     const int es = type == FS_T_F32 ? 4 : 2;
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb);
     for (int64_t b = 0; b < nb; b++) {
-        fs_prefetch_range(next, 16 * row_bytes * b / nb, 16 * row_bytes * (b + 1) / nb);
+        fs_prefetch_step(&pf);
         float *pb = (float *)(stage + b * FS_STAGE_F);
         for (int64_t at = 0; at < 32 * es; at += 32) {       /* 32 bytes: 8 (F32) or 16 inputs */
             __m512i t[8];
@@ -704,9 +709,10 @@ FS_STAGE256 static void fs_stage_q48_avx2(int type, const uint8_t *rows, int64_t
     const __m256i low = _mm256_set1_epi8(15);
     /* u8 = q + 128, as fs_stage_q45_avx512 */
     const __m256i add = _mm256_set1_epi8(q8 || has_m ? (char)0x80 : five ? (char)112 : (char)120);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, (nb + step - 1) / step);
     for (int64_t b = 0; b < nb; b += step) {
         const int64_t b1 = b + 1 < nb ? b + 1 : b;
-        fs_prefetch_range(next, 16 * row_bytes * b / nb, 16 * row_bytes * (b + step) / nb);
+        fs_prefetch_step(&pf);
         for (int h = 0; h < 2; h++) {
             __m256i z[8], t[8];
             for (int g = 0; g < 8; g++) {
@@ -798,8 +804,9 @@ FS_STAGE256 static void fs_stage_k45_avx2(int five, const uint8_t *rows, int64_t
 {
     const int bb = five ? 176 : 144, qoff = five ? 48 : 16;
     const __m256i hi80 = _mm256_set1_epi8((char)0x80);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
     for (int64_t sb = 0; sb < nb / 8; sb++) {
-        fs_prefetch_range(next, 16 * row_bytes * sb * 8 / nb, 16 * row_bytes * (sb + 1) * 8 / nb);
+        fs_prefetch_step(&pf);
         float dd[16], dm[16];
         fs_f16x16_avx2(rows, row_bytes, sb * bb, (uint8_t *)dd);
         fs_f16x16_avx2(rows, row_bytes, sb * bb + 2, (uint8_t *)dm);
@@ -839,8 +846,9 @@ FS_STAGE256 static void fs_stage_q6k_avx2(const uint8_t *rows, int64_t row_bytes
                                           const uint8_t *next)
 {
     const __m256i off = _mm256_set1_epi8(96), lo15 = _mm256_set1_epi8(15);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
     for (int64_t sb = 0; sb < nb / 8; sb++) {
-        fs_prefetch_range(next, 16 * row_bytes * sb * 8 / nb, 16 * row_bytes * (sb + 1) * 8 / nb);
+        fs_prefetch_step(&pf);
         const int64_t at = sb * 210;
         float dd[16];
         fs_f16x16_avx2(rows, row_bytes, at + 208, (uint8_t *)dd);
