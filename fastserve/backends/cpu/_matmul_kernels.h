@@ -867,15 +867,11 @@ static void fs_product_task(void *ctx, int64_t begin, int64_t end)
 {
     const fs_product *pr = (const fs_product *)ctx;
     uint8_t *stage = pr->stage + begin / pr->chunk * pr->stage_bytes;
-    int pi = 0, part_fused = -1;     /* whether the part's whole panels take the fused kernel: once per part */
+    int pi = 0;
     for (int64_t g = begin; g < end; g++) {
-        while (g >= pr->parts[pi].first_panel + fs_part_panels(&pr->parts[pi])) {
+        while (g >= pr->parts[pi].first_panel + fs_part_panels(&pr->parts[pi]))
             pi++;
-            part_fused = -1;
-        }
         const fs_part *pt = &pr->parts[pi];
-        if (part_fused < 0)
-            part_fused = pr->fused && fs_fused_ok(pr->isa, pt->type, pr->act.n, FS_LANES);
         const int64_t r0 = (g - pt->first_panel) * FS_LANES, panel_bytes = FS_LANES * pt->row_bytes;
         const int valid = (int)(pt->rows - r0 < FS_LANES ? pt->rows - r0 : FS_LANES);
         /* Rows FS_PREFETCH_PANELS panels ahead (in this part) come into L2 while this panel is
@@ -889,7 +885,7 @@ static void fs_product_task(void *ctx, int64_t begin, int64_t end)
         fs_job j = pr->act;
         j.valid = valid;
         j.y = pr->act.y + pt->col0 + r0;
-        if (valid == FS_LANES ? part_fused : pr->fused && fs_fused_ok(pr->isa, pt->type, j.n, valid)) {
+        if (pr->fused && fs_fused_ok(pr->isa, pt->type, j.n, valid)) {
             fs_fused_panel(pr->isa, pt->type, &j, pt->data + r0 * pt->row_bytes, pt->row_bytes, next);
             continue;
         }
