@@ -34,7 +34,7 @@
  *   same bits.
  *
  * AVX2 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): the same in 8-row halves, one block per register (see there);
- * Q4_K and Q6_K (whole panels) likewise from their 256-blocks, at n <= 4 (fs_kq_half_avx2: the dots of
+ * Q4_K, Q5_K and Q6_K (whole panels) likewise from their 256-blocks, at n <= 4 (fs_kq_half_avx2: the dots of
  * each half block kept apart for Q6_K's sub-scales), so that no K-quant panel is staged at small n.
  *
  * Prefetch: the next panel's rows in even slices, one per step (fs_prefetcher: one division per
@@ -526,14 +526,14 @@ FS_FUSED256 FS_INLINE void fs_fused_half_avx2(const fs_job *j, const int type, c
         fs_store_half_avx2(j, h, r, f[r]);
 }
 
-/* Q4_K / Q6_K on AVX2, read straight from the file's 256-blocks (whole panels; half h = rows 8h..8h+7):
- *   block jj (32 inputs) of row l as 32 unsigned bytes in one register: Q4_K the low (jj even) or high
- *   nibbles of its 32-byte chunk jj / 2; Q6_K q + 32 = the 4 low bits of ql (chunk, nibble as the
+/* Q4_K / Q5_K / Q6_K on AVX2, read straight from the file's 256-blocks (whole panels; half h = rows
+ *   8h..8h+7): block jj (32 inputs) of row l as 32 unsigned bytes in one register: Q4_K the low (jj
+ *   even) or high nibbles of its 32-byte chunk jj / 2; Q5_K the same | bit jj of its qh bytes as 16; Q6_K q + 32 = the 4 low bits of ql (chunk, nibble as the
  *   decoder says) | the 2 bits of qh moved to bits 4..5 (0..63);
  *   maddubs (pairs <= 2 * 63 * 127 < 2^15) on two rows interleaved by dwords, a transpose-reduce
  *   (fs_kq_dots_avx2) that keeps the two 128-bit halves apart, so one lane swap gives per row the
  *   dots of inputs 0..15 (lo) and 16..31 (hi):
- *     Q4_K: isum = lo + hi;
+ *     Q4_K, Q5_K: isum = lo + hi;
  *     Q6_K: isum = s0 * (lo - 32 * h_x) + s1 * (hi - 32 * (sum_x - h_x)), h_x the sum of the block's
  *           first 16 quantized inputs (the offset 32 taken back per half, then the int8 sub-scales);
  *   exact integers, then the staged kernels' float steps in their order (d * sc_j, -(dmin * mn_j) for
@@ -541,9 +541,15 @@ FS_FUSED256 FS_INLINE void fs_fused_half_avx2(const fs_job *j, const int type, c
 FS_FUSED256 FS_INLINE __m256i fs_kq_weights_avx2(const int type, const uint8_t *blk, const int jj)
 {
     const __m256i lo4 = _mm256_set1_epi8(15);
-    if (type == FS_T_Q4_K) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (jj >> 1)));
-        return _mm256_and_si256(jj & 1 ? _mm256_srli_epi16(q, 4) : q, lo4);
+    if (type == FS_T_Q4_K || type == FS_T_Q5_K) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (type == FS_T_Q5_K ? 48 : 16) + 32 * (jj >> 1)));
+        const __m256i w = _mm256_and_si256(jj & 1 ? _mm256_srli_epi16(q, 4) : q, lo4);
+        if (type == FS_T_Q4_K)
+            return w;
+        /* Q5_K: bit jj of each of the 32 qh bytes to bit 4 (the bits shifted in from the neighbour byte are masked) */
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
+        const __m256i b4 = jj <= 4 ? _mm256_slli_epi16(qh, 4 - jj) : _mm256_srli_epi16(qh, jj - 4);
+        return _mm256_or_si256(w, _mm256_and_si256(b4, _mm256_set1_epi8(0x10)));
     }
     const int c = jj >> 2, t = jj & 3;
     __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32 * (t & 1)));
@@ -593,13 +599,15 @@ FS_FUSED256 FS_INLINE void fs_kq_dots_avx2(const int type, const uint8_t *const 
         hi[r] = _mm256_permute2x128_si256(e[0][r], e[1][r], 0x31);
         if (type == FS_T_Q4_K)
             lo[r] = _mm256_madd_epi16(_mm256_add_epi16(lo[r], hi[r]), ones);
+        if (type == FS_T_Q5_K)      /* 16 products of up to 31 * 127 no longer fit 16 bits: widen first */
+            lo[r] = _mm256_add_epi32(_mm256_madd_epi16(lo[r], ones), _mm256_madd_epi16(hi[r], ones));
     }
 }
 
 FS_FUSED256 FS_INLINE void fs_kq_half_avx2(const fs_job *j, const int type, const uint8_t *rows, int64_t row_bytes,
                                            int h, fs_prefetcher *pf, const int R)
 {
-    const int64_t nb = j->nb, K = nb * FS_QK, bb = type == FS_T_Q4_K ? 144 : 210;
+    const int64_t nb = j->nb, K = nb * FS_QK, bb = type == FS_T_Q4_K ? 144 : type == FS_T_Q5_K ? 176 : 210;
     const uint8_t *r8 = rows + 8 * h * row_bytes, *rp[8];
     for (int l = 0; l < 8; l++)
         rp[l] = r8 + l * row_bytes;
@@ -612,7 +620,7 @@ FS_FUSED256 FS_INLINE void fs_kq_half_avx2(const fs_job *j, const int type, cons
         const int64_t at = sb * bb;
         __m256i hs[8];
         __m256 dsc[8], mneg[8], d6 = _mm256_setzero_ps();
-        if (type == FS_T_Q4_K) {
+        if (type != FS_T_Q6_K) {
             fs_rows8_avx2(r8, row_bytes, at, 1, hs);       /* d | dmin, scales[0..3], [4..7], [8..11] */
             fs_k45_scales_avx2(hs, _mm256_cvtph_ps(fs_low16x8_avx2(hs[0])),
                                _mm256_cvtph_ps(fs_low16x8_avx2(_mm256_srli_epi32(hs[0], 16))), dsc, mneg);
@@ -662,18 +670,22 @@ FS_FUSED256 FS_INLINE void fs_kq_half_avx2(const fs_job *j, const int type, cons
 FS_FUSED256 static void fs_fused_avx2(const fs_job *j, int type, const uint8_t *rows, int64_t row_bytes,
                                       const uint8_t *next)
 {
-    const int kq = type == FS_T_Q4_K || type == FS_T_Q6_K;
+    const int kq = type == FS_T_Q4_K || type == FS_T_Q5_K || type == FS_T_Q6_K;
     fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, 2 * (kq ? j->nb / 8 : j->nb));
     if (kq) {
         for (int h = 0; h < 2; h++) {
 #define FS_Q4K(R) fs_kq_half_avx2(j, FS_T_Q4_K, rows, row_bytes, h, &pf, R)
+#define FS_Q5K(R) fs_kq_half_avx2(j, FS_T_Q5_K, rows, row_bytes, h, &pf, R)
 #define FS_Q6K(R) fs_kq_half_avx2(j, FS_T_Q6_K, rows, row_bytes, h, &pf, R)
             if (type == FS_T_Q4_K) {
                 FS_FUSED_BY_N(FS_Q4K);
+            } else if (type == FS_T_Q5_K) {
+                FS_FUSED_BY_N(FS_Q5K);
             } else {
                 FS_FUSED_BY_N(FS_Q6K);
             }
 #undef FS_Q4K
+#undef FS_Q5K
 #undef FS_Q6K
         }
         return;
@@ -723,7 +735,7 @@ static inline int fs_fused_ok(int isa, int type, int64_t n, int valid)
 #if defined(FS_HAVE_FUSED_AVX2)
     if (isa == FS_ISA_AVX2 && n >= 1 && n <= FS_FUSED_MAX_N &&
         (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q5_0 || type == FS_T_Q5_1 || type == FS_T_Q8_0 ||
-         ((type == FS_T_Q4_K || type == FS_T_Q6_K) && valid == FS_LANES)))
+         ((type == FS_T_Q4_K || type == FS_T_Q5_K || type == FS_T_Q6_K) && valid == FS_LANES)))
         return 1;
 #endif
     (void)isa; (void)type; (void)n; (void)valid;
