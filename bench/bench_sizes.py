@@ -10,7 +10,8 @@ servers with `-t 2 -np 1 -c 4096` and sends each, taking turns, a 400-token prom
 The figures are medians over --reps requests per server (after one warm-up each); ratios are
 llama-server's ms/token / fastserve's (above 1: fastserve faster). Floor: the bytes of weight a decode
 step reads (bench_forward_bound.weight_bytes_per_token) / the read bandwidth of 2 threads, measured in
-the same run between the requests.
+the same run between the requests. Beside them: each server's start -> first /health 200 (mmap: the
+page cache is not forced in) and its resident memory after the requests (issue 25 item 4).
 
 --isa avx2 runs fastserve's AVX2 kernels (FASTSERVE_ISA) on a machine with AVX-512; --llama-lib DIR
 runs llama-server with the libggml-cpu.so in DIR (e.g. one built with -DGGML_AVX512=OFF), so that both
@@ -170,7 +171,8 @@ def completion(port: int, prompt: list[int]) -> dict:
 
 
 def measure(model: Path, bin_dir: Path, reps: int, env: dict, rng, logdir: Path, before: str | None) -> dict:
-    """{name: {"prefill_ms": [..], "decode_ms": [..]}, "bandwidth": [..] B/s}: the servers take turns."""
+    """{name: {"prefill_ms": [..], "decode_ms": [..], "ready_s", "rss_mb"}, "bandwidth": [..] B/s}: the
+    servers take turns; ready_s: start -> first /health 200, rss_mb: resident memory after the requests."""
     n_vocab = SHAPES_BY_FILE[model][6]
     cmds = commands(model, bin_dir, before)
     servers, out = {}, {n: {"prefill_ms": [], "decode_ms": []} for n in cmds}
@@ -181,6 +183,7 @@ def measure(model: Path, bin_dir: Path, reps: int, env: dict, rng, logdir: Path,
             os.environ.update(env.get(name.split("-before")[0], {}))
             port = free_port()
             servers[name] = ServerProcess(cmd(port), port, logdir / f"{name}-{model.stem}.log", start_timeout=600)
+            out[name]["ready_s"] = servers[name].ready_s
             os.environ.clear()
             os.environ.update(saved)
         prompt = lambda: rng.integers(300, n_vocab, N_PROMPT).tolist()   # noqa: E731 (fresh: no reuse)
@@ -193,6 +196,8 @@ def measure(model: Path, bin_dir: Path, reps: int, env: dict, rng, logdir: Path,
                 out[name]["prefill_ms"].append(r["prefill_ms"])
                 out[name]["decode_ms"].append(r["decode_ms"])
                 out[name]["text"] = r["text"]
+        for name, srv in servers.items():
+            out[name]["rss_mb"] = srv.rss() / 2**20
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -230,6 +235,7 @@ def run(a) -> dict:
                 row[name]["best"] = {k: min(m[name][k]) for k in ("prefill_ms", "decode_ms")}
                 row[name]["all"] = {k: m[name][k] for k in ("prefill_ms", "decode_ms")}
                 row[name]["text"] = m[name]["text"][:80]
+                row[name]["ready_s"], row[name]["rss_mb"] = m[name]["ready_s"], m[name]["rss_mb"]
             out["rows"].append(row)
             print(line(row), file=sys.stderr, flush=True)
     return out
@@ -247,7 +253,9 @@ def line(r: dict) -> str:
                    f"{r['floor_ms']:5.1f} ms ({r['bandwidth_gbs']:.1f} GB/s; {f['decode_ms'] / r['floor_ms']:.2f}x "
                    f"floor)  prefill {f['prefill_ms']:5.2f} llama {ll['prefill_ms']:5.2f} ms/tok ratio "
                    f"{ll['prefill_ms'] / f['prefill_ms']:.2f}x  (best of each: decode {f['best']['decode_ms']:.1f} / "
-                   f"{ll['best']['decode_ms']:.1f}, prefill {f['best']['prefill_ms']:.2f} / {ll['best']['prefill_ms']:.2f})")
+                   f"{ll['best']['decode_ms']:.1f}, prefill {f['best']['prefill_ms']:.2f} / {ll['best']['prefill_ms']:.2f}); "
+                   f"start -> /health {f['ready_s']:.2f} / {ll['ready_s']:.2f} s, RSS {f['rss_mb']:.0f} / {ll['rss_mb']:.0f} MiB "
+                   f"({f['rss_mb'] / ll['rss_mb']:.2f}x)")
     return "\n".join(out)
 
 
