@@ -272,8 +272,7 @@ class Engine:
                         impl=self._impl["delivery"])
         job = Request(job_id, ids, params, max_tokens, reader.buffer, cache_prompt=bool(cache_prompt),
                       id_slot=id_slot, constraint=constraint)
-        text = TextReader(reader, self.tokenizer, list(stop), id=job_id, params=params, max_tokens=max_tokens,
-                          n_prompt=len(ids))
+        text = TextReader(reader, self.tokenizer, list(stop), id=job_id, n_prompt=len(ids))
         self._inbox.put(Submit(job))
         if self._closed:                    # the decode thread is gone: nobody else will end it
             self._delivery.reject(job.buffer, FINISH_CLOSED)
