@@ -60,7 +60,7 @@ def write_f16(path: Path, shape: str, seed: int = 0) -> None:
     """A GGUF of the shape in F16 (norms F32) with random weights, streamed tensor by tensor."""
     import gguf
 
-    from fastserve.models.synthetic import CHAT_TEMPLATE, add_tiny_tokenizer
+    from fastserve.models.synthetic import CHAT_TEMPLATE, add_llama_header, add_tiny_tokenizer
 
     arch, n_layer, d, n_head, n_kv, n_ff, n_vocab, tied = SHAPES[shape]
     hd = d // n_head
@@ -83,16 +83,8 @@ def write_f16(path: Path, shape: str, seed: int = 0) -> None:
     bad_rows = np.arange(3 + 0x80, 3 + 0x100)
 
     w = gguf.GGUFWriter(os.fspath(path), arch)
-    w.add_block_count(n_layer)
-    w.add_context_length(N_CTX)
-    w.add_embedding_length(d)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
-    w.add_rope_freq_base(500000.0 if arch == "llama" else 1000000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(hd)
-    w.add_vocab_size(n_vocab)
+    add_llama_header(w, n_layer=n_layer, n_ctx=N_CTX, n_embd=d, n_ff=n_ff, n_head=n_head, n_head_kv=n_kv, head_dim=hd,
+                     n_vocab=n_vocab, rope_base=500000.0 if arch == "llama" else 1000000.0)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     add_tiny_tokenizer(w, n_vocab, CHAT_TEMPLATE)
     for name, shp, _ in tensors:

@@ -80,4 +80,4 @@ cdef class Delivery:
     cdef readonly int64_t wakes
 
     cdef void _claim_finish(self, ResultBuffer buf)
-    cdef void _finish_buf(self, ResultBuffer buf, int32_t code, object error)
+    cdef int _finish_buf(self, ResultBuffer buf, int32_t code, object error) except -1

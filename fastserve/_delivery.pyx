@@ -373,28 +373,25 @@ cdef class Delivery:
         buf = self._bufs[slot]
         if buf is None:
             raise ValueError(f"slot {slot} has no reader attached")
-        if code <= 0:
-            raise ValueError(f"finish code must be > 0, got {code}")
-        if error is not None and not isinstance(error, str):
-            raise TypeError("error must be a str or None")
         self._finish_buf(buf, code, error)
 
     def reject(self, reader, int code, error=None):
         """Finish a reader that was never attached (refused at admission, or still
         in the inbox at shutdown). It is woken by the next wake()."""
         cdef ResultBuffer buf = reader if isinstance(reader, ResultBuffer) else getattr(reader, "buffer", reader)
+        self._finish_buf(buf, code, error)
+
+    cdef int _finish_buf(self, ResultBuffer buf, int32_t code, object error) except -1:
         if code <= 0:
             raise ValueError(f"finish code must be > 0, got {code}")
         if error is not None and not isinstance(error, str):
             raise TypeError("error must be a str or None")
-        self._finish_buf(buf, code, error)
-
-    cdef void _finish_buf(self, ResultBuffer buf, int32_t code, object error):
         if fs_load_rlx32(&buf.b.finish_code) != 0:
-            return
+            return 0
         buf._error = error
         fs_store_rel32(&buf.b.finish_code, code)
         self._claim_finish(buf)
+        return 0
 
     cdef void _claim_finish(self, ResultBuffer buf):
         fs_fence()

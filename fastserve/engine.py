@@ -27,8 +27,7 @@ import numpy as np
 from . import _batch, _delivery, _faults, _sampling, _slots
 from ._slots import IDLE
 from .backends.host_sampling import HostSampled
-from .config import (MAX_LOGIT_BIAS, MAX_PENALTY_WINDOW, EngineConfig, SamplingParams, check_context,
-                     check_max_tokens, check_token_ids)
+from .config import EngineConfig, SamplingParams, check_context, check_max_tokens, check_token_ids
 from .errors import ConfigError, EngineClosed, RequestError, ServerBusy
 from .grammar import Constraint, compile_grammar
 from .inbox import Cancel, Erase, Inbox, Submit
@@ -253,8 +252,7 @@ class Engine:
             raise RequestError("give a compiled constraint or a grammar / json_schema, not both")
         ids = self._prompt_ids(prompt, add_special, truncate)
         if sampling is None:
-            params = SamplingParams.make(self._model.config.n_vocab, seed=seed, max_penalty_window=MAX_PENALTY_WINDOW,
-                                         max_logit_bias=MAX_LOGIT_BIAS, **fields)
+            params = SamplingParams.make(self._model.config.n_vocab, seed=seed, **fields)
         elif fields or seed is not None:
             raise RequestError("give a SamplingParams or its fields, not both")
         else:
@@ -272,8 +270,7 @@ class Engine:
                         impl=self._impl["delivery"])
         job = Request(job_id, ids, params, max_tokens, reader.buffer, cache_prompt=bool(cache_prompt),
                       id_slot=id_slot, constraint=constraint)
-        text = TextReader(reader, self.tokenizer, list(stop), id=job_id, params=params, max_tokens=max_tokens,
-                          n_prompt=len(ids))
+        text = TextReader(reader, self.tokenizer, list(stop), id=job_id, n_prompt=len(ids))
         self._inbox.put(Submit(job))
         if self._closed:                    # the decode thread is gone: nobody else will end it
             self._delivery.reject(job.buffer, FINISH_CLOSED)

@@ -6,7 +6,7 @@ turns the ids into text on the consumer's side (DESIGN.md contract 4): detokeniz
 string found here cancels the request (the reader's cancel: the engine's inbox), whose outcome is then "word"
 (finish reason "stop"). Its clocks (time.monotonic(): submit, first token, last token, end) are the request's
 timings for both layers, and its outcome() is the key of request.OUTCOMES, the one table of how a request can end.
-What was asked (id, params, max_tokens, n_prompt) is kept here too: the engine's Request stays on its side.
+What was asked (id, n_prompt) is kept here too: the engine's Request stays on its side.
 """
 from __future__ import annotations
 
@@ -19,19 +19,17 @@ from .text import TextStream
 
 
 class TextReader:
-    """TextReader(reader, tokenizer, stop=(), *, id=0, params=None, max_tokens=-1, n_prompt=0)
+    """TextReader(reader, tokenizer, stop=(), *, id=0, n_prompt=0)
       reader: the request's Reader (token ids; its slot and n_cached once admitted);
-      id, params (its SamplingParams), max_tokens, n_prompt (prompt tokens): the request as submitted.
+      id, n_prompt (prompt tokens): the request as submitted.
     Iterate it (blocking or `async for`) for text pieces; result() gives the whole Completion, also after
     iterating; cancel() stops the request. One consumer at a time, as for its Reader."""
 
-    __slots__ = ("reader", "id", "params", "max_tokens", "n_prompt", "_text", "_tokens", "t_submit", "t_first",
-                 "t_last", "t_end")
+    __slots__ = ("reader", "id", "n_prompt", "_text", "_tokens", "t_submit", "t_first", "t_last", "t_end")
 
-    def __init__(self, reader: Reader, tokenizer, stop=(), *, id: int = 0, params=None, max_tokens: int = -1,
-                 n_prompt: int = 0):
+    def __init__(self, reader: Reader, tokenizer, stop=(), *, id: int = 0, n_prompt: int = 0):
         self.reader = reader
-        self.id, self.params, self.max_tokens, self.n_prompt = id, params, max_tokens, n_prompt
+        self.id, self.n_prompt = id, n_prompt
         self._text = TextStream(tokenizer, stop)
         self._tokens: list[int] = []       # token ids turned into text so far (cut at a stop string)
         self.t_submit = time.monotonic()

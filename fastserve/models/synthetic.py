@@ -61,6 +61,23 @@ def add_tiny_tokenizer(w, n_vocab: int, chat_template: str | None = None) -> Non
     if chat_template is not None:
         w.add_chat_template(chat_template)
 
+
+def add_llama_header(w, *, n_layer: int, n_ctx: int, n_embd: int, n_ff: int, n_head: int, n_head_kv: int,
+                     head_dim: int, n_vocab: int, rope_base: float = 10000.0) -> None:
+    """A llama-shaped model's hyperparameters into a gguf.GGUFWriter, under its architecture's keys: the
+    blocks, context, widths, heads, RoPE (base, head_dim dimensions rotated), RMS norm eps 1e-5, vocabulary."""
+    w.add_block_count(n_layer)
+    w.add_context_length(n_ctx)
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_rope_freq_base(rope_base)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(n_vocab)
+
+
 def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
                      n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 512, n_ctx: int = 2048,
                      weight_type: str = "F32", tied: bool = False, seed: int = 0,
@@ -91,16 +108,8 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
     if rope_scale != 1.0:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope_scale)
-    w.add_block_count(n_layer)
-    w.add_context_length(n_ctx)
-    w.add_embedding_length(n_embd)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head_kv)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(head_dim)
-    w.add_vocab_size(n_vocab)
+    add_llama_header(w, n_layer=n_layer, n_ctx=n_ctx, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
+                     head_dim=head_dim, n_vocab=n_vocab)
     add_tiny_tokenizer(w, n_vocab, chat_template)
 
     def mat(name, rows, cols, scale):

@@ -267,7 +267,7 @@ def _force_exit() -> None:
 def serve(args, backend=None) -> int:
     """`fastserve serve`: load the model, start the engine, serve until SIGTERM/SIGINT; returns 0.
     backend: a backend factory for the Engine (tests; None: the one args.device names)."""
-    from ..engine import Engine, default_threads
+    from ..engine import Engine
     from ..models.default_model import default_model_path
     from ..models.model import load_model
     from ..resources import rss_bytes, seconds_since_start
@@ -299,8 +299,7 @@ def serve(args, backend=None) -> int:
               "(--chat-template sets another)", file=sys.stderr, flush=True)
     device = llama["device"]
     check_gpu_layers(llama["n_gpu_layers"], device, model.config.n_layer)
-    threads = args.threads if args.threads and args.threads > 0 else default_threads()
-    engine = Engine(model, EngineConfig.from_flags(args, threads=threads, trace=True, n_batch=llama["n_batch"],
+    engine = Engine(model, EngineConfig.from_flags(args, trace=True, n_batch=llama["n_batch"],
                                                    device=device or EngineConfig.device), backend=backend)
     log_stream = open(llama["log_file"], "a", encoding="utf-8") if llama["log_file"] else None
     app = App(engine, cfg, log_stream=log_stream)

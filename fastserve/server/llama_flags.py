@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 
 from ..config import SAMPLING_DEFAULTS, SamplingParams
-
-DEFAULTS = SAMPLING_DEFAULTS      # the help texts' defaults, stated once (config.SamplingParams)
 from ..errors import RequestError
 from ..models.chat_template import CHATML
+
+DEFAULTS = SAMPLING_DEFAULTS      # the help texts' defaults, stated once (config.SamplingParams)
 
 SAME, DIFFERS, REFUSED = "same", "differs", "refused"
 

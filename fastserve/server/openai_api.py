@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 
 from . import sse
 from .config import BUILD_INFO
@@ -40,6 +41,12 @@ def _new_id(prefix: str) -> str:
     return prefix + os.urandom(12).hex()
 
 
+def _envelope(rid: str, created: int, model: str, obj: str, choices: list, **extra) -> dict:
+    """A response's (or a stream chunk's) outer object, around its choices; extra: usage, timings."""
+    return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": BUILD_INFO,
+            "choices": choices, **extra}
+
+
 # -- /v1/completions -----------------------------------------------------------------------------
 
 async def completions(req, ex, *, parser, compile, start, tokenizer, alias):
@@ -54,9 +61,7 @@ async def completions(req, ex, *, parser, compile, start, tokenizer, alias):
         lp = None if k is None else legacy_logprobs(tokenizer, ids, probs or [], k, offset)
         return {"text": text, "index": i, "logprobs": lp, "finish_reason": finish}
 
-    def envelope(choices, **extra):
-        return {"id": rid, "object": "text_completion", "created": created, "model": alias,
-                "system_fingerprint": BUILD_INFO, "choices": choices, **extra}
+    envelope = partial(_envelope, rid, created, alias, "text_completion")
 
     def usage():
         return _usage([gens[j * n: (j + 1) * n] for j in range(len(params.prompts))])
@@ -100,9 +105,7 @@ async def chat_completions(req, ex, *, parser, compile, start, tokenizer, alias)
     def logprobs(ids, probs):
         return None if k is None else {"content": chat_logprobs(tokenizer, ids, probs or [], k)}
 
-    def envelope(obj: str, choices, **extra):
-        return {"id": rid, "object": obj, "created": created, "model": alias,
-                "system_fingerprint": BUILD_INFO, "choices": choices, **extra}
+    envelope = partial(_envelope, rid, created, alias)
 
     def chunk(i: int, delta: dict, lp=None, finish=None, **extra) -> bytes:
         return sse.event(envelope("chat.completion.chunk", [

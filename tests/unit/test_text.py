@@ -91,7 +91,7 @@ def test_text_reader_is_a_layer_over_a_reader(impl):
     still gives every token id and its Result."""
     cancels = []
     reader = Reader(16, on_cancel=lambda: cancels.append(1), impl=impl)
-    text = TextReader(reader, _Chars(ALPHA), stop=["XY"], id=7, max_tokens=10, n_prompt=3)
+    text = TextReader(reader, _Chars(ALPHA), stop=["XY"], id=7, n_prompt=3)
     dl = impl.Delivery(1, Waker())
     dl.attach(0, reader, 2)
     ids = _ids("ab cXYd")

@@ -18,9 +18,9 @@ Cache arrays, per layer (allocated by fastserve.backends.cpu.kv_cache.KVCache):
 or, for a ring (ring = R > 0, a multiple of KT: a sliding-window layer's last R positions), n_ctx = R and
 position p at row p % R (K tile (p // KT) % (R // KT)); store, move_rows and attention take the ring.
 """
-import os
-
 import numpy as np
+
+from fastserve.backends.cpu import _matmul
 
 cimport cython
 from libc.stdint cimport int64_t, uint8_t
@@ -94,20 +94,15 @@ def isas():
     return tuple(name for isa, name in sorted(ISA_NAMES.items()) if fs_attn_isa_supported(isa))
 
 
-# FASTSERVE_ISA names the products' kernels (_matmul.isas()); attention's of the same instructions
-_FROM_MATMUL_ISA = {"scalar": "scalar", "avx2": "avx2", "avx512": "avx512", "avx512vnni": "avx512",
-                    "neon": "neon", "neon_dotprod": "neon"}
+# the products' kernels (_matmul.isas()) -> attention's of the same instructions
+_FROM_MATMUL_ISA = {"scalar": "scalar", "avx2": "avx2", "avx512vnni": "avx512", "neon": "neon", "neon_dotprod": "neon"}
 
 
 def best_isa():
-    """The kernel "auto" runs: the one of FASTSERVE_ISA's instructions when set (a name from
-    _matmul.isas()), else the best this machine has."""
-    want = os.environ.get("FASTSERVE_ISA") or ""
-    if want:
-        if want not in _FROM_MATMUL_ISA:
-            raise ValueError(f"FASTSERVE_ISA={want!r} names no kernel; known: {', '.join(_FROM_MATMUL_ISA)}")
-        return _FROM_MATMUL_ISA[want]
-    return ISA_NAMES[fs_attn_best_isa()]
+    """The kernel "auto" runs: the one of the products' instructions when FASTSERVE_ISA names them (read and
+    checked once, by _matmul.env_isa), else the best this machine has."""
+    want = _matmul.env_isa()
+    return _FROM_MATMUL_ISA[want] if want else ISA_NAMES[fs_attn_best_isa()]
 
 
 def kv_type_id(str type_name, int64_t head_dim):

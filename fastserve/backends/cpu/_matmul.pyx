@@ -102,11 +102,17 @@ def best_isa():
     return ISA_NAMES[_isa_id("auto")]
 
 
+def env_isa():
+    """The kernel FASTSERVE_ISA names (ValueError for a name not in isas()), or "" when it is unset. The one
+    reader of FASTSERVE_ISA: attention runs the kernel of the same instructions (_attention.best_isa)."""
+    isa = os.environ.get("FASTSERVE_ISA") or ""
+    return isa and ISA_NAMES[_isa_id(isa)]
+
+
 def _isa_id(str isa):
     if isa == "auto":
-        isa = os.environ.get("FASTSERVE_ISA") or ""
-        if not isa:
-            return fs_best_isa()
+        isa = env_isa()
+        return _ISA_IDS[isa] if isa else fs_best_isa()
     if isa not in _ISA_IDS:
         raise ValueError(f"unknown isa {isa!r}; known: {', '.join(_ISA_IDS)}")
     if not fs_isa_supported(_ISA_IDS[isa]):
