@@ -16,7 +16,10 @@ import numpy as np
 # type name -> (inputs per block, bytes per block, kind): kinds "q" (d * q), "qm" (+ m), "qs" (sub-scales), "f"
 TYPES = {"F32": (1, 4, "f"), "F16": (1, 2, "f"), "BF16": (1, 2, "f"),
          "Q4_0": (32, 18, "q"), "Q4_1": (32, 20, "qm"), "Q5_0": (32, 22, "q"), "Q5_1": (32, 24, "qm"),
-         "Q8_0": (32, 34, "q"), "Q4_K": (256, 144, "qm"), "Q5_K": (256, 176, "qm"), "Q6_K": (256, 210, "qs")}
+         "Q8_0": (32, 34, "q"), "Q4_K": (256, 144, "qm"), "Q5_K": (256, 176, "qm"), "Q6_K": (256, 210, "qs"),
+         "IQ4_NL": (32, 18, "q"), "IQ4_XS": (256, 136, "q")}
+# IQ4_NL / IQ4_XS: a nibble indexes these 16 int8 values (ggml's kvalues_iq4nl)
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
 
 @dataclass
@@ -58,6 +61,14 @@ def _scale_min_k4(sc12: np.ndarray):
     return np.concatenate([lo_sc, hi_sc], -1), np.concatenate([lo_mn, hi_mn], -1)
 
 
+def _iq4_xs_scales(h6: np.ndarray) -> np.ndarray:
+    """[..., 6] (u16 scales_h, 4 bytes scales_l) -> the 6-bit scales ls int32 [..., 8] of sub-blocks 0..7."""
+    hi = h6[..., 0].astype(np.int32) | (h6[..., 1].astype(np.int32) << 8)
+    lo = h6[..., 2:6].astype(np.int32)
+    j = np.arange(8)
+    return (lo[..., j // 2] >> (4 * (j % 2)) & 15) | (((hi[..., None] >> (2 * j)) & 3) << 4)
+
+
 def decode(type_name: str, data, rows: int, n_in: int) -> Blocks:
     """The tensor's bytes (any array whose bytes are rows x row_bytes) as exact blocks."""
     if type_name not in TYPES:
@@ -96,6 +107,14 @@ def decode(type_name: str, data, rows: int, n_in: int) -> Blocks:
     elif type_name == "Q8_0":
         d = _f16(blk[..., 0:2])
         q = blk[..., 2:34].view(np.int8)
+    elif type_name == "IQ4_NL":
+        d = _f16(blk[..., 0:2])
+        q = IQ4_VALUES[_halves(blk[..., 2:18])]
+    elif type_name == "IQ4_XS":
+        dd, ls = _f16(blk[..., 0:2]), _iq4_xs_scales(blk[..., 2:8])               # [rows, nsb], [rows, nsb, 8]
+        with np.errstate(invalid="ignore"):                                  # inf * 0 is NaN, as in C
+            d = (dd[..., None] * (ls - 32).astype(np.float32)).astype(np.float32)    # exact: 11 bits x 6 bits
+        q = IQ4_VALUES[_halves(blk[..., 8:136].reshape(rows, -1, 8, 16))]
     elif type_name in ("Q4_K", "Q5_K"):
         five = type_name == "Q5_K"
         dd, dmin = _f16(blk[..., 0:2]), _f16(blk[..., 2:4])
@@ -152,6 +171,8 @@ def encode(type_name: str, w: np.ndarray) -> np.ndarray:
         return _encode_k(w, five=type_name == "Q5_K").reshape(rows, -1)
     if type_name == "Q6_K":
         return _encode_q6_k(w).reshape(rows, -1)
+    if type_name in ("IQ4_NL", "IQ4_XS"):
+        return _encode_iq4(w, xs=type_name == "IQ4_XS").reshape(rows, -1)
     import gguf
     from gguf.quants import quantize
     if type_name == "F32":
@@ -210,3 +231,27 @@ def _encode_q6_k(w: np.ndarray) -> np.ndarray:
     qh = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6))
     return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64).astype(np.uint8),
                            sc.view(np.uint8).reshape(-1, 16), _f16_bytes(d).reshape(-1, 2)], axis=1)
+
+
+def _iq4_nibbles(v: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """v [..., 32], step [...] -> the nibbles [..., 16] (low: inputs 0..15) of the nearest d * IQ4_VALUES."""
+    t = v / np.where(step != 0, step, 1)[..., None]
+    idx = np.abs(t[..., None] - IQ4_VALUES.astype(np.float32)).argmin(-1).astype(np.uint8)
+    return idx[..., :16] | (idx[..., 16:] << 4)
+
+
+def _encode_iq4(w: np.ndarray, xs: bool) -> np.ndarray:
+    v = w.reshape(-1, 32)
+    step = v[np.arange(len(v)), np.abs(v).argmax(-1)] / -127          # the largest |w| on the -127 end
+    if not xs:
+        d = step.astype(np.float16)
+        return np.concatenate([_f16_bytes(d).reshape(-1, 2), _iq4_nibbles(v, d.astype(np.float32))], axis=1)
+    step = step.reshape(-1, 8)                                         # [superblocks, sub-blocks]
+    d = (np.abs(step).max(-1) / 32).astype(np.float16)
+    d32 = d.astype(np.float32)
+    ls = (np.clip(np.rint(step / np.where(d32 > 0, d32, 1)[:, None]), -32, 31) + 32).astype(np.uint16)
+    qs = _iq4_nibbles(v.reshape(-1, 8, 32), d32[:, None] * (ls.astype(np.float32) - 32))
+    lo = (ls & 15).astype(np.uint8)
+    scales_h = ((ls >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(-1, dtype=np.uint16)
+    return np.concatenate([_f16_bytes(d).reshape(-1, 2), scales_h.astype("<u2").view(np.uint8).reshape(-1, 2),
+                           lo[:, 0::2] | (lo[:, 1::2] << 4), qs.reshape(-1, 128)], axis=1)

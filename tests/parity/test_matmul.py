@@ -54,7 +54,7 @@ def rand(rng, *shape, scale=1.0):
 def scale_offsets(type_name):
     """Byte offsets of the f16 scales inside one block of type_name."""
     return {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
-            "Q5_K": [0, 2], "Q6_K": [208]}.get(type_name, [])
+            "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}.get(type_name, [])
 
 
 def random_blocks(type_name, rows, n_in, seed, special=True):
@@ -329,7 +329,7 @@ def test_stacked_parts_of_mixed_types():
     assert_same(alone, want)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q6_K", "F16"])
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F16"])
 def test_batch_invariance(type_name):
     """Each row's outputs are bit-identical alone, among 2, 7 or 31 other rows, at any offset."""
     rng = np.random.default_rng(10)
@@ -397,7 +397,7 @@ def test_backend_threads_change_no_bit(tiny_model):
     np.testing.assert_array_equal(logits(), logits(threads=3))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "F16"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "IQ4_NL", "IQ4_XS", "F16"])
 def test_load_maps_tensors_without_copying(tmp_path, qtype):
     """The loaded matrices are views of the mapped file: each part shares memory with its tensor."""
     import fastserve
@@ -461,7 +461,7 @@ static int same(const float *a, const float *b, int64_t n) {
 }
 int main(void) {
     const int types[] = {FS_T_F32, FS_T_F16, FS_T_BF16, FS_T_Q4_0, FS_T_Q4_1, FS_T_Q5_0, FS_T_Q5_1,
-                         FS_T_Q8_0, FS_T_Q4_K, FS_T_Q5_K, FS_T_Q6_K};
+                         FS_T_Q8_0, FS_T_Q4_K, FS_T_Q5_K, FS_T_Q6_K, FS_T_IQ4_NL, FS_T_IQ4_XS};
     int fails = 0, checks = 0, fused_checks = 0;
     for (int isa = 0; isa <= 4; isa++) printf("isa %d supported %d\n", isa, fs_isa_supported(isa));
     printf("best %d\n", fs_best_isa());

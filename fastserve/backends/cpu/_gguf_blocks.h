@@ -13,6 +13,9 @@
  *         d = f32(d) * sc_j, m = -(f32(dmin) * mn_j)       (the product is exact in float32)
  *   Q5_K  as Q4_K with a fifth bit, q in 0..31
  *   Q6_K  q = 6-bit value - 32, s_i = the int8 scale of its 16 inputs (two per block), d = f32(d)
+ *   IQ4_NL q = kvalues[nibble] (16 int8 values, -127 .. 113)   d = f16   (Q4_0's layout)
+ *   IQ4_XS q = kvalues[nibble], sub-block j of a 256-block with a 6-bit ls_j (low 4 bits from
+ *         scales_l, high 2 from scales_h): d = f32(d) * (ls_j - 32)   (exact in float32)
  * The products (backends/cpu/_matmul_kernels.h) take d, m and s from here and the integer dot from q, so
  * this file and the twin's decode() are the one place that knows each bit layout (ggml's block_*
  * structs). F32, F16 and BF16 rows are decoded to float32 (exact).
@@ -38,8 +41,12 @@
 /* ggml's type ids (gguf.GGMLQuantizationType) */
 enum {
     FS_T_F32 = 0, FS_T_F16 = 1, FS_T_Q4_0 = 2, FS_T_Q4_1 = 3, FS_T_Q5_0 = 6, FS_T_Q5_1 = 7,
-    FS_T_Q8_0 = 8, FS_T_Q4_K = 12, FS_T_Q5_K = 13, FS_T_Q6_K = 14, FS_T_BF16 = 30
+    FS_T_Q8_0 = 8, FS_T_Q4_K = 12, FS_T_Q5_K = 13, FS_T_Q6_K = 14, FS_T_IQ4_NL = 20, FS_T_IQ4_XS = 23,
+    FS_T_BF16 = 30
 };
+
+/* IQ4_NL / IQ4_XS: a nibble indexes these 16 values (ggml's kvalues_iq4nl) */
+static const int8_t fs_iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 /* What a kernel does with a staged panel: integer dot times d (Q), plus the offset m (QM), with two
  * integer sub-scales per block (QS), or a float dot (F). */
@@ -71,6 +78,8 @@ static int fs_type(int type, fs_type_info *info)
     case FS_T_Q4_K: *info = (fs_type_info){256, 144, FS_KIND_QM}; return 0;
     case FS_T_Q5_K: *info = (fs_type_info){256, 176, FS_KIND_QM}; return 0;
     case FS_T_Q6_K: *info = (fs_type_info){256, 210, FS_KIND_QS}; return 0;
+    case FS_T_IQ4_NL: *info = (fs_type_info){32, 18, FS_KIND_Q}; return 0;
+    case FS_T_IQ4_XS: *info = (fs_type_info){256, 136, FS_KIND_Q}; return 0;
     default: return -1;
     }
 }
@@ -84,6 +93,7 @@ static inline int32_t fs_q_offset(int type)
     case FS_T_Q5_0: return 16;
     case FS_T_Q6_K: return 32;
     case FS_T_Q8_0: return 128;
+    case FS_T_IQ4_NL: case FS_T_IQ4_XS: return 127;      /* -127 .. 113 -> 0 .. 240 */
     default: return 0;
     }
 }
@@ -211,6 +221,25 @@ static void fs_decode_block(int type, const uint8_t *row, int64_t b, int8_t *q, 
         o->s[1] = sc[2 * j + 1];
         for (int i = 0; i < 32; i++)
             q[i] = (int8_t)((((ql[i] >> (4 * (t >> 1))) & 15) | (((qh[i] >> (2 * t)) & 3) << 4)) - 32);
+        return;
+    }
+    case FS_T_IQ4_NL: case FS_T_IQ4_XS: {
+        const uint8_t *qs;
+        if (type == FS_T_IQ4_NL) {
+            const uint8_t *p = row + b * 18;
+            o->d = fs_f16(p);
+            qs = p + 2;
+        } else {
+            const int j = (int)(b & 7);
+            const uint8_t *p = row + (b >> 3) * 136;
+            const int ls = ((p[4 + j / 2] >> (4 * (j & 1))) & 15) | (((p[2 + j / 4] >> (2 * (j & 3))) & 3) << 4);
+            o->d = fs_f16(p) * (float)(ls - 32);          /* exact: 11 bits times 6 */
+            qs = p + 8 + 16 * j;
+        }
+        for (int i = 0; i < 16; i++) {
+            q[i] = fs_iq4_values[qs[i] & 15];
+            q[i + 16] = fs_iq4_values[qs[i] >> 4];
+        }
         return;
     }
     default:

@@ -4,9 +4,9 @@ the GIL.
 
 A BlockMatrix is a view of one or more tensors as the file stores them (memory-mapped: no decoded
 copy is ever kept), stacked by rows (e.g. Q | K | V), each part of its own type: Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0, Q4_K, Q5_K, Q6_K (integer blocks) or F32, F16, BF16 (floats). Each call quantizes the
-activations once (int8, one scale per 32 inputs) for every integer part, multiplies per block in
-integers, and sums the blocks in float32 in a fixed order (see _matmul_kernels.h); float parts sum
+Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (integer blocks) or F32, F16, BF16 (floats). Each call
+quantizes the activations once (int8, one scale per 32 inputs) for every integer part, multiplies per
+block in integers, and sums the blocks in float32 in a fixed order (see _matmul_kernels.h); float parts sum
 their products in input order. Every output is a function of its own activation row and weight row
 only: bit-identical whatever n, the other rows, the kernel or the threads, and equal to the NumPy
 twin fastserve.backends.cpu.ref.matmul.
@@ -75,7 +75,7 @@ ISA_NAMES = {FS_ISA_SCALAR: "scalar", FS_ISA_AVX2: "avx2", FS_ISA_AVX512VNNI: "a
 _ISA_IDS = {v: k for k, v in ISA_NAMES.items()}
 # GGUF tensor types the kernels run as stored (gguf.GGMLQuantizationType ids).
 TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
-            "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "BF16": 30}
+            "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "BF16": 30}
 KERNEL_TYPES = tuple(TYPE_IDS)
 KINDS = {FS_KIND_Q: "q", FS_KIND_QM: "qm", FS_KIND_QS: "qs", FS_KIND_F: "f"}
 
