@@ -156,6 +156,12 @@ static inline void fs_scale_min_k4(int j, const uint8_t *q, int *sc, int *mn)
     }
 }
 
+/* IQ4_NL / IQ4_XS: where block b's 16 nibble bytes sit in its row (low nibbles: inputs 0..15). */
+static inline int64_t fs_iq4_qat(int xs, int64_t b)
+{
+    return xs ? (b >> 3) * 136 + 8 + 16 * (b & 7) : b * 18 + 2;
+}
+
 /* Block b (of 32 inputs) of one row's bytes. */
 static void fs_decode_block(int type, const uint8_t *row, int64_t b, int8_t *q, fs_blk *o)
 {
@@ -226,16 +232,14 @@ static void fs_decode_block(int type, const uint8_t *row, int64_t b, int8_t *q, 
     case FS_T_IQ4_NL: case FS_T_IQ4_XS: {
         const uint8_t *qs;
         if (type == FS_T_IQ4_NL) {
-            const uint8_t *p = row + b * 18;
-            o->d = fs_f16(p);
-            qs = p + 2;
+            o->d = fs_f16(row + b * 18);
         } else {
             const int j = (int)(b & 7);
             const uint8_t *p = row + (b >> 3) * 136;
             const int ls = ((p[4 + j / 2] >> (4 * (j & 1))) & 15) | (((p[2 + j / 4] >> (2 * (j & 3))) & 3) << 4);
             o->d = fs_f16(p) * (float)(ls - 32);          /* exact: 11 bits times 6 */
-            qs = p + 8 + 16 * j;
         }
+        qs = row + fs_iq4_qat(type == FS_T_IQ4_XS, b);
         for (int i = 0; i < 16; i++) {
             q[i] = fs_iq4_values[qs[i] & 15];
             q[i + 16] = fs_iq4_values[qs[i] >> 4];
@@ -645,6 +649,64 @@ FS_STAGE512 static void fs_stage_q6k_avx512(const uint8_t *rows, int64_t row_byt
     }
 }
 
+/* IQ4_XS: the scales d * (ls_j - 32) of sub-block j of 16 rows from g (each row's first dword:
+ * f16 d | scales_h << 16), sl (its second: scales_l) and d = f32(f16 d). */
+FS_STAGE512 static inline __m512 fs_iq4xs_scale512(__m512i g, __m512i sl, __m512 d, int j)
+{
+    const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(sl, 4 * j), _mm512_set1_epi32(15));
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(g, 16 + 2 * j), _mm512_set1_epi32(3));
+    const __m512i ls = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 4));
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32))));
+}
+
+/* The 16 IQ4 values plus add, as bytes in each 128-bit lane (the vpshufb table of the nibbles). */
+FS_STAGE512 static inline __m512i fs_iq4_table512(int add)
+{
+    const __m128i v = _mm_add_epi8(_mm_loadu_si128((const __m128i *)fs_iq4_values), _mm_set1_epi8((char)add));
+    return _mm512_broadcast_i32x4(v);
+}
+
+/* IQ4_NL / IQ4_XS: two blocks per pass as fs_stage_q45_avx512 reads Q4_0, each nibble looked up as
+ * q + 128 (one vpshufb per 64); IQ4_XS's 8 sub-block scales per 256-block of the 16 rows. */
+FS_STAGE512 static void fs_stage_iq4_avx512(int xs, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                            const uint8_t *next)
+{
+    const __m512i low = _mm512_set1_epi8(15), tab = fs_iq4_table512(128);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, (nb + 1) / 2);
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int64_t b1 = b + 1 < nb ? b + 1 : b;        /* an odd last block (IQ4_NL): decoded twice, kept once */
+        const int64_t a0 = fs_iq4_qat(xs, b), a1 = fs_iq4_qat(xs, b1);
+        __m512i z[8], t[8];
+        fs_prefetch_step(&pf);
+        for (int g = 0; g < 8; g++) {
+            const uint8_t *r0 = rows + g * row_bytes, *r1 = rows + (g + 8) * row_bytes;
+            z[g] = fs_load4x16(r0 + a0, r0 + a1, r1 + a0, r1 + a1);
+        }
+        fs_transpose16x8(z, t);
+        for (int h = 0; h < 2 && b + h < nb; h++) {
+            uint8_t *pb = stage + (b + h) * FS_STAGE_Q;
+            for (int k = 0; k < 8; k++) {
+                const __m512i v = t[4 * h + (k & 3)];
+                _mm512_storeu_si512((void *)(pb + k * 64),
+                                    _mm512_shuffle_epi8(tab, _mm512_and_si512(k < 4 ? v : _mm512_srli_epi16(v, 4), low)));
+            }
+            if (!xs) {
+                fs_copy_dwords(rows, row_bytes, (b + h) * 18, pb + 512);
+                fs_widen_scales(pb, 0);
+            }
+        }
+        if (xs && (b & 7) == 0) {
+            uint8_t w[2][64];
+            fs_copy_dwords(rows, row_bytes, (b >> 3) * 136, w[0]);
+            fs_copy_dwords(rows, row_bytes, (b >> 3) * 136 + 4, w[1]);
+            const __m512i g = _mm512_loadu_si512((const void *)w[0]), sl = _mm512_loadu_si512((const void *)w[1]);
+            const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+            for (int j = 0; j < 8; j++)
+                _mm512_storeu_ps((void *)(stage + (b + j) * FS_STAGE_Q + 512), fs_iq4xs_scale512(g, sl, d, j));
+        }
+    }
+}
+
 /* F32 / F16 / BF16 (n_in a multiple of 32): 8 floats of 16 rows per transpose. */
 FS_STAGE512 static void fs_stage_float_avx512(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb,
                                               uint8_t *stage, const uint8_t *next)
@@ -865,6 +927,67 @@ FS_STAGE256 static void fs_stage_k45_avx2(int five, const uint8_t *rows, int64_t
                     _mm256_storeu_si256((__m256i *)(p0 + k * 64), _mm256_or_si256(lo, hi80));
                     _mm256_storeu_si256((__m256i *)(p1 + k * 64), _mm256_or_si256(hi, hi80));
                 }
+            }
+        }
+    }
+}
+
+/* IQ4_XS: fs_iq4xs_scale512 for 8 rows. */
+FS_STAGE256 static inline __m256 fs_iq4xs_scale_avx2(__m256i g, __m256i sl, __m256 d, int j)
+{
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(sl, 4 * j), _mm256_set1_epi32(15));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(g, 16 + 2 * j), _mm256_set1_epi32(3));
+    const __m256i ls = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 4));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
+}
+
+FS_STAGE256 static inline __m256i fs_iq4_table256(int add)
+{
+    const __m128i v = _mm_add_epi8(_mm_loadu_si128((const __m128i *)fs_iq4_values), _mm_set1_epi8((char)add));
+    return _mm256_broadcastsi128_si256(v);
+}
+
+/* IQ4_NL / IQ4_XS, as fs_stage_iq4_avx512 over two halves of 8 rows. */
+FS_STAGE256 static void fs_stage_iq4_avx2(int xs, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                          const uint8_t *next)
+{
+    const __m256i low = _mm256_set1_epi8(15), tab = fs_iq4_table256(128);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, (nb + 1) / 2);
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int64_t b1 = b + 1 < nb ? b + 1 : b;
+        const int64_t a0 = fs_iq4_qat(xs, b), a1 = fs_iq4_qat(xs, b1);
+        fs_prefetch_step(&pf);
+        for (int h = 0; h < 2; h++) {
+            __m256i z[8], t[8];
+            for (int g = 0; g < 8; g++) {
+                const uint8_t *r = rows + (8 * h + g) * row_bytes;
+                z[g] = fs_load2x16(r + a0, r + a1);
+            }
+            fs_transpose8x8_avx2(z, t);
+            for (int e = 0; e < 2 && b + e < nb; e++) {
+                uint8_t *pb = stage + (b + e) * FS_STAGE_Q + h * 32;
+                for (int k = 0; k < 4; k++) {
+                    const __m256i v = t[4 * e + k];
+                    _mm256_storeu_si256((__m256i *)(pb + k * 64), _mm256_shuffle_epi8(tab, _mm256_and_si256(v, low)));
+                    _mm256_storeu_si256((__m256i *)(pb + (k + 4) * 64), _mm256_shuffle_epi8(tab, fs_bytes_srl256(v, 4, 15)));
+                }
+            }
+        }
+        if (!xs) {
+            for (int e = 0; e < 2 && b + e < nb; e++)
+                fs_f16x16_avx2(rows, row_bytes, (b + e) * 18, stage + (b + e) * FS_STAGE_Q + 512);
+        } else if ((b & 7) == 0) {
+            uint32_t w[2][16];
+            float d[16];
+            fs_copy_dwords(rows, row_bytes, (b >> 3) * 136, (uint8_t *)w[0]);
+            fs_copy_dwords(rows, row_bytes, (b >> 3) * 136 + 4, (uint8_t *)w[1]);
+            fs_f16x16_avx2(rows, row_bytes, (b >> 3) * 136, (uint8_t *)d);
+            for (int h = 0; h < 2; h++) {
+                const __m256i g = _mm256_loadu_si256((const __m256i *)(w[0] + 8 * h));
+                const __m256i sl = _mm256_loadu_si256((const __m256i *)(w[1] + 8 * h));
+                for (int j = 0; j < 8; j++)
+                    _mm256_storeu_ps((float *)(stage + (b + j) * FS_STAGE_Q + 512) + 8 * h,
+                                     fs_iq4xs_scale_avx2(g, sl, _mm256_loadu_ps(d + 8 * h), j));
             }
         }
     }

@@ -119,6 +119,14 @@ FS_FUSED512 FS_INLINE __m512i fs_fused_q6k_weights(const uint8_t *p, int64_t sb,
  * high nibbles stay x16: Q4_0 / Q4_1 in the second and fourth 128-bit lanes, Q4_K for odd b. */
 FS_FUSED512 FS_INLINE __m512i fs_fused_weights(const int type, const uint8_t *p, int64_t b, int64_t b1)
 {
+    if (type == FS_T_IQ4_NL || type == FS_T_IQ4_XS) {
+        /* Q4_0's nibbles, the high ones shifted down in lanes 1, 3, then looked up as q + 127 (0..240) */
+        const int xs = type == FS_T_IQ4_XS;
+        __m512i w = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p + fs_iq4_qat(xs, b))));
+        w = _mm512_mask_broadcast_i32x4(w, 0xFF00, _mm_loadu_si128((const __m128i *)(p + fs_iq4_qat(xs, b1))));
+        w = _mm512_and_si512(_mm512_mask_srli_epi16(w, 0xFF00FF00u, w, 4), _mm512_set1_epi8(15));
+        return _mm512_shuffle_epi8(fs_iq4_table512(127), w);
+    }
     if (type == FS_T_Q8_0) {
         __m512i w = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + b * 34 + 2)));
         w = _mm512_inserti64x4(w, _mm256_loadu_si256((const __m256i *)(p + b1 * 34 + 2)), 1);
@@ -256,7 +264,7 @@ FS_FUSED512 FS_INLINE void fs_fused_store(const fs_job *j, const __m512 *f, cons
         _mm512_mask_storeu_ps(j->y + r * j->ldy, msk, f[r]);
 }
 
-/* Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: 16 rows at rows (row_bytes apart; lanes >= valid repeat row 0 and are not
+/* Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL / IQ4_XS: 16 rows at rows (row_bytes apart; lanes >= valid repeat row 0 and are not
  * stored) times the job's R activation rows, into y as the staged kernel would; next: the rows to
  * prefetch meanwhile (16 * row_bytes bytes) or NULL. */
 FS_FUSED512 FS_INLINE void fs_fused_q32_avx512(const fs_job *j, const int type, const uint8_t *rows, int64_t row_bytes,
@@ -276,10 +284,19 @@ FS_FUSED512 FS_INLINE void fs_fused_q32_avx512(const fs_job *j, const int type, 
         __m512i xv[2 * FS_FUSED_MAX_N], is0[FS_FUSED_MAX_N], is1[FS_FUSED_MAX_N];
         fs_fused_acts(j, b, b1, R, xv);
         fs_fused_isums(type, rp, b, b1, xv, R, is0, is1);
-        const __m512i g0 = fs_fused_scales(rp, b * bb), g1 = fs_fused_scales(rp, b1 * bb);
-        const __m512 d0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g0)), d1 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g1));
-        const __m512 m0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g0, 16)));
-        const __m512 m1 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g1, 16)));
+        __m512 d0, d1, m0, m1;
+        if (type == FS_T_IQ4_XS) {      /* sub-blocks b, b + 1 of one 256-block: d * (ls - 32) */
+            const __m512i g = fs_fused_scales(rp, (b >> 3) * 136), sl = fs_fused_scales(rp, (b >> 3) * 136 + 4);
+            const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+            d0 = m0 = fs_iq4xs_scale512(g, sl, d, (int)(b & 7));
+            d1 = m1 = fs_iq4xs_scale512(g, sl, d, (int)(b & 7) + 1);
+        } else {
+            const __m512i g0 = fs_fused_scales(rp, b * bb), g1 = fs_fused_scales(rp, b1 * bb);
+            d0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g0));
+            d1 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g1));
+            m0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g0, 16)));
+            m1 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g1, 16)));
+        }
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const int64_t o = r * nb + b;
@@ -394,6 +411,8 @@ FS_FUSED512 static void fs_fused_avx512(const fs_job *j, int type, const uint8_t
 #define FS_Q4K(R) fs_fused_k45_avx512(j, FS_T_Q4_K, rows, row_bytes, next, R)
 #define FS_Q5K(R) fs_fused_k45_avx512(j, FS_T_Q5_K, rows, row_bytes, next, R)
 #define FS_Q6K(R) fs_fused_q6k_avx512(j, rows, row_bytes, next, R)
+#define FS_IQ4NL(R) fs_fused_q32_avx512(j, FS_T_IQ4_NL, rows, row_bytes, next, R)
+#define FS_IQ4XS(R) fs_fused_q32_avx512(j, FS_T_IQ4_XS, rows, row_bytes, next, R)
     switch (type) {
     case FS_T_Q4_0: FS_FUSED_BY_N(FS_Q40); break;
     case FS_T_Q4_1: FS_FUSED_BY_N(FS_Q41); break;
@@ -403,6 +422,8 @@ FS_FUSED512 static void fs_fused_avx512(const fs_job *j, int type, const uint8_t
     case FS_T_Q4_K: FS_FUSED_BY_N(FS_Q4K); break;
     case FS_T_Q5_K: FS_FUSED_BY_N(FS_Q5K); break;
     case FS_T_Q6_K: FS_FUSED_BY_N(FS_Q6K); break;
+    case FS_T_IQ4_NL: FS_FUSED_BY_N(FS_IQ4NL); break;
+    case FS_T_IQ4_XS: FS_FUSED_BY_N(FS_IQ4XS); break;
     default: break;
     }
 #undef FS_Q40
@@ -413,6 +434,8 @@ FS_FUSED512 static void fs_fused_avx512(const fs_job *j, int type, const uint8_t
 #undef FS_Q4K
 #undef FS_Q5K
 #undef FS_Q6K
+#undef FS_IQ4NL
+#undef FS_IQ4XS
 }
 #endif /* FS_HAVE_FUSED_AVX512 */
 
@@ -459,6 +482,12 @@ FS_FUSED256 FS_INLINE __m256i fs_fused_dot_avx2(const int type, const uint8_t *p
         const __m256i w = _mm256_loadu_si256((const __m256i *)(p + b * 34 + 2));
         return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)), ones);
     }
+    if (type == FS_T_IQ4_NL || type == FS_T_IQ4_XS) {   /* the nibbles looked up as int8 q, then as Q8_0 */
+        const __m128i q = _mm_loadu_si128((const __m128i *)(p + fs_iq4_qat(type == FS_T_IQ4_XS, b))), m = _mm_set1_epi8(15);
+        const __m256i w = _mm256_shuffle_epi8(fs_iq4_table256(0), _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m),
+                                                                                 _mm_and_si128(q, m)));
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)), ones);
+    }
     const int five = type == FS_T_Q5_0 || type == FS_T_Q5_1, bb = fs_fused_block_bytes(type);
     const int qoff = (type == FS_T_Q4_1 || type == FS_T_Q5_1 ? 4 : 2) + (five ? 4 : 0);
     const __m128i q = _mm_loadu_si128((const __m128i *)(p + b * bb + qoff)), m = _mm_set1_epi8(15);
@@ -481,7 +510,10 @@ FS_FUSED256 FS_INLINE void fs_fused_half_avx2(const fs_job *j, const int type, c
 {
     const int64_t nb = j->nb, K = nb * FS_QK;
     const int has_m = type == FS_T_Q4_1 || type == FS_T_Q5_1, bb = fs_fused_block_bytes(type);
-    const int32_t offset = type == FS_T_Q8_0 ? 0 : fs_q_offset(type);     /* Q8_0: signed as stored */
+    const int iq4 = type == FS_T_IQ4_NL || type == FS_T_IQ4_XS;
+    const int32_t offset = type == FS_T_Q8_0 || iq4 ? 0 : fs_q_offset(type);     /* Q8_0, IQ4: signed q */
+    __m256i xs_g = _mm256_setzero_si256(), xs_sl = xs_g;          /* IQ4_XS: the 256-block's scale dwords */
+    __m256 xs_d = _mm256_setzero_ps();
     __m256 f[FS_FUSED_MAX_N];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
@@ -506,9 +538,19 @@ FS_FUSED256 FS_INLINE void fs_fused_half_avx2(const fs_job *j, const int type, c
             for (int r = 0; r < R; r++)
                 e[u][r] = fs_fold64_avx2(c[0][r], c[1][r]);
         }
-        const __m256i g = fs_dword8_avx2(rp, b * bb);                  /* d | m << 16 of each row */
-        const __m256 d = _mm256_cvtph_ps(fs_low16x8_avx2(g));
-        const __m256 m = has_m ? _mm256_cvtph_ps(fs_low16x8_avx2(_mm256_srli_epi32(g, 16))) : d;
+        __m256 d, m;
+        if (type == FS_T_IQ4_XS) {
+            if ((b & 7) == 0) {
+                xs_g = fs_dword8_avx2(rp, (b >> 3) * 136);
+                xs_sl = fs_dword8_avx2(rp, (b >> 3) * 136 + 4);
+                xs_d = _mm256_cvtph_ps(fs_low16x8_avx2(xs_g));
+            }
+            d = m = fs_iq4xs_scale_avx2(xs_g, xs_sl, xs_d, (int)(b & 7));
+        } else {
+            const __m256i g = fs_dword8_avx2(rp, b * bb);              /* d | m << 16 of each row */
+            d = _mm256_cvtph_ps(fs_low16x8_avx2(g));
+            m = has_m ? _mm256_cvtph_ps(fs_low16x8_avx2(_mm256_srli_epi32(g, 16))) : d;
+        }
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             const int64_t o = r * nb + b;
@@ -701,11 +743,15 @@ FS_FUSED256 static void fs_fused_avx2(const fs_job *j, int type, const uint8_t *
 #define FS_Q50(R) FS_HALF(FS_T_Q5_0, R)
 #define FS_Q51(R) FS_HALF(FS_T_Q5_1, R)
 #define FS_Q80(R) FS_HALF(FS_T_Q8_0, R)
+#define FS_IQ4NL(R) FS_HALF(FS_T_IQ4_NL, R)
+#define FS_IQ4XS(R) FS_HALF(FS_T_IQ4_XS, R)
         switch (type) {
         case FS_T_Q4_0: FS_FUSED_BY_N(FS_Q40); break;
         case FS_T_Q4_1: FS_FUSED_BY_N(FS_Q41); break;
         case FS_T_Q5_0: FS_FUSED_BY_N(FS_Q50); break;
         case FS_T_Q5_1: FS_FUSED_BY_N(FS_Q51); break;
+        case FS_T_IQ4_NL: FS_FUSED_BY_N(FS_IQ4NL); break;
+        case FS_T_IQ4_XS: FS_FUSED_BY_N(FS_IQ4XS); break;
         default: FS_FUSED_BY_N(FS_Q80); break;
         }
 #undef FS_Q40
@@ -713,6 +759,8 @@ FS_FUSED256 static void fs_fused_avx2(const fs_job *j, int type, const uint8_t *
 #undef FS_Q50
 #undef FS_Q51
 #undef FS_Q80
+#undef FS_IQ4NL
+#undef FS_IQ4XS
 #undef FS_HALF
     }
 }
@@ -729,12 +777,14 @@ static inline int fs_fused_ok(int isa, int type, int64_t n, int valid)
 #if defined(FS_HAVE_FUSED_AVX512)
     if (isa == FS_ISA_AVX512VNNI && n >= 1 && n <= FS_FUSED_MAX_N &&
         (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q5_0 || type == FS_T_Q5_1 || type == FS_T_Q8_0 ||
+         type == FS_T_IQ4_NL || type == FS_T_IQ4_XS ||
          ((type == FS_T_Q4_K || type == FS_T_Q5_K || type == FS_T_Q6_K) && valid == FS_LANES && n <= FS_FUSED_MAX_N_K)))
         return 1;
 #endif
 #if defined(FS_HAVE_FUSED_AVX2)
     if (isa == FS_ISA_AVX2 && n >= 1 && n <= FS_FUSED_MAX_N &&
         (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q5_0 || type == FS_T_Q5_1 || type == FS_T_Q8_0 ||
+         type == FS_T_IQ4_NL || type == FS_T_IQ4_XS ||
          ((type == FS_T_Q4_K || type == FS_T_Q5_K || type == FS_T_Q6_K) && valid == FS_LANES)))
         return 1;
 #endif
