@@ -4,7 +4,8 @@ integers and scales, and (for tests and synthetic models) encoded from float32.
 Per block of 32 inputs of a row, every kernel type is exactly  w_i = d * (s_i * q_i) + m  (the table
 is in _gguf_blocks.h); decode() returns those numbers, nothing rounded:
     q int8 [rows, nb, 32], d float32 [rows, nb], m float32 [rows, nb] or None, s int32 [rows, nb, 2]
-    or None (Q6_K: the scales of inputs 0..15 and 16..31);
+    or None (Q6_K: the scales of inputs 0..15 and 16..31); IQ4_NL and IQ4_XS are kind "q" with q the 16
+    int8 values IQ4_VALUES indexed by nibbles (IQ4_XS: d = f16 d * (ls - 32) per sub-block, exact);
 float types (F32, F16, BF16) decode to float32 [rows, n_in].
 """
 from __future__ import annotations

@@ -23,17 +23,22 @@
  *     Q6_K:        the 64 low-bit bytes of two blocks and their high bits, q + 32 (n <= 2, whole
  *                  panels: the sub-scales of 16 rows come in one transposed load per 256-block); its
  *                  half-block dots are reduced apart and multiplied by their int8 sub-scales;
+ *     IQ4_NL / IQ4_XS: Q5_0's nibbles (the high ones shifted down) looked up as q + 127 (0..240) by
+ *                  one vpshufb; IQ4_XS's blocks are the 16-byte sub-blocks of its 256-blocks, their
+ *                  scales d * (ls - 32) computed from the 16 rows' first two dwords once per 256-block
+ *                  (n <= 2, any panel);
  *   activations: the 64 quantized inputs of blocks b, b+1 (one load, reused by 16 rows), their
  *   dwords doubled (0, 0, 1, 1 and 2, 2, 3, 3 per 128-bit lane);
  *   the weights of two rows interleaved by dwords (unpack lo / hi) and two vpdpbusd then leave 8
  *   partial dots per row (two rows per register, 8 inputs each), and a transpose-reduce (unpack
  *   qwords, shuffle 128-bit lanes: 2 steps of add) sums the partials of every (row, block) into one
  *   vector per block whose lane l is row l's exact isum. The offset of the unsigned
- *   weights (8 for Q4_0, 16 for Q5_0, 128 for Q8_0) leaves as isum -= offset * sum(q_x): exact
+ *   weights (8 for Q4_0, 16 for Q5_0, 128 for Q8_0, 127 for IQ4) leaves as isum -= offset * sum(q_x): exact
  *   integers, so the float part below (the staged kernels' operations in their order) gives the
  *   same bits.
  *
- * AVX2 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): the same in 8-row halves, one block per register (see there);
+ * AVX2 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; IQ4_NL and IQ4_XS at n = 1, their nibbles looked up as int8 q and
+ * multiplied as Q8_0's): the same in 8-row halves, one block per register (see there);
  * Q4_K, Q5_K and Q6_K (whole panels) likewise from their 256-blocks, at n <= 4 (fs_kq_half_avx2: the dots of
  * each half block kept apart for Q6_K's sub-scales), so that no K-quant panel is staged at small n.
  *
@@ -275,6 +280,8 @@ FS_FUSED512 FS_INLINE void fs_fused_q32_avx512(const fs_job *j, const int type, 
     const int32_t offset = fs_q_offset(type);
     const uint8_t *rp[16];
     __m512 f[FS_FUSED_MAX_N];
+    __m512i xs_g = _mm512_setzero_si512(), xs_sl = xs_g;         /* IQ4_XS: the 256-block's scale dwords */
+    __m512 xs_d = _mm512_setzero_ps();
     fs_fused_begin(j, rows, row_bytes, rp, f, R);
     fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, (nb + 1) / 2);
     for (int64_t b = 0; b < nb; b += 2) {
@@ -286,10 +293,13 @@ FS_FUSED512 FS_INLINE void fs_fused_q32_avx512(const fs_job *j, const int type, 
         fs_fused_isums(type, rp, b, b1, xv, R, is0, is1);
         __m512 d0, d1, m0, m1;
         if (type == FS_T_IQ4_XS) {      /* sub-blocks b, b + 1 of one 256-block: d * (ls - 32) */
-            const __m512i g = fs_fused_scales(rp, (b >> 3) * 136), sl = fs_fused_scales(rp, (b >> 3) * 136 + 4);
-            const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
-            d0 = m0 = fs_iq4xs_scale512(g, sl, d, (int)(b & 7));
-            d1 = m1 = fs_iq4xs_scale512(g, sl, d, (int)(b & 7) + 1);
+            if ((b & 7) == 0) {
+                xs_g = fs_fused_scales(rp, (b >> 3) * 136);
+                xs_sl = fs_fused_scales(rp, (b >> 3) * 136 + 4);
+                xs_d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(xs_g));
+            }
+            d0 = m0 = fs_iq4xs_scale512(xs_g, xs_sl, xs_d, (int)(b & 7));
+            d1 = m1 = fs_iq4xs_scale512(xs_g, xs_sl, xs_d, (int)(b & 7) + 1);
         } else {
             const __m512i g0 = fs_fused_scales(rp, b * bb), g1 = fs_fused_scales(rp, b1 * bb);
             d0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g0));
@@ -771,20 +781,23 @@ FS_FUSED256 static void fs_fused_avx2(const fs_job *j, int type, const uint8_t *
  * stops at FS_FUSED_MAX_N_K rows: its staging decoder is cheaper per byte than the 32-input types',
  * so the fused kernel's per-row reduction wins only below that (measured: 1.34x at n = 1, 1.04x at 2,
  * 0.87x at 4, 1 thread, 2048x2048). On AVX2 the direct K-quant kernels win at every n <= 4 (the 1 B
- * shape's Q4_K_M products, 2 threads: 2.7x at n = 1, 1.4x at 2, 1.3x at 4). */
+ * shape's Q4_K_M products, 2 threads: 2.7x at n = 1, 1.4x at 2, 1.3x at 4). IQ4_NL / IQ4_XS (any panel):
+ * n <= 2 on AVX-512 (2048x2048, 1 thread, fused / staged: 1.3-1.6x at n = 1, 1.05-1.3x at 2, 0.9x at
+ * 4), n = 1 on AVX2, whose signed lookup costs a vpsignb per activation row (1.2-1.25x at 1, 0.9-1.0x
+ * at 2). */
 static inline int fs_fused_ok(int isa, int type, int64_t n, int valid)
 {
 #if defined(FS_HAVE_FUSED_AVX512)
     if (isa == FS_ISA_AVX512VNNI && n >= 1 && n <= FS_FUSED_MAX_N &&
         (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q5_0 || type == FS_T_Q5_1 || type == FS_T_Q8_0 ||
-         type == FS_T_IQ4_NL || type == FS_T_IQ4_XS ||
+         ((type == FS_T_IQ4_NL || type == FS_T_IQ4_XS) && n <= FS_FUSED_MAX_N_K) ||
          ((type == FS_T_Q4_K || type == FS_T_Q5_K || type == FS_T_Q6_K) && valid == FS_LANES && n <= FS_FUSED_MAX_N_K)))
         return 1;
 #endif
 #if defined(FS_HAVE_FUSED_AVX2)
     if (isa == FS_ISA_AVX2 && n >= 1 && n <= FS_FUSED_MAX_N &&
         (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q5_0 || type == FS_T_Q5_1 || type == FS_T_Q8_0 ||
-         type == FS_T_IQ4_NL || type == FS_T_IQ4_XS ||
+         ((type == FS_T_IQ4_NL || type == FS_T_IQ4_XS) && n == 1) ||
          ((type == FS_T_Q4_K || type == FS_T_Q5_K || type == FS_T_Q6_K) && valid == FS_LANES)))
         return 1;
 #endif

@@ -24,7 +24,7 @@
  * file into a small staging buffer in the kernels' layout (_gguf_blocks.h, L1/L2-sized: 16 rows x
  * nb blocks), then the kernel runs every activation row over it (up to 8 rows per pass), so the
  * weights come from memory once per product and no decoded copy of a matrix ever exists. At small n
- * (<= 4) the types of fs_fused_ok skip the staging and are read straight from the file's blocks
+ * (<= 4; fewer for some types) the types of fs_fused_ok skip the staging and are read straight from the file's blocks
  * (_matmul_fused.h), with the same numbers.
  */
 #ifndef FASTSERVE_MATMUL_KERNELS_H
