@@ -329,6 +329,22 @@ def test_stacked_parts_of_mixed_types():
     assert_same(alone, want)
 
 
+def test_stacked_iq4_parts():
+    """IQ4_NL | Q4_0 | IQ4_XS | Q4_K parts of partial panels in one matrix: the twin's bits at the fused
+    kernels' batches and above, on every kernel."""
+    rng = np.random.default_rng(16)
+    n_in = 512
+    parts = [(t, random_blocks(t, r, n_in, seed=20 + i))
+             for i, (t, r) in enumerate([("IQ4_NL", 21), ("Q4_0", 16), ("IQ4_XS", 19), ("Q4_K", 8)])]
+    x = rand(rng, 7, n_in)
+    want = product(twin(), x, matrix(twin(), parts, n_in))
+    wc = matrix(c_mod(), parts, n_in)
+    assert wc.types == ("IQ4_NL", "Q4_0", "IQ4_XS", "Q4_K") and wc.n_out == 64
+    for isa, threads in kernels():
+        for n in (1, 2, 7):
+            assert_same(product(c_mod(), x[:n], wc, threads=threads, isa=isa), want[:n], f"{isa}, {threads} threads, n={n}")
+
+
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F16"])
 def test_batch_invariance(type_name):
     """Each row's outputs are bit-identical alone, among 2, 7 or 31 other rows, at any offset."""
