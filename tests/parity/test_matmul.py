@@ -257,7 +257,8 @@ def test_decode_bit_exact(type_name, ragged):
                 got = st.view(np.float32).reshape(len(st), 32, 16).transpose(2, 0, 1).reshape(16, -1)
                 assert_same(got[:nv, :n_in], want.w[p * 16:p * 16 + nv], f"{isa} panel {p}")
                 continue
-            q = (st[:, :512].reshape(-1, 8, 16, 4).transpose(2, 0, 1, 3).reshape(16, -1, 32).astype(np.int16) - 128)
+            raw_q = st[:, :512].reshape(-1, 8, 16, 4).transpose(2, 0, 1, 3).reshape(16, -1, 32)
+            q = (raw_q - np.uint8(c_mod().stage_bias(type_name, isa))).view(np.int8).astype(np.int16)
             np.testing.assert_array_equal(q[:nv], want.q[lanes], err_msg=f"{isa} q")
             assert (q[nv:] == 0).all()
             assert_same(st[:, 512:576].view(np.float32).T[:nv], want.d[lanes], f"{isa} d")
@@ -266,6 +267,20 @@ def test_decode_bit_exact(type_name, ragged):
             if want.s is not None:
                 s = np.stack([st[:, 576:640].view(np.int32).T, st[:, 640:704].view(np.int32).T], -1)
                 np.testing.assert_array_equal(s[:nv], want.s[lanes], err_msg=f"{isa} s")
+
+
+def test_stage_bias_by_isa():
+    """Staged q are VNNI's unsigned q + 128, except on AVX2, whose tile reads them as its maddubs
+    operand: the unsigned q + offset (Q4_0: nibble, Q5_0: 5-bit value, Q6_K: 6-bit value, the
+    offset-free types as they are) and Q8_0's plain int8."""
+    m = c_mod()
+    avx2 = {"Q4_0": 8, "Q4_1": 0, "Q5_0": 16, "Q5_1": 0, "Q8_0": 0, "Q4_K": 0, "Q5_K": 0, "Q6_K": 32,
+            "IQ4_NL": 0, "IQ4_XS": 0}
+    for isa in m.isas():
+        for t, off in avx2.items():
+            assert m.stage_bias(t, isa) == (off if isa == "avx2" else 128), (isa, t)
+    with pytest.raises(ValueError):
+        m.stage_bias("Q7_X")
 
 
 @pytest.mark.parametrize("type_name,ragged", TYPE_SHAPES)

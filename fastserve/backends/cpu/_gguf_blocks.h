@@ -22,7 +22,8 @@
  *
  * Staged panel (what a kernel reads): 16 rows of a matrix (lanes; rows past the end: q = 0, d = 0,
  * m = 0, s = 0), nb panel-blocks of 32 inputs each, of fs_stage_bytes(kind) bytes:
- *   integer kinds: bytes [0, 512): byte k*64 + lane*4 + j = (uint8)(q[lane][k*4 + j] + 128);
+ *   integer kinds: bytes [0, 512): byte k*64 + lane*4 + j = (uint8)(q[lane][k*4 + j] + bias), bias 128
+ *                  (VNNI's unsigned layout) except for the AVX2 tile (fs_stage_bias);
  *                  [512, 576) d[lane] float32; then, kind QM: [576, 640) m[lane] float32;
  *                  kind QS: [576, 640) s[lane] of inputs 0..15, [640, 704) of inputs 16..31, int32;
  *   kind F:        [32][16] float32: input i of lane l at (i*16 + l)*4.
@@ -96,6 +97,28 @@ static inline int32_t fs_q_offset(int type)
     case FS_T_IQ4_NL: case FS_T_IQ4_XS: return 127;      /* -127 .. 113 -> 0 .. 240 */
     default: return 0;
     }
+}
+
+/* How the AVX2 tile reads a staged type's q: the unsigned q + fs_q_offset
+ * (0..15, 0..31 or 0..63), in groups of G four-input steps whose maddubs pair sums add up in int16
+ * without overflow (G * 2 * max * 127 < 2^15: widened once per group, not per step), the offset
+ * taken back from the exact integer dot; G = 0: q may be any int8 (Q8_0), maddubs(|w|, sign(x, w)). */
+static inline int fs_avx2_group(int type)
+{
+    switch (type) {
+    case FS_T_Q4_0: case FS_T_Q4_1: case FS_T_Q4_K: return 8;
+    case FS_T_Q5_0: case FS_T_Q5_1: case FS_T_Q5_K: return 4;
+    case FS_T_Q6_K: return 2;
+    default: return 0;
+    }
+}
+
+/* The byte a staged q is stored as, q + bias (mod 256): VNNI's unsigned q + 128 (the scalar, AVX-512 and
+ * NEON kernels), or for the AVX2 tile (avx2 = 1) the maddubs operand itself, q + fs_q_offset where
+ * fs_avx2_group is > 0 and the plain int8 q where it is 0 (Q8_0's sign trick): no add per weight load. */
+static inline int fs_stage_bias(int avx2, int type)
+{
+    return !avx2 ? 128 : fs_avx2_group(type) ? (int)fs_q_offset(type) : 0;
 }
 
 static inline int64_t fs_stage_bytes(int kind)
@@ -289,7 +312,7 @@ static void fs_dequantize_row(int type, const uint8_t *row, int64_t n_in, float 
 /* ---- staging a panel -------------------------------------------------------------------------- */
 
 /* Rows past `valid` as q = 0, d = m = s = 0 (float kind: zeros). */
-static void fs_stage_clear(uint8_t *stage, int kind, int64_t nb, int valid)
+static void fs_stage_clear(uint8_t *stage, int kind, int64_t nb, int valid, int bias)
 {
     const int64_t pbb = fs_stage_bytes(kind);
     for (int64_t b = 0; b < nb; b++) {
@@ -300,21 +323,22 @@ static void fs_stage_clear(uint8_t *stage, int kind, int64_t nb, int valid)
             continue;
         }
         for (int k = 0; k < 8; k++)
-            memset(pb + k * 64 + valid * 4, 128, (size_t)(16 - valid) * 4);
+            memset(pb + k * 64 + valid * 4, bias, (size_t)(16 - valid) * 4);
         for (int64_t off = 512; off < pbb; off += 64)
             memset(pb + off + valid * 4, 0, (size_t)(16 - valid) * 4);
     }
 }
 
-/* The portable staging: rows [0, valid) at row_bytes apart, n_in inputs (nb = ceil(n_in / 32)). */
+/* The portable staging: rows [0, valid) at row_bytes apart, n_in inputs (nb = ceil(n_in / 32)), q stored as
+ * q + bias (fs_stage_bias). */
 static void fs_stage_panel_scalar(int type, const uint8_t *rows, int64_t row_bytes, int valid,
-                                  int64_t n_in, uint8_t *stage)
+                                  int64_t n_in, uint8_t *stage, int bias)
 {
     fs_type_info t;
     fs_type(type, &t);
     const int64_t nb = (n_in + 31) / 32, pbb = fs_stage_bytes(t.kind);
     if (valid < 16)
-        fs_stage_clear(stage, t.kind, nb, valid);
+        fs_stage_clear(stage, t.kind, nb, valid, bias);
     for (int lane = 0; lane < valid; lane++) {
         const uint8_t *row = rows + lane * row_bytes;
         for (int64_t b = 0; b < nb; b++) {
@@ -331,7 +355,7 @@ static void fs_stage_panel_scalar(int type, const uint8_t *rows, int64_t row_byt
             fs_decode_block(type, row, b, q, &o);
             for (int k = 0; k < 8; k++)
                 for (int j = 0; j < 4; j++)
-                    pb[k * 64 + lane * 4 + j] = (uint8_t)(q[k * 4 + j] + 128);
+                    pb[k * 64 + lane * 4 + j] = (uint8_t)(q[k * 4 + j] + bias);
             memcpy(pb + 512 + lane * 4, &o.d, 4);
             if (t.kind == FS_KIND_QM)
                 memcpy(pb + 576 + lane * 4, &o.m, 4);
@@ -798,8 +822,7 @@ FS_STAGE256 static void fs_stage_q48_avx2(int type, const uint8_t *rows, int64_t
     const int bb = q8 ? 34 : (has_m ? 20 : 18) + (five ? 4 : 0), qoff = (has_m ? 4 : 2) + (five ? 4 : 0), step = q8 ? 1 : 2;
     const int64_t pbb = has_m ? FS_STAGE_QM : FS_STAGE_Q;
     const __m256i low = _mm256_set1_epi8(15);
-    /* u8 = q + 128, as fs_stage_q45_avx512 */
-    const __m256i add = _mm256_set1_epi8(q8 || has_m ? (char)0x80 : five ? (char)112 : (char)120);
+    /* stored as q + fs_stage_bias(1, type): the file's own nibbles and 5-bit values, Q8_0's int8 */
     fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, (nb + step - 1) / step);
     for (int64_t b = 0; b < nb; b += step) {
         const int64_t b1 = b + 1 < nb ? b + 1 : b;
@@ -813,7 +836,7 @@ FS_STAGE256 static void fs_stage_q48_avx2(int type, const uint8_t *rows, int64_t
             fs_transpose8x8_avx2(z, t);
             if (q8) {
                 for (int k = 0; k < 8; k++)
-                    _mm256_storeu_si256((__m256i *)(stage + b * pbb + k * 64 + h * 32), _mm256_xor_si256(t[k], add));
+                    _mm256_storeu_si256((__m256i *)(stage + b * pbb + k * 64 + h * 32), t[k]);
                 continue;
             }
             for (int e = 0; e < 2 && b + e < nb; e++) {
@@ -832,8 +855,8 @@ FS_STAGE256 static void fs_stage_q48_avx2(int type, const uint8_t *rows, int64_t
                         lo = _mm256_or_si256(lo, fs_fifth_bits_avx2(qh, k));
                         hi = _mm256_or_si256(hi, fs_fifth_bits_avx2(qh, k + 4));
                     }
-                    _mm256_storeu_si256((__m256i *)(pb + k * 64), _mm256_add_epi8(lo, add));
-                    _mm256_storeu_si256((__m256i *)(pb + (k + 4) * 64), _mm256_add_epi8(hi, add));
+                    _mm256_storeu_si256((__m256i *)(pb + k * 64), lo);
+                    _mm256_storeu_si256((__m256i *)(pb + (k + 4) * 64), hi);
                 }
             }
         }
@@ -889,12 +912,11 @@ FS_STAGE256 static inline void fs_k45_scales_avx2(const __m256i hs[4], __m256 d,
     }
 }
 
-/* Q4_K / Q5_K, as fs_stage_k45_avx512 over two halves of 8 rows. */
+/* Q4_K / Q5_K, as fs_stage_k45_avx512 over two halves of 8 rows, q stored as it is (fs_stage_bias(1, type) = 0). */
 FS_STAGE256 static void fs_stage_k45_avx2(int five, const uint8_t *rows, int64_t row_bytes, int64_t nb,
                                           uint8_t *stage, const uint8_t *next)
 {
     const int bb = five ? 176 : 144, qoff = five ? 48 : 16;
-    const __m256i hi80 = _mm256_set1_epi8((char)0x80);
     fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
     for (int64_t sb = 0; sb < nb / 8; sb++) {
         fs_prefetch_step(&pf);
@@ -924,8 +946,8 @@ FS_STAGE256 static void fs_stage_k45_avx2(int five, const uint8_t *rows, int64_t
                         lo = _mm256_or_si256(lo, _mm256_slli_epi16(fs_bytes_srl256(qh[k], 2 * c, 1), 4));
                         hi = _mm256_or_si256(hi, _mm256_slli_epi16(fs_bytes_srl256(qh[k], 2 * c + 1, 1), 4));
                     }
-                    _mm256_storeu_si256((__m256i *)(p0 + k * 64), _mm256_or_si256(lo, hi80));
-                    _mm256_storeu_si256((__m256i *)(p1 + k * 64), _mm256_or_si256(hi, hi80));
+                    _mm256_storeu_si256((__m256i *)(p0 + k * 64), lo);
+                    _mm256_storeu_si256((__m256i *)(p1 + k * 64), hi);
                 }
             }
         }
@@ -947,11 +969,12 @@ FS_STAGE256 static inline __m256i fs_iq4_table256(int add)
     return _mm256_broadcastsi128_si256(v);
 }
 
-/* IQ4_NL / IQ4_XS, as fs_stage_iq4_avx512 over two halves of 8 rows. */
+/* IQ4_NL / IQ4_XS, as fs_stage_iq4_avx512 over two halves of 8 rows, q stored as the plain int8 value
+ * (fs_stage_bias(1, IQ4) = 0: the tile's sign trick, as Q8_0). */
 FS_STAGE256 static void fs_stage_iq4_avx2(int xs, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
                                           const uint8_t *next)
 {
-    const __m256i low = _mm256_set1_epi8(15), tab = fs_iq4_table256(128);
+    const __m256i low = _mm256_set1_epi8(15), tab = fs_iq4_table256(0);
     fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, (nb + 1) / 2);
     for (int64_t b = 0; b < nb; b += 2) {
         const int64_t b1 = b + 1 < nb ? b + 1 : b;
@@ -993,11 +1016,12 @@ FS_STAGE256 static void fs_stage_iq4_avx2(int xs, const uint8_t *rows, int64_t r
     }
 }
 
-/* Q6_K, as fs_stage_q6k_avx512 over two halves of 8 rows. */
+/* Q6_K, as fs_stage_q6k_avx512 over two halves of 8 rows, q stored as q + 32 (fs_stage_bias(1, Q6_K)): the
+ * file's 6-bit values. */
 FS_STAGE256 static void fs_stage_q6k_avx2(const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
                                           const uint8_t *next)
 {
-    const __m256i off = _mm256_set1_epi8(96), lo15 = _mm256_set1_epi8(15);
+    const __m256i lo15 = _mm256_set1_epi8(15);
     fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
     for (int64_t sb = 0; sb < nb / 8; sb++) {
         fs_prefetch_step(&pf);
@@ -1029,10 +1053,10 @@ FS_STAGE256 static void fs_stage_q6k_avx2(const uint8_t *rows, int64_t row_bytes
                     __m256i v1 = _mm256_or_si256(_mm256_and_si256(l1[k], lo15), _mm256_slli_epi16(fs_bytes_srl256(qh[k], 2, 3), 4));
                     __m256i v2 = _mm256_or_si256(fs_bytes_srl256(l0[k], 4, 15), _mm256_slli_epi16(fs_bytes_srl256(qh[k], 4, 3), 4));
                     __m256i v3 = _mm256_or_si256(fs_bytes_srl256(l1[k], 4, 15), _mm256_slli_epi16(fs_bytes_srl256(qh[k], 6, 3), 4));
-                    _mm256_storeu_si256((__m256i *)(pb + 0 * FS_STAGE_QS + k * 64), _mm256_add_epi8(v0, off));
-                    _mm256_storeu_si256((__m256i *)(pb + 1 * FS_STAGE_QS + k * 64), _mm256_add_epi8(v1, off));
-                    _mm256_storeu_si256((__m256i *)(pb + 2 * FS_STAGE_QS + k * 64), _mm256_add_epi8(v2, off));
-                    _mm256_storeu_si256((__m256i *)(pb + 3 * FS_STAGE_QS + k * 64), _mm256_add_epi8(v3, off));
+                    _mm256_storeu_si256((__m256i *)(pb + 0 * FS_STAGE_QS + k * 64), v0);
+                    _mm256_storeu_si256((__m256i *)(pb + 1 * FS_STAGE_QS + k * 64), v1);
+                    _mm256_storeu_si256((__m256i *)(pb + 2 * FS_STAGE_QS + k * 64), v2);
+                    _mm256_storeu_si256((__m256i *)(pb + 3 * FS_STAGE_QS + k * 64), v3);
                 }
             }
         }

@@ -54,6 +54,7 @@ cdef extern from "_matmul_kernels.h" nogil:
         int fused
     int fs_type(int type, fs_type_info *info)
     int64_t fs_stage_bytes(int kind)
+    int fs_stage_bias(int avx2, int type)
     int64_t fs_row_bytes(const fs_type_info *t, int64_t n_in)
     void fs_dequantize_row(int type, const uint8_t *row, int64_t n_in, float *out)
     void fs_quantize_rows(const float *x, int64_t n, int64_t n_in, int64_t ldx, int8_t *q, float *d,
@@ -127,6 +128,12 @@ def type_info(str type_name):
         raise ValueError(f"type {type_name} has no kernel; kernel types: {', '.join(KERNEL_TYPES)}")
     fs_type(TYPE_IDS[type_name], &t)
     return t.block_inputs, t.block_bytes, KINDS[t.kind]
+
+
+def stage_bias(str type_name, str isa="auto"):
+    """What the isa's staged panels add to each q of type_name (mod 256; layout in _gguf_blocks.h)."""
+    type_info(type_name)
+    return fs_stage_bias(_isa_id(isa) == FS_ISA_AVX2, TYPE_IDS[type_name])
 
 
 cdef inline int64_t _blocks(int64_t n_in) noexcept nogil:

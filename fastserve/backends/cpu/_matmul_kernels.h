@@ -267,21 +267,8 @@ FS_AVX2 FS_INLINE void fs_store_half_avx2(const fs_job *j, int h, int64_t r, __m
     }
 }
 
-/* How the AVX2 tile reads a staged type's q (stored as q + 128): as the unsigned q + fs_q_offset
- * (0..15, 0..31 or 0..63), in groups of G four-input steps whose maddubs pair sums add up in int16
- * without overflow (G * 2 * max * 127 < 2^15: widened once per group, not per step), the offset
- * taken back from the exact integer dot; G = 0: q may be any int8 (Q8_0), maddubs(|w|, sign(x, w)). */
-static inline int fs_avx2_group(int type)
-{
-    switch (type) {
-    case FS_T_Q4_0: case FS_T_Q4_1: case FS_T_Q4_K: return 8;
-    case FS_T_Q5_0: case FS_T_Q5_1: case FS_T_Q5_K: return 4;
-    case FS_T_Q6_K: return 2;
-    default: return 0;
-    }
-}
-
-/* AVX2 (no VNNI): one half panel (8 outputs) times R rows; G: fs_avx2_group's, off: fs_q_offset's. The integer
+/* AVX2 (no VNNI): one half panel (8 outputs) times R rows; G: fs_avx2_group's, off: fs_q_offset's (the panel
+ * was staged as q + fs_stage_bias(1, type): q + off for G > 0, the plain int8 q for G = 0). The integer
  * result is VNNI's exact dot either way. */
 FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, int h, int64_t r0, const int R, const int kind, const int G,
                                     const int32_t off)
@@ -289,8 +276,7 @@ FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, int h, int64_t r0, const in
     const int64_t nb = j->nb, K = nb * FS_QK, pbb = fs_stage_bytes(kind);
     const int S = kind == FS_KIND_QS, M = kind == FS_KIND_QM;
     const uint8_t *wp = j->w + h * 32;
-    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    const __m256i to_raw = _mm256_set1_epi8((char)(128 + off));     /* (q + 128) + (128 + off) = q + off (mod 256) */
+    const __m256i ones = _mm256_set1_epi16(1);
     __m256 f[4];
     __m256i a[4], ah[4];
 #pragma GCC unroll 4
@@ -311,7 +297,7 @@ FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, int h, int64_t r0, const in
                     s16[r] = _mm256_setzero_si256();
 #pragma GCC unroll 2
                 for (int k = k0; k < k0 + G; k++) {
-                    const __m256i w = _mm256_add_epi8(_mm256_loadu_si256((const __m256i *)(pb + k * 64)), to_raw);
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(pb + k * 64));
 #pragma GCC unroll 4
                     for (int r = 0; r < R; r++)
                         s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(fs_load4(xb + r * K + k * 4))));
@@ -343,7 +329,7 @@ FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, int h, int64_t r0, const in
         } else {
 #pragma GCC unroll 2
             for (int k = 0; k < 8; k++) {
-                __m256i ws = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(pb + k * 64)), flip);
+                __m256i ws = _mm256_loadu_si256((const __m256i *)(pb + k * 64));
                 __m256i aw = _mm256_abs_epi8(ws);
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
@@ -866,7 +852,7 @@ static void fs_stage_panel(int isa, int type, const uint8_t *rows, int64_t row_b
 #endif
     (void)isa;
     fs_prefetch_range(next, 0, 16 * row_bytes);
-    fs_stage_panel_scalar(type, rows, row_bytes, valid, n_in, stage);
+    fs_stage_panel_scalar(type, rows, row_bytes, valid, n_in, stage, fs_stage_bias(isa == FS_ISA_AVX2, type));
 }
 
 /* Panels [begin, end) of the product: fs_task_fn for fs_pool_run. Task t (begin = t * chunk, or
