@@ -13,6 +13,11 @@
  *         d = f32(d) * sc_j, m = -(f32(dmin) * mn_j)       (the product is exact in float32)
  *   Q5_K  as Q4_K with a fifth bit, q in 0..31
  *   Q6_K  q = 6-bit value - 32, s_i = the int8 scale of its 16 inputs (two per block), d = f32(d)
+ *   Q3_K  q = 2 low bits - (4 where the hmask bit is clear), in -4..3, s_i = the 6-bit scale - 32 of
+ *         its 16 inputs (two per block), d = f32(d)                              (kind QS, as Q6_K)
+ *   Q2_K  q = 2 bits (0..3), s_i = the 4-bit scale of its 16 inputs, d = f32(d), and an offset per
+ *         16 inputs: m_i = -(f32(dmin) * mn) with mn the 4-bit min of those 16   (kind QSM)
+ * (m_i is one m per block except for kind QSM, whose m_0, m_1 hold for inputs 0..15 and 16..31.)
  * The products (backends/cpu/_matmul_kernels.h) take d, m and s from here and the integer dot from q, so
  * this file and the twin's decode() are the one place that knows each bit layout (ggml's block_*
  * structs). F32, F16 and BF16 rows are decoded to float32 (exact).
@@ -22,6 +27,8 @@
  *   integer kinds: bytes [0, 512): byte k*64 + lane*4 + j = (uint8)(q[lane][k*4 + j] + 128);
  *                  [512, 576) d[lane] float32; then, kind QM: [576, 640) m[lane] float32;
  *                  kind QS: [576, 640) s[lane] of inputs 0..15, [640, 704) of inputs 16..31, int32;
+ *                  kind QSM: QS's, then [704, 768) m_0[lane] (inputs 0..15), [768, 832) m_1[lane]
+ *                  (16..31) float32;
  *   kind F:        [32][16] float32: input i of lane l at (i*16 + l)*4.
  * The layout of VNNI's u8 x s8 dot: one 32-bit SIMD lane per row, four inputs per lane.
  */
@@ -38,17 +45,18 @@
 /* ggml's type ids (gguf.GGMLQuantizationType) */
 enum {
     FS_T_F32 = 0, FS_T_F16 = 1, FS_T_Q4_0 = 2, FS_T_Q4_1 = 3, FS_T_Q5_0 = 6, FS_T_Q5_1 = 7,
-    FS_T_Q8_0 = 8, FS_T_Q4_K = 12, FS_T_Q5_K = 13, FS_T_Q6_K = 14, FS_T_BF16 = 30
+    FS_T_Q8_0 = 8, FS_T_Q2_K = 10, FS_T_Q3_K = 11, FS_T_Q4_K = 12, FS_T_Q5_K = 13, FS_T_Q6_K = 14, FS_T_BF16 = 30
 };
 
 /* What a kernel does with a staged panel: integer dot times d (Q), plus the offset m (QM), with two
- * integer sub-scales per block (QS), or a float dot (F). */
-enum { FS_KIND_Q = 0, FS_KIND_QM = 1, FS_KIND_QS = 2, FS_KIND_F = 3, FS_N_KINDS = 4 };
+ * integer sub-scales per block (QS), QS plus an offset per half block (QSM), or a float dot (F). */
+enum { FS_KIND_Q = 0, FS_KIND_QM = 1, FS_KIND_QS = 2, FS_KIND_F = 3, FS_KIND_QSM = 4, FS_N_KINDS = 5 };
 
 #define FS_STAGE_Q 576
 #define FS_STAGE_QM 640
 #define FS_STAGE_QS 704
 #define FS_STAGE_F 2048
+#define FS_STAGE_QSM 832
 
 typedef struct {
     int block_inputs;      /* inputs per stored block: 1 (float types), 32 or 256 */
@@ -71,6 +79,8 @@ static int fs_type(int type, fs_type_info *info)
     case FS_T_Q4_K: *info = (fs_type_info){256, 144, FS_KIND_QM}; return 0;
     case FS_T_Q5_K: *info = (fs_type_info){256, 176, FS_KIND_QM}; return 0;
     case FS_T_Q6_K: *info = (fs_type_info){256, 210, FS_KIND_QS}; return 0;
+    case FS_T_Q3_K: *info = (fs_type_info){256, 110, FS_KIND_QS}; return 0;
+    case FS_T_Q2_K: *info = (fs_type_info){256, 84, FS_KIND_QSM}; return 0;
     default: return -1;
     }
 }
@@ -84,13 +94,14 @@ static inline int32_t fs_q_offset(int type)
     case FS_T_Q5_0: return 16;
     case FS_T_Q6_K: return 32;
     case FS_T_Q8_0: return 128;
+    case FS_T_Q3_K: return 4;
     default: return 0;
     }
 }
 
 static inline int64_t fs_stage_bytes(int kind)
 {
-    static const int64_t b[FS_N_KINDS] = {FS_STAGE_Q, FS_STAGE_QM, FS_STAGE_QS, FS_STAGE_F};
+    static const int64_t b[FS_N_KINDS] = {FS_STAGE_Q, FS_STAGE_QM, FS_STAGE_QS, FS_STAGE_F, FS_STAGE_QSM};
     return b[kind];
 }
 
@@ -132,6 +143,7 @@ static inline float fs_bf16(const uint8_t *p)
 typedef struct {
     float d, m;
     int32_t s[2];
+    float m1;               /* kind QSM: the offset of inputs 16..31 (m: of 0..15) */
 } fs_blk;
 
 /* Q4_K / Q5_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4). */
@@ -149,7 +161,7 @@ static inline void fs_scale_min_k4(int j, const uint8_t *q, int *sc, int *mn)
 /* Block b (of 32 inputs) of one row's bytes. */
 static void fs_decode_block(int type, const uint8_t *row, int64_t b, int8_t *q, fs_blk *o)
 {
-    o->m = 0.0f;
+    o->m = o->m1 = 0.0f;
     o->s[0] = o->s[1] = 1;
     switch (type) {
     case FS_T_Q4_0: case FS_T_Q4_1: {
@@ -213,6 +225,35 @@ static void fs_decode_block(int type, const uint8_t *row, int64_t b, int8_t *q, 
             q[i] = (int8_t)((((ql[i] >> (4 * (t >> 1))) & 15) | (((qh[i] >> (2 * t)) & 3) << 4)) - 32);
         return;
     }
+    case FS_T_Q3_K: {
+        /* hmask[32], qs[64], scales[12], f16 d: input l of block j = 4c + t is bits 2t of qs[32c + l],
+         * minus 4 where bit j of hmask[l] is clear; sub-block i's 6-bit scale: 4 low bits in byte
+         * i % 8 (high nibble for i >= 8), 2 high bits at 2 * (i / 4) of byte 8 + i % 4 */
+        const int j = (int)(b & 7), c = j >> 2, t = j & 3;
+        const uint8_t *p = row + (b >> 3) * 110, *qs = p + 32 + 32 * c, *sc = p + 96;
+        o->d = fs_f16(p + 108);
+        for (int h = 0; h < 2; h++) {
+            const int i = 2 * j + h;
+            o->s[h] = (((sc[i & 7] >> (4 * (i >> 3))) & 15) | (((sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3) << 4)) - 32;
+        }
+        for (int i = 0; i < 32; i++)
+            q[i] = (int8_t)(((qs[i] >> (2 * t)) & 3) - (((p[i] >> j) & 1) ? 0 : 4));
+        return;
+    }
+    case FS_T_Q2_K: {
+        /* scales[16] (low nibble scale, high nibble min of sub-block i), qs[64] (as Q3_K's), f16 d, dmin */
+        const int j = (int)(b & 7), c = j >> 2, t = j & 3;
+        const uint8_t *p = row + (b >> 3) * 84, *qs = p + 16 + 32 * c;
+        const float dmin = fs_f16(p + 82);
+        o->d = fs_f16(p + 80);
+        o->s[0] = p[2 * j] & 15;
+        o->s[1] = p[2 * j + 1] & 15;
+        o->m = -(dmin * (float)(p[2 * j] >> 4));
+        o->m1 = -(dmin * (float)(p[2 * j + 1] >> 4));
+        for (int i = 0; i < 32; i++)
+            q[i] = (int8_t)((qs[i] >> (2 * t)) & 3);
+        return;
+    }
     default:
         memset(q, 0, 32);
         o->d = 0.0f;
@@ -248,7 +289,7 @@ static void fs_dequantize_row(int type, const uint8_t *row, int64_t n_in, float 
         fs_decode_block(type, row, b, q, &o);
         for (int i = 0; i < 32; i++) {
             float v = (float)(o.s[i >> 4] * q[i]) * o.d;
-            out[b * 32 + i] = t.kind == FS_KIND_QM ? v + o.m : v;
+            out[b * 32 + i] = t.kind == FS_KIND_QM ? v + o.m : t.kind == FS_KIND_QSM ? v + (i < 16 ? o.m : o.m1) : v;
         }
     }
 }
@@ -302,9 +343,13 @@ static void fs_stage_panel_scalar(int type, const uint8_t *rows, int64_t row_byt
             memcpy(pb + 512 + lane * 4, &o.d, 4);
             if (t.kind == FS_KIND_QM)
                 memcpy(pb + 576 + lane * 4, &o.m, 4);
-            if (t.kind == FS_KIND_QS) {
+            if (t.kind == FS_KIND_QS || t.kind == FS_KIND_QSM) {
                 memcpy(pb + 576 + lane * 4, &o.s[0], 4);
                 memcpy(pb + 640 + lane * 4, &o.s[1], 4);
+            }
+            if (t.kind == FS_KIND_QSM) {
+                memcpy(pb + 704 + lane * 4, &o.m, 4);
+                memcpy(pb + 768 + lane * 4, &o.m1, 4);
             }
         }
     }
