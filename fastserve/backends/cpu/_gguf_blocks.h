@@ -661,6 +661,94 @@ FS_STAGE512 static void fs_stage_q6k_avx512(const uint8_t *rows, int64_t row_byt
     }
 }
 
+/* Q3_K: per 256-block (hmask[32], qs[64], scales[12], f16 d) d and the 16 6-bit sub-scales - 32 of
+ * 16 rows (the scales read as the 16 bytes ending at byte 108, d's start: no read past the block),
+ * then the hmask and the two 32-byte chunks of low bits transposed once each; block j = 4c + t is
+ * bits 2t of chunk c, + 4 where bit j of the hmask byte is set: u8 = (low bits) + 124 (+ 4). */
+FS_STAGE512 static void fs_stage_q3k_avx512(const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                            const uint8_t *next)
+{
+    const __m512i base = _mm512_set1_epi8(124), four = _mm512_set1_epi8(4);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        fs_prefetch_step(&pf);
+        const int64_t at = sb * 110;
+        __m512i sc[4];
+        fs_rows16x4(rows, row_bytes, at + 92, sc);     /* sc[1..3]: scales[0..3], [4..7], [8..11] */
+        uint16_t dh[16];
+        for (int l = 0; l < 16; l++)
+            memcpy(&dh[l], rows + l * row_bytes + at + 108, 2);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dh));
+        for (int j = 0; j < 8; j++) {
+            uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QS;
+            _mm512_storeu_ps((void *)(pb + 512), d);
+            for (int h = 0; h < 2; h++) {
+                const int i = 2 * j + h;
+                __m512i lo = _mm512_srli_epi32(fs_byte(sc[1 + ((i & 7) >> 2)], i & 3), 4 * (i >> 3));
+                __m512i hi = _mm512_srli_epi32(fs_byte(sc[3], i & 3), 2 * (i >> 2));
+                __m512i v = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(15)),
+                                            _mm512_slli_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(3)), 4));
+                _mm512_storeu_si512((void *)(pb + 576 + 64 * h), _mm512_sub_epi32(v, _mm512_set1_epi32(32)));
+            }
+        }
+        __m512i hm[8];
+        fs_rows16x8(rows, row_bytes, at, hm);
+        for (int c = 0; c < 2; c++) {
+            __m512i ql[8];
+            fs_rows16x8(rows, row_bytes, at + 32 + 32 * c, ql);
+            for (int t = 0; t < 4; t++) {
+                const int j = 4 * c + t;
+                uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QS;
+                for (int k = 0; k < 8; k++) {
+                    __m512i v = _mm512_add_epi8(fs_bytes_srl(ql[k], 2 * t, 3), base);
+                    v = _mm512_mask_add_epi8(v, _mm512_test_epi8_mask(hm[k], _mm512_set1_epi8((char)(1 << j))), v, four);
+                    _mm512_storeu_si512((void *)(pb + k * 64), v);
+                }
+            }
+        }
+    }
+}
+
+/* Q2_K: per 256-block (scales[16], qs[64], f16 d, f16 dmin) d, the 16 4-bit sub-scales and the
+ * offsets -(dmin * min) of 16 rows, then the quants as Q3_K's low bits: u8 = q | 0x80. */
+FS_STAGE512 static void fs_stage_q2k_avx512(const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                            const uint8_t *next)
+{
+    const __m512i m15 = _mm512_set1_epi32(15), sign = _mm512_set1_epi32((int)0x80000000u), hi80 = _mm512_set1_epi8((char)0x80);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        fs_prefetch_step(&pf);
+        const int64_t at = sb * 84;
+        __m512i sc[4];
+        fs_rows16x4(rows, row_bytes, at, sc);          /* scales[4k .. 4k + 3] in sc[k] */
+        uint8_t g[64];
+        fs_copy_dwords(rows, row_bytes, at + 80, g);   /* d | dmin << 16 */
+        const __m512i gv = _mm512_loadu_si512((const void *)g);
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(gv));
+        const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(gv, 16)));
+        for (int j = 0; j < 8; j++) {
+            uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QSM;
+            _mm512_storeu_ps((void *)(pb + 512), d);
+            for (int h = 0; h < 2; h++) {
+                const int i = 2 * j + h;
+                const __m512i byte = fs_byte(sc[i >> 2], i & 3);
+                _mm512_storeu_si512((void *)(pb + 576 + 64 * h), _mm512_and_si512(byte, m15));
+                const __m512i m = _mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(byte, 4))));
+                _mm512_storeu_si512((void *)(pb + 704 + 64 * h), _mm512_xor_si512(m, sign));     /* negated */
+            }
+        }
+        for (int c = 0; c < 2; c++) {
+            __m512i ql[8];
+            fs_rows16x8(rows, row_bytes, at + 16 + 32 * c, ql);
+            for (int t = 0; t < 4; t++) {
+                uint8_t *pb = stage + (sb * 8 + 4 * c + t) * FS_STAGE_QSM;
+                for (int k = 0; k < 8; k++)
+                    _mm512_storeu_si512((void *)(pb + k * 64), _mm512_or_si512(fs_bytes_srl(ql[k], 2 * t, 3), hi80));
+            }
+        }
+    }
+}
+
 /* F32 / F16 / BF16 (n_in a multiple of 32): 8 floats of 16 rows per transpose. */
 FS_STAGE512 static void fs_stage_float_avx512(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb,
                                               uint8_t *stage, const uint8_t *next)
@@ -926,6 +1014,95 @@ FS_STAGE256 static void fs_stage_q6k_avx2(const uint8_t *rows, int64_t row_bytes
                     _mm256_storeu_si256((__m256i *)(pb + 1 * FS_STAGE_QS + k * 64), _mm256_add_epi8(v1, off));
                     _mm256_storeu_si256((__m256i *)(pb + 2 * FS_STAGE_QS + k * 64), _mm256_add_epi8(v2, off));
                     _mm256_storeu_si256((__m256i *)(pb + 3 * FS_STAGE_QS + k * 64), _mm256_add_epi8(v3, off));
+                }
+            }
+        }
+    }
+}
+
+/* Q3_K, as fs_stage_q3k_avx512 over two halves of 8 rows. */
+FS_STAGE256 static void fs_stage_q3k_avx2(const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                          const uint8_t *next)
+{
+    const __m256i base = _mm256_set1_epi8(124), four = _mm256_set1_epi8(4);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        fs_prefetch_step(&pf);
+        const int64_t at = sb * 110;
+        float dd[16];
+        fs_f16x16_avx2(rows, row_bytes, at + 108, (uint8_t *)dd);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *r8 = rows + 8 * h * row_bytes;
+            __m256i sc[8], hm[8];
+            fs_rows8_avx2(r8, row_bytes, at + 92, 1, sc);     /* sc[1..3]: scales[0..3], [4..7], [8..11] */
+            const __m256 d = _mm256_loadu_ps(dd + 8 * h);
+            for (int j = 0; j < 8; j++) {
+                uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QS + h * 32;
+                _mm256_storeu_ps((float *)(pb + 512), d);
+                for (int e = 0; e < 2; e++) {
+                    const int i = 2 * j + e;
+                    __m256i lo = _mm256_srli_epi32(fs_byte256(sc[1 + ((i & 7) >> 2)], i & 3), 4 * (i >> 3));
+                    __m256i hi = _mm256_srli_epi32(fs_byte256(sc[3], i & 3), 2 * (i >> 2));
+                    __m256i v = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(15)),
+                                                _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4));
+                    _mm256_storeu_si256((__m256i *)(pb + 576 + 64 * e), _mm256_sub_epi32(v, _mm256_set1_epi32(32)));
+                }
+            }
+            fs_rows8_avx2(r8, row_bytes, at, 0, hm);
+            for (int c = 0; c < 2; c++) {
+                __m256i ql[8];
+                fs_rows8_avx2(r8, row_bytes, at + 32 + 32 * c, 0, ql);
+                for (int t = 0; t < 4; t++) {
+                    const int j = 4 * c + t;
+                    const __m256i bit = _mm256_set1_epi8((char)(1 << j));
+                    uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QS + h * 32;
+                    for (int k = 0; k < 8; k++) {
+                        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hm[k], bit), bit);
+                        __m256i v = _mm256_add_epi8(_mm256_add_epi8(fs_bytes_srl256(ql[k], 2 * t, 3), base),
+                                                    _mm256_and_si256(set, four));
+                        _mm256_storeu_si256((__m256i *)(pb + k * 64), v);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* Q2_K, as fs_stage_q2k_avx512 over two halves of 8 rows. */
+FS_STAGE256 static void fs_stage_q2k_avx2(const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                          const uint8_t *next)
+{
+    const __m256i m15 = _mm256_set1_epi32(15), sign = _mm256_set1_epi32((int)0x80000000u), hi80 = _mm256_set1_epi8((char)0x80);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        fs_prefetch_step(&pf);
+        const int64_t at = sb * 84;
+        float dd[16], dm[16];
+        fs_f16x16_avx2(rows, row_bytes, at + 80, (uint8_t *)dd);
+        fs_f16x16_avx2(rows, row_bytes, at + 82, (uint8_t *)dm);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *r8 = rows + 8 * h * row_bytes;
+            __m256i sc[8];
+            fs_rows8_avx2(r8, row_bytes, at, 1, sc);          /* scales[4k .. 4k + 3] in sc[k] */
+            const __m256 d = _mm256_loadu_ps(dd + 8 * h), dmin = _mm256_loadu_ps(dm + 8 * h);
+            for (int j = 0; j < 8; j++) {
+                uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QSM + h * 32;
+                _mm256_storeu_ps((float *)(pb + 512), d);
+                for (int e = 0; e < 2; e++) {
+                    const int i = 2 * j + e;
+                    const __m256i byte = fs_byte256(sc[i >> 2], i & 3);
+                    _mm256_storeu_si256((__m256i *)(pb + 576 + 64 * e), _mm256_and_si256(byte, m15));
+                    const __m256i m = _mm256_castps_si256(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(byte, 4))));
+                    _mm256_storeu_si256((__m256i *)(pb + 704 + 64 * e), _mm256_xor_si256(m, sign));
+                }
+            }
+            for (int c = 0; c < 2; c++) {
+                __m256i ql[8];
+                fs_rows8_avx2(r8, row_bytes, at + 16 + 32 * c, 0, ql);
+                for (int t = 0; t < 4; t++) {
+                    uint8_t *pb = stage + (sb * 8 + 4 * c + t) * FS_STAGE_QSM + h * 32;
+                    for (int k = 0; k < 8; k++)
+                        _mm256_storeu_si256((__m256i *)(pb + k * 64), _mm256_or_si256(fs_bytes_srl256(ql[k], 2 * t, 3), hi80));
                 }
             }
         }

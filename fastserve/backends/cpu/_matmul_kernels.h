@@ -884,6 +884,10 @@ static void fs_stage_panel(int isa, int type, const uint8_t *rows, int64_t row_b
         fs_stage_q6k_avx512(rows, row_bytes, n_in / FS_QK, stage, next);
         return;
     }
+    if (isa == FS_ISA_AVX512VNNI && valid == FS_LANES && (type == FS_T_Q3_K || type == FS_T_Q2_K)) {
+        (type == FS_T_Q3_K ? fs_stage_q3k_avx512 : fs_stage_q2k_avx512)(rows, row_bytes, n_in / FS_QK, stage, next);
+        return;
+    }
     if (isa == FS_ISA_AVX512VNNI && valid == FS_LANES && n_in % FS_QK == 0 &&
         (type == FS_T_F32 || type == FS_T_F16 || type == FS_T_BF16)) {
         fs_stage_float_avx512(type, rows, row_bytes, n_in / FS_QK, stage, next);
@@ -902,6 +906,10 @@ static void fs_stage_panel(int isa, int type, const uint8_t *rows, int64_t row_b
     }
     if (isa == FS_ISA_AVX2 && valid == FS_LANES && type == FS_T_Q6_K) {
         fs_stage_q6k_avx2(rows, row_bytes, n_in / FS_QK, stage, next);
+        return;
+    }
+    if (isa == FS_ISA_AVX2 && valid == FS_LANES && (type == FS_T_Q3_K || type == FS_T_Q2_K)) {
+        (type == FS_T_Q3_K ? fs_stage_q3k_avx2 : fs_stage_q2k_avx2)(rows, row_bytes, n_in / FS_QK, stage, next);
         return;
     }
 #endif
