@@ -324,7 +324,7 @@ def test_small_batches_bit_exact(type_name):
     rng = np.random.default_rng(14)
     per = B.TYPES[type_name][0]
     for isa in set(m.isas()) & {"avx2", "avx512vnni"}:
-        assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"} <= set(m.fused_types(isa)), isa
+        assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q2_K"} <= set(m.fused_types(isa)), isa
     for n_out, blocks in ((37, 1), (16, 3), (53, 2 if per == 256 else 5)):
         n_in = n_in_for(type_name, blocks, ragged=True)
         raw = random_blocks(type_name, n_out, n_in, seed=15 + blocks)

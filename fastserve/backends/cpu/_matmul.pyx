@@ -89,7 +89,7 @@ def isas():
 
 def fused_types(str isa="auto"):
     """The types whose products at small n the isa's fused kernel computes straight from the file's
-    rows (n <= FUSED_MAX_N; Q4_K, Q5_K and Q6_K: n <= 2 on avx512vnni, where fusing still wins there, whole
+    rows (n <= FUSED_MAX_N; the K-quants: n <= 2 on avx512vnni, where fusing still wins there, whole
     panels of 16 rows), the others stage panels."""
     cdef int isa_id = _isa_id(isa)
     return tuple(t for t, i in TYPE_IDS.items() if fs_fused_ok(isa_id, i, 1, FS_LANES))

@@ -860,7 +860,8 @@ FS_FUSED256 static void fs_fused_avx2(const fs_job *j, int type, const uint8_t *
 #endif /* FS_HAVE_STAGE_AVX2 */
 
 /* Whether the fused kernel computes a panel of valid rows of this type at n activation rows with
- * this isa (valid < 16: only the 32-input types; Q4_K's last partial panel stages). On AVX-512 Q4_K
+ * this isa (valid < 16: only the 32-input types; a K-quant's last partial panel stages). On AVX-512
+ * Q6_K, Q3_K and Q2_K stop at FS_FUSED_MAX_N_K as Q4_K does (not measured apart for them). Q4_K
  * stops at FS_FUSED_MAX_N_K rows: its staging decoder is cheaper per byte than the 32-input types',
  * so the fused kernel's per-row reduction wins only below that (measured: 1.34x at n = 1, 1.04x at 2,
  * 0.87x at 4, 1 thread, 2048x2048). On AVX2 the direct K-quant kernels win at every n <= 4 (the 1 B
