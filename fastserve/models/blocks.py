@@ -1,11 +1,13 @@
 """Pure-NumPy twin of fastserve/backends/cpu/_gguf_blocks.h: GGUF's weight blocks decoded into exact per-block
 integers and scales, and (for tests and synthetic models) encoded from float32.
 
-Per block of 32 inputs of a row, every kernel type is exactly  w_i = d * (s_i * q_i) + m  (the table
-is in _gguf_blocks.h); decode() returns those numbers, nothing rounded:
-    q int8 [rows, nb, 32], d float32 [rows, nb], m float32 [rows, nb] or None, s int32 [rows, nb, 2]
-    or None (Q6_K: the scales of inputs 0..15 and 16..31); IQ4_NL and IQ4_XS are kind "q" with q the 16
-    int8 values IQ4_VALUES indexed by nibbles (IQ4_XS: d = f16 d * (ls - 32) per sub-block, exact);
+Per block of 32 inputs of a row, every kernel type is exactly  w_i = d * (s_i * q_i) + m_i  (the
+table is in _gguf_blocks.h); decode() returns those numbers, nothing rounded:
+    q int8 [rows, nb, 32], d float32 [rows, nb], s int32 [rows, nb, 2] or None (kinds "qs", "qsm":
+    the scales of inputs 0..15 and 16..31), m float32 [rows, nb] (kind "qm": one offset per block)
+    or [rows, nb, 2] (kind "qsm", Q2_K: the offsets of inputs 0..15 and 16..31) or None; IQ4_NL and
+    IQ4_XS are kind "q" with q the 16 int8 values IQ4_VALUES indexed by nibbles (IQ4_XS: d = f16 d *
+    (ls - 32) per sub-block, exact);
 float types (F32, F16, BF16) decode to float32 [rows, n_in].
 """
 from __future__ import annotations
@@ -14,18 +16,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# type name -> (inputs per block, bytes per block, kind): kinds "q" (d * q), "qm" (+ m), "qs" (sub-scales), "f"
+# type name -> (inputs per block, bytes per block, kind): kinds "q" (d * q), "qm" (+ m), "qs" (sub-scales),
+# "qsm" (sub-scales and an offset per half block), "f"
 TYPES = {"F32": (1, 4, "f"), "F16": (1, 2, "f"), "BF16": (1, 2, "f"),
          "Q4_0": (32, 18, "q"), "Q4_1": (32, 20, "qm"), "Q5_0": (32, 22, "q"), "Q5_1": (32, 24, "qm"),
          "Q8_0": (32, 34, "q"), "Q4_K": (256, 144, "qm"), "Q5_K": (256, 176, "qm"), "Q6_K": (256, 210, "qs"),
          "IQ4_NL": (32, 18, "q"), "IQ4_XS": (256, 136, "q")}
+TYPES.update({"Q3_K": (256, 110, "qs"), "Q2_K": (256, 84, "qsm")})
 # IQ4_NL / IQ4_XS: a nibble indexes these 16 int8 values (ggml's kvalues_iq4nl)
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 
 
 @dataclass
 class Blocks:
-    """One tensor decoded: kind "f" fills w; the others q, d (and m for "qm", s for "qs")."""
+    """One tensor decoded: kind "f" fills w; the others q, d (and m for "qm", s for "qs", both for "qsm")."""
     kind: str
     q: np.ndarray | None = None
     d: np.ndarray | None = None
@@ -128,6 +132,8 @@ def decode(type_name: str, data, rows: int, n_in: int) -> Blocks:
             q = q | ((qh & 1).astype(np.int16) << 4)
         d = (dd[..., None] * sc.astype(np.float32)).astype(np.float32)
         m = -(dmin[..., None] * mn.astype(np.float32)).astype(np.float32)
+    elif type_name in ("Q3_K", "Q2_K"):
+        q, d, s, m = _decode_k23(type_name, blk, rows)
     else:                                                                         # Q6_K
         ql, qh = blk[..., 0:128], blk[..., 128:192]
         lo = ql.reshape(rows, -1, 2, 1, 2, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 1, 2, 1, 1)
@@ -139,9 +145,38 @@ def decode(type_name: str, data, rows: int, n_in: int) -> Blocks:
         s = blk[..., 192:208].view(np.int8).astype(np.int32).reshape(rows, -1, 8, 2)
     q = np.asarray(q).reshape(rows, nb, 32).astype(np.int8)
     d = np.asarray(d, np.float32).reshape(rows, nb)
-    m = None if m is None else np.asarray(m, np.float32).reshape(rows, nb)
+    m = None if m is None else np.asarray(m, np.float32).reshape((rows, nb, 2) if kind == "qsm" else (rows, nb))
     s = None if s is None else s.reshape(rows, nb, 2)
     return Blocks(kind, q=q, d=d, m=m, s=s)
+
+
+def _two_bits(qs: np.ndarray, rows: int) -> np.ndarray:
+    """[rows, nsb, 64] -> [rows, nsb, 8, 32] uint8: input l of block j = 4c + t is bits 2t of byte 32c + l
+    (Q2_K's and Q3_K's low bits)."""
+    v = qs.reshape(rows, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 1, 4, 1)
+    return (v & 3).reshape(rows, -1, 8, 32)
+
+
+def _decode_k23(type_name: str, blk: np.ndarray, rows: int):
+    """Q3_K, Q2_K 256-blocks [rows, nsb, bytes] -> q [rows, nsb, 8, 32], d [rows, nsb, 8], s int32
+    [rows, nsb, 8, 2], m (Q2_K) float32 [rows, nsb, 8, 2] or None: per block j of 32 its two
+    sub-blocks of 16."""
+    if type_name == "Q3_K":                 # hmask[32], qs[64], scales[12], f16 d
+        lo = _two_bits(blk[..., 32:96], rows).astype(np.int16)
+        hb = (blk[..., 0:32].reshape(rows, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+        q = lo - 4 * (1 - hb.astype(np.int16))                                  # the bit clear: minus 4
+        sc = blk[..., 96:108]
+        low = np.concatenate([sc[..., 0:8] & 15, sc[..., 0:8] >> 4], -1)        # sub-block i: 4 low bits
+        high = (sc[..., 8:12].reshape(rows, -1, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+        s = (low | (high.reshape(rows, -1, 16) << 4)).astype(np.int32) - 32
+        d = np.repeat(_f16(blk[..., 108:110])[..., None], 8, axis=-1)
+        return q, d, s.reshape(rows, -1, 8, 2), None
+    sc = blk[..., 0:16]                    # Q2_K: scales[16] (low nibble scale, high min), qs[64], f16 d, dmin
+    q = _two_bits(blk[..., 16:80], rows)
+    d = np.repeat(_f16(blk[..., 80:82])[..., None], 8, axis=-1)
+    mn = (sc >> 4).astype(np.float32).reshape(rows, -1, 8, 2)
+    m = -(_f16(blk[..., 82:84])[..., None, None] * mn).astype(np.float32)
+    return q, d, (sc & 15).astype(np.int32).reshape(rows, -1, 8, 2), m
 
 
 def dequantize(b: Blocks) -> np.ndarray:
@@ -154,7 +189,7 @@ def dequantize(b: Blocks) -> np.ndarray:
     with np.errstate(invalid="ignore", over="ignore"):     # inf and NaN scales propagate, as in C
         v = sq.astype(np.float32) * b.d[..., None]
         if b.m is not None:
-            v = v + b.m[..., None]
+            v = v + (np.repeat(b.m, 16, axis=-1) if b.m.ndim == 3 else b.m[..., None])
     return v.reshape(len(b.q), -1).astype(np.float32)
 
 
@@ -174,6 +209,10 @@ def encode(type_name: str, w: np.ndarray) -> np.ndarray:
         return _encode_q6_k(w).reshape(rows, -1)
     if type_name in ("IQ4_NL", "IQ4_XS"):
         return _encode_iq4(w, xs=type_name == "IQ4_XS").reshape(rows, -1)
+    if type_name == "Q3_K":
+        return _encode_q3_k(w).reshape(rows, -1)
+    if type_name == "Q2_K":
+        return _encode_q2_k(w).reshape(rows, -1)
     import gguf
     from gguf.quants import quantize
     if type_name == "F32":
@@ -256,3 +295,42 @@ def _encode_iq4(w: np.ndarray, xs: bool) -> np.ndarray:
     scales_h = ((ls >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(-1, dtype=np.uint16)
     return np.concatenate([_f16_bytes(d).reshape(-1, 2), scales_h.astype("<u2").view(np.uint8).reshape(-1, 2),
                            lo[:, 0::2] | (lo[:, 1::2] << 4), qs.reshape(-1, 128)], axis=1)
+
+
+def _pack_two_bits(q: np.ndarray) -> np.ndarray:
+    """q uint8 [sb, 8, 32] in 0..3 -> [sb, 64] (the inverse of _two_bits)."""
+    q = q.reshape(-1, 2, 4, 32)                                # [sb, chunk c, t, l]: block j = 4c + t
+    return (q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)).reshape(-1, 64).astype(np.uint8)
+
+
+def _encode_q3_k(w: np.ndarray) -> np.ndarray:
+    v = w.reshape(-1, 16, 16)                                  # [superblocks, groups of 16, 16]
+    a = np.abs(v).max(-1) / 4                                  # per-group step (q in -4..3)
+    d = np.maximum(a.max(-1) / 31, 1e-30).astype(np.float16)
+    d32 = np.maximum(d.astype(np.float32), 1e-7)
+    sc = np.clip(np.rint(a / d32[:, None]), 1, 31).astype(np.int32)
+    step = (d.astype(np.float32)[:, None] * sc.astype(np.float32))[..., None]
+    q = (np.clip(np.rint(v / np.where(step > 0, step, 1)), -4, 3) + 4).astype(np.uint8).reshape(-1, 8, 32)
+    hmask = ((q >> 2) << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1, dtype=np.uint8)   # [sb, 32]
+    u = (sc + 32).astype(np.uint8)                             # 6-bit stored scales
+    scales = np.zeros((len(u), 12), np.uint8)
+    scales[:, 0:8] = (u[:, 0:8] & 15) | ((u[:, 8:16] & 15) << 4)
+    hi = (u >> 4).reshape(-1, 4, 4)                            # [sb, shift, byte]
+    scales[:, 8:12] = hi[:, 0] | (hi[:, 1] << 2) | (hi[:, 2] << 4) | (hi[:, 3] << 6)
+    return np.concatenate([hmask, _pack_two_bits(q & 3), scales, _f16_bytes(d).reshape(-1, 2)], axis=1)
+
+
+def _encode_q2_k(w: np.ndarray) -> np.ndarray:
+    v = w.reshape(-1, 16, 16)
+    lo = np.minimum(v.min(-1), 0.0)
+    span = v.max(-1) - lo
+    d = np.maximum(span.max(-1) / 3 / 15, 1e-30).astype(np.float16)
+    dmin = np.maximum((-lo).max(-1) / 15, 1e-30).astype(np.float16)
+    d32, dmin32 = np.maximum(d.astype(np.float32), 1e-7), np.maximum(dmin.astype(np.float32), 1e-7)
+    sc = np.clip(np.rint(span / 3 / d32[:, None]), 1, 15).astype(np.uint8)
+    mn = np.clip(np.rint(-lo / dmin32[:, None]), 0, 15).astype(np.uint8)
+    step = (d.astype(np.float32)[:, None] * sc)[..., None]
+    off = (dmin.astype(np.float32)[:, None] * mn)[..., None]
+    q = np.clip(np.rint((v + off) / np.where(step > 0, step, 1)), 0, 3).astype(np.uint8).reshape(-1, 8, 32)
+    return np.concatenate([sc | (mn << 4), _pack_two_bits(q), _f16_bytes(d).reshape(-1, 2),
+                           _f16_bytes(dmin).reshape(-1, 2)], axis=1)

@@ -91,8 +91,8 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
     rope_scale: linear RoPE position scaling (rope.scaling.type linear) when not 1; chat_template: None
     writes none (a model that chats in the fallback template).
     weight_type: F32, F16, a type gguf.quants can quantize,
-    Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (fastserve.models.blocks' encoder; K-quants and IQ4_XS: rows of a
-    multiple of 256 inputs), or "Q4_K_M"
+    Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (fastserve.models.blocks' encoder; K-quants and IQ4_XS:
+    rows of a multiple of 256 inputs), or "Q4_K_M"
     (llama.cpp's mix: attn_v and ffn_down in Q6_K, the other matrices in Q4_K)."""
     import gguf
 
@@ -160,7 +160,7 @@ def _add(writer, name: str, arr: np.ndarray, weight_type: str) -> None:
         writer.add_tensor(name, arr)
     elif weight_type == "F16":
         writer.add_tensor(name, arr.astype(np.float16))
-    elif weight_type in ("Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"):
+    elif weight_type in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"):
         from .blocks import encode
         writer.add_tensor(name, encode(weight_type, arr), raw_dtype=gguf.GGMLQuantizationType[weight_type])
     else:

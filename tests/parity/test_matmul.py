@@ -54,7 +54,7 @@ def rand(rng, *shape, scale=1.0):
 def scale_offsets(type_name):
     """Byte offsets of the f16 scales inside one block of type_name."""
     return {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
-            "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}.get(type_name, [])
+            "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0], "Q3_K": [108], "Q2_K": [80, 82]}.get(type_name, [])
 
 
 def random_blocks(type_name, rows, n_in, seed, special=True):
@@ -158,6 +158,30 @@ def test_product_is_the_block_formula(mod):
     assert y[0, 0] == acc
 
 
+def test_half_block_offsets_are_the_qsm_formula(mod):
+    """Kind "qsm" by hand (one Q2_K row): per block isum = s_0 * dot(0..15) + s_1 * dot(16..31), then
+    acc + isum * (d * d_x), + m_0 * (d_x * sum q_x 0..15), + m_1 * (d_x * sum q_x 16..31), in that order."""
+    rng = np.random.default_rng(16)
+    q = rng.integers(0, 4, (8, 32)).astype(np.uint8)
+    sc, mn = rng.integers(0, 16, 16).astype(np.uint8), rng.integers(0, 16, 16).astype(np.uint8)
+    d, dmin = np.float16(0.0123), np.float16(0.0456)
+    qs = (q.reshape(2, 4, 32) << np.array([0, 2, 4, 6], np.uint8)[None, :, None]).sum(1, dtype=np.uint8).reshape(-1)
+    row = np.concatenate([sc | (mn << 4), qs, np.float16([d, dmin]).view(np.uint8)])[None]
+    assert B.TYPES["Q2_K"] == (256, 84, "qsm") and mod.type_info("Q2_K")[2] == "qsm"
+    x = rand(rng, 1, 256)
+    xq, dx = mod.quantize_rows(x)
+    acc = np.float32(0)
+    for b in range(8):
+        xb = xq[0, b * 32:(b + 1) * 32].astype(np.int64)
+        isum = int(sc[2 * b]) * int(np.dot(q[b, :16], xb[:16])) + int(sc[2 * b + 1]) * int(np.dot(q[b, 16:], xb[16:]))
+        acc = acc + np.float32(isum) * (np.float32(d) * dx[0, b])
+        for h in range(2):
+            m = -(np.float32(dmin) * np.float32(mn[2 * b + h]))
+            acc = acc + m * (dx[0, b] * np.float32(xb[16 * h:16 * h + 16].sum()))
+    y = product(mod, x, matrix(mod, [("Q2_K", row)], 256))
+    assert y[0, 0] == acc
+
+
 def test_float_product_sums_in_input_order(mod):
     rng = np.random.default_rng(2)
     w, x = rand(rng, 3, 40), rand(rng, 2, 40)
@@ -184,8 +208,8 @@ def test_bad_matrices_are_refused(mod):
     data = B.encode("Q4_1", np.ones((4, 64), np.float32))
     with pytest.raises(ValueError, match="truncated"):
         mod.BlockMatrix([("t", "Q4_1", data.reshape(-1)[:-3], 4)], 64)
-    with pytest.raises(ValueError, match="Q3_K has no kernel"):
-        mod.BlockMatrix([("t", "Q3_K", data, 4)], 64)
+    with pytest.raises(ValueError, match="IQ2_XXS has no kernel"):
+        mod.BlockMatrix([("t", "IQ2_XXS", data, 4)], 64)
     with pytest.raises(ValueError, match="whole blocks"):
         mod.BlockMatrix([("t", "Q4_K", data, 4)], 64)
     w = mod.BlockMatrix([("t", "Q4_1", data, 4)], 64)
@@ -225,7 +249,8 @@ def test_encoder_round_trip(type_name):
     n_in = n_in_for(type_name, 2)
     w = rand(rng, 8, n_in)
     back = B.dequantize(B.decode(type_name, B.encode(type_name, w), 8, n_in))
-    assert np.sqrt(np.mean((back - w) ** 2) / np.mean(w ** 2)) < 0.15
+    bound = {"Q3_K": 0.2, "Q2_K": 0.35}.get(type_name, 0.15)     # 8 and 4 levels per 16 inputs
+    assert np.sqrt(np.mean((back - w) ** 2) / np.mean(w ** 2)) < bound
 
 
 # -- C against the twin, bit for bit ------------------------------------------------------------
@@ -262,7 +287,11 @@ def test_decode_bit_exact(type_name, ragged):
             np.testing.assert_array_equal(q[:nv], want.q[lanes], err_msg=f"{isa} q")
             assert (q[nv:] == 0).all()
             assert_same(st[:, 512:576].view(np.float32).T[:nv], want.d[lanes], f"{isa} d")
-            if want.m is not None:
+            if want.m is not None and want.kind == "qsm":
+                m = np.stack([st[:, 704:768].view(np.float32).T, st[:, 768:832].view(np.float32).T], -1)
+                assert_same(m[:nv], want.m[lanes], f"{isa} m")
+                assert (m[nv:] == 0).all()
+            elif want.m is not None:
                 assert_same(st[:, 576:640].view(np.float32).T[:nv], want.m[lanes], f"{isa} m")
             if want.s is not None:
                 s = np.stack([st[:, 576:640].view(np.int32).T, st[:, 640:704].view(np.int32).T], -1)
@@ -275,7 +304,7 @@ def test_stage_bias_by_isa():
     offset-free types as they are) and Q8_0's plain int8."""
     m = c_mod()
     avx2 = {"Q4_0": 8, "Q4_1": 0, "Q5_0": 16, "Q5_1": 0, "Q8_0": 0, "Q4_K": 0, "Q5_K": 0, "Q6_K": 32,
-            "IQ4_NL": 0, "IQ4_XS": 0}
+            "IQ4_NL": 0, "IQ4_XS": 0, "Q3_K": 4, "Q2_K": 0}
     for isa in m.isas():
         for t, off in avx2.items():
             assert m.stage_bias(t, isa) == (off if isa == "avx2" else 128), (isa, t)
@@ -310,7 +339,7 @@ def test_small_batches_bit_exact(type_name):
     rng = np.random.default_rng(14)
     per = B.TYPES[type_name][0]
     for isa in set(m.isas()) & {"avx2", "avx512vnni"}:
-        assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS"} <= set(m.fused_types(isa)), isa
+        assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"} <= set(m.fused_types(isa)), isa
     for n_out, blocks in ((37, 1), (16, 3), (53, 2 if per == 256 else 5)):
         n_in = n_in_for(type_name, blocks, ragged=True)
         raw = random_blocks(type_name, n_out, n_in, seed=15 + blocks)
@@ -328,17 +357,18 @@ def test_small_batches_bit_exact(type_name):
 
 
 def test_stacked_parts_of_mixed_types():
-    """Q4_K | Q6_K | F16 | Q8_0 parts in one matrix: one activation quantization, each part into its
-    column range, the same bits as each part alone and as the twin."""
+    """Q4_K | Q6_K | F16 | Q8_0 | Q3_K | Q2_K parts in one matrix: one activation quantization, each
+    part into its column range, the same bits as each part alone and as the twin."""
     rng = np.random.default_rng(9)
     n_in = 512
     parts = [(t, random_blocks(t, r, n_in, seed=i, special=False))
-             for i, (t, r) in enumerate([("Q4_K", 40), ("Q6_K", 19), ("F16", 5), ("Q8_0", 16)])]
+             for i, (t, r) in enumerate([("Q4_K", 40), ("Q6_K", 19), ("F16", 5), ("Q8_0", 16), ("Q3_K", 21),
+                                         ("Q2_K", 32)])]
     x = rand(rng, 7, n_in)
     want = product(twin(), x, matrix(twin(), parts, n_in))
     alone = np.concatenate([product(c_mod(), x, matrix(c_mod(), [p], n_in)) for p in parts], axis=1)
     wc = matrix(c_mod(), parts, n_in)
-    assert wc.types == ("Q4_K", "Q6_K", "F16", "Q8_0") and wc.n_out == 80
+    assert wc.types == ("Q4_K", "Q6_K", "F16", "Q8_0", "Q3_K", "Q2_K") and wc.n_out == 133
     for isa, threads in kernels():
         assert_same(product(c_mod(), x, wc, threads=threads, isa=isa), want, f"{isa}, {threads} threads")
     assert_same(alone, want)
@@ -360,7 +390,7 @@ def test_stacked_iq4_parts():
             assert_same(product(c_mod(), x[:n], wc, threads=threads, isa=isa), want[:n], f"{isa}, {threads} threads, n={n}")
 
 
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS", "F16"])
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "F16"])
 def test_batch_invariance(type_name):
     """Each row's outputs are bit-identical alone, among 2, 7 or 31 other rows, at any offset."""
     rng = np.random.default_rng(10)
@@ -428,7 +458,7 @@ def test_backend_threads_change_no_bit(tiny_model):
     np.testing.assert_array_equal(logits(), logits(threads=3))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "IQ4_NL", "IQ4_XS", "F16"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "F16"])
 def test_load_maps_tensors_without_copying(tmp_path, qtype):
     """The loaded matrices are views of the mapped file: each part shares memory with its tensor."""
     import fastserve
@@ -452,7 +482,8 @@ def test_load_maps_tensors_without_copying(tmp_path, qtype):
 
 
 def test_other_types_are_repacked_to_q8_0(tmp_path, monkeypatch, caplog):
-    """A Q3_K tensor (random valid blocks) is repacked once at load into Q8_0, and the load log says so."""
+    """A TQ2_0 tensor (random valid blocks: a type with no kernel) is repacked once at load into Q8_0,
+    and the load log says so."""
     import gguf
     import fastserve
     from fastserve.models import synthetic
@@ -461,18 +492,19 @@ def test_other_types_are_repacked_to_q8_0(tmp_path, monkeypatch, caplog):
 
     def add(writer, name, arr, weight_type):
         if name == "blk.0.ffn_down.weight":
-            raw = np.random.default_rng(0).integers(0, 256, (arr.shape[0], arr.shape[1] // 256 * 110), dtype=np.uint8)
-            raw.reshape(arr.shape[0], -1, 110)[:, :, 108:110] = np.array([0.001], np.float16).view(np.uint8)
-            writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.Q3_K)
+            raw = np.random.default_rng(0).integers(0, 256, (arr.shape[0], arr.shape[1] // 256 * 66), dtype=np.uint8)
+            raw.reshape(arr.shape[0], -1, 66)[:, :, 64:66] = np.array([0.001], np.float16).view(np.uint8)
+            writer.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.TQ2_0)
         else:
             real_add(writer, name, arr, weight_type)
 
     monkeypatch.setattr(synthetic, "_add", add)
-    path = synthetic.write_llama_gguf(tmp_path / "q3k.gguf", n_embd=256, n_ff=512, seed=1)
+    path = synthetic.write_llama_gguf(tmp_path / "tq2.gguf", n_embd=256, n_ff=512, seed=1)
     caplog.set_level("INFO", logger="fastserve.models")
     model = fastserve.load_model(path)
     assert model.weights.layers[0].w_down.types == ("Q8_0",)
-    assert "tensor blk.0.ffn_down.weight: Q3_K repacked to Q8_0" in caplog.text
+    assert "TQ2_0" not in c_mod().KERNEL_TYPES
+    assert "tensor blk.0.ffn_down.weight: TQ2_0 repacked to Q8_0" in caplog.text
     assert np.isfinite(model.logits([1, 2, 3])).all()
 
 
@@ -492,7 +524,7 @@ static int same(const float *a, const float *b, int64_t n) {
 }
 int main(void) {
     const int types[] = {FS_T_F32, FS_T_F16, FS_T_BF16, FS_T_Q4_0, FS_T_Q4_1, FS_T_Q5_0, FS_T_Q5_1,
-                         FS_T_Q8_0, FS_T_Q4_K, FS_T_Q5_K, FS_T_Q6_K, FS_T_IQ4_NL, FS_T_IQ4_XS};
+                         FS_T_Q8_0, FS_T_Q4_K, FS_T_Q5_K, FS_T_Q6_K, FS_T_IQ4_NL, FS_T_IQ4_XS, FS_T_Q3_K, FS_T_Q2_K};
     int fails = 0, checks = 0, fused_checks = 0;
     for (int isa = 0; isa <= 4; isa++) printf("isa %d supported %d\n", isa, fs_isa_supported(isa));
     printf("best %d\n", fs_best_isa());

@@ -16,6 +16,11 @@
  *   IQ4_NL q = kvalues[nibble] (16 int8 values, -127 .. 113)   d = f16   (Q4_0's layout)
  *   IQ4_XS q = kvalues[nibble], sub-block j of a 256-block with a 6-bit ls_j (low 4 bits from
  *         scales_l, high 2 from scales_h): d = f32(d) * (ls_j - 32)   (exact in float32)
+ *   Q3_K  q = 2 low bits - (4 where the hmask bit is clear), in -4..3, s_i = the 6-bit scale - 32 of
+ *         its 16 inputs (two per block), d = f32(d)                              (kind QS, as Q6_K)
+ *   Q2_K  q = 2 bits (0..3), s_i = the 4-bit scale of its 16 inputs, d = f32(d), and an offset per
+ *         16 inputs: m_i = -(f32(dmin) * mn) with mn the 4-bit min of those 16   (kind QSM)
+ * (m_i is one m per block except for kind QSM, whose m_0, m_1 hold for inputs 0..15 and 16..31.)
  * The products (backends/cpu/_matmul_kernels.h) take d, m and s from here and the integer dot from q, so
  * this file and the twin's decode() are the one place that knows each bit layout (ggml's block_*
  * structs). F32, F16 and BF16 rows are decoded to float32 (exact).
@@ -26,6 +31,8 @@
  *                  (VNNI's unsigned layout) except for the AVX2 tile (fs_stage_bias);
  *                  [512, 576) d[lane] float32; then, kind QM: [576, 640) m[lane] float32;
  *                  kind QS: [576, 640) s[lane] of inputs 0..15, [640, 704) of inputs 16..31, int32;
+ *                  kind QSM: QS's, then [704, 768) m_0[lane] (inputs 0..15), [768, 832) m_1[lane]
+ *                  (16..31) float32;
  *   kind F:        [32][16] float32: input i of lane l at (i*16 + l)*4.
  * The layout of VNNI's u8 x s8 dot: one 32-bit SIMD lane per row, four inputs per lane.
  */
@@ -42,21 +49,22 @@
 /* ggml's type ids (gguf.GGMLQuantizationType) */
 enum {
     FS_T_F32 = 0, FS_T_F16 = 1, FS_T_Q4_0 = 2, FS_T_Q4_1 = 3, FS_T_Q5_0 = 6, FS_T_Q5_1 = 7,
-    FS_T_Q8_0 = 8, FS_T_Q4_K = 12, FS_T_Q5_K = 13, FS_T_Q6_K = 14, FS_T_IQ4_NL = 20, FS_T_IQ4_XS = 23,
-    FS_T_BF16 = 30
+    FS_T_Q8_0 = 8, FS_T_Q2_K = 10, FS_T_Q3_K = 11, FS_T_Q4_K = 12, FS_T_Q5_K = 13, FS_T_Q6_K = 14,
+    FS_T_IQ4_NL = 20, FS_T_IQ4_XS = 23, FS_T_BF16 = 30
 };
 
 /* IQ4_NL / IQ4_XS: a nibble indexes these 16 values (ggml's kvalues_iq4nl) */
 static const int8_t fs_iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 /* What a kernel does with a staged panel: integer dot times d (Q), plus the offset m (QM), with two
- * integer sub-scales per block (QS), or a float dot (F). */
-enum { FS_KIND_Q = 0, FS_KIND_QM = 1, FS_KIND_QS = 2, FS_KIND_F = 3, FS_N_KINDS = 4 };
+ * integer sub-scales per block (QS), QS plus an offset per half block (QSM), or a float dot (F). */
+enum { FS_KIND_Q = 0, FS_KIND_QM = 1, FS_KIND_QS = 2, FS_KIND_F = 3, FS_KIND_QSM = 4, FS_N_KINDS = 5 };
 
 #define FS_STAGE_Q 576
 #define FS_STAGE_QM 640
 #define FS_STAGE_QS 704
 #define FS_STAGE_F 2048
+#define FS_STAGE_QSM 832
 
 typedef struct {
     int block_inputs;      /* inputs per stored block: 1 (float types), 32 or 256 */
@@ -81,6 +89,8 @@ static int fs_type(int type, fs_type_info *info)
     case FS_T_Q6_K: *info = (fs_type_info){256, 210, FS_KIND_QS}; return 0;
     case FS_T_IQ4_NL: *info = (fs_type_info){32, 18, FS_KIND_Q}; return 0;
     case FS_T_IQ4_XS: *info = (fs_type_info){256, 136, FS_KIND_Q}; return 0;
+    case FS_T_Q3_K: *info = (fs_type_info){256, 110, FS_KIND_QS}; return 0;
+    case FS_T_Q2_K: *info = (fs_type_info){256, 84, FS_KIND_QSM}; return 0;
     default: return -1;
     }
 }
@@ -95,6 +105,7 @@ static inline int32_t fs_q_offset(int type)
     case FS_T_Q6_K: return 32;
     case FS_T_Q8_0: return 128;
     case FS_T_IQ4_NL: case FS_T_IQ4_XS: return 127;      /* -127 .. 113 -> 0 .. 240 */
+    case FS_T_Q3_K: return 4;
     default: return 0;
     }
 }
@@ -109,6 +120,7 @@ static inline int fs_avx2_group(int type)
     case FS_T_Q4_0: case FS_T_Q4_1: case FS_T_Q4_K: return 8;
     case FS_T_Q5_0: case FS_T_Q5_1: case FS_T_Q5_K: return 4;
     case FS_T_Q6_K: return 2;
+    case FS_T_Q3_K: case FS_T_Q2_K: return 4;      /* sub-scaled: a group must not span the halves (G <= 4) */
     default: return 0;
     }
 }
@@ -123,7 +135,7 @@ static inline int fs_stage_bias(int avx2, int type)
 
 static inline int64_t fs_stage_bytes(int kind)
 {
-    static const int64_t b[FS_N_KINDS] = {FS_STAGE_Q, FS_STAGE_QM, FS_STAGE_QS, FS_STAGE_F};
+    static const int64_t b[FS_N_KINDS] = {FS_STAGE_Q, FS_STAGE_QM, FS_STAGE_QS, FS_STAGE_F, FS_STAGE_QSM};
     return b[kind];
 }
 
@@ -165,6 +177,7 @@ static inline float fs_bf16(const uint8_t *p)
 typedef struct {
     float d, m;
     int32_t s[2];
+    float m1;               /* kind QSM: the offset of inputs 16..31 (m: of 0..15) */
 } fs_blk;
 
 /* Q4_K / Q5_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4). */
@@ -188,7 +201,7 @@ static inline int64_t fs_iq4_qat(int xs, int64_t b)
 /* Block b (of 32 inputs) of one row's bytes. */
 static void fs_decode_block(int type, const uint8_t *row, int64_t b, int8_t *q, fs_blk *o)
 {
-    o->m = 0.0f;
+    o->m = o->m1 = 0.0f;
     o->s[0] = o->s[1] = 1;
     switch (type) {
     case FS_T_Q4_0: case FS_T_Q4_1: {
@@ -269,6 +282,35 @@ static void fs_decode_block(int type, const uint8_t *row, int64_t b, int8_t *q, 
         }
         return;
     }
+    case FS_T_Q3_K: {
+        /* hmask[32], qs[64], scales[12], f16 d: input l of block j = 4c + t is bits 2t of qs[32c + l],
+         * minus 4 where bit j of hmask[l] is clear; sub-block i's 6-bit scale: 4 low bits in byte
+         * i % 8 (high nibble for i >= 8), 2 high bits at 2 * (i / 4) of byte 8 + i % 4 */
+        const int j = (int)(b & 7), c = j >> 2, t = j & 3;
+        const uint8_t *p = row + (b >> 3) * 110, *qs = p + 32 + 32 * c, *sc = p + 96;
+        o->d = fs_f16(p + 108);
+        for (int h = 0; h < 2; h++) {
+            const int i = 2 * j + h;
+            o->s[h] = (((sc[i & 7] >> (4 * (i >> 3))) & 15) | (((sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3) << 4)) - 32;
+        }
+        for (int i = 0; i < 32; i++)
+            q[i] = (int8_t)(((qs[i] >> (2 * t)) & 3) - (((p[i] >> j) & 1) ? 0 : 4));
+        return;
+    }
+    case FS_T_Q2_K: {
+        /* scales[16] (low nibble scale, high nibble min of sub-block i), qs[64] (as Q3_K's), f16 d, dmin */
+        const int j = (int)(b & 7), c = j >> 2, t = j & 3;
+        const uint8_t *p = row + (b >> 3) * 84, *qs = p + 16 + 32 * c;
+        const float dmin = fs_f16(p + 82);
+        o->d = fs_f16(p + 80);
+        o->s[0] = p[2 * j] & 15;
+        o->s[1] = p[2 * j + 1] & 15;
+        o->m = -(dmin * (float)(p[2 * j] >> 4));
+        o->m1 = -(dmin * (float)(p[2 * j + 1] >> 4));
+        for (int i = 0; i < 32; i++)
+            q[i] = (int8_t)((qs[i] >> (2 * t)) & 3);
+        return;
+    }
     default:
         memset(q, 0, 32);
         o->d = 0.0f;
@@ -304,7 +346,7 @@ static void fs_dequantize_row(int type, const uint8_t *row, int64_t n_in, float 
         fs_decode_block(type, row, b, q, &o);
         for (int i = 0; i < 32; i++) {
             float v = (float)(o.s[i >> 4] * q[i]) * o.d;
-            out[b * 32 + i] = t.kind == FS_KIND_QM ? v + o.m : v;
+            out[b * 32 + i] = t.kind == FS_KIND_QM ? v + o.m : t.kind == FS_KIND_QSM ? v + (i < 16 ? o.m : o.m1) : v;
         }
     }
 }
@@ -359,9 +401,13 @@ static void fs_stage_panel_scalar(int type, const uint8_t *rows, int64_t row_byt
             memcpy(pb + 512 + lane * 4, &o.d, 4);
             if (t.kind == FS_KIND_QM)
                 memcpy(pb + 576 + lane * 4, &o.m, 4);
-            if (t.kind == FS_KIND_QS) {
+            if (t.kind == FS_KIND_QS || t.kind == FS_KIND_QSM) {
                 memcpy(pb + 576 + lane * 4, &o.s[0], 4);
                 memcpy(pb + 640 + lane * 4, &o.s[1], 4);
+            }
+            if (t.kind == FS_KIND_QSM) {
+                memcpy(pb + 704 + lane * 4, &o.m, 4);
+                memcpy(pb + 768 + lane * 4, &o.m1, 4);
             }
         }
     }
@@ -731,6 +777,94 @@ FS_STAGE512 static void fs_stage_iq4_avx512(int xs, const uint8_t *rows, int64_t
     }
 }
 
+/* Q3_K: per 256-block (hmask[32], qs[64], scales[12], f16 d) d and the 16 6-bit sub-scales - 32 of
+ * 16 rows (the scales read as the 16 bytes ending at byte 108, d's start: no read past the block),
+ * then the hmask and the two 32-byte chunks of low bits transposed once each; block j = 4c + t is
+ * bits 2t of chunk c, + 4 where bit j of the hmask byte is set: u8 = (low bits) + 124 (+ 4). */
+FS_STAGE512 static void fs_stage_q3k_avx512(const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                            const uint8_t *next)
+{
+    const __m512i base = _mm512_set1_epi8(124), four = _mm512_set1_epi8(4);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        fs_prefetch_step(&pf);
+        const int64_t at = sb * 110;
+        __m512i sc[4];
+        fs_rows16x4(rows, row_bytes, at + 92, sc);     /* sc[1..3]: scales[0..3], [4..7], [8..11] */
+        uint16_t dh[16];
+        for (int l = 0; l < 16; l++)
+            memcpy(&dh[l], rows + l * row_bytes + at + 108, 2);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dh));
+        for (int j = 0; j < 8; j++) {
+            uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QS;
+            _mm512_storeu_ps((void *)(pb + 512), d);
+            for (int h = 0; h < 2; h++) {
+                const int i = 2 * j + h;
+                __m512i lo = _mm512_srli_epi32(fs_byte(sc[1 + ((i & 7) >> 2)], i & 3), 4 * (i >> 3));
+                __m512i hi = _mm512_srli_epi32(fs_byte(sc[3], i & 3), 2 * (i >> 2));
+                __m512i v = _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(15)),
+                                            _mm512_slli_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(3)), 4));
+                _mm512_storeu_si512((void *)(pb + 576 + 64 * h), _mm512_sub_epi32(v, _mm512_set1_epi32(32)));
+            }
+        }
+        __m512i hm[8];
+        fs_rows16x8(rows, row_bytes, at, hm);
+        for (int c = 0; c < 2; c++) {
+            __m512i ql[8];
+            fs_rows16x8(rows, row_bytes, at + 32 + 32 * c, ql);
+            for (int t = 0; t < 4; t++) {
+                const int j = 4 * c + t;
+                uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QS;
+                for (int k = 0; k < 8; k++) {
+                    __m512i v = _mm512_add_epi8(fs_bytes_srl(ql[k], 2 * t, 3), base);
+                    v = _mm512_mask_add_epi8(v, _mm512_test_epi8_mask(hm[k], _mm512_set1_epi8((char)(1 << j))), v, four);
+                    _mm512_storeu_si512((void *)(pb + k * 64), v);
+                }
+            }
+        }
+    }
+}
+
+/* Q2_K: per 256-block (scales[16], qs[64], f16 d, f16 dmin) d, the 16 4-bit sub-scales and the
+ * offsets -(dmin * min) of 16 rows, then the quants as Q3_K's low bits: u8 = q | 0x80. */
+FS_STAGE512 static void fs_stage_q2k_avx512(const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                            const uint8_t *next)
+{
+    const __m512i m15 = _mm512_set1_epi32(15), sign = _mm512_set1_epi32((int)0x80000000u), hi80 = _mm512_set1_epi8((char)0x80);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        fs_prefetch_step(&pf);
+        const int64_t at = sb * 84;
+        __m512i sc[4];
+        fs_rows16x4(rows, row_bytes, at, sc);          /* scales[4k .. 4k + 3] in sc[k] */
+        uint8_t g[64];
+        fs_copy_dwords(rows, row_bytes, at + 80, g);   /* d | dmin << 16 */
+        const __m512i gv = _mm512_loadu_si512((const void *)g);
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(gv));
+        const __m512 dmin = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(gv, 16)));
+        for (int j = 0; j < 8; j++) {
+            uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QSM;
+            _mm512_storeu_ps((void *)(pb + 512), d);
+            for (int h = 0; h < 2; h++) {
+                const int i = 2 * j + h;
+                const __m512i byte = fs_byte(sc[i >> 2], i & 3);
+                _mm512_storeu_si512((void *)(pb + 576 + 64 * h), _mm512_and_si512(byte, m15));
+                const __m512i m = _mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(byte, 4))));
+                _mm512_storeu_si512((void *)(pb + 704 + 64 * h), _mm512_xor_si512(m, sign));     /* negated */
+            }
+        }
+        for (int c = 0; c < 2; c++) {
+            __m512i ql[8];
+            fs_rows16x8(rows, row_bytes, at + 16 + 32 * c, ql);
+            for (int t = 0; t < 4; t++) {
+                uint8_t *pb = stage + (sb * 8 + 4 * c + t) * FS_STAGE_QSM;
+                for (int k = 0; k < 8; k++)
+                    _mm512_storeu_si512((void *)(pb + k * 64), _mm512_or_si512(fs_bytes_srl(ql[k], 2 * t, 3), hi80));
+            }
+        }
+    }
+}
+
 /* F32 / F16 / BF16 (n_in a multiple of 32): 8 floats of 16 rows per transpose. */
 FS_STAGE512 static void fs_stage_float_avx512(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb,
                                               uint8_t *stage, const uint8_t *next)
@@ -1057,6 +1191,96 @@ FS_STAGE256 static void fs_stage_q6k_avx2(const uint8_t *rows, int64_t row_bytes
                     _mm256_storeu_si256((__m256i *)(pb + 1 * FS_STAGE_QS + k * 64), v1);
                     _mm256_storeu_si256((__m256i *)(pb + 2 * FS_STAGE_QS + k * 64), v2);
                     _mm256_storeu_si256((__m256i *)(pb + 3 * FS_STAGE_QS + k * 64), v3);
+                }
+            }
+        }
+    }
+}
+
+/* Q3_K, as fs_stage_q3k_avx512 over two halves of 8 rows, q stored as q + 4 (fs_stage_bias(1, Q3_K)): the
+ * low bits, + 4 where the hmask bit is set. */
+FS_STAGE256 static void fs_stage_q3k_avx2(const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                          const uint8_t *next)
+{
+    const __m256i four = _mm256_set1_epi8(4);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        fs_prefetch_step(&pf);
+        const int64_t at = sb * 110;
+        float dd[16];
+        fs_f16x16_avx2(rows, row_bytes, at + 108, (uint8_t *)dd);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *r8 = rows + 8 * h * row_bytes;
+            __m256i sc[8], hm[8];
+            fs_rows8_avx2(r8, row_bytes, at + 92, 1, sc);     /* sc[1..3]: scales[0..3], [4..7], [8..11] */
+            const __m256 d = _mm256_loadu_ps(dd + 8 * h);
+            for (int j = 0; j < 8; j++) {
+                uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QS + h * 32;
+                _mm256_storeu_ps((float *)(pb + 512), d);
+                for (int e = 0; e < 2; e++) {
+                    const int i = 2 * j + e;
+                    __m256i lo = _mm256_srli_epi32(fs_byte256(sc[1 + ((i & 7) >> 2)], i & 3), 4 * (i >> 3));
+                    __m256i hi = _mm256_srli_epi32(fs_byte256(sc[3], i & 3), 2 * (i >> 2));
+                    __m256i v = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(15)),
+                                                _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4));
+                    _mm256_storeu_si256((__m256i *)(pb + 576 + 64 * e), _mm256_sub_epi32(v, _mm256_set1_epi32(32)));
+                }
+            }
+            fs_rows8_avx2(r8, row_bytes, at, 0, hm);
+            for (int c = 0; c < 2; c++) {
+                __m256i ql[8];
+                fs_rows8_avx2(r8, row_bytes, at + 32 + 32 * c, 0, ql);
+                for (int t = 0; t < 4; t++) {
+                    const int j = 4 * c + t;
+                    const __m256i bit = _mm256_set1_epi8((char)(1 << j));
+                    uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QS + h * 32;
+                    for (int k = 0; k < 8; k++) {
+                        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hm[k], bit), bit);
+                        __m256i v = _mm256_add_epi8(fs_bytes_srl256(ql[k], 2 * t, 3),
+                                                    _mm256_and_si256(set, four));
+                        _mm256_storeu_si256((__m256i *)(pb + k * 64), v);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* Q2_K, as fs_stage_q2k_avx512 over two halves of 8 rows, q (0..3) stored as it is (fs_stage_bias(1, Q2_K) = 0). */
+FS_STAGE256 static void fs_stage_q2k_avx2(const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                          const uint8_t *next)
+{
+    const __m256i m15 = _mm256_set1_epi32(15), sign = _mm256_set1_epi32((int)0x80000000u);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        fs_prefetch_step(&pf);
+        const int64_t at = sb * 84;
+        float dd[16], dm[16];
+        fs_f16x16_avx2(rows, row_bytes, at + 80, (uint8_t *)dd);
+        fs_f16x16_avx2(rows, row_bytes, at + 82, (uint8_t *)dm);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *r8 = rows + 8 * h * row_bytes;
+            __m256i sc[8];
+            fs_rows8_avx2(r8, row_bytes, at, 1, sc);          /* scales[4k .. 4k + 3] in sc[k] */
+            const __m256 d = _mm256_loadu_ps(dd + 8 * h), dmin = _mm256_loadu_ps(dm + 8 * h);
+            for (int j = 0; j < 8; j++) {
+                uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QSM + h * 32;
+                _mm256_storeu_ps((float *)(pb + 512), d);
+                for (int e = 0; e < 2; e++) {
+                    const int i = 2 * j + e;
+                    const __m256i byte = fs_byte256(sc[i >> 2], i & 3);
+                    _mm256_storeu_si256((__m256i *)(pb + 576 + 64 * e), _mm256_and_si256(byte, m15));
+                    const __m256i m = _mm256_castps_si256(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(byte, 4))));
+                    _mm256_storeu_si256((__m256i *)(pb + 704 + 64 * e), _mm256_xor_si256(m, sign));
+                }
+            }
+            for (int c = 0; c < 2; c++) {
+                __m256i ql[8];
+                fs_rows8_avx2(r8, row_bytes, at + 16 + 32 * c, 0, ql);
+                for (int t = 0; t < 4; t++) {
+                    uint8_t *pb = stage + (sb * 8 + 4 * c + t) * FS_STAGE_QSM + h * 32;
+                    for (int k = 0; k < 8; k++)
+                        _mm256_storeu_si256((__m256i *)(pb + k * 64), fs_bytes_srl256(ql[k], 2 * t, 3));
                 }
             }
         }

@@ -51,7 +51,7 @@ cdef class Matmul:
     cdef readonly Pool pool
     cdef public bint fused
     cdef int isa_id
-    cdef fs_kernel kern[4]
+    cdef fs_kernel kern[5]                  # FS_N_KINDS
     cdef int8_t *xq
     cdef float *dx
     cdef int32_t *xs

@@ -4,8 +4,8 @@ the GIL.
 
 A BlockMatrix is a view of one or more tensors as the file stores them (memory-mapped: no decoded
 copy is ever kept), stacked by rows (e.g. Q | K | V), each part of its own type: Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (integer blocks) or F32, F16, BF16 (floats). Each call
-quantizes the activations once (int8, one scale per 32 inputs) for every integer part, multiplies per
+Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (integer blocks) or F32, F16, BF16 (floats). Each
+call quantizes the activations once (int8, one scale per 32 inputs) for every integer part, multiplies per
 block in integers, and sums the blocks in float32 in a fixed order (see _matmul_kernels.h); float parts sum
 their products in input order. Every output is a function of its own activation row and weight row
 only: bit-identical whatever n, the other rows, the kernel or the threads, and equal to the NumPy
@@ -39,6 +39,7 @@ cdef extern from "_matmul_kernels.h" nogil:
         FS_KIND_QM
         FS_KIND_QS
         FS_KIND_F
+        FS_KIND_QSM
         FS_N_KINDS
     ctypedef struct fs_type_info:
         int block_inputs, block_bytes, kind
@@ -47,7 +48,7 @@ cdef extern from "_matmul_kernels.h" nogil:
         int n_parts
         int64_t n_in, n_panels
         int isa
-        fs_kernel kern[4]
+        fs_kernel kern[5]                   # FS_N_KINDS
         fs_job act
         uint8_t *stage
         int64_t stage_bytes, chunk
@@ -77,8 +78,9 @@ _ISA_IDS = {v: k for k, v in ISA_NAMES.items()}
 # GGUF tensor types the kernels run as stored (gguf.GGMLQuantizationType ids).
 TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
             "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "BF16": 30}
+TYPE_IDS.update({"Q3_K": 11, "Q2_K": 10})
 KERNEL_TYPES = tuple(TYPE_IDS)
-KINDS = {FS_KIND_Q: "q", FS_KIND_QM: "qm", FS_KIND_QS: "qs", FS_KIND_F: "f"}
+KINDS = {FS_KIND_Q: "q", FS_KIND_QM: "qm", FS_KIND_QS: "qs", FS_KIND_F: "f", FS_KIND_QSM: "qsm"}
 
 
 def isas():
@@ -88,7 +90,7 @@ def isas():
 
 def fused_types(str isa="auto"):
     """The types whose products at small n the isa's fused kernel computes straight from the file's
-    rows (n <= FUSED_MAX_N; Q4_K, Q5_K and Q6_K: n <= 2 on avx512vnni, where fusing still wins there, whole
+    rows (n <= FUSED_MAX_N; the K-quants: n <= 2 on avx512vnni, where fusing still wins there, whole
     panels of 16 rows; IQ4_NL and IQ4_XS: n <= 2 on avx512vnni, n = 1 on avx2), the others stage panels."""
     cdef int isa_id = _isa_id(isa)
     return tuple(t for t, i in TYPE_IDS.items() if fs_fused_ok(isa_id, i, 1, FS_LANES))
@@ -122,7 +124,7 @@ def _isa_id(str isa):
 
 
 def type_info(str type_name):
-    """(inputs per block, bytes per block, kind "q"/"qm"/"qs"/"f") of a kernel type."""
+    """(inputs per block, bytes per block, kind "q"/"qm"/"qs"/"qsm"/"f") of a kernel type."""
     cdef fs_type_info t
     if type_name not in TYPE_IDS:
         raise ValueError(f"type {type_name} has no kernel; kernel types: {', '.join(KERNEL_TYPES)}")

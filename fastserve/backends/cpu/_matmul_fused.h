@@ -27,6 +27,11 @@
  *                  one vpshufb; IQ4_XS's blocks are the 16-byte sub-blocks of its 256-blocks, their
  *                  scales d * (ls - 32) computed from the 16 rows' first two dwords once per 256-block
  *                  (n <= 2, any panel);
+ *     Q3_K:        as Q6_K (fs_fused_qs_avx512): the 32 low-bit bytes of its chunk broadcast to both
+ *                  blocks' halves, shifted apart, + 4 under the hmask bits' byte mask (q + 4, 0..7);
+ *                  its 6-bit sub-scales unpacked to Q6_K's int8 layout (fs_fused_subscales);
+ *     Q2_K:        Q3_K's low bits alone (q in 0..3, no offset), its 4-bit scales in that layout, and
+ *                  after each block's isum step its halves' offsets (fs_fused_halves, kind QSM's order);
  *   activations: the 64 quantized inputs of blocks b, b+1 (one load, reused by 16 rows), their
  *   dwords doubled (0, 0, 1, 1 and 2, 2, 3, 3 per 128-bit lane);
  *   the weights of two rows interleaved by dwords (unpack lo / hi) and two vpdpbusd then leave 8
@@ -39,8 +44,8 @@
  *
  * AVX2 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; IQ4_NL and IQ4_XS at n = 1, their nibbles looked up as int8 q and
  * multiplied as Q8_0's): the same in 8-row halves, one block per register (see there);
- * Q4_K, Q5_K and Q6_K (whole panels) likewise from their 256-blocks, at n <= 4 (fs_kq_half_avx2: the dots of
- * each half block kept apart for Q6_K's sub-scales), so that no K-quant panel is staged at small n.
+ * Q4_K, Q5_K, Q6_K and Q3_K (whole panels) likewise from their 256-blocks, at n <= 4 (fs_kq_half_avx2: the
+ * dots of each half block kept apart for the sub-scales of Q6_K, Q3_K and Q2_K), so that no K-quant panel is staged at small n.
  *
  * Prefetch: the next panel's rows in even slices, one per step (fs_prefetcher: one division per
  * panel); the type is a constant in each kernel instance (a switch outside the block loop).
@@ -62,6 +67,9 @@
     case 3: CALL(3); break;                                              \
     default: CALL(4); break;                                             \
     }
+
+/* The K-quants whose fused kernels keep each half block's dot apart for two integer sub-scales. */
+#define FS_KQ_SUB(type) ((type) == FS_T_Q6_K || (type) == FS_T_Q3_K || (type) == FS_T_Q2_K)
 
 /* Bytes per block of the 32-input types. */
 static inline int fs_fused_block_bytes(int type)
@@ -119,6 +127,21 @@ FS_FUSED512 FS_INLINE __m512i fs_fused_q6k_weights(const uint8_t *p, int64_t sb,
     return _mm512_ternarylogic_epi32(ql, _mm512_set1_epi8(15), hb, 0xEA);     /* (ql & 15) | hb */
 }
 
+/* Q3_K: row p's blocks jj, jj + 1 (jj even) of 256-block sb as q + 4 (0..7): the 32 low-bit bytes of
+ * chunk jj / 4 broadcast to both halves, shifted by 2 * (jj % 4) and 2 more in the upper one, and
+ * + 4 under the byte mask of hmask bits jj (lower half) and jj + 1 (upper). */
+FS_FUSED512 FS_INLINE __m512i fs_fused_q3k_weights(const uint8_t *p, int64_t sb, int jj)
+{
+    const uint8_t *blk = p + sb * 110;
+    const int t = jj & 3;
+    const __m512i ql = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * (jj >> 2))));
+    const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * t)), _mm256_set1_epi16((short)(2 * t + 2)), 1);
+    const __m512i w = _mm512_and_si512(_mm512_srlv_epi16(ql, sh), _mm512_set1_epi8(3));
+    const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)blk));
+    const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << jj)), _mm256_set1_epi8((char)(2 << jj)), 1);
+    return _mm512_mask_add_epi8(w, _mm512_test_epi8_mask(hm, bit), w, _mm512_set1_epi8(4));
+}
+
 /* Row p's weights of blocks b, b1 (b1 = b + 1, or b for an odd last block; Q4_K and Q5_K: b1 = b + 2)
  * as unsigned bytes, laid out [b: inputs 0..15 | 16..31 | b1: 0..15 | 16..31]; the nibble types'
  * high nibbles stay x16: Q4_0 / Q4_1 in the second and fourth 128-bit lanes, Q4_K for odd b. */
@@ -139,6 +162,14 @@ FS_FUSED512 FS_INLINE __m512i fs_fused_weights(const int type, const uint8_t *p,
     }
     if (type == FS_T_Q6_K)
         return fs_fused_q6k_weights(p, b >> 3, (int)(b & 7));
+    if (type == FS_T_Q3_K)
+        return fs_fused_q3k_weights(p, b >> 3, (int)(b & 7));
+    if (type == FS_T_Q2_K) {     /* Q3_K's low bits alone (q in 0..3), its chunks at byte 16 */
+        const int jj = (int)(b & 7), t = jj & 3;
+        const __m512i ql = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + (b >> 3) * 84 + 16 + 32 * (jj >> 2))));
+        const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * t)), _mm256_set1_epi16((short)(2 * t + 2)), 1);
+        return _mm512_and_si512(_mm512_srlv_epi16(ql, sh), _mm512_set1_epi8(3));
+    }
     if (type == FS_T_Q5_K) {
         /* blocks b, b + 2: the low (b even) or high nibbles of chunks (b % 8) / 2 and the next, one
          * plain 64-byte load, shifted down (a fifth bit leaves no room for x16); then bits b % 8
@@ -356,14 +387,52 @@ FS_FUSED512 FS_INLINE void fs_fused_k45_avx512(const fs_job *j, const int type, 
     fs_fused_store(j, f, R);
 }
 
-/* Q6_K: 16 rows at rows (a whole panel) times R activation rows. Per pair of blocks
- * the dots of each half block stay apart (two reduce steps, not three), lose the offset 32 *
- * sum(q_x) of their half, are multiplied by their int8 sub-scales, then summed: isum = s0 * lo16
- * + s1 * hi16, exactly. */
-FS_FUSED512 FS_INLINE void fs_fused_q6k_avx512(const fs_job *j, const uint8_t *rows, int64_t row_bytes,
-                                               const uint8_t *next, const int R)
+/* The 16 sub-scales of 256-block sb of 16 rows as int8, 4 per dword: scs[k] lane l = the scales
+ * 4k .. 4k + 3 of row l (Q6_K: as stored; Q3_K: 6-bit - 32, its 4 low bits in bytes 0..7 (high
+ * nibbles for scales 8..15), 2 high bits at 2 * (i / 4) of byte 8 + i % 4; Q2_K: the low nibbles of
+ * scales[16], and in mns the high ones, its mins, in the same layout). */
+FS_FUSED512 FS_INLINE void fs_fused_subscales(const int type, const uint8_t *rows, int64_t row_bytes, int64_t sb,
+                                              __m512i scs[4], __m512i mns[4])
 {
-    const int64_t nb = j->nb;
+    if (type == FS_T_Q6_K) {
+        fs_rows16x4(rows, row_bytes, sb * 210 + 192, scs);
+        return;
+    }
+    if (type == FS_T_Q2_K) {
+        fs_rows16x4(rows, row_bytes, sb * 84, scs);
+        for (int k = 0; k < 4; k++) {
+            mns[k] = _mm512_and_si512(_mm512_srli_epi32(scs[k], 4), _mm512_set1_epi8(15));
+            scs[k] = _mm512_and_si512(scs[k], _mm512_set1_epi8(15));
+        }
+        return;
+    }
+    __m512i sc[4];
+    fs_rows16x4(rows, row_bytes, sb * 110 + 92, sc);      /* sc[1..3]: scales[0..3], [4..7], [8..11] */
+    for (int k = 0; k < 4; k++) {
+        const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(sc[1 + (k & 1)], 4 * (k >> 1)), _mm512_set1_epi8(15));
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(sc[3], 2 * k), _mm512_set1_epi8(3));
+        scs[k] = _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), _mm512_set1_epi8(32));
+    }
+}
+
+/* Kind QSM's offsets of block o after its isum step: acc + m0 * (d_x * xh), then + m1 * (d_x * (xs - xh)). */
+FS_FUSED512 FS_INLINE __m512 fs_fused_halves(const fs_job *j, __m512 acc, __m512 m0, __m512 m1, int64_t o)
+{
+    const float dx = j->dx[o], sl = dx * (float)j->xh[o], sh = dx * (float)(j->xs[o] - j->xh[o]);
+    acc = _mm512_add_ps(acc, _mm512_mul_ps(m0, _mm512_set1_ps(sl)));
+    return _mm512_add_ps(acc, _mm512_mul_ps(m1, _mm512_set1_ps(sh)));
+}
+
+/* Q6_K, Q3_K, Q2_K (type): 16 rows at rows (a whole panel) times R activation rows. Per pair of blocks
+ * the dots of each half block stay apart (two reduce steps, not three), lose the offset
+ * fs_q_offset * sum(q_x) of their half, are multiplied by their int8 sub-scales, then summed:
+ * isum = s0 * lo16 + s1 * hi16, exactly; Q2_K then adds its halves' offsets -(dmin * min). */
+FS_FUSED512 FS_INLINE void fs_fused_qs_avx512(const fs_job *j, const int type, const uint8_t *rows, int64_t row_bytes,
+                                              const uint8_t *next, const int R)
+{
+    const int64_t nb = j->nb, bb = type == FS_T_Q6_K ? 210 : type == FS_T_Q3_K ? 110 : 84;
+    const int32_t off = fs_q_offset(type);
+    const int Q2 = type == FS_T_Q2_K;
     const uint8_t *rp[16];
     __m512 f[FS_FUSED_MAX_N];
     fs_fused_begin(j, rows, row_bytes, rp, f, R);
@@ -372,10 +441,12 @@ FS_FUSED512 FS_INLINE void fs_fused_q6k_avx512(const fs_job *j, const uint8_t *r
     fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
     for (int64_t sb = 0; sb < nb / 8; sb++) {
         fs_prefetch_step(&pf);
-        /* d: the block's last two bytes (read as the high half of the dword before them) */
-        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(fs_fused_scales(rp, sb * 210 + 206), 16)));
-        __m512i scs[4];                    /* dword jj / 2: the sub-scales s0, s1 of blocks jj, jj + 1 */
-        fs_rows16x4(rows, row_bytes, sb * 210 + 192, scs);
+        /* d: the block's last two bytes (read as the high half of the dword before them); Q2_K: d | dmin */
+        const __m512i g = fs_fused_scales(rp, Q2 ? sb * bb + 80 : sb * bb + bb - 4);
+        const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(Q2 ? g : _mm512_srli_epi32(g, 16)));
+        const __m512 dmin = Q2 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16))) : d;
+        __m512i scs[4], mns[4];            /* dword jj / 2: the sub-scales s0, s1 (mins) of blocks jj, jj + 1 */
+        fs_fused_subscales(type, rows, row_bytes, sb, scs, mns);
         for (int jj = 0; jj < 8; jj += 2) {
             const int64_t b = sb * 8 + jj;
             __m512i xv[2 * FS_FUSED_MAX_N], e[4][FS_FUSED_MAX_N], corr[FS_FUSED_MAX_N];
@@ -384,26 +455,35 @@ FS_FUSED512 FS_INLINE void fs_fused_q6k_avx512(const fs_job *j, const uint8_t *r
             for (int r = 0; r < R; r++) {
                 const int64_t o = r * nb + b;
                 const int32_t h0 = j->xh[o], h1 = j->xh[o + 1];
-                corr[r] = _mm512_set_epi32(32 * (j->xs[o + 1] - h1), 32 * (j->xs[o + 1] - h1), 32 * (j->xs[o + 1] - h1), 32 * (j->xs[o + 1] - h1),
-                                           32 * h1, 32 * h1, 32 * h1, 32 * h1,
-                                           32 * (j->xs[o] - h0), 32 * (j->xs[o] - h0), 32 * (j->xs[o] - h0), 32 * (j->xs[o] - h0),
-                                           32 * h0, 32 * h0, 32 * h0, 32 * h0);
+                const int32_t c0 = off * h0, c1 = off * (j->xs[o] - h0), c2 = off * h1, c3 = off * (j->xs[o + 1] - h1);
+                corr[r] = _mm512_set_epi32(c3, c3, c3, c3, c2, c2, c2, c2, c1, c1, c1, c1, c0, c0, c0, c0);
             }
             const __m512i sc = scs[jj >> 1];
 #pragma GCC unroll 4
             for (int u = 0; u < 4; u++) {
-                fs_fused_quad(FS_T_Q6_K, rp + 4 * u, b, b + 1, xv, R, e[u]);
+                fs_fused_quad(type, rp + 4 * u, b, b + 1, xv, R, e[u]);
                 /* rows 4u..4u+3's sub-scales, laid out as e[u]: [s0 jj | s1 jj | s0 jj+1 | s1 jj+1] */
                 const __m512i su = _mm512_srai_epi32(_mm512_sllv_epi32(_mm512_shuffle_i32x4(sc, sc, 0x55 * u), to_top), 24);
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++)
                     e[u][r] = _mm512_mullo_epi32(_mm512_sub_epi32(e[u][r], corr[r]), su);
             }
+            __m512 mneg[4];                /* Q2_K: -(dmin * min) of the half blocks b lo, b hi, b+1 lo, b+1 hi */
+#pragma GCC unroll 4
+            for (int e2 = 0; e2 < 4; e2++) {
+                const __m512i m = Q2 ? _mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(fs_byte(mns[jj >> 1], e2))))
+                                     : _mm512_setzero_si512();
+                mneg[e2] = _mm512_castsi512_ps(_mm512_xor_si512(m, _mm512_set1_epi32((int)0x80000000u)));
+            }
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 const __m512i f0 = fs_fold128(e[0][r], e[1][r], 0), f1 = fs_fold128(e[2][r], e[3][r], 0);
                 f[r] = fs_fused_float(j, f[r], _mm512_shuffle_i64x2(f0, f1, 0x88), d, d, 0, r * nb + b);
+                if (Q2)
+                    f[r] = fs_fused_halves(j, f[r], mneg[0], mneg[1], r * nb + b);
                 f[r] = fs_fused_float(j, f[r], _mm512_shuffle_i64x2(f0, f1, 0xDD), d, d, 0, r * nb + b + 1);
+                if (Q2)
+                    f[r] = fs_fused_halves(j, f[r], mneg[2], mneg[3], r * nb + b + 1);
             }
         }
     }
@@ -420,9 +500,11 @@ FS_FUSED512 static void fs_fused_avx512(const fs_job *j, int type, const uint8_t
 #define FS_Q51(R) fs_fused_q32_avx512(j, FS_T_Q5_1, rows, row_bytes, next, R)
 #define FS_Q4K(R) fs_fused_k45_avx512(j, FS_T_Q4_K, rows, row_bytes, next, R)
 #define FS_Q5K(R) fs_fused_k45_avx512(j, FS_T_Q5_K, rows, row_bytes, next, R)
-#define FS_Q6K(R) fs_fused_q6k_avx512(j, rows, row_bytes, next, R)
+#define FS_Q6K(R) fs_fused_qs_avx512(j, FS_T_Q6_K, rows, row_bytes, next, R)
 #define FS_IQ4NL(R) fs_fused_q32_avx512(j, FS_T_IQ4_NL, rows, row_bytes, next, R)
 #define FS_IQ4XS(R) fs_fused_q32_avx512(j, FS_T_IQ4_XS, rows, row_bytes, next, R)
+#define FS_Q3K(R) fs_fused_qs_avx512(j, FS_T_Q3_K, rows, row_bytes, next, R)
+#define FS_Q2K(R) fs_fused_qs_avx512(j, FS_T_Q2_K, rows, row_bytes, next, R)
     switch (type) {
     case FS_T_Q4_0: FS_FUSED_BY_N(FS_Q40); break;
     case FS_T_Q4_1: FS_FUSED_BY_N(FS_Q41); break;
@@ -434,6 +516,8 @@ FS_FUSED512 static void fs_fused_avx512(const fs_job *j, int type, const uint8_t
     case FS_T_Q6_K: FS_FUSED_BY_N(FS_Q6K); break;
     case FS_T_IQ4_NL: FS_FUSED_BY_N(FS_IQ4NL); break;
     case FS_T_IQ4_XS: FS_FUSED_BY_N(FS_IQ4XS); break;
+    case FS_T_Q3_K: FS_FUSED_BY_N(FS_Q3K); break;
+    case FS_T_Q2_K: FS_FUSED_BY_N(FS_Q2K); break;
     default: break;
     }
 #undef FS_Q40
@@ -446,6 +530,8 @@ FS_FUSED512 static void fs_fused_avx512(const fs_job *j, int type, const uint8_t
 #undef FS_Q6K
 #undef FS_IQ4NL
 #undef FS_IQ4XS
+#undef FS_Q3K
+#undef FS_Q2K
 }
 #endif /* FS_HAVE_FUSED_AVX512 */
 
@@ -603,6 +689,17 @@ FS_FUSED256 FS_INLINE __m256i fs_kq_weights_avx2(const int type, const uint8_t *
         const __m256i b4 = jj <= 4 ? _mm256_slli_epi16(qh, 4 - jj) : _mm256_srli_epi16(qh, jj - 4);
         return _mm256_or_si256(w, _mm256_and_si256(b4, _mm256_set1_epi8(0x10)));
     }
+    if (type == FS_T_Q2_K) {     /* q: 2 bits of chunk jj / 4 at 2 * (jj % 4) */
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (jj >> 2)));
+        return _mm256_and_si256(_mm256_srli_epi16(ql, 2 * (jj & 3)), _mm256_set1_epi8(3));
+    }
+    if (type == FS_T_Q3_K) {     /* q + 4: 2 low bits of chunk jj / 4 at 2 * (jj % 4), + 4 where hmask bit jj */
+        const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * (jj >> 2)));
+        const __m256i bit = _mm256_set1_epi8((char)(1 << jj)), hm = _mm256_loadu_si256((const __m256i *)blk);
+        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit);
+        return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql, 2 * (jj & 3)), _mm256_set1_epi8(3)),
+                               _mm256_and_si256(set, _mm256_set1_epi8(4)));
+    }
     const int c = jj >> 2, t = jj & 3;
     __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32 * (t & 1)));
     __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * c));
@@ -635,13 +732,13 @@ FS_FUSED256 FS_INLINE void fs_kq_dots_avx2(const int type, const uint8_t *const 
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 c[t][r] = _mm256_add_epi16(_mm256_maddubs_epi16(wl, xd[r]), _mm256_maddubs_epi16(wh, xd[FS_FUSED_MAX_N + r]));
-                if (type == FS_T_Q6_K)
+                if (FS_KQ_SUB(type))
                     c[t][r] = _mm256_madd_epi16(c[t][r], ones);
             }
         }
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
-            e[u][r] = type == FS_T_Q6_K ? fs_fold64_avx2(c[0][r], c[1][r])
+            e[u][r] = FS_KQ_SUB(type) ? fs_fold64_avx2(c[0][r], c[1][r])
                                         : _mm256_add_epi16(_mm256_unpacklo_epi64(c[0][r], c[1][r]),
                                                            _mm256_unpackhi_epi64(c[0][r], c[1][r]));
     }
@@ -659,7 +756,9 @@ FS_FUSED256 FS_INLINE void fs_kq_dots_avx2(const int type, const uint8_t *const 
 FS_FUSED256 FS_INLINE void fs_kq_half_avx2(const fs_job *j, const int type, const uint8_t *rows, int64_t row_bytes,
                                            int h, fs_prefetcher *pf, const int R)
 {
-    const int64_t nb = j->nb, K = nb * FS_QK, bb = type == FS_T_Q4_K ? 144 : type == FS_T_Q5_K ? 176 : 210;
+    const int64_t nb = j->nb, K = nb * FS_QK;
+    const int64_t bb = type == FS_T_Q4_K ? 144 : type == FS_T_Q5_K ? 176 : type == FS_T_Q3_K ? 110 : type == FS_T_Q2_K ? 84 : 210;
+    const int32_t off = fs_q_offset(type);
     const uint8_t *r8 = rows + 8 * h * row_bytes, *rp[8];
     for (int l = 0; l < 8; l++)
         rp[l] = r8 + l * row_bytes;
@@ -671,14 +770,37 @@ FS_FUSED256 FS_INLINE void fs_kq_half_avx2(const fs_job *j, const int type, cons
         fs_prefetch_step(pf);
         const int64_t at = sb * bb;
         __m256i hs[8];
-        __m256 dsc[8], mneg[8], d6 = _mm256_setzero_ps();
-        if (type != FS_T_Q6_K) {
+        __m256 dsc[8], mneg[8], d6 = _mm256_setzero_ps(), dmin = d6;
+        __m256i mns[4];
+        if (!FS_KQ_SUB(type)) {
             fs_rows8_avx2(r8, row_bytes, at, 1, hs);       /* d | dmin, scales[0..3], [4..7], [8..11] */
             fs_k45_scales_avx2(hs, _mm256_cvtph_ps(fs_low16x8_avx2(hs[0])),
                                _mm256_cvtph_ps(fs_low16x8_avx2(_mm256_srli_epi32(hs[0], 16))), dsc, mneg);
         } else {
-            fs_rows8_avx2(r8, row_bytes, at + 192, 1, hs);  /* the 16 int8 sub-scales, 4 per dword */
-            d6 = _mm256_cvtph_ps(fs_low16x8_avx2(_mm256_srli_epi32(fs_dword8_avx2(rp, at + 206), 16)));
+            if (type == FS_T_Q6_K) {
+                fs_rows8_avx2(r8, row_bytes, at + 192, 1, hs);  /* the 16 int8 sub-scales, 4 per dword */
+            } else if (type == FS_T_Q2_K) {                     /* scales (low nibbles) and mins (high) */
+                fs_rows8_avx2(r8, row_bytes, at, 1, hs);
+                for (int k = 0; k < 4; k++) {
+                    mns[k] = _mm256_and_si256(_mm256_srli_epi32(hs[k], 4), _mm256_set1_epi8(15));
+                    hs[k] = _mm256_and_si256(hs[k], _mm256_set1_epi8(15));
+                }
+            } else {                                            /* Q3_K's, as fs_fused_subscales makes them */
+                __m256i sc[8];
+                fs_rows8_avx2(r8, row_bytes, at + 92, 1, sc);
+                for (int k = 0; k < 4; k++) {
+                    const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(sc[1 + (k & 1)], 4 * (k >> 1)), _mm256_set1_epi8(15));
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(sc[3], 2 * k), _mm256_set1_epi8(3));
+                    hs[k] = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi8(32));
+                }
+            }
+            if (type == FS_T_Q2_K) {
+                const __m256i g = fs_dword8_avx2(rp, at + 80);       /* d | dmin << 16 */
+                d6 = _mm256_cvtph_ps(fs_low16x8_avx2(g));
+                dmin = _mm256_cvtph_ps(fs_low16x8_avx2(_mm256_srli_epi32(g, 16)));
+            } else {
+                d6 = _mm256_cvtph_ps(fs_low16x8_avx2(_mm256_srli_epi32(fs_dword8_avx2(rp, at + bb - 4), 16)));
+            }
         }
 #pragma GCC unroll 8
         for (int jj = 0; jj < 8; jj++) {
@@ -692,20 +814,31 @@ FS_FUSED256 FS_INLINE void fs_kq_half_avx2(const fs_job *j, const int type, cons
             }
             fs_kq_dots_avx2(type, rp, at, jj, xd, R, lo, hi);
             __m256i s0 = lo[0], s1 = lo[0];
-            if (type == FS_T_Q6_K) {
+            __m256 m0 = d6, m1 = d6;
+            if (FS_KQ_SUB(type)) {
                 const int i0 = 2 * jj, i1 = 2 * jj + 1;
                 s0 = _mm256_srai_epi32(_mm256_slli_epi32(hs[i0 >> 2], 24 - 8 * (i0 & 3)), 24);
                 s1 = _mm256_srai_epi32(_mm256_slli_epi32(hs[i1 >> 2], 24 - 8 * (i1 & 3)), 24);
+            }
+            if (type == FS_T_Q2_K) {     /* the halves' offsets -(dmin * min) */
+                const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+                m0 = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(fs_byte256(mns[jj >> 1], (2 * jj) & 3)))), sign));
+                m1 = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(fs_byte256(mns[jj >> 1], (2 * jj + 1) & 3)))), sign));
             }
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 const int64_t o = r * nb + b;
                 __m256i is;
-                if (type == FS_T_Q6_K) {
+                if (FS_KQ_SUB(type)) {
                     const int32_t xh = j->xh[o], xs = j->xs[o];
-                    is = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_sub_epi32(lo[r], _mm256_set1_epi32(32 * xh)), s0),
-                                          _mm256_mullo_epi32(_mm256_sub_epi32(hi[r], _mm256_set1_epi32(32 * (xs - xh))), s1));
+                    is = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_sub_epi32(lo[r], _mm256_set1_epi32(off * xh)), s0),
+                                          _mm256_mullo_epi32(_mm256_sub_epi32(hi[r], _mm256_set1_epi32(off * (xs - xh))), s1));
                     f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(d6, _mm256_set1_ps(j->dx[o]))));
+                    if (type == FS_T_Q2_K) {
+                        const float dx = j->dx[o], sl = dx * (float)xh, sh = dx * (float)(xs - xh);
+                        f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(m0, _mm256_set1_ps(sl)));
+                        f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(m1, _mm256_set1_ps(sh)));
+                    }
                 } else {
                     is = lo[r];
                     f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(dsc[jj], _mm256_set1_ps(j->dx[o]))));
@@ -722,23 +855,31 @@ FS_FUSED256 FS_INLINE void fs_kq_half_avx2(const fs_job *j, const int type, cons
 FS_FUSED256 static void fs_fused_avx2(const fs_job *j, int type, const uint8_t *rows, int64_t row_bytes,
                                       const uint8_t *next)
 {
-    const int kq = type == FS_T_Q4_K || type == FS_T_Q5_K || type == FS_T_Q6_K;
+    const int kq = type == FS_T_Q4_K || type == FS_T_Q5_K || FS_KQ_SUB(type);
     fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, 2 * (kq ? j->nb / 8 : j->nb));
     if (kq) {
         for (int h = 0; h < 2; h++) {
 #define FS_Q4K(R) fs_kq_half_avx2(j, FS_T_Q4_K, rows, row_bytes, h, &pf, R)
 #define FS_Q5K(R) fs_kq_half_avx2(j, FS_T_Q5_K, rows, row_bytes, h, &pf, R)
 #define FS_Q6K(R) fs_kq_half_avx2(j, FS_T_Q6_K, rows, row_bytes, h, &pf, R)
+#define FS_Q3K(R) fs_kq_half_avx2(j, FS_T_Q3_K, rows, row_bytes, h, &pf, R)
+#define FS_Q2K(R) fs_kq_half_avx2(j, FS_T_Q2_K, rows, row_bytes, h, &pf, R)
             if (type == FS_T_Q4_K) {
                 FS_FUSED_BY_N(FS_Q4K);
             } else if (type == FS_T_Q5_K) {
                 FS_FUSED_BY_N(FS_Q5K);
+            } else if (type == FS_T_Q3_K) {
+                FS_FUSED_BY_N(FS_Q3K);
+            } else if (type == FS_T_Q2_K) {
+                FS_FUSED_BY_N(FS_Q2K);
             } else {
                 FS_FUSED_BY_N(FS_Q6K);
             }
 #undef FS_Q4K
 #undef FS_Q5K
 #undef FS_Q6K
+#undef FS_Q3K
+#undef FS_Q2K
         }
         return;
     }
@@ -777,7 +918,8 @@ FS_FUSED256 static void fs_fused_avx2(const fs_job *j, int type, const uint8_t *
 #endif /* FS_HAVE_STAGE_AVX2 */
 
 /* Whether the fused kernel computes a panel of valid rows of this type at n activation rows with
- * this isa (valid < 16: only the 32-input types; Q4_K's last partial panel stages). On AVX-512 Q4_K
+ * this isa (valid < 16: only the 32-input types; a K-quant's last partial panel stages). On AVX-512
+ * Q6_K, Q3_K and Q2_K stop at FS_FUSED_MAX_N_K as Q4_K does (not measured apart for them). Q4_K
  * stops at FS_FUSED_MAX_N_K rows: its staging decoder is cheaper per byte than the 32-input types',
  * so the fused kernel's per-row reduction wins only below that (measured: 1.34x at n = 1, 1.04x at 2,
  * 0.87x at 4, 1 thread, 2048x2048). On AVX2 the direct K-quant kernels win at every n <= 4 (the 1 B
@@ -791,14 +933,14 @@ static inline int fs_fused_ok(int isa, int type, int64_t n, int valid)
     if (isa == FS_ISA_AVX512VNNI && n >= 1 && n <= FS_FUSED_MAX_N &&
         (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q5_0 || type == FS_T_Q5_1 || type == FS_T_Q8_0 ||
          ((type == FS_T_IQ4_NL || type == FS_T_IQ4_XS) && n <= FS_FUSED_MAX_N_K) ||
-         ((type == FS_T_Q4_K || type == FS_T_Q5_K || type == FS_T_Q6_K) && valid == FS_LANES && n <= FS_FUSED_MAX_N_K)))
+         ((type == FS_T_Q4_K || type == FS_T_Q5_K || FS_KQ_SUB(type)) && valid == FS_LANES && n <= FS_FUSED_MAX_N_K)))
         return 1;
 #endif
 #if defined(FS_HAVE_FUSED_AVX2)
     if (isa == FS_ISA_AVX2 && n >= 1 && n <= FS_FUSED_MAX_N &&
         (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q5_0 || type == FS_T_Q5_1 || type == FS_T_Q8_0 ||
          ((type == FS_T_IQ4_NL || type == FS_T_IQ4_XS) && n == 1) ||
-         ((type == FS_T_Q4_K || type == FS_T_Q5_K || type == FS_T_Q6_K) && valid == FS_LANES)))
+         ((type == FS_T_Q4_K || type == FS_T_Q5_K || FS_KQ_SUB(type)) && valid == FS_LANES)))
         return 1;
 #endif
     (void)isa; (void)type; (void)n; (void)valid;

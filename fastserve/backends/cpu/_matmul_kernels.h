@@ -8,12 +8,15 @@
  *   - Weights: per block of 32 inputs w_i = d * (s_i * q_i) + m, exactly as the file stores them
  *     (_gguf_blocks.h: every supported GGUF type is of that form).
  *   - Per block the integer dot isum = sum_i s_i q_i q_x,i is exact (|isum| < 2^24, so its float
- *     conversion is exact too): s = 1 except for Q6_K, whose two int8 scales per block multiply the
- *     dots of inputs 0..15 and 16..31.
+ *     conversion is exact too): s = 1 except for Q6_K, Q3_K and Q2_K, whose two integer scales per
+ *     block multiply the dots of inputs 0..15 and 16..31.
  *   - Output (r, o): acc = 0; for blocks b = 0, 1, ... IN THAT ORDER:
  *         acc = acc + (float)isum * (d_w * d_x);   then, with offsets,  acc = acc + m_w * s_x,
  *     s_x = d_x * (float)sum q_x; each product and each sum rounded to float32, no fused
  *     multiply-add (the extension is built with -ffp-contract=off).
+ *     Kind QSM (Q2_K: an offset per half block, m_0 for inputs 0..15, m_1 for 16..31): after the
+ *     isum step  acc = acc + m_0 * s_x,lo;  then  acc = acc + m_1 * s_x,hi,  with
+ *     s_x,lo = d_x * (float)(sum of q_x over inputs 0..15), s_x,hi = d_x * (float)(sum over 16..31).
  *   - Float weights (F32, F16, BF16): the activations stay float32, and
  *         acc = 0; for i = 0, 1, ... n_in - 1 IN THAT ORDER:  acc = acc + w_i * x_i.
  * Nothing in that order depends on n, on the other rows, on the kernel (scalar, AVX2, AVX-512 VNNI,
@@ -163,6 +166,7 @@ static inline void fs_panel_scalar(const fs_job *j, const int kind)
             /* products summed per byte position first (a plain loop that compilers vectorize),
              * then the 4 positions of each lane; inputs 0..15 (k < 4) apart from 16..31 */
             int32_t lo64[64], hi64[64], is[FS_LANES];
+            const int32_t xs = j->xs[r * nb + b], xh = j->xh[r * nb + b];
             int16_t xrep[64];
             for (int i = 0; i < 64; i++)
                 lo64[i] = hi64[i] = 0;
@@ -175,12 +179,11 @@ static inline void fs_panel_scalar(const fs_job *j, const int kind)
                 for (int i = 0; i < 64; i++)
                     a[i] += (int32_t)((int16_t)wk[i] * xrep[i]);
             }
-            const int32_t xs = j->xs[r * nb + b], xh = j->xh[r * nb + b];
             for (int l = 0; l < FS_LANES; l++) {
                 /* minus the +128 of the stored weights, per half */
                 int32_t lo = (lo64[l * 4] + lo64[l * 4 + 1]) + (lo64[l * 4 + 2] + lo64[l * 4 + 3]) - 128 * xh;
                 int32_t hi = (hi64[l * 4] + hi64[l * 4 + 1]) + (hi64[l * 4 + 2] + hi64[l * 4 + 3]) - 128 * (xs - xh);
-                if (kind == FS_KIND_QS) {
+                if (kind == FS_KIND_QS || kind == FS_KIND_QSM) {
                     int32_t s0, s1;
                     memcpy(&s0, pb + 576 + l * 4, 4);
                     memcpy(&s1, pb + 640 + l * 4, 4);
@@ -202,6 +205,19 @@ static inline void fs_panel_scalar(const fs_job *j, const int kind)
                 memcpy(mw, pb + 576, sizeof mw);
                 for (int l = 0; l < FS_LANES; l++) {
                     float t = mw[l] * sxb;
+                    acc[l] = acc[l] + t;
+                }
+            }
+            if (kind == FS_KIND_QSM) {
+                /* the halves' offsets, inputs 0..15 first */
+                const float sl = dxb * (float)xh, sh = dxb * (float)(xs - xh);
+                float m1[FS_LANES];
+                memcpy(mw, pb + 704, sizeof mw);
+                memcpy(m1, pb + 768, sizeof m1);
+                for (int l = 0; l < FS_LANES; l++) {
+                    float t = mw[l] * sl;
+                    acc[l] = acc[l] + t;
+                    t = m1[l] * sh;
                     acc[l] = acc[l] + t;
                 }
             }
@@ -235,6 +251,7 @@ static void fs_float_scalar(const fs_job *j)
 static void fs_kernel_scalar_q(const fs_job *j) { fs_panel_scalar(j, FS_KIND_Q); }
 static void fs_kernel_scalar_qm(const fs_job *j) { fs_panel_scalar(j, FS_KIND_QM); }
 static void fs_kernel_scalar_qs(const fs_job *j) { fs_panel_scalar(j, FS_KIND_QS); }
+static void fs_kernel_scalar_qsm(const fs_job *j) { fs_panel_scalar(j, FS_KIND_QSM); }
 
 #if defined(FS_X86)
 
@@ -274,7 +291,7 @@ FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, int h, int64_t r0, const in
                                     const int32_t off)
 {
     const int64_t nb = j->nb, K = nb * FS_QK, pbb = fs_stage_bytes(kind);
-    const int S = kind == FS_KIND_QS, M = kind == FS_KIND_QM;
+    const int S = kind == FS_KIND_QS || kind == FS_KIND_QSM, M = kind == FS_KIND_QM, M2 = kind == FS_KIND_QSM;
     const uint8_t *wp = j->w + h * 32;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 f[4];
@@ -358,6 +375,12 @@ FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, int h, int64_t r0, const in
             f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_cvtepi32_ps(a[r]), s));
             if (M)
                 f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(mw, _mm256_set1_ps(j->sx[(r0 + r) * nb + b])));
+            if (M2) {
+                const int64_t o = (r0 + r) * nb + b;
+                const float dxo = j->dx[o], sl = dxo * (float)j->xh[o], sh = dxo * (float)(j->xs[o] - j->xh[o]);
+                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_loadu_ps((const float *)(pb + 704)), _mm256_set1_ps(sl)));
+                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_loadu_ps((const float *)(pb + 768)), _mm256_set1_ps(sh)));
+            }
         }
     }
 #pragma GCC unroll 4
@@ -423,6 +446,7 @@ FS_AVX2 FS_INLINE void fs_panel_avx2(const fs_job *j, const int kind)
 FS_AVX2 static void fs_kernel_avx2_q(const fs_job *j) { fs_panel_avx2(j, FS_KIND_Q); }
 FS_AVX2 static void fs_kernel_avx2_qm(const fs_job *j) { fs_panel_avx2(j, FS_KIND_QM); }
 FS_AVX2 static void fs_kernel_avx2_qs(const fs_job *j) { fs_panel_avx2(j, FS_KIND_QS); }
+FS_AVX2 static void fs_kernel_avx2_qsm(const fs_job *j) { fs_panel_avx2(j, FS_KIND_QSM); }
 FS_AVX2 static void fs_kernel_avx2_f(const fs_job *j) { fs_panel_avx2(j, FS_KIND_F); }
 
 #if defined(FS_HAVE_AVX512VNNI)
@@ -435,7 +459,7 @@ FS_AVX2 static void fs_kernel_avx2_f(const fs_job *j) { fs_panel_avx2(j, FS_KIND
 FS_AVX512 FS_INLINE void fs_tile_avx512(const fs_job *j, int64_t r0, const int R, const int kind)
 {
     const int64_t nb = j->nb, K = nb * FS_QK, pbb = fs_stage_bytes(kind);
-    const int S = kind == FS_KIND_QS, M = kind == FS_KIND_QM;
+    const int S = kind == FS_KIND_QS || kind == FS_KIND_QSM, M = kind == FS_KIND_QM, M2 = kind == FS_KIND_QSM;
     __m512 f[8];
     __m512i a[8], ah[8];
 #pragma GCC unroll 8
@@ -481,6 +505,12 @@ FS_AVX512 FS_INLINE void fs_tile_avx512(const fs_job *j, int64_t r0, const int R
             f[r] = _mm512_add_ps(f[r], _mm512_mul_ps(_mm512_cvtepi32_ps(a[r]), s));
             if (M)
                 f[r] = _mm512_add_ps(f[r], _mm512_mul_ps(mw, _mm512_set1_ps(j->sx[(r0 + r) * nb + b])));
+            if (M2) {
+                const int64_t o = (r0 + r) * nb + b;
+                const float dxo = j->dx[o], sl = dxo * (float)j->xh[o], sh = dxo * (float)(j->xs[o] - j->xh[o]);
+                f[r] = _mm512_add_ps(f[r], _mm512_mul_ps(_mm512_loadu_ps((const void *)(pb + 704)), _mm512_set1_ps(sl)));
+                f[r] = _mm512_add_ps(f[r], _mm512_mul_ps(_mm512_loadu_ps((const void *)(pb + 768)), _mm512_set1_ps(sh)));
+            }
         }
     }
     __mmask16 msk = (__mmask16)(j->valid >= 16 ? 0xFFFF : (1u << j->valid) - 1u);
@@ -534,6 +564,7 @@ FS_AVX512 FS_INLINE void fs_panel_avx512(const fs_job *j, const int kind)
 FS_AVX512 static void fs_kernel_avx512_q(const fs_job *j) { fs_panel_avx512(j, FS_KIND_Q); }
 FS_AVX512 static void fs_kernel_avx512_qm(const fs_job *j) { fs_panel_avx512(j, FS_KIND_QM); }
 FS_AVX512 static void fs_kernel_avx512_qs(const fs_job *j) { fs_panel_avx512(j, FS_KIND_QS); }
+FS_AVX512 static void fs_kernel_avx512_qsm(const fs_job *j) { fs_panel_avx512(j, FS_KIND_QSM); }
 FS_AVX512 static void fs_kernel_avx512_f(const fs_job *j) { fs_panel_avx512(j, FS_KIND_F); }
 #endif /* FS_HAVE_AVX512VNNI */
 #endif /* FS_X86 */
@@ -586,7 +617,8 @@ FS_INLINE_ARM void fs_store_neon(const fs_job *j, int64_t r0, int R, float32x4_t
 ATTR FS_INLINE_ARM void NAME(const fs_job *j, int64_t r0, const int R, const int kind)             \
 {                                                                                                  \
     const int64_t nb = j->nb, K = nb * FS_QK, pbb = fs_stage_bytes(kind);                          \
-    const int S = kind == FS_KIND_QS, M = kind == FS_KIND_QM;                                      \
+    const int S = kind == FS_KIND_QS || kind == FS_KIND_QSM, M = kind == FS_KIND_QM;               \
+    const int M2 = kind == FS_KIND_QSM;                                                            \
     const uint8x16_t flip = vdupq_n_u8(0x80);                                                      \
     float32x4_t f[2][4];                                                                           \
     int32x4_t a[2][4], ah[2][4];                                                                   \
@@ -632,6 +664,16 @@ ATTR FS_INLINE_ARM void NAME(const fs_job *j, int64_t r0, const int R, const int
                 if (M)                                                                             \
                     f[r][l] = vaddq_f32(f[r][l], vmulq_f32(mw[l], sxv));                           \
             }                                                                                      \
+            if (M2) {                                                                              \
+                const int64_t o = (r0 + r) * nb + b;                                               \
+                const float dxo = j->dx[o];                                                        \
+                const float32x4_t sl = vdupq_n_f32(dxo * (float)j->xh[o]);                         \
+                const float32x4_t sh = vdupq_n_f32(dxo * (float)(j->xs[o] - j->xh[o]));            \
+                for (int l = 0; l < 4; l++) {                                                      \
+                    f[r][l] = vaddq_f32(f[r][l], vmulq_f32(vld1q_f32((const float *)(pb + 704) + l * 4), sl)); \
+                    f[r][l] = vaddq_f32(f[r][l], vmulq_f32(vld1q_f32((const float *)(pb + 768) + l * 4), sh)); \
+                }                                                                                  \
+            }                                                                                      \
         }                                                                                          \
     }                                                                                              \
     fs_store_neon(j, r0, R, f);                                                                    \
@@ -650,6 +692,7 @@ FS_NEON_TILE(fs_tile_neon, , fs_dot4_neon)
 static void fs_kernel_neon_q(const fs_job *j) { fs_tile_neon_panel(j, FS_KIND_Q); }
 static void fs_kernel_neon_qm(const fs_job *j) { fs_tile_neon_panel(j, FS_KIND_QM); }
 static void fs_kernel_neon_qs(const fs_job *j) { fs_tile_neon_panel(j, FS_KIND_QS); }
+static void fs_kernel_neon_qsm(const fs_job *j) { fs_tile_neon_panel(j, FS_KIND_QSM); }
 
 /* The float kind: 4 registers of 4 outputs, 2 rows at a time. */
 FS_INLINE_ARM void fs_float_tile_neon(const fs_job *j, int64_t r0, const int R)
@@ -693,6 +736,7 @@ FS_NEON_TILE(fs_tile_sdot, FS_DOTPROD, fs_dot4_sdot)
 FS_DOTPROD static void fs_kernel_sdot_q(const fs_job *j) { fs_tile_sdot_panel(j, FS_KIND_Q); }
 FS_DOTPROD static void fs_kernel_sdot_qm(const fs_job *j) { fs_tile_sdot_panel(j, FS_KIND_QM); }
 FS_DOTPROD static void fs_kernel_sdot_qs(const fs_job *j) { fs_tile_sdot_panel(j, FS_KIND_QS); }
+FS_DOTPROD static void fs_kernel_sdot_qsm(const fs_job *j) { fs_tile_sdot_panel(j, FS_KIND_QSM); }
 #endif /* FS_HAVE_DOTPROD */
 #endif /* FS_ARM64 */
 
@@ -740,30 +784,34 @@ static fs_kernel fs_kernel_for(int isa, int kind)
 {
 #if defined(FS_X86)
     if (isa == FS_ISA_AVX2) {
-        static const fs_kernel k[FS_N_KINDS] = {fs_kernel_avx2_q, fs_kernel_avx2_qm, fs_kernel_avx2_qs, fs_kernel_avx2_f};
+        static const fs_kernel k[FS_N_KINDS] = {fs_kernel_avx2_q, fs_kernel_avx2_qm, fs_kernel_avx2_qs, fs_kernel_avx2_f,
+                                                fs_kernel_avx2_qsm};
         return k[kind];
     }
 #if defined(FS_HAVE_AVX512VNNI)
     if (isa == FS_ISA_AVX512VNNI) {
         static const fs_kernel k[FS_N_KINDS] = {fs_kernel_avx512_q, fs_kernel_avx512_qm, fs_kernel_avx512_qs,
-                                                fs_kernel_avx512_f};
+                                                fs_kernel_avx512_f, fs_kernel_avx512_qsm};
         return k[kind];
     }
 #endif
 #endif
 #if defined(FS_ARM64)
     if (isa == FS_ISA_NEON) {
-        static const fs_kernel k[FS_N_KINDS] = {fs_kernel_neon_q, fs_kernel_neon_qm, fs_kernel_neon_qs, fs_kernel_neon_f};
+        static const fs_kernel k[FS_N_KINDS] = {fs_kernel_neon_q, fs_kernel_neon_qm, fs_kernel_neon_qs, fs_kernel_neon_f,
+                                                fs_kernel_neon_qsm};
         return k[kind];
     }
 #if defined(FS_HAVE_DOTPROD)
     if (isa == FS_ISA_NEON_DOTPROD) {
-        static const fs_kernel k[FS_N_KINDS] = {fs_kernel_sdot_q, fs_kernel_sdot_qm, fs_kernel_sdot_qs, fs_kernel_neon_f};
+        static const fs_kernel k[FS_N_KINDS] = {fs_kernel_sdot_q, fs_kernel_sdot_qm, fs_kernel_sdot_qs, fs_kernel_neon_f,
+                                                fs_kernel_sdot_qsm};
         return k[kind];
     }
 #endif
 #endif
-    static const fs_kernel k[FS_N_KINDS] = {fs_kernel_scalar_q, fs_kernel_scalar_qm, fs_kernel_scalar_qs, fs_float_scalar};
+    static const fs_kernel k[FS_N_KINDS] = {fs_kernel_scalar_q, fs_kernel_scalar_qm, fs_kernel_scalar_qs, fs_float_scalar,
+                                            fs_kernel_scalar_qsm};
     (void)isa;
     return k[kind];
 }
@@ -825,6 +873,10 @@ static void fs_stage_panel(int isa, int type, const uint8_t *rows, int64_t row_b
         fs_stage_iq4_avx512(type == FS_T_IQ4_XS, rows, row_bytes, n_in / FS_QK, stage, next);
         return;
     }
+    if (isa == FS_ISA_AVX512VNNI && valid == FS_LANES && (type == FS_T_Q3_K || type == FS_T_Q2_K)) {
+        (type == FS_T_Q3_K ? fs_stage_q3k_avx512 : fs_stage_q2k_avx512)(rows, row_bytes, n_in / FS_QK, stage, next);
+        return;
+    }
     if (isa == FS_ISA_AVX512VNNI && valid == FS_LANES && n_in % FS_QK == 0 &&
         (type == FS_T_F32 || type == FS_T_F16 || type == FS_T_BF16)) {
         fs_stage_float_avx512(type, rows, row_bytes, n_in / FS_QK, stage, next);
@@ -847,6 +899,10 @@ static void fs_stage_panel(int isa, int type, const uint8_t *rows, int64_t row_b
     }
     if (isa == FS_ISA_AVX2 && valid == FS_LANES && (type == FS_T_IQ4_NL || type == FS_T_IQ4_XS)) {
         fs_stage_iq4_avx2(type == FS_T_IQ4_XS, rows, row_bytes, n_in / FS_QK, stage, next);
+        return;
+    }
+    if (isa == FS_ISA_AVX2 && valid == FS_LANES && (type == FS_T_Q3_K || type == FS_T_Q2_K)) {
+        (type == FS_T_Q3_K ? fs_stage_q3k_avx2 : fs_stage_q2k_avx2)(rows, row_bytes, n_in / FS_QK, stage, next);
         return;
     }
 #endif

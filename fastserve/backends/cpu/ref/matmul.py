@@ -6,7 +6,9 @@ Activations, blocks of 32 inputs: d = amax / 127, q = rint(v * (127 / amax)) (0 
 Weights per block w_i = d_w * (s_i * q_i) + m_w. For each (r, o), in block order:
     acc = acc + float32(isum) * (d_w * d_x);  with offsets then  acc = acc + m_w * s_x,
 isum = sum_i s_i q_w,i q_x,i exact, s_x = d_x * float32(sum q_x), every product and sum rounded to
-float32. Float weights (F32/F16/BF16): acc = acc + w_i * x_i for i = 0, 1, ... in order.
+float32. Kind "qsm" (Q2_K: an offset per half block, m_0 for inputs 0..15, m_1 for 16..31): after
+the isum step  acc = acc + m_0 * s_x,lo;  then  acc = acc + m_1 * s_x,hi,  with
+s_x,lo = d_x * float32(sum of q_x over inputs 0..15), s_x,hi = d_x * float32(sum over 16..31). Float weights (F32/F16/BF16): acc = acc + w_i * x_i for i = 0, 1, ... in order.
 """
 from __future__ import annotations
 
@@ -130,7 +132,10 @@ def _part_product(x, xq, dx, xs, xh, sx, p: B.Blocks) -> np.ndarray:
         else:
             isum = (qx[:, :16] @ qw[:, :16].T) * p.s[None, :, b, 0] + (qx[:, 16:] @ qw[:, 16:].T) * p.s[None, :, b, 1]
         acc = acc + isum.astype(np.float32) * (p.d[None, :, b] * dx[:, b, None])
-        if p.m is not None:
+        if p.m is not None and p.kind == "qsm":
+            acc = acc + p.m[None, :, b, 0] * (dx[:, b] * xh[:, b].astype(np.float32))[:, None]
+            acc = acc + p.m[None, :, b, 1] * (dx[:, b] * (xs[:, b] - xh[:, b]).astype(np.float32))[:, None]
+        elif p.m is not None:
             acc = acc + p.m[None, :, b] * sx[:, b, None]
     return acc
 
