@@ -438,6 +438,7 @@ FS_FUSED512 FS_INLINE void fs_fused_qs_avx512(const fs_job *j, const int type, c
     fs_fused_begin(j, rows, row_bytes, rp, f, R);
     /* per 128-bit lane k: byte k of each dword (the sub-scale of half k % 2 of block k / 2) */
     const __m512i to_top = _mm512_set_epi32(0, 0, 0, 0, 8, 8, 8, 8, 16, 16, 16, 16, 24, 24, 24, 24);
+    const __m512i lane_of = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
     for (int64_t sb = 0; sb < nb / 8; sb++) {
         fs_prefetch_step(&pf);
@@ -453,10 +454,11 @@ FS_FUSED512 FS_INLINE void fs_fused_qs_avx512(const fs_job *j, const int type, c
             fs_fused_acts(j, b, b + 1, R, xv);
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
+                /* off * [sum q_x of b lo, b hi, b+1 lo, b+1 hi], each in a 128-bit lane (as e[u]'s halves) */
                 const int64_t o = r * nb + b;
-                const int32_t h0 = j->xh[o], h1 = j->xh[o + 1];
-                const int32_t c0 = off * h0, c1 = off * (j->xs[o] - h0), c2 = off * h1, c3 = off * (j->xs[o + 1] - h1);
-                corr[r] = _mm512_set_epi32(c3, c3, c3, c3, c2, c2, c2, c2, c1, c1, c1, c1, c0, c0, c0, c0);
+                const __m128i h = _mm_loadl_epi64((const __m128i *)(j->xh + o)), t = _mm_loadl_epi64((const __m128i *)(j->xs + o));
+                const __m128i c = _mm_mullo_epi32(_mm_unpacklo_epi32(h, _mm_sub_epi32(t, h)), _mm_set1_epi32(off));
+                corr[r] = _mm512_permutexvar_epi32(lane_of, _mm512_castsi128_si512(c));
             }
             const __m512i sc = scs[jj >> 1];
 #pragma GCC unroll 4
