@@ -140,6 +140,20 @@ class GGUFFile:
             data = raw.reshape(shape[:-1] + (ne0 // block * block_bytes,))
         return TensorEntry(name, type_name, type_id, shape, data)
 
+    def will_need(self, names) -> None:
+        """Ask the kernel to read these tensors' pages now, all together (madvise WILLNEED): touched one
+        by one in a file that is not in the page cache, each small tensor is a page fault waiting on the
+        disk (a 7 B file's ~200 norms and biases took 0.7-2.8 s that way). Only a hint: no-op where the
+        platform lacks it."""
+        if not hasattr(self._map, "madvise") or not hasattr(mmap, "MADV_WILLNEED"):
+            return
+        base, page = self._bytes.__array_interface__["data"][0], mmap.PAGESIZE
+        for name in names:
+            data = self.tensors[name].data
+            start = data.__array_interface__["data"][0] - base
+            first = start // page * page
+            self._map.madvise(mmap.MADV_WILLNEED, first, start + data.nbytes - first)
+
     def _check_no_overlap(self, infos) -> None:
         """Each tensor's bytes end before the next one's begin: a shape that disagrees with the data it
         was written with shows up here (llama.cpp requires them back to back, padded to the alignment)."""

@@ -257,6 +257,7 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig) -> ModelWeights:
     def vec(name):
         return dequantize(t[name], gf.path).reshape(-1) if name in t else None
 
+    gf.will_need([n for n in t if len(t[n].shape) == 1])        # norms and biases: read together, not fault by fault
     progress = _Progress(cfg.n_layer + 1, "loading weights")
     layers = []
     for i in range(cfg.n_layer):

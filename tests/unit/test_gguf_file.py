@@ -118,3 +118,32 @@ def test_tensor_data_are_views_of_the_mapped_file(tiny_model_path):
         while getattr(root, "base", None) is not None:
             root = root.base
         assert isinstance(root, mmap.mmap), e.name
+
+
+def test_will_need_asks_for_whole_pages_of_each_tensor(tiny_model_path):
+    """will_need gives the kernel one page-aligned WILLNEED range per tensor that covers its bytes, so
+    a cold file's small tensors are read together at load (mmap.madvise is read-only on the map, so a
+    stand-in records the calls)."""
+    import mmap
+
+    if not hasattr(mmap, "MADV_WILLNEED"):
+        pytest.skip("this platform has no madvise(MADV_WILLNEED)")
+    gf = GGUFFile(tiny_model_path)
+    calls = []
+
+    class Recorder:
+        def madvise(self, option, start, length):
+            calls.append((option, start, length))
+
+    real, gf._map = gf._map, Recorder()
+    names = [n for n, e in gf.tensors.items() if len(e.shape) == 1]
+    gf.will_need(names)
+    gf._map = real
+    base = gf._bytes.__array_interface__["data"][0]
+    assert len(calls) == len(names) > 0
+    for name, (option, start, length) in zip(names, calls):
+        data = gf.tensors[name].data
+        at = data.__array_interface__["data"][0] - base
+        assert option == mmap.MADV_WILLNEED and start % mmap.PAGESIZE == 0
+        assert start <= at and at + data.nbytes <= start + length < at + data.nbytes + mmap.PAGESIZE
+    gf.will_need(names)                     # the real call on the map: a hint, no error
