@@ -20,9 +20,9 @@ import numpy as np
 # "qsm" (sub-scales and an offset per half block), "f"
 TYPES = {"F32": (1, 4, "f"), "F16": (1, 2, "f"), "BF16": (1, 2, "f"),
          "Q4_0": (32, 18, "q"), "Q4_1": (32, 20, "qm"), "Q5_0": (32, 22, "q"), "Q5_1": (32, 24, "qm"),
-         "Q8_0": (32, 34, "q"), "Q4_K": (256, 144, "qm"), "Q5_K": (256, 176, "qm"), "Q6_K": (256, 210, "qs"),
+         "Q8_0": (32, 34, "q"), "Q2_K": (256, 84, "qsm"), "Q3_K": (256, 110, "qs"),
+         "Q4_K": (256, 144, "qm"), "Q5_K": (256, 176, "qm"), "Q6_K": (256, 210, "qs"),
          "IQ4_NL": (32, 18, "q"), "IQ4_XS": (256, 136, "q")}
-TYPES.update({"Q3_K": (256, 110, "qs"), "Q2_K": (256, 84, "qsm")})
 # IQ4_NL / IQ4_XS: a nibble indexes these 16 int8 values (ggml's kvalues_iq4nl)
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 

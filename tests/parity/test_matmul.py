@@ -159,8 +159,9 @@ def test_product_is_the_block_formula(mod):
 
 
 def test_half_block_offsets_are_the_qsm_formula(mod):
-    """Kind "qsm" by hand (one Q2_K row): per block isum = s_0 * dot(0..15) + s_1 * dot(16..31), then
-    acc + isum * (d * d_x), + m_0 * (d_x * sum q_x 0..15), + m_1 * (d_x * sum q_x 16..31), in that order."""
+    """Kind "qsm" by hand (a Q2_K row): per block isum = s_0 * dot(0..15) + s_1 * dot(16..31), then
+    acc + isum * (d * d_x), + m_0 * (d_x * sum q_x 0..15), + m_1 * (d_x * sum q_x 16..31), in that order.
+    16 identical rows (a whole panel, which the fused Q2_K kernels need), on every isa fused and staged."""
     rng = np.random.default_rng(16)
     q = rng.integers(0, 4, (8, 32)).astype(np.uint8)
     sc, mn = rng.integers(0, 16, 16).astype(np.uint8), rng.integers(0, 16, 16).astype(np.uint8)
@@ -178,8 +179,11 @@ def test_half_block_offsets_are_the_qsm_formula(mod):
         for h in range(2):
             m = -(np.float32(dmin) * np.float32(mn[2 * b + h]))
             acc = acc + m * (dx[0, b] * np.float32(xb[16 * h:16 * h + 16].sum()))
-    y = product(mod, x, matrix(mod, [("Q2_K", row)], 256))
-    assert y[0, 0] == acc
+    w = matrix(mod, [("Q2_K", np.repeat(row, 16, axis=0))], 256)
+    runs = [{}] if mod.__name__ != IMPLS[0] else [dict(isa=i, fused=f) for i in mod.isas() for f in (True, False)]
+    for kw in runs:
+        y = product(mod, x, w, **kw)
+        assert (y[0] == acc).all(), kw
 
 
 def test_float_product_sums_in_input_order(mod):
@@ -269,7 +273,7 @@ def test_quantization_bit_exact():
 @pytest.mark.parametrize("type_name,ragged", TYPE_SHAPES)
 def test_decode_bit_exact(type_name, ragged):
     """What each isa's decoder stages (q, d, m, s per lane and block) is the twin's decode."""
-    n_out, n_in = 37, n_in_for(type_name, 2, ragged)
+    n_out, n_in = 37, n_in_for(type_name, 3, ragged)     # 3: the stagers' odd last block (32-input types)
     raw = random_blocks(type_name, n_out, n_in, seed=6)
     want = B.decode(type_name, raw, n_out, n_in)
     w = matrix(c_mod(), [(type_name, raw)], n_in)
@@ -299,9 +303,11 @@ def test_decode_bit_exact(type_name, ragged):
 
 
 def test_stage_bias_by_isa():
-    """Staged q are VNNI's unsigned q + 128, except on AVX2, whose tile reads them as its maddubs
-    operand: the unsigned q + offset (Q4_0: nibble, Q5_0: 5-bit value, Q6_K: 6-bit value, the
-    offset-free types as they are) and Q8_0's plain int8."""
+    """Pins the API: stage_bias's table. Staged q are VNNI's unsigned q + 128, except on AVX2, whose
+    tile reads them as its maddubs operand: the unsigned q + offset (Q4_0: nibble, Q5_0: 5-bit value,
+    Q6_K: 6-bit value, Q3_K: q + 4, the offset-free types as they are) and the plain int8 q of Q8_0
+    and IQ4_NL / IQ4_XS. That the stagers store these is test_decode_bit_exact's check; that stagers
+    and tiles agree is what test_outputs_bit_exact / test_small_batches_bit_exact check."""
     m = c_mod()
     avx2 = {"Q4_0": 8, "Q4_1": 0, "Q5_0": 16, "Q5_1": 0, "Q8_0": 0, "Q4_K": 0, "Q5_K": 0, "Q6_K": 32,
             "IQ4_NL": 0, "IQ4_XS": 0, "Q3_K": 4, "Q2_K": 0}

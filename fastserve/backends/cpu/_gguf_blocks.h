@@ -111,9 +111,11 @@ static inline int32_t fs_q_offset(int type)
 }
 
 /* How the AVX2 tile reads a staged type's q: the unsigned q + fs_q_offset
- * (0..15, 0..31 or 0..63), in groups of G four-input steps whose maddubs pair sums add up in int16
- * without overflow (G * 2 * max * 127 < 2^15: widened once per group, not per step), the offset
- * taken back from the exact integer dot; G = 0: q may be any int8 (Q8_0), maddubs(|w|, sign(x, w)). */
+ * (0..15, 0..31 or 0..63; Q3_K's q + 4 0..7, Q2_K's q 0..3), in groups of G four-input steps whose
+ * maddubs pair sums add up in int16 without overflow (G * 2 * max * 127 < 2^15: widened once per group,
+ * not per step), the offset taken back from the exact integer dot; G = 0: q may be any int8 (Q8_0),
+ * maddubs(|w|, sign(x, w)). IQ4_NL / IQ4_XS get G = 0 too: their q + 127 reaches 240, and one maddubs
+ * pair, 2 * 240 * 127 = 60960, saturates int16, so they take Q8_0's sign trick. */
 static inline int fs_avx2_group(int type)
 {
     switch (type) {
@@ -606,6 +608,13 @@ FS_STAGE512 static inline __m512i fs_byte(__m512i v, int byte)
     return _mm512_and_si512(_mm512_srli_epi32(v, 8 * byte), _mm512_set1_epi32(0xFF));
 }
 
+/* The offset -(dmin * mn) of Q4_K / Q5_K / Q2_K (mn: int32 lanes): the rounded product, its sign bit flipped. */
+FS_STAGE512 static inline __m512 fs_neg_dmin_mn512(__m512 dmin, __m512i mn)
+{
+    const __m512i m = _mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));
+    return _mm512_castsi512_ps(_mm512_xor_si512(m, _mm512_set1_epi32((int)0x80000000u)));
+}
+
 /* Each byte shifted right by s (0..7), the bits from its neighbour cleared. */
 FS_STAGE512 static inline __m512i fs_bytes_srl(__m512i v, int s, int mask)
 {
@@ -630,8 +639,7 @@ FS_STAGE512 static inline void fs_k45_scales(const __m512i h[4], __m512 dsc[8], 
             mn = _mm512_or_si512(_mm512_srli_epi32(lo, 4), _mm512_slli_epi32(_mm512_srli_epi32(fs_byte(h[2], j - 4), 6), 4));
         }
         dsc[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-        __m512i m = _mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));     /* negated: sign bit */
-        mneg[j] = _mm512_castsi512_ps(_mm512_xor_si512(m, _mm512_set1_epi32((int)0x80000000u)));
+        mneg[j] = fs_neg_dmin_mn512(dmin, mn);
     }
 }
 
@@ -830,7 +838,7 @@ FS_STAGE512 static void fs_stage_q3k_avx512(const uint8_t *rows, int64_t row_byt
 FS_STAGE512 static void fs_stage_q2k_avx512(const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
                                             const uint8_t *next)
 {
-    const __m512i m15 = _mm512_set1_epi32(15), sign = _mm512_set1_epi32((int)0x80000000u), hi80 = _mm512_set1_epi8((char)0x80);
+    const __m512i m15 = _mm512_set1_epi32(15), hi80 = _mm512_set1_epi8((char)0x80);
     fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
     for (int64_t sb = 0; sb < nb / 8; sb++) {
         fs_prefetch_step(&pf);
@@ -849,8 +857,7 @@ FS_STAGE512 static void fs_stage_q2k_avx512(const uint8_t *rows, int64_t row_byt
                 const int i = 2 * j + h;
                 const __m512i byte = fs_byte(sc[i >> 2], i & 3);
                 _mm512_storeu_si512((void *)(pb + 576 + 64 * h), _mm512_and_si512(byte, m15));
-                const __m512i m = _mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(byte, 4))));
-                _mm512_storeu_si512((void *)(pb + 704 + 64 * h), _mm512_xor_si512(m, sign));     /* negated */
+                _mm512_storeu_ps((void *)(pb + 704 + 64 * h), fs_neg_dmin_mn512(dmin, _mm512_srli_epi32(byte, 4)));
             }
         }
         for (int c = 0; c < 2; c++) {
@@ -1019,6 +1026,13 @@ FS_STAGE256 static inline __m256i fs_byte256(__m256i v, int byte)
     return _mm256_and_si256(_mm256_srli_epi32(v, 8 * byte), _mm256_set1_epi32(0xFF));
 }
 
+/* fs_neg_dmin_mn512 for 8 lanes. */
+FS_STAGE256 static inline __m256 fs_neg_dmin_mn256(__m256 dmin, __m256i mn)
+{
+    const __m256i m = _mm256_castps_si256(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn)));
+    return _mm256_castsi256_ps(_mm256_xor_si256(m, _mm256_set1_epi32((int)0x80000000u)));
+}
+
 FS_STAGE256 static inline __m256i fs_bytes_srl256(__m256i v, int s, int mask)
 {
     return _mm256_and_si256(_mm256_srli_epi16(v, s), _mm256_set1_epi8((char)mask));
@@ -1041,8 +1055,7 @@ FS_STAGE256 static inline void fs_k45_scales_avx2(const __m256i hs[4], __m256 d,
             mn = _mm256_or_si256(_mm256_srli_epi32(lo, 4), _mm256_slli_epi32(_mm256_srli_epi32(fs_byte256(hs[2], j - 4), 6), 4));
         }
         dsc[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
-        __m256i m = _mm256_castps_si256(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn)));      /* negated: sign bit */
-        mneg[j] = _mm256_castsi256_ps(_mm256_xor_si256(m, _mm256_set1_epi32((int)0x80000000u)));
+        mneg[j] = fs_neg_dmin_mn256(dmin, mn);
     }
 }
 
@@ -1250,7 +1263,7 @@ FS_STAGE256 static void fs_stage_q3k_avx2(const uint8_t *rows, int64_t row_bytes
 FS_STAGE256 static void fs_stage_q2k_avx2(const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
                                           const uint8_t *next)
 {
-    const __m256i m15 = _mm256_set1_epi32(15), sign = _mm256_set1_epi32((int)0x80000000u);
+    const __m256i m15 = _mm256_set1_epi32(15);
     fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
     for (int64_t sb = 0; sb < nb / 8; sb++) {
         fs_prefetch_step(&pf);
@@ -1270,8 +1283,7 @@ FS_STAGE256 static void fs_stage_q2k_avx2(const uint8_t *rows, int64_t row_bytes
                     const int i = 2 * j + e;
                     const __m256i byte = fs_byte256(sc[i >> 2], i & 3);
                     _mm256_storeu_si256((__m256i *)(pb + 576 + 64 * e), _mm256_and_si256(byte, m15));
-                    const __m256i m = _mm256_castps_si256(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(byte, 4))));
-                    _mm256_storeu_si256((__m256i *)(pb + 704 + 64 * e), _mm256_xor_si256(m, sign));
+                    _mm256_storeu_ps((float *)(pb + 704 + 64 * e), fs_neg_dmin_mn256(dmin, _mm256_srli_epi32(byte, 4)));
                 }
             }
             for (int c = 0; c < 2; c++) {

@@ -76,9 +76,8 @@ ISA_NAMES = {FS_ISA_SCALAR: "scalar", FS_ISA_AVX2: "avx2", FS_ISA_AVX512VNNI: "a
              FS_ISA_NEON: "neon", FS_ISA_NEON_DOTPROD: "neon_dotprod"}
 _ISA_IDS = {v: k for k, v in ISA_NAMES.items()}
 # GGUF tensor types the kernels run as stored (gguf.GGMLQuantizationType ids).
-TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8,
+TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11,
             "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "BF16": 30}
-TYPE_IDS.update({"Q3_K": 11, "Q2_K": 10})
 KERNEL_TYPES = tuple(TYPE_IDS)
 KINDS = {FS_KIND_Q: "q", FS_KIND_QM: "qm", FS_KIND_QS: "qs", FS_KIND_F: "f", FS_KIND_QSM: "qsm"}
 

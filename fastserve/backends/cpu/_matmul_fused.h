@@ -44,8 +44,9 @@
  *
  * AVX2 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; IQ4_NL and IQ4_XS at n = 1, their nibbles looked up as int8 q and
  * multiplied as Q8_0's): the same in 8-row halves, one block per register (see there);
- * Q4_K, Q5_K, Q6_K and Q3_K (whole panels) likewise from their 256-blocks, at n <= 4 (fs_kq_half_avx2: the
- * dots of each half block kept apart for the sub-scales of Q6_K, Q3_K and Q2_K), so that no K-quant panel is staged at small n.
+ * Q4_K, Q5_K, Q6_K, Q3_K and Q2_K (whole panels) likewise from their 256-blocks, at n <= 4
+ * (fs_kq_half_avx2: the dots of each half block kept apart for the sub-scales of Q6_K, Q3_K and Q2_K),
+ * so that no K-quant panel is staged at small n.
  *
  * Prefetch: the next panel's rows in even slices, one per step (fs_prefetcher: one division per
  * panel); the type is a constant in each kernel instance (a switch outside the block loop).
@@ -58,6 +59,7 @@
 
 #define FS_FUSED_MAX_N 4        /* at more rows the staged kernels' weight reuse wins */
 #define FS_FUSED_MAX_N_K 2      /* the same for Q4_K */
+#define FS_FUSED_MAX_N_IQ4 2    /* IQ4_NL / IQ4_XS on AVX-512 (measured: fused wins at n <= 2; on AVX2 at n = 1) */
 
 /* CALL(R) for the job's n = R (1..4) activation rows, R a constant in each case. */
 #define FS_FUSED_BY_N(CALL)                                              \
@@ -127,16 +129,24 @@ FS_FUSED512 FS_INLINE __m512i fs_fused_q6k_weights(const uint8_t *p, int64_t sb,
     return _mm512_ternarylogic_epi32(ql, _mm512_set1_epi8(15), hb, 0xEA);     /* (ql & 15) | hb */
 }
 
-/* Q3_K: row p's blocks jj, jj + 1 (jj even) of 256-block sb as q + 4 (0..7): the 32 low-bit bytes of
- * chunk jj / 4 broadcast to both halves, shifted by 2 * (jj % 4) and 2 more in the upper one, and
- * + 4 under the byte mask of hmask bits jj (lower half) and jj + 1 (upper). */
+/* The 2-bit quants of blocks jj, jj + 1 (jj even) of a 256-block whose 32-byte chunks start at qs
+ * (Q3_K's low bits, Q2_K's q): the 32 bytes of chunk jj / 4 broadcast to both halves, shifted by
+ * 2 * (jj % 4) and 2 more in the upper one, & 3. */
+FS_FUSED512 FS_INLINE __m512i fs_fused_2bit_weights(const uint8_t *qs, int jj)
+{
+    const int t = jj & 3;
+    const __m512i ql = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * (jj >> 2))));
+    const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * t)), _mm256_set1_epi16((short)(2 * t + 2)), 1);
+    return _mm512_and_si512(_mm512_srlv_epi16(ql, sh), _mm512_set1_epi8(3));
+}
+
+/* Q3_K: row p's blocks jj, jj + 1 (jj even) of 256-block sb as q + 4 (0..7): the low bits
+ * (fs_fused_2bit_weights, chunks at byte 32) + 4 under the byte mask of hmask bits jj (lower half)
+ * and jj + 1 (upper). */
 FS_FUSED512 FS_INLINE __m512i fs_fused_q3k_weights(const uint8_t *p, int64_t sb, int jj)
 {
     const uint8_t *blk = p + sb * 110;
-    const int t = jj & 3;
-    const __m512i ql = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 32 + 32 * (jj >> 2))));
-    const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * t)), _mm256_set1_epi16((short)(2 * t + 2)), 1);
-    const __m512i w = _mm512_and_si512(_mm512_srlv_epi16(ql, sh), _mm512_set1_epi8(3));
+    const __m512i w = fs_fused_2bit_weights(blk + 32, jj);
     const __m512i hm = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)blk));
     const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << jj)), _mm256_set1_epi8((char)(2 << jj)), 1);
     return _mm512_mask_add_epi8(w, _mm512_test_epi8_mask(hm, bit), w, _mm512_set1_epi8(4));
@@ -148,7 +158,7 @@ FS_FUSED512 FS_INLINE __m512i fs_fused_q3k_weights(const uint8_t *p, int64_t sb,
 FS_FUSED512 FS_INLINE __m512i fs_fused_weights(const int type, const uint8_t *p, int64_t b, int64_t b1)
 {
     if (type == FS_T_IQ4_NL || type == FS_T_IQ4_XS) {
-        /* Q4_0's nibbles, the high ones shifted down in lanes 1, 3, then looked up as q + 127 (0..240) */
+        /* Q5_0's nibbles, the high ones shifted down in lanes 1, 3, then looked up as q + 127 (0..240) */
         const int xs = type == FS_T_IQ4_XS;
         __m512i w = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p + fs_iq4_qat(xs, b))));
         w = _mm512_mask_broadcast_i32x4(w, 0xFF00, _mm_loadu_si128((const __m128i *)(p + fs_iq4_qat(xs, b1))));
@@ -164,12 +174,8 @@ FS_FUSED512 FS_INLINE __m512i fs_fused_weights(const int type, const uint8_t *p,
         return fs_fused_q6k_weights(p, b >> 3, (int)(b & 7));
     if (type == FS_T_Q3_K)
         return fs_fused_q3k_weights(p, b >> 3, (int)(b & 7));
-    if (type == FS_T_Q2_K) {     /* Q3_K's low bits alone (q in 0..3), its chunks at byte 16 */
-        const int jj = (int)(b & 7), t = jj & 3;
-        const __m512i ql = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + (b >> 3) * 84 + 16 + 32 * (jj >> 2))));
-        const __m512i sh = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * t)), _mm256_set1_epi16((short)(2 * t + 2)), 1);
-        return _mm512_and_si512(_mm512_srlv_epi16(ql, sh), _mm512_set1_epi8(3));
-    }
+    if (type == FS_T_Q2_K)      /* Q3_K's low bits alone (q in 0..3), its chunks at byte 16 */
+        return fs_fused_2bit_weights(p + (b >> 3) * 84 + 16, (int)(b & 7));
     if (type == FS_T_Q5_K) {
         /* blocks b, b + 2: the low (b even) or high nibbles of chunks (b % 8) / 2 and the next, one
          * plain 64-byte load, shifted down (a fifth bit leaves no room for x16); then bits b % 8
@@ -311,8 +317,8 @@ FS_FUSED512 FS_INLINE void fs_fused_q32_avx512(const fs_job *j, const int type, 
     const int32_t offset = fs_q_offset(type);
     const uint8_t *rp[16];
     __m512 f[FS_FUSED_MAX_N];
-    __m512i xs_g = _mm512_setzero_si512(), xs_sl = xs_g;         /* IQ4_XS: the 256-block's scale dwords */
-    __m512 xs_d = _mm512_setzero_ps();
+    __m512i iq4xs_g = _mm512_setzero_si512(), iq4xs_sl = iq4xs_g;   /* IQ4_XS: the 256-block's scale dwords */
+    __m512 iq4xs_d = _mm512_setzero_ps();
     fs_fused_begin(j, rows, row_bytes, rp, f, R);
     fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, (nb + 1) / 2);
     for (int64_t b = 0; b < nb; b += 2) {
@@ -325,12 +331,12 @@ FS_FUSED512 FS_INLINE void fs_fused_q32_avx512(const fs_job *j, const int type, 
         __m512 d0, d1, m0, m1;
         if (type == FS_T_IQ4_XS) {      /* sub-blocks b, b + 1 of one 256-block: d * (ls - 32) */
             if ((b & 7) == 0) {
-                xs_g = fs_fused_scales(rp, (b >> 3) * 136);
-                xs_sl = fs_fused_scales(rp, (b >> 3) * 136 + 4);
-                xs_d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(xs_g));
+                iq4xs_g = fs_fused_scales(rp, (b >> 3) * 136);
+                iq4xs_sl = fs_fused_scales(rp, (b >> 3) * 136 + 4);
+                iq4xs_d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(iq4xs_g));
             }
-            d0 = m0 = fs_iq4xs_scale512(xs_g, xs_sl, xs_d, (int)(b & 7));
-            d1 = m1 = fs_iq4xs_scale512(xs_g, xs_sl, xs_d, (int)(b & 7) + 1);
+            d0 = m0 = fs_iq4xs_scale512(iq4xs_g, iq4xs_sl, iq4xs_d, (int)(b & 7));
+            d1 = m1 = fs_iq4xs_scale512(iq4xs_g, iq4xs_sl, iq4xs_d, (int)(b & 7) + 1);
         } else {
             const __m512i g0 = fs_fused_scales(rp, b * bb), g1 = fs_fused_scales(rp, b1 * bb);
             d0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g0));
@@ -473,9 +479,7 @@ FS_FUSED512 FS_INLINE void fs_fused_qs_avx512(const fs_job *j, const int type, c
             __m512 mneg[4];                /* Q2_K: -(dmin * min) of the half blocks b lo, b hi, b+1 lo, b+1 hi */
 #pragma GCC unroll 4
             for (int e2 = 0; e2 < 4; e2++) {
-                const __m512i m = Q2 ? _mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(fs_byte(mns[jj >> 1], e2))))
-                                     : _mm512_setzero_si512();
-                mneg[e2] = _mm512_castsi512_ps(_mm512_xor_si512(m, _mm512_set1_epi32((int)0x80000000u)));
+                mneg[e2] = Q2 ? fs_neg_dmin_mn512(dmin, fs_byte(mns[jj >> 1], e2)) : _mm512_setzero_ps();     /* unused unless Q2 */
             }
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
@@ -541,10 +545,11 @@ FS_FUSED512 static void fs_fused_avx512(const fs_job *j, int type, const uint8_t
 #define FS_HAVE_FUSED_AVX2 1
 #define FS_FUSED256 __attribute__((target("avx2,f16c")))
 
-/* AVX2 (no VNNI), Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0: half a panel (8 rows, lanes) at a time, one block
- * per 256-bit register [inputs 0..15 | 16..31]: nibbles (with Q5's fifth bit) as u8 0..31 (maddubs
- * pairs <= 2 * 31 * 127),
- * Q8_0 as maddubs(|w|, sign(x, w)) (the staged AVX2 kernel's exact dot), then madd with ones, and
+/* AVX2 (no VNNI), Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL / IQ4_XS: half a panel (8 rows, lanes) at a
+ * time, one block per 256-bit register [inputs 0..15 | 16..31]: nibbles (with Q5's fifth bit) as u8
+ * 0..31 (maddubs pairs <= 2 * 31 * 127),
+ * Q8_0 as maddubs(|w|, sign(x, w)) (the staged AVX2 kernel's exact dot), IQ4's nibbles looked up as
+ * int8 q and multiplied as Q8_0's, then madd with ones, and
  * the transpose-reduce of 8 rows' 8 partials: unpack dwords, unpack qwords, swap 128-bit lanes. */
 /* The dword at byte `at` of each of the 8 rows rp (scalar loads: the load ports are idle meanwhile). */
 FS_FUSED256 FS_INLINE __m256i fs_dword8_avx2(const uint8_t *const *rp, int64_t at)
@@ -610,8 +615,8 @@ FS_FUSED256 FS_INLINE void fs_fused_half_avx2(const fs_job *j, const int type, c
     const int has_m = type == FS_T_Q4_1 || type == FS_T_Q5_1, bb = fs_fused_block_bytes(type);
     const int iq4 = type == FS_T_IQ4_NL || type == FS_T_IQ4_XS;
     const int32_t offset = type == FS_T_Q8_0 || iq4 ? 0 : fs_q_offset(type);     /* Q8_0, IQ4: signed q */
-    __m256i xs_g = _mm256_setzero_si256(), xs_sl = xs_g;          /* IQ4_XS: the 256-block's scale dwords */
-    __m256 xs_d = _mm256_setzero_ps();
+    __m256i iq4xs_g = _mm256_setzero_si256(), iq4xs_sl = iq4xs_g;    /* IQ4_XS: the 256-block's scale dwords */
+    __m256 iq4xs_d = _mm256_setzero_ps();
     __m256 f[FS_FUSED_MAX_N];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
@@ -639,11 +644,11 @@ FS_FUSED256 FS_INLINE void fs_fused_half_avx2(const fs_job *j, const int type, c
         __m256 d, m;
         if (type == FS_T_IQ4_XS) {
             if ((b & 7) == 0) {
-                xs_g = fs_dword8_avx2(rp, (b >> 3) * 136);
-                xs_sl = fs_dword8_avx2(rp, (b >> 3) * 136 + 4);
-                xs_d = _mm256_cvtph_ps(fs_low16x8_avx2(xs_g));
+                iq4xs_g = fs_dword8_avx2(rp, (b >> 3) * 136);
+                iq4xs_sl = fs_dword8_avx2(rp, (b >> 3) * 136 + 4);
+                iq4xs_d = _mm256_cvtph_ps(fs_low16x8_avx2(iq4xs_g));
             }
-            d = m = fs_iq4xs_scale_avx2(xs_g, xs_sl, xs_d, (int)(b & 7));
+            d = m = fs_iq4xs_scale_avx2(iq4xs_g, iq4xs_sl, iq4xs_d, (int)(b & 7));
         } else {
             const __m256i g = fs_dword8_avx2(rp, b * bb);              /* d | m << 16 of each row */
             d = _mm256_cvtph_ps(fs_low16x8_avx2(g));
@@ -666,18 +671,23 @@ FS_FUSED256 FS_INLINE void fs_fused_half_avx2(const fs_job *j, const int type, c
         fs_store_half_avx2(j, h, r, f[r]);
 }
 
-/* Q4_K / Q5_K / Q6_K on AVX2, read straight from the file's 256-blocks (whole panels; half h = rows
- *   8h..8h+7): block jj (32 inputs) of row l as 32 unsigned bytes in one register: Q4_K the low (jj
- *   even) or high nibbles of its 32-byte chunk jj / 2; Q5_K the same | bit jj of its qh bytes as 16; Q6_K q + 32 = the 4 low bits of ql (chunk, nibble as the
- *   decoder says) | the 2 bits of qh moved to bits 4..5 (0..63);
+/* Q4_K / Q5_K / Q6_K / Q3_K / Q2_K on AVX2, read straight from the file's 256-blocks (whole panels;
+ *   half h = rows 8h..8h+7): block jj (32 inputs) of row l as 32 unsigned bytes in one register: Q4_K
+ *   the low (jj even) or high nibbles of its 32-byte chunk jj / 2; Q5_K the same | bit jj of its qh
+ *   bytes as 16; Q6_K q + 32 = the 4 low bits of ql (chunk, nibble as the decoder says) | the 2 bits
+ *   of qh moved to bits 4..5 (0..63); Q3_K q + 4 = the 2 bits of its chunk jj / 4 at 2 * (jj % 4) | 4
+ *   where hmask bit jj (0..7); Q2_K q = those 2 bits alone (0..3, no offset);
  *   maddubs (pairs <= 2 * 63 * 127 < 2^15) on two rows interleaved by dwords, a transpose-reduce
  *   (fs_kq_dots_avx2) that keeps the two 128-bit halves apart, so one lane swap gives per row the
  *   dots of inputs 0..15 (lo) and 16..31 (hi):
  *     Q4_K, Q5_K: isum = lo + hi;
- *     Q6_K: isum = s0 * (lo - 32 * h_x) + s1 * (hi - 32 * (sum_x - h_x)), h_x the sum of the block's
- *           first 16 quantized inputs (the offset 32 taken back per half, then the int8 sub-scales);
+ *     Q6_K, Q3_K, Q2_K: isum = s0 * (lo - off * h_x) + s1 * (hi - off * (sum_x - h_x)), h_x the sum of
+ *           the block's first 16 quantized inputs, off = fs_q_offset (32, 4, 0: taken back per half,
+ *           then the int8 sub-scales);
  *   exact integers, then the staged kernels' float steps in their order (d * sc_j, -(dmin * mn_j) for
- *   Q4_K, d for Q6_K, from the 8 rows' scale bytes transposed as the staging decoder does). */
+ *   Q4_K, d for Q6_K / Q3_K / Q2_K, then for Q2_K its half blocks' offsets -(dmin * mn) times
+ *   d_x * h_x and d_x * (sum_x - h_x), from the 8 rows' scale bytes transposed as the staging decoder
+ *   does). */
 FS_FUSED256 FS_INLINE __m256i fs_kq_weights_avx2(const int type, const uint8_t *blk, const int jj)
 {
     const __m256i lo4 = _mm256_set1_epi8(15);
@@ -716,8 +726,8 @@ FS_FUSED256 FS_INLINE __m256i fs_kq_weights_avx2(const int type, const uint8_t *
  * 6, 6, 7, 7): two rows' weights interleaved by dwords, so that two maddubs and one 16-bit add leave
  * both rows' partials (one row per dword, as fs_fold32_avx2 would); the sums stay 16-bit while they
  * fit (Q4_K: |sum| <= 8 * 2 * 15 * 127 < 2^15 up to the whole block; Q6_K: 2 * 2 * 63 * 127 < 2^15,
- * then madd). Q4_K: lo[r] = the block's isum (lane l: row l); Q6_K: lo[r], hi[r] = the dots of
- * inputs 0..15 and 16..31. */
+ * Q3_K: 2 * 2 * 7 * 127, Q2_K: 2 * 2 * 3 * 127, then madd). Q4_K, Q5_K: lo[r] = the block's isum
+ * (lane l: row l); Q6_K, Q3_K, Q2_K: lo[r], hi[r] = the dots of inputs 0..15 and 16..31. */
 FS_FUSED256 FS_INLINE void fs_kq_dots_avx2(const int type, const uint8_t *const *rp, int64_t at, const int jj,
                                            const __m256i *xd, const int R, __m256i *lo, __m256i *hi)
 {
@@ -823,9 +833,8 @@ FS_FUSED256 FS_INLINE void fs_kq_half_avx2(const fs_job *j, const int type, cons
                 s1 = _mm256_srai_epi32(_mm256_slli_epi32(hs[i1 >> 2], 24 - 8 * (i1 & 3)), 24);
             }
             if (type == FS_T_Q2_K) {     /* the halves' offsets -(dmin * min) */
-                const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
-                m0 = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(fs_byte256(mns[jj >> 1], (2 * jj) & 3)))), sign));
-                m1 = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(fs_byte256(mns[jj >> 1], (2 * jj + 1) & 3)))), sign));
+                m0 = fs_neg_dmin_mn256(dmin, fs_byte256(mns[jj >> 1], (2 * jj) & 3));
+                m1 = fs_neg_dmin_mn256(dmin, fs_byte256(mns[jj >> 1], (2 * jj + 1) & 3));
             }
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
@@ -920,7 +929,7 @@ FS_FUSED256 static void fs_fused_avx2(const fs_job *j, int type, const uint8_t *
 #endif /* FS_HAVE_STAGE_AVX2 */
 
 /* Whether the fused kernel computes a panel of valid rows of this type at n activation rows with
- * this isa (valid < 16: only the 32-input types; a K-quant's last partial panel stages). On AVX-512
+ * this isa (valid < 16: only the 32-input types and IQ4_XS; a K-quant's last partial panel stages). On AVX-512
  * Q6_K, Q3_K and Q2_K stop at FS_FUSED_MAX_N_K as Q4_K does (not measured apart for them). Q4_K
  * stops at FS_FUSED_MAX_N_K rows: its staging decoder is cheaper per byte than the 32-input types',
  * so the fused kernel's per-row reduction wins only below that (measured: 1.34x at n = 1, 1.04x at 2,
@@ -934,7 +943,7 @@ static inline int fs_fused_ok(int isa, int type, int64_t n, int valid)
 #if defined(FS_HAVE_FUSED_AVX512)
     if (isa == FS_ISA_AVX512VNNI && n >= 1 && n <= FS_FUSED_MAX_N &&
         (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q5_0 || type == FS_T_Q5_1 || type == FS_T_Q8_0 ||
-         ((type == FS_T_IQ4_NL || type == FS_T_IQ4_XS) && n <= FS_FUSED_MAX_N_K) ||
+         ((type == FS_T_IQ4_NL || type == FS_T_IQ4_XS) && n <= FS_FUSED_MAX_N_IQ4) ||
          ((type == FS_T_Q4_K || type == FS_T_Q5_K || FS_KQ_SUB(type)) && valid == FS_LANES && n <= FS_FUSED_MAX_N_K)))
         return 1;
 #endif

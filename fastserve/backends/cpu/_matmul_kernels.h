@@ -152,7 +152,7 @@ static inline void fs_store_lanes(float *y, const float *acc, int valid)
     memcpy(y, acc, (size_t)valid * sizeof(float));
 }
 
-/* Integer kinds (Q, QM, QS). */
+/* Integer kinds (Q, QM, QS, QSM). */
 static inline void fs_panel_scalar(const fs_job *j, const int kind)
 {
     const int64_t nb = j->nb, K = nb * FS_QK, pbb = fs_stage_bytes(kind);
@@ -291,7 +291,7 @@ FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, int h, int64_t r0, const in
                                     const int32_t off)
 {
     const int64_t nb = j->nb, K = nb * FS_QK, pbb = fs_stage_bytes(kind);
-    const int S = kind == FS_KIND_QS || kind == FS_KIND_QSM, M = kind == FS_KIND_QM, M2 = kind == FS_KIND_QSM;
+    const int S = kind == FS_KIND_QS || kind == FS_KIND_QSM, M = kind == FS_KIND_QM, QSM = kind == FS_KIND_QSM;
     const uint8_t *wp = j->w + h * 32;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 f[4];
@@ -369,17 +369,19 @@ FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, int h, int64_t r0, const in
         }
         __m256 dw = _mm256_loadu_ps((const float *)(pb + 512));
         __m256 mw = M ? _mm256_loadu_ps((const float *)(pb + 576)) : dw;
+        __m256 m0w = QSM ? _mm256_loadu_ps((const float *)(pb + 704)) : dw;     /* QSM: the halves' offsets */
+        __m256 m1w = QSM ? _mm256_loadu_ps((const float *)(pb + 768)) : dw;
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             __m256 s = _mm256_mul_ps(dw, _mm256_set1_ps(j->dx[(r0 + r) * nb + b]));
             f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_cvtepi32_ps(a[r]), s));
             if (M)
                 f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(mw, _mm256_set1_ps(j->sx[(r0 + r) * nb + b])));
-            if (M2) {
+            if (QSM) {
                 const int64_t o = (r0 + r) * nb + b;
                 const float dxo = j->dx[o], sl = dxo * (float)j->xh[o], sh = dxo * (float)(j->xs[o] - j->xh[o]);
-                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_loadu_ps((const float *)(pb + 704)), _mm256_set1_ps(sl)));
-                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_loadu_ps((const float *)(pb + 768)), _mm256_set1_ps(sh)));
+                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(m0w, _mm256_set1_ps(sl)));
+                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(m1w, _mm256_set1_ps(sh)));
             }
         }
     }
@@ -459,7 +461,7 @@ FS_AVX2 static void fs_kernel_avx2_f(const fs_job *j) { fs_panel_avx2(j, FS_KIND
 FS_AVX512 FS_INLINE void fs_tile_avx512(const fs_job *j, int64_t r0, const int R, const int kind)
 {
     const int64_t nb = j->nb, K = nb * FS_QK, pbb = fs_stage_bytes(kind);
-    const int S = kind == FS_KIND_QS || kind == FS_KIND_QSM, M = kind == FS_KIND_QM, M2 = kind == FS_KIND_QSM;
+    const int S = kind == FS_KIND_QS || kind == FS_KIND_QSM, M = kind == FS_KIND_QM, QSM = kind == FS_KIND_QSM;
     __m512 f[8];
     __m512i a[8], ah[8];
 #pragma GCC unroll 8
@@ -499,17 +501,19 @@ FS_AVX512 FS_INLINE void fs_tile_avx512(const fs_job *j, int64_t r0, const int R
         }
         __m512 dw = _mm512_loadu_ps((const void *)(pb + 512));
         __m512 mw = M ? _mm512_loadu_ps((const void *)(pb + 576)) : dw;
+        __m512 m0w = QSM ? _mm512_loadu_ps((const void *)(pb + 704)) : dw;     /* QSM: the halves' offsets */
+        __m512 m1w = QSM ? _mm512_loadu_ps((const void *)(pb + 768)) : dw;
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(j->dx[(r0 + r) * nb + b]));
             f[r] = _mm512_add_ps(f[r], _mm512_mul_ps(_mm512_cvtepi32_ps(a[r]), s));
             if (M)
                 f[r] = _mm512_add_ps(f[r], _mm512_mul_ps(mw, _mm512_set1_ps(j->sx[(r0 + r) * nb + b])));
-            if (M2) {
+            if (QSM) {
                 const int64_t o = (r0 + r) * nb + b;
                 const float dxo = j->dx[o], sl = dxo * (float)j->xh[o], sh = dxo * (float)(j->xs[o] - j->xh[o]);
-                f[r] = _mm512_add_ps(f[r], _mm512_mul_ps(_mm512_loadu_ps((const void *)(pb + 704)), _mm512_set1_ps(sl)));
-                f[r] = _mm512_add_ps(f[r], _mm512_mul_ps(_mm512_loadu_ps((const void *)(pb + 768)), _mm512_set1_ps(sh)));
+                f[r] = _mm512_add_ps(f[r], _mm512_mul_ps(m0w, _mm512_set1_ps(sl)));
+                f[r] = _mm512_add_ps(f[r], _mm512_mul_ps(m1w, _mm512_set1_ps(sh)));
             }
         }
     }
@@ -618,7 +622,7 @@ ATTR FS_INLINE_ARM void NAME(const fs_job *j, int64_t r0, const int R, const int
 {                                                                                                  \
     const int64_t nb = j->nb, K = nb * FS_QK, pbb = fs_stage_bytes(kind);                          \
     const int S = kind == FS_KIND_QS || kind == FS_KIND_QSM, M = kind == FS_KIND_QM;               \
-    const int M2 = kind == FS_KIND_QSM;                                                            \
+    const int QSM = kind == FS_KIND_QSM;                                                           \
     const uint8x16_t flip = vdupq_n_u8(0x80);                                                      \
     float32x4_t f[2][4];                                                                           \
     int32x4_t a[2][4], ah[2][4];                                                                   \
@@ -645,11 +649,13 @@ ATTR FS_INLINE_ARM void NAME(const fs_job *j, int64_t r0, const int R, const int
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
-        float32x4_t dw[4], mw[4];                                                                  \
+        float32x4_t dw[4], mw[4], m0w[4], m1w[4];                                                  \
         int32x4_t s0[4], s1[4];                                                                    \
         for (int l = 0; l < 4; l++) {                                                              \
             dw[l] = vld1q_f32((const float *)(pb + 512) + l * 4);                                  \
             mw[l] = M ? vld1q_f32((const float *)(pb + 576) + l * 4) : dw[l];                      \
+            m0w[l] = QSM ? vld1q_f32((const float *)(pb + 704) + l * 4) : dw[l];                   \
+            m1w[l] = QSM ? vld1q_f32((const float *)(pb + 768) + l * 4) : dw[l];                   \
             s0[l] = S ? vld1q_s32((const int32_t *)(pb + 576) + l * 4) : vdupq_n_s32(0);           \
             s1[l] = S ? vld1q_s32((const int32_t *)(pb + 640) + l * 4) : vdupq_n_s32(0);           \
         }                                                                                          \
@@ -664,14 +670,14 @@ ATTR FS_INLINE_ARM void NAME(const fs_job *j, int64_t r0, const int R, const int
                 if (M)                                                                             \
                     f[r][l] = vaddq_f32(f[r][l], vmulq_f32(mw[l], sxv));                           \
             }                                                                                      \
-            if (M2) {                                                                              \
+            if (QSM) {                                                                             \
                 const int64_t o = (r0 + r) * nb + b;                                               \
                 const float dxo = j->dx[o];                                                        \
                 const float32x4_t sl = vdupq_n_f32(dxo * (float)j->xh[o]);                         \
                 const float32x4_t sh = vdupq_n_f32(dxo * (float)(j->xs[o] - j->xh[o]));            \
                 for (int l = 0; l < 4; l++) {                                                      \
-                    f[r][l] = vaddq_f32(f[r][l], vmulq_f32(vld1q_f32((const float *)(pb + 704) + l * 4), sl)); \
-                    f[r][l] = vaddq_f32(f[r][l], vmulq_f32(vld1q_f32((const float *)(pb + 768) + l * 4), sh)); \
+                    f[r][l] = vaddq_f32(f[r][l], vmulq_f32(m0w[l], sl));                           \
+                    f[r][l] = vaddq_f32(f[r][l], vmulq_f32(m1w[l], sh));                           \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \

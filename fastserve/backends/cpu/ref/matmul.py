@@ -8,7 +8,8 @@ Weights per block w_i = d_w * (s_i * q_i) + m_w. For each (r, o), in block order
 isum = sum_i s_i q_w,i q_x,i exact, s_x = d_x * float32(sum q_x), every product and sum rounded to
 float32. Kind "qsm" (Q2_K: an offset per half block, m_0 for inputs 0..15, m_1 for 16..31): after
 the isum step  acc = acc + m_0 * s_x,lo;  then  acc = acc + m_1 * s_x,hi,  with
-s_x,lo = d_x * float32(sum of q_x over inputs 0..15), s_x,hi = d_x * float32(sum over 16..31). Float weights (F32/F16/BF16): acc = acc + w_i * x_i for i = 0, 1, ... in order.
+s_x,lo = d_x * float32(sum of q_x over inputs 0..15), s_x,hi = d_x * float32(sum over 16..31).
+Float weights (F32/F16/BF16): acc = acc + w_i * x_i for i = 0, 1, ... in order.
 """
 from __future__ import annotations
 
