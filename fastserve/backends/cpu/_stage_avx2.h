@@ -1,0 +1,404 @@
+/* The AVX2 staging decoders of _gguf_blocks.h (included at its end): the AVX-512 ones' work over two halves
+ * of 8 rows, writing q + fs_stage_bias(1, type) for the AVX2 tile. */
+#ifndef FASTSERVE_STAGE_AVX2_H
+#define FASTSERVE_STAGE_AVX2_H
+/* ---- AVX2 staging (x86 without AVX-512): the same decoders over two halves of 8 rows ----------- */
+#if defined(__x86_64__) || defined(__i386__)
+#define FS_HAVE_STAGE_AVX2 1
+#define FS_STAGE256 __attribute__((target("avx2,f16c")))
+
+/* z[g] (g < 8) = [16 bytes a of row g | 16 bytes b of row g] -> out[k] = dword k of rows 0..7. */
+FS_STAGE256 static inline void fs_transpose8x8_avx2(const __m256i z[8], __m256i out[8])
+{
+    __m256i u[8];
+    for (int h = 0; h < 2; h++) {
+        const __m256i *zz = z + 4 * h;
+        __m256i t0 = _mm256_unpacklo_epi32(zz[0], zz[1]), t1 = _mm256_unpackhi_epi32(zz[0], zz[1]);
+        __m256i t2 = _mm256_unpacklo_epi32(zz[2], zz[3]), t3 = _mm256_unpackhi_epi32(zz[2], zz[3]);
+        u[4 * h + 0] = _mm256_unpacklo_epi64(t0, t2);
+        u[4 * h + 1] = _mm256_unpackhi_epi64(t0, t2);
+        u[4 * h + 2] = _mm256_unpacklo_epi64(t1, t3);
+        u[4 * h + 3] = _mm256_unpackhi_epi64(t1, t3);
+    }
+    for (int k = 0; k < 4; k++) {
+        out[k] = _mm256_permute2x128_si256(u[k], u[k + 4], 0x20);
+        out[k + 4] = _mm256_permute2x128_si256(u[k], u[k + 4], 0x31);
+    }
+}
+
+FS_STAGE256 static inline __m256i fs_load2x16(const uint8_t *a, const uint8_t *b)
+{
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                   _mm_loadu_si128((const __m128i *)b), 1);
+}
+
+/* The f16 at byte `at` of block-relative position of each of 16 rows -> 16 floats at dst. */
+FS_STAGE256 static inline void fs_f16x16_avx2(const uint8_t *rows, int64_t row_bytes, int64_t at, uint8_t *dst)
+{
+    uint16_t h[16];
+    for (int l = 0; l < 16; l++)
+        memcpy(&h[l], rows + l * row_bytes + at, 2);
+    _mm256_storeu_ps((float *)dst, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)));
+    _mm256_storeu_ps((float *)dst + 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8))));
+}
+
+/* Bit 4 of byte j of each dword = bit 4k + j of that dword of qh (the fifth bits of the inputs
+ * 4k..4k+3 of staged row k, k < 8): the byte holding them copied into the dword's 4 bytes, each
+ * tested for its bit. */
+FS_STAGE256 static inline __m256i fs_fifth_bits_avx2(__m256i qh, int k)
+{
+    const __m256i at = _mm256_add_epi8(_mm256_set1_epi8((char)(k >> 1)),
+                                       _mm256_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C, 0, 0x04040404, 0x08080808, 0x0C0C0C0C));
+    const __m256i bit = _mm256_set1_epi32(0x08040201 << (4 * (k & 1)));
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(qh, at), bit), bit);
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+
+/* Q4_0 / Q4_1 / Q5_0 / Q5_1 (two blocks per transpose; Q5's 32 fifth bits before the quants) and
+ * Q8_0 (one). */
+FS_STAGE256 static void fs_stage_q48_avx2(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                          const uint8_t *next)
+{
+    const int q8 = type == FS_T_Q8_0, has_m = type == FS_T_Q4_1 || type == FS_T_Q5_1;
+    const int five = type == FS_T_Q5_0 || type == FS_T_Q5_1;
+    const int bb = q8 ? 34 : (has_m ? 20 : 18) + (five ? 4 : 0), qoff = (has_m ? 4 : 2) + (five ? 4 : 0), step = q8 ? 1 : 2;
+    const int64_t pbb = has_m ? FS_STAGE_QM : FS_STAGE_Q;
+    const __m256i low = _mm256_set1_epi8(15);
+    /* stored as q + fs_stage_bias(1, type): the file's own nibbles and 5-bit values, Q8_0's int8 */
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, (nb + step - 1) / step);
+    for (int64_t b = 0; b < nb; b += step) {
+        const int64_t b1 = b + 1 < nb ? b + 1 : b;
+        fs_prefetch_step(&pf);
+        for (int h = 0; h < 2; h++) {
+            __m256i z[8], t[8];
+            for (int g = 0; g < 8; g++) {
+                const uint8_t *r = rows + (8 * h + g) * row_bytes;
+                z[g] = q8 ? fs_load2x16(r + b * bb + 2, r + b * bb + 18) : fs_load2x16(r + b * bb + qoff, r + b1 * bb + qoff);
+            }
+            fs_transpose8x8_avx2(z, t);
+            if (q8) {
+                for (int k = 0; k < 8; k++)
+                    _mm256_storeu_si256((__m256i *)(stage + b * pbb + k * 64 + h * 32), t[k]);
+                continue;
+            }
+            for (int e = 0; e < 2 && b + e < nb; e++) {
+                uint8_t *pb = stage + (b + e) * pbb + h * 32;
+                __m256i qh = _mm256_setzero_si256();
+                if (five) {
+                    uint32_t w[8];
+                    for (int g = 0; g < 8; g++)
+                        memcpy(&w[g], rows + (8 * h + g) * row_bytes + (b + e) * bb + qoff - 4, 4);
+                    qh = _mm256_loadu_si256((const __m256i *)w);
+                }
+                for (int k = 0; k < 4; k++) {
+                    __m256i v = t[4 * e + k];
+                    __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    if (five) {
+                        lo = _mm256_or_si256(lo, fs_fifth_bits_avx2(qh, k));
+                        hi = _mm256_or_si256(hi, fs_fifth_bits_avx2(qh, k + 4));
+                    }
+                    _mm256_storeu_si256((__m256i *)(pb + k * 64), lo);
+                    _mm256_storeu_si256((__m256i *)(pb + (k + 4) * 64), hi);
+                }
+            }
+        }
+        for (int e = 0; e < step && b + e < nb; e++) {
+            uint8_t *pb = stage + (b + e) * pbb;
+            fs_f16x16_avx2(rows, row_bytes, (b + e) * bb, pb + 512);
+            if (has_m)
+                fs_f16x16_avx2(rows, row_bytes, (b + e) * bb + 2, pb + 576);
+        }
+    }
+}
+
+/* 32 bytes at byte `at` of rows 0..7 (from `rows`) -> out[k] = dword k of each; a16: only 16 bytes. */
+FS_STAGE256 static inline void fs_rows8_avx2(const uint8_t *rows, int64_t row_bytes, int64_t at, int a16, __m256i out[8])
+{
+    __m256i z[8];
+    for (int g = 0; g < 8; g++) {
+        const uint8_t *r = rows + g * row_bytes + at;
+        z[g] = fs_load2x16(r, a16 ? r : r + 16);
+    }
+    fs_transpose8x8_avx2(z, out);
+}
+
+FS_STAGE256 static inline __m256i fs_byte256(__m256i v, int byte)
+{
+    return _mm256_and_si256(_mm256_srli_epi32(v, 8 * byte), _mm256_set1_epi32(0xFF));
+}
+
+/* fs_neg_dmin_mn512 for 8 lanes. */
+FS_STAGE256 static inline __m256 fs_neg_dmin_mn256(__m256 dmin, __m256i mn)
+{
+    const __m256i m = _mm256_castps_si256(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(mn)));
+    return _mm256_castsi256_ps(_mm256_xor_si256(m, _mm256_set1_epi32((int)0x80000000u)));
+}
+
+FS_STAGE256 static inline __m256i fs_bytes_srl256(__m256i v, int s, int mask)
+{
+    return _mm256_and_si256(_mm256_srli_epi16(v, s), _mm256_set1_epi8((char)mask));
+}
+
+/* Q4_K / Q5_K: the 8 scales d * sc_j and offsets -(dmin * mn_j) of a 256-block of 8 rows from hs
+ * (fs_rows8_avx2 of its first 16 bytes: d | dmin, scales[0..3], [4..7], [8..11]) and d, dmin. */
+FS_STAGE256 static inline void fs_k45_scales_avx2(const __m256i hs[4], __m256 d, __m256 dmin, __m256 dsc[8],
+                                                  __m256 mneg[8])
+{
+    const __m256i m63 = _mm256_set1_epi32(63), m15 = _mm256_set1_epi32(15);
+    for (int j = 0; j < 8; j++) {
+        __m256i sc, mn;
+        if (j < 4) {
+            sc = _mm256_and_si256(fs_byte256(hs[1], j), m63);
+            mn = _mm256_and_si256(fs_byte256(hs[2], j), m63);
+        } else {
+            __m256i lo = fs_byte256(hs[3], j - 4);
+            sc = _mm256_or_si256(_mm256_and_si256(lo, m15), _mm256_slli_epi32(_mm256_srli_epi32(fs_byte256(hs[1], j - 4), 6), 4));
+            mn = _mm256_or_si256(_mm256_srli_epi32(lo, 4), _mm256_slli_epi32(_mm256_srli_epi32(fs_byte256(hs[2], j - 4), 6), 4));
+        }
+        dsc[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+        mneg[j] = fs_neg_dmin_mn256(dmin, mn);
+    }
+}
+
+/* Q4_K / Q5_K, as fs_stage_k45_avx512 over two halves of 8 rows, q stored as it is (fs_stage_bias(1, type) = 0). */
+FS_STAGE256 static void fs_stage_k45_avx2(int five, const uint8_t *rows, int64_t row_bytes, int64_t nb,
+                                          uint8_t *stage, const uint8_t *next)
+{
+    const int bb = five ? 176 : 144, qoff = five ? 48 : 16;
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        fs_prefetch_step(&pf);
+        float dd[16], dm[16];
+        fs_f16x16_avx2(rows, row_bytes, sb * bb, (uint8_t *)dd);
+        fs_f16x16_avx2(rows, row_bytes, sb * bb + 2, (uint8_t *)dm);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *r8 = rows + 8 * h * row_bytes;
+            __m256i hs[8], qh[8];
+            fs_rows8_avx2(r8, row_bytes, sb * bb, 1, hs);      /* d | dmin, scales[0..3], [4..7], [8..11] */
+            __m256 dsc[8], mneg[8];
+            fs_k45_scales_avx2(hs, _mm256_loadu_ps(dd + 8 * h), _mm256_loadu_ps(dm + 8 * h), dsc, mneg);
+            for (int j = 0; j < 8; j++) {
+                uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QM + h * 32;
+                _mm256_storeu_ps((float *)(pb + 512), dsc[j]);
+                _mm256_storeu_ps((float *)(pb + 576), mneg[j]);
+            }
+            if (five)
+                fs_rows8_avx2(r8, row_bytes, sb * bb + 16, 0, qh);
+            for (int c = 0; c < 4; c++) {
+                __m256i t[8];
+                fs_rows8_avx2(r8, row_bytes, sb * bb + qoff + 32 * c, 0, t);
+                uint8_t *p0 = stage + (sb * 8 + 2 * c) * FS_STAGE_QM + h * 32, *p1 = p0 + FS_STAGE_QM;
+                for (int k = 0; k < 8; k++) {
+                    __m256i lo = _mm256_and_si256(t[k], _mm256_set1_epi8(15)), hi = fs_bytes_srl256(t[k], 4, 15);
+                    if (five) {
+                        lo = _mm256_or_si256(lo, _mm256_slli_epi16(fs_bytes_srl256(qh[k], 2 * c, 1), 4));
+                        hi = _mm256_or_si256(hi, _mm256_slli_epi16(fs_bytes_srl256(qh[k], 2 * c + 1, 1), 4));
+                    }
+                    _mm256_storeu_si256((__m256i *)(p0 + k * 64), lo);
+                    _mm256_storeu_si256((__m256i *)(p1 + k * 64), hi);
+                }
+            }
+        }
+    }
+}
+
+/* IQ4_XS: fs_iq4xs_scale512 for 8 rows. */
+FS_STAGE256 static inline __m256 fs_iq4xs_scale_avx2(__m256i g, __m256i sl, __m256 d, int j)
+{
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(sl, 4 * j), _mm256_set1_epi32(15));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(g, 16 + 2 * j), _mm256_set1_epi32(3));
+    const __m256i ls = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 4));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
+}
+
+FS_STAGE256 static inline __m256i fs_iq4_table256(int add)
+{
+    const __m128i v = _mm_add_epi8(_mm_loadu_si128((const __m128i *)fs_iq4_values), _mm_set1_epi8((char)add));
+    return _mm256_broadcastsi128_si256(v);
+}
+
+/* IQ4_NL / IQ4_XS, as fs_stage_iq4_avx512 over two halves of 8 rows, q stored as the plain int8 value
+ * (fs_stage_bias(1, IQ4) = 0: the tile's sign trick, as Q8_0). */
+FS_STAGE256 static void fs_stage_iq4_avx2(int xs, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                          const uint8_t *next)
+{
+    const __m256i low = _mm256_set1_epi8(15), tab = fs_iq4_table256(0);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, (nb + 1) / 2);
+    for (int64_t b = 0; b < nb; b += 2) {
+        const int64_t b1 = b + 1 < nb ? b + 1 : b;
+        const int64_t a0 = fs_iq4_qat(xs, b), a1 = fs_iq4_qat(xs, b1);
+        fs_prefetch_step(&pf);
+        for (int h = 0; h < 2; h++) {
+            __m256i z[8], t[8];
+            for (int g = 0; g < 8; g++) {
+                const uint8_t *r = rows + (8 * h + g) * row_bytes;
+                z[g] = fs_load2x16(r + a0, r + a1);
+            }
+            fs_transpose8x8_avx2(z, t);
+            for (int e = 0; e < 2 && b + e < nb; e++) {
+                uint8_t *pb = stage + (b + e) * FS_STAGE_Q + h * 32;
+                for (int k = 0; k < 4; k++) {
+                    const __m256i v = t[4 * e + k];
+                    _mm256_storeu_si256((__m256i *)(pb + k * 64), _mm256_shuffle_epi8(tab, _mm256_and_si256(v, low)));
+                    _mm256_storeu_si256((__m256i *)(pb + (k + 4) * 64), _mm256_shuffle_epi8(tab, fs_bytes_srl256(v, 4, 15)));
+                }
+            }
+        }
+        if (!xs) {
+            for (int e = 0; e < 2 && b + e < nb; e++)
+                fs_f16x16_avx2(rows, row_bytes, (b + e) * 18, stage + (b + e) * FS_STAGE_Q + 512);
+        } else if ((b & 7) == 0) {
+            uint32_t w[2][16];
+            float d[16];
+            fs_copy_dwords(rows, row_bytes, (b >> 3) * 136, (uint8_t *)w[0]);
+            fs_copy_dwords(rows, row_bytes, (b >> 3) * 136 + 4, (uint8_t *)w[1]);
+            fs_f16x16_avx2(rows, row_bytes, (b >> 3) * 136, (uint8_t *)d);
+            for (int h = 0; h < 2; h++) {
+                const __m256i g = _mm256_loadu_si256((const __m256i *)(w[0] + 8 * h));
+                const __m256i sl = _mm256_loadu_si256((const __m256i *)(w[1] + 8 * h));
+                for (int j = 0; j < 8; j++)
+                    _mm256_storeu_ps((float *)(stage + (b + j) * FS_STAGE_Q + 512) + 8 * h,
+                                     fs_iq4xs_scale_avx2(g, sl, _mm256_loadu_ps(d + 8 * h), j));
+            }
+        }
+    }
+}
+
+/* Q6_K, as fs_stage_q6k_avx512 over two halves of 8 rows, q stored as q + 32 (fs_stage_bias(1, Q6_K)): the
+ * file's 6-bit values. */
+FS_STAGE256 static void fs_stage_q6k_avx2(const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                          const uint8_t *next)
+{
+    const __m256i lo15 = _mm256_set1_epi8(15);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        fs_prefetch_step(&pf);
+        const int64_t at = sb * 210;
+        float dd[16];
+        fs_f16x16_avx2(rows, row_bytes, at + 208, (uint8_t *)dd);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *r8 = rows + 8 * h * row_bytes;
+            __m256i sc[8];
+            fs_rows8_avx2(r8, row_bytes, at + 192, 1, sc);
+            const __m256 d = _mm256_loadu_ps(dd + 8 * h);
+            for (int j = 0; j < 8; j++) {
+                uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QS + h * 32;
+                _mm256_storeu_ps((float *)(pb + 512), d);
+                for (int e = 0; e < 2; e++) {
+                    const int i = 2 * j + e;
+                    __m256i v = _mm256_srai_epi32(_mm256_slli_epi32(sc[i >> 2], 24 - 8 * (i & 3)), 24);
+                    _mm256_storeu_si256((__m256i *)(pb + 576 + 64 * e), v);
+                }
+            }
+            for (int c = 0; c < 2; c++) {
+                __m256i l0[8], l1[8], qh[8];
+                fs_rows8_avx2(r8, row_bytes, at + 64 * c, 0, l0);
+                fs_rows8_avx2(r8, row_bytes, at + 64 * c + 32, 0, l1);
+                fs_rows8_avx2(r8, row_bytes, at + 128 + 32 * c, 0, qh);
+                uint8_t *pb = stage + (sb * 8 + 4 * c) * FS_STAGE_QS + h * 32;
+                for (int k = 0; k < 8; k++) {
+                    __m256i v0 = _mm256_or_si256(_mm256_and_si256(l0[k], lo15), _mm256_slli_epi16(fs_bytes_srl256(qh[k], 0, 3), 4));
+                    __m256i v1 = _mm256_or_si256(_mm256_and_si256(l1[k], lo15), _mm256_slli_epi16(fs_bytes_srl256(qh[k], 2, 3), 4));
+                    __m256i v2 = _mm256_or_si256(fs_bytes_srl256(l0[k], 4, 15), _mm256_slli_epi16(fs_bytes_srl256(qh[k], 4, 3), 4));
+                    __m256i v3 = _mm256_or_si256(fs_bytes_srl256(l1[k], 4, 15), _mm256_slli_epi16(fs_bytes_srl256(qh[k], 6, 3), 4));
+                    _mm256_storeu_si256((__m256i *)(pb + 0 * FS_STAGE_QS + k * 64), v0);
+                    _mm256_storeu_si256((__m256i *)(pb + 1 * FS_STAGE_QS + k * 64), v1);
+                    _mm256_storeu_si256((__m256i *)(pb + 2 * FS_STAGE_QS + k * 64), v2);
+                    _mm256_storeu_si256((__m256i *)(pb + 3 * FS_STAGE_QS + k * 64), v3);
+                }
+            }
+        }
+    }
+}
+
+/* Q3_K, as fs_stage_q3k_avx512 over two halves of 8 rows, q stored as q + 4 (fs_stage_bias(1, Q3_K)): the
+ * low bits, + 4 where the hmask bit is set. */
+FS_STAGE256 static void fs_stage_q3k_avx2(const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                          const uint8_t *next)
+{
+    const __m256i four = _mm256_set1_epi8(4);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        fs_prefetch_step(&pf);
+        const int64_t at = sb * 110;
+        float dd[16];
+        fs_f16x16_avx2(rows, row_bytes, at + 108, (uint8_t *)dd);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *r8 = rows + 8 * h * row_bytes;
+            __m256i sc[8], hm[8];
+            fs_rows8_avx2(r8, row_bytes, at + 92, 1, sc);     /* sc[1..3]: scales[0..3], [4..7], [8..11] */
+            const __m256 d = _mm256_loadu_ps(dd + 8 * h);
+            for (int j = 0; j < 8; j++) {
+                uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QS + h * 32;
+                _mm256_storeu_ps((float *)(pb + 512), d);
+                for (int e = 0; e < 2; e++) {
+                    const int i = 2 * j + e;
+                    __m256i lo = _mm256_srli_epi32(fs_byte256(sc[1 + ((i & 7) >> 2)], i & 3), 4 * (i >> 3));
+                    __m256i hi = _mm256_srli_epi32(fs_byte256(sc[3], i & 3), 2 * (i >> 2));
+                    __m256i v = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(15)),
+                                                _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4));
+                    _mm256_storeu_si256((__m256i *)(pb + 576 + 64 * e), _mm256_sub_epi32(v, _mm256_set1_epi32(32)));
+                }
+            }
+            fs_rows8_avx2(r8, row_bytes, at, 0, hm);
+            for (int c = 0; c < 2; c++) {
+                __m256i ql[8];
+                fs_rows8_avx2(r8, row_bytes, at + 32 + 32 * c, 0, ql);
+                for (int t = 0; t < 4; t++) {
+                    const int j = 4 * c + t;
+                    const __m256i bit = _mm256_set1_epi8((char)(1 << j));
+                    uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QS + h * 32;
+                    for (int k = 0; k < 8; k++) {
+                        const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hm[k], bit), bit);
+                        __m256i v = _mm256_add_epi8(fs_bytes_srl256(ql[k], 2 * t, 3),
+                                                    _mm256_and_si256(set, four));
+                        _mm256_storeu_si256((__m256i *)(pb + k * 64), v);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* Q2_K, as fs_stage_q2k_avx512 over two halves of 8 rows, q (0..3) stored as it is (fs_stage_bias(1, Q2_K) = 0). */
+FS_STAGE256 static void fs_stage_q2k_avx2(const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                          const uint8_t *next)
+{
+    const __m256i m15 = _mm256_set1_epi32(15);
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb / 8);
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        fs_prefetch_step(&pf);
+        const int64_t at = sb * 84;
+        float dd[16], dm[16];
+        fs_f16x16_avx2(rows, row_bytes, at + 80, (uint8_t *)dd);
+        fs_f16x16_avx2(rows, row_bytes, at + 82, (uint8_t *)dm);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *r8 = rows + 8 * h * row_bytes;
+            __m256i sc[8];
+            fs_rows8_avx2(r8, row_bytes, at, 1, sc);          /* scales[4k .. 4k + 3] in sc[k] */
+            const __m256 d = _mm256_loadu_ps(dd + 8 * h), dmin = _mm256_loadu_ps(dm + 8 * h);
+            for (int j = 0; j < 8; j++) {
+                uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QSM + h * 32;
+                _mm256_storeu_ps((float *)(pb + 512), d);
+                for (int e = 0; e < 2; e++) {
+                    const int i = 2 * j + e;
+                    const __m256i byte = fs_byte256(sc[i >> 2], i & 3);
+                    _mm256_storeu_si256((__m256i *)(pb + 576 + 64 * e), _mm256_and_si256(byte, m15));
+                    _mm256_storeu_ps((float *)(pb + 704 + 64 * e), fs_neg_dmin_mn256(dmin, _mm256_srli_epi32(byte, 4)));
+                }
+            }
+            for (int c = 0; c < 2; c++) {
+                __m256i ql[8];
+                fs_rows8_avx2(r8, row_bytes, at + 16 + 32 * c, 0, ql);
+                for (int t = 0; t < 4; t++) {
+                    uint8_t *pb = stage + (sb * 8 + 4 * c + t) * FS_STAGE_QSM + h * 32;
+                    for (int k = 0; k < 8; k++)
+                        _mm256_storeu_si256((__m256i *)(pb + k * 64), fs_bytes_srl256(ql[k], 2 * t, 3));
+                }
+            }
+        }
+    }
+}
+#endif
+
+#endif /* FASTSERVE_STAGE_AVX2_H */
