@@ -73,10 +73,11 @@
 /* The K-quants whose fused kernels keep each half block's dot apart for two integer sub-scales. */
 #define FS_KQ_SUB(type) ((type) == FS_T_Q6_K || (type) == FS_T_Q3_K || (type) == FS_T_Q2_K)
 
-/* Bytes per block of the 32-input types. */
+/* Bytes per stored block of a kernel type (fs_type's table; once per panel, not per block). */
 static inline int fs_fused_block_bytes(int type)
 {
-    return type == FS_T_Q8_0 ? 34 : type == FS_T_Q5_1 ? 24 : type == FS_T_Q5_0 ? 22 : type == FS_T_Q4_1 ? 20 : 18;
+    fs_type_info t;
+    return fs_type(type, &t) == 0 ? t.block_bytes : 0;
 }
 
 #if defined(FS_HAVE_AVX512VNNI) && defined(FS_HAVE_STAGE_AVX512)
@@ -363,7 +364,7 @@ FS_FUSED512 FS_INLINE void fs_fused_q32_avx512(const fs_job *j, const int type, 
 FS_FUSED512 FS_INLINE void fs_fused_k45_avx512(const fs_job *j, const int type, const uint8_t *rows, int64_t row_bytes,
                                                const uint8_t *next, const int R)
 {
-    const int64_t bb = type == FS_T_Q5_K ? 176 : 144;
+    const int64_t bb = fs_fused_block_bytes(type);
     const int64_t nb = j->nb;
     const uint8_t *rp[16];
     __m512 f[FS_FUSED_MAX_N];
@@ -436,7 +437,7 @@ FS_FUSED512 FS_INLINE __m512 fs_fused_halves(const fs_job *j, __m512 acc, __m512
 FS_FUSED512 FS_INLINE void fs_fused_qs_avx512(const fs_job *j, const int type, const uint8_t *rows, int64_t row_bytes,
                                               const uint8_t *next, const int R)
 {
-    const int64_t nb = j->nb, bb = type == FS_T_Q6_K ? 210 : type == FS_T_Q3_K ? 110 : 84;
+    const int64_t nb = j->nb, bb = fs_fused_block_bytes(type);
     const int32_t off = fs_q_offset(type);
     const int Q2 = type == FS_T_Q2_K;
     const uint8_t *rp[16];
@@ -769,7 +770,7 @@ FS_FUSED256 FS_INLINE void fs_kq_half_avx2(const fs_job *j, const int type, cons
                                            int h, fs_prefetcher *pf, const int R)
 {
     const int64_t nb = j->nb, K = nb * FS_QK;
-    const int64_t bb = type == FS_T_Q4_K ? 144 : type == FS_T_Q5_K ? 176 : type == FS_T_Q3_K ? 110 : type == FS_T_Q2_K ? 84 : 210;
+    const int64_t bb = fs_fused_block_bytes(type);
     const int32_t off = fs_q_offset(type);
     const uint8_t *r8 = rows + 8 * h * row_bytes, *rp[8];
     for (int l = 0; l < 8; l++)

@@ -264,6 +264,30 @@ FS_STAGE256 static void fs_stage_iq4_avx2(int xs, const uint8_t *rows, int64_t r
     }
 }
 
+/* Sub-block i's (0..15) signed sub-scales of 8 rows from sc (fs_rows8_avx2 of the scale bytes): Q6_K's int8
+ * scales (sc[0..3]: scales[0..15]), or Q3_K's 6-bit scales - 32 (sc[1..3]: scales[0..3], [4..7], [8..11]). */
+FS_STAGE256 static inline __m256i fs_subscale_avx2(const int type, const __m256i *sc, int i)
+{
+    if (type == FS_T_Q6_K)
+        return _mm256_srai_epi32(_mm256_slli_epi32(sc[i >> 2], 24 - 8 * (i & 3)), 24);
+    __m256i lo = _mm256_srli_epi32(fs_byte256(sc[1 + ((i & 7) >> 2)], i & 3), 4 * (i >> 3));
+    __m256i hi = _mm256_srli_epi32(fs_byte256(sc[3], i & 3), 2 * (i >> 2));
+    __m256i v = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(15)),
+                                _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4));
+    return _mm256_sub_epi32(v, _mm256_set1_epi32(32));
+}
+
+/* Kind QS's scales of one half panel's 256-block (pb: its block 0, this half): d and the sub-scales s_0, s_1
+ * of each of its 8 blocks. */
+FS_STAGE256 static inline void fs_stage_qs_scales_avx2(const int type, const __m256i *sc, __m256 d, uint8_t *pb)
+{
+    for (int j = 0; j < 8; j++, pb += FS_STAGE_QS) {
+        _mm256_storeu_ps((float *)(pb + 512), d);
+        for (int e = 0; e < 2; e++)
+            _mm256_storeu_si256((__m256i *)(pb + 576 + 64 * e), fs_subscale_avx2(type, sc, 2 * j + e));
+    }
+}
+
 /* Q6_K, as fs_stage_q6k_avx512 over two halves of 8 rows, q stored as q + 32 (fs_stage_bias(1, Q6_K)): the
  * file's 6-bit values. */
 FS_STAGE256 static void fs_stage_q6k_avx2(const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
@@ -280,16 +304,7 @@ FS_STAGE256 static void fs_stage_q6k_avx2(const uint8_t *rows, int64_t row_bytes
             const uint8_t *r8 = rows + 8 * h * row_bytes;
             __m256i sc[8];
             fs_rows8_avx2(r8, row_bytes, at + 192, 1, sc);
-            const __m256 d = _mm256_loadu_ps(dd + 8 * h);
-            for (int j = 0; j < 8; j++) {
-                uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QS + h * 32;
-                _mm256_storeu_ps((float *)(pb + 512), d);
-                for (int e = 0; e < 2; e++) {
-                    const int i = 2 * j + e;
-                    __m256i v = _mm256_srai_epi32(_mm256_slli_epi32(sc[i >> 2], 24 - 8 * (i & 3)), 24);
-                    _mm256_storeu_si256((__m256i *)(pb + 576 + 64 * e), v);
-                }
-            }
+            fs_stage_qs_scales_avx2(FS_T_Q6_K, sc, _mm256_loadu_ps(dd + 8 * h), stage + sb * 8 * FS_STAGE_QS + h * 32);
             for (int c = 0; c < 2; c++) {
                 __m256i l0[8], l1[8], qh[8];
                 fs_rows8_avx2(r8, row_bytes, at + 64 * c, 0, l0);
@@ -327,19 +342,7 @@ FS_STAGE256 static void fs_stage_q3k_avx2(const uint8_t *rows, int64_t row_bytes
             const uint8_t *r8 = rows + 8 * h * row_bytes;
             __m256i sc[8], hm[8];
             fs_rows8_avx2(r8, row_bytes, at + 92, 1, sc);     /* sc[1..3]: scales[0..3], [4..7], [8..11] */
-            const __m256 d = _mm256_loadu_ps(dd + 8 * h);
-            for (int j = 0; j < 8; j++) {
-                uint8_t *pb = stage + (sb * 8 + j) * FS_STAGE_QS + h * 32;
-                _mm256_storeu_ps((float *)(pb + 512), d);
-                for (int e = 0; e < 2; e++) {
-                    const int i = 2 * j + e;
-                    __m256i lo = _mm256_srli_epi32(fs_byte256(sc[1 + ((i & 7) >> 2)], i & 3), 4 * (i >> 3));
-                    __m256i hi = _mm256_srli_epi32(fs_byte256(sc[3], i & 3), 2 * (i >> 2));
-                    __m256i v = _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(15)),
-                                                _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4));
-                    _mm256_storeu_si256((__m256i *)(pb + 576 + 64 * e), _mm256_sub_epi32(v, _mm256_set1_epi32(32)));
-                }
-            }
+            fs_stage_qs_scales_avx2(FS_T_Q3_K, sc, _mm256_loadu_ps(dd + 8 * h), stage + sb * 8 * FS_STAGE_QS + h * 32);
             fs_rows8_avx2(r8, row_bytes, at, 0, hm);
             for (int c = 0; c < 2; c++) {
                 __m256i ql[8];
