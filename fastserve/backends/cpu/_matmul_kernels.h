@@ -55,10 +55,14 @@
 #define FS_LANES 16              /* outputs per panel */
 #define FS_TINY 0x1p-100f         /* blocks with a smaller amax are zero */
 #ifndef FS_PREFETCH_PANELS
-/* How far ahead a task prefetches the rows it will decode. One panel: at 2 threads four were 10-50 %
- * slower on every matrix measured (most on wide ones, e.g. ffn_down's 2048 x 8192 Q6_K, whose 4 panels
- * are 430 KB of L2), and the 1 B Q4_K_M file's n = 1 products took a median 33-38 ms instead of 39-45. */
-#define FS_PREFETCH_PANELS 1
+/* How far ahead a task prefetches the rows it will decode, in panels: staged (compute-bound, as
+ * measured when it was tuned) and fused. Fused, one: at 2 threads four were 10-50 % slower on every
+ * matrix measured (most on wide ones, e.g. ffn_down's 2048 x 8192 Q6_K, whose 4 panels are 430 KB of
+ * L2), and the 1 B Q4_K_M file's n = 1 products took a median 33-38 ms instead of 39-45. */
+#define FS_PREFETCH_PANELS 4
+#endif
+#ifndef FS_PREFETCH_PANELS_FUSED
+#define FS_PREFETCH_PANELS_FUSED 1
 #endif
 #ifndef FS_TASKS_PER_THREAD
 #define FS_TASKS_PER_THREAD 4
@@ -933,18 +937,20 @@ static void fs_product_task(void *ctx, int64_t begin, int64_t end)
         const fs_part *pt = &pr->parts[pi];
         const int64_t r0 = (g - pt->first_panel) * FS_LANES, panel_bytes = FS_LANES * pt->row_bytes;
         const int valid = (int)(pt->rows - r0 < FS_LANES ? pt->rows - r0 : FS_LANES);
-        /* Rows FS_PREFETCH_PANELS panels ahead (in this part) come into L2 while this panel is
-         * decoded; a task's first panel also asks for the ones between. */
-        if (g == begin || r0 == 0) {
-            int64_t upto = r0 + FS_PREFETCH_PANELS * FS_LANES < pt->rows ? r0 + FS_PREFETCH_PANELS * FS_LANES : pt->rows;
-            fs_prefetch_range(pt->data, r0 * pt->row_bytes, upto * pt->row_bytes);
-        }
-        const uint8_t *next = r0 + (FS_PREFETCH_PANELS + 1) * FS_LANES <= pt->rows
-                              ? pt->data + r0 * pt->row_bytes + FS_PREFETCH_PANELS * panel_bytes : NULL;
         fs_job j = pr->act;
         j.valid = valid;
         j.y = pr->act.y + pt->col0 + r0;
-        if (pr->fused && fs_fused_ok(pr->isa, pt->type, j.n, valid)) {
+        const int fused = pr->fused && fs_fused_ok(pr->isa, pt->type, j.n, valid);
+        /* Rows `ahead` panels ahead (in this part) come into L2 while this panel is decoded; a
+         * task's first panel also asks for the ones between. */
+        const int64_t ahead = fused ? FS_PREFETCH_PANELS_FUSED : FS_PREFETCH_PANELS;
+        if (g == begin || r0 == 0) {
+            int64_t upto = r0 + ahead * FS_LANES < pt->rows ? r0 + ahead * FS_LANES : pt->rows;
+            fs_prefetch_range(pt->data, r0 * pt->row_bytes, upto * pt->row_bytes);
+        }
+        const uint8_t *next = r0 + (ahead + 1) * FS_LANES <= pt->rows
+                              ? pt->data + r0 * pt->row_bytes + ahead * panel_bytes : NULL;
+        if (fused) {
             fs_fused_panel(pr->isa, pt->type, &j, pt->data + r0 * pt->row_bytes, pt->row_bytes, next);
             continue;
         }
