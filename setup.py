@@ -43,7 +43,7 @@ CPU = os.path.join("fastserve", "backends", "cpu")
 # multiply-add. -fno-trapping-math changes no result (only whether FP exceptions may be raised): it lets
 # GCC vectorise the selects of exp2 / sigmoid in _forward (else "control flow in loop").
 CPU_NATIVE = {
-    "fastserve.backends.cpu._matmul": (("_matmul_kernels.h", "_matmul_fused.h", "_gguf_blocks.h",
+    "fastserve.backends.cpu._matmul": (("_matmul_kernels.h", "_matmul_fused.h", "_matmul_float.h", "_gguf_blocks.h",
                                          "_stage_avx512.h", "_stage_avx2.h"), ("-ffp-contract=off",)),
     "fastserve.backends.cpu._attention": (("_attention_kernels.h", "_attention_simd.h"), ("-ffp-contract=off",)),
     "fastserve.backends.cpu._forward": (("_layer_ops.h", "_attention_kernels.h", "_attention_simd.h", "_matmul.pxd",

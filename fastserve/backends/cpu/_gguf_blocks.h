@@ -63,7 +63,7 @@ enum { FS_KIND_Q = 0, FS_KIND_QM = 1, FS_KIND_QS = 2, FS_KIND_F = 3, FS_KIND_QSM
 #define FS_STAGE_Q 576
 #define FS_STAGE_QM 640
 #define FS_STAGE_QS 704
-#define FS_STAGE_F 2048
+#define FS_STAGE_F 0             /* float rows are never staged (_matmul_float.h) */
 #define FS_STAGE_QSM 832
 
 typedef struct {
@@ -355,17 +355,12 @@ static void fs_dequantize_row(int type, const uint8_t *row, int64_t n_in, float 
 
 /* ---- staging a panel -------------------------------------------------------------------------- */
 
-/* Rows past `valid` as q = 0, d = m = s = 0 (float kind: zeros). */
+/* Rows past `valid` as q = 0, d = m = s = 0. */
 static void fs_stage_clear(uint8_t *stage, int kind, int64_t nb, int valid, int bias)
 {
     const int64_t pbb = fs_stage_bytes(kind);
     for (int64_t b = 0; b < nb; b++) {
         uint8_t *pb = stage + b * pbb;
-        if (kind == FS_KIND_F) {
-            for (int i = 0; i < 32; i++)
-                memset(pb + i * 64 + valid * 4, 0, (size_t)(16 - valid) * 4);
-            continue;
-        }
         for (int k = 0; k < 8; k++)
             memset(pb + k * 64 + valid * 4, bias, (size_t)(16 - valid) * 4);
         for (int64_t off = 512; off < pbb; off += 64)
@@ -387,13 +382,6 @@ static void fs_stage_panel_scalar(int type, const uint8_t *rows, int64_t row_byt
         const uint8_t *row = rows + lane * row_bytes;
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *pb = stage + b * pbb;
-            if (t.kind == FS_KIND_F) {
-                for (int i = 0; i < 32; i++) {
-                    float v = b * 32 + i < n_in ? fs_float_at(type, row, b * 32 + i) : 0.0f;
-                    memcpy(pb + (i * 16 + lane) * 4, &v, 4);
-                }
-                continue;
-            }
             int8_t q[32];
             fs_blk o;
             fs_decode_block(type, row, b, q, &o);

@@ -6,8 +6,8 @@ A BlockMatrix is a view of one or more tensors as the file stores them (memory-m
 copy is ever kept), stacked by rows (e.g. Q | K | V), each part of its own type: Q4_0, Q4_1, Q5_0,
 Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (integer blocks) or F32, F16, BF16 (floats). Each
 call quantizes the activations once (int8, one scale per 32 inputs) for every integer part, multiplies per
-block in integers, and sums the blocks in float32 in a fixed order (see _matmul_kernels.h); float parts sum
-their products in input order. Every output is a function of its own activation row and weight row
+block in integers, and sums the blocks in float32 in a fixed order (see _matmul_kernels.h); float parts
+keep 16 partial sums of fused multiply-adds in input order, folded in a fixed tree (_matmul_float.h). Every output is a function of its own activation row and weight row
 only: bit-identical whatever n, the other rows, the kernel or the threads, and equal to the NumPy
 twin fastserve.backends.cpu.ref.matmul.
 
@@ -279,6 +279,8 @@ cdef class BlockMatrix:
             raise IndexError(f"panel {panel} outside [0, {self.n_panels})")
         while panel >= self.parts[pi].first_panel + (self.parts[pi].rows + FS_LANES - 1) // FS_LANES:
             pi += 1
+        if self.parts[pi].kind == FS_KIND_F:
+            raise ValueError("float rows have no staged layout: the products read them as stored (_matmul_float.h)")
         cdef int64_t r0 = (panel - self.parts[pi].first_panel) * FS_LANES
         cdef int valid = <int>min(FS_LANES, self.parts[pi].rows - r0)
         cdef int64_t nb = _blocks(self.n_in), pbb = fs_stage_bytes(self.parts[pi].kind)

@@ -13,12 +13,14 @@
  *   - Output (r, o): acc = 0; for blocks b = 0, 1, ... IN THAT ORDER:
  *         acc = acc + (float)isum * (d_w * d_x);   then, with offsets,  acc = acc + m_w * s_x,
  *     s_x = d_x * (float)sum q_x; each product and each sum rounded to float32, no fused
- *     multiply-add (the extension is built with -ffp-contract=off).
+ *     multiply-add (the extension is built with -ffp-contract=off; only the float weights' sums below
+ *     call one, by name).
  *     Kind QSM (Q2_K: an offset per half block, m_0 for inputs 0..15, m_1 for 16..31): after the
  *     isum step  acc = acc + m_0 * s_x,lo;  then  acc = acc + m_1 * s_x,hi,  with
  *     s_x,lo = d_x * (float)(sum of q_x over inputs 0..15), s_x,hi = d_x * (float)(sum over 16..31).
- *   - Float weights (F32, F16, BF16): the activations stay float32, and
- *         acc = 0; for i = 0, 1, ... n_in - 1 IN THAT ORDER:  acc = acc + w_i * x_i.
+ *   - Float weights (F32, F16, BF16): the activations stay float32, 16 partial sums
+ *         p_(i mod 16) = fma(w_i, x_i, p_(i mod 16))  for i = 0, 1, ... IN THAT ORDER (one rounding),
+ *     folded in one fixed tree (p_k + p_(k+8), then + p_(k+4), + p_(k+2), p_0 + p_1): _matmul_float.h.
  * Nothing in that order depends on n, on the other rows, on the kernel (scalar, AVX2, AVX-512 VNNI,
  * NEON, NEON sdot) or on which thread computes which outputs: results are bit-identical whatever the
  * batch, and equal to the NumPy twin.
@@ -233,28 +235,6 @@ static inline void fs_panel_scalar(const fs_job *j, const int kind)
     }
 }
 
-static void fs_float_scalar(const fs_job *j)
-{
-    const int64_t nb = j->nb, K = nb * FS_QK;
-    for (int64_t r = 0; r < j->n; r++) {
-        const float *xr = j->xf + r * K;
-        float acc[FS_LANES];
-        for (int l = 0; l < FS_LANES; l++)
-            acc[l] = 0.0f;
-        for (int64_t b = 0; b < nb; b++) {
-            const float *wb = (const float *)(j->w + b * FS_STAGE_F);
-            for (int i = 0; i < FS_QK; i++) {
-                const float xv = xr[b * FS_QK + i];
-                for (int l = 0; l < FS_LANES; l++) {
-                    float t = wb[i * FS_LANES + l] * xv;
-                    acc[l] = acc[l] + t;
-                }
-            }
-        }
-        fs_store_lanes(j->y + r * j->ldy, acc, j->valid);
-    }
-}
-
 static void fs_kernel_scalar_q(const fs_job *j) { fs_panel_scalar(j, FS_KIND_Q); }
 static void fs_kernel_scalar_qm(const fs_job *j) { fs_panel_scalar(j, FS_KIND_QM); }
 static void fs_kernel_scalar_qs(const fs_job *j) { fs_panel_scalar(j, FS_KIND_QS); }
@@ -397,33 +377,11 @@ FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, int h, int64_t r0, const in
         fs_store_half_avx2(j, h, r0 + r, f[r]);
 }
 
-FS_AVX2 FS_INLINE void fs_float_tile_avx2(const fs_job *j, int h, int64_t r0, const int R)
-{
-    const int64_t nb = j->nb, K = nb * FS_QK;
-    __m256 f[4];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-        f[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const float *wb = (const float *)(j->w + b * FS_STAGE_F) + h * 8;
-        const float *xb = j->xf + r0 * K + b * FS_QK;
-        for (int i = 0; i < FS_QK; i++) {
-            __m256 wv = _mm256_loadu_ps(wb + i * FS_LANES);
-#pragma GCC unroll 4
-            for (int r = 0; r < R; r++)
-                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(wv, _mm256_set1_ps(xb[r * K + i])));
-        }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-        fs_store_half_avx2(j, h, r0 + r, f[r]);
-}
-
 /* One half panel's rows, in tiles of 4, for G a constant. */
 FS_AVX2 FS_INLINE void fs_half_avx2(const fs_job *j, int h, const int kind, const int G, const int32_t off)
 {
     int64_t r = 0;
-#define FS_T(R) (kind == FS_KIND_F ? fs_float_tile_avx2(j, h, r, R) : fs_tile_avx2(j, h, r, R, kind, G, off))
+#define FS_T(R) fs_tile_avx2(j, h, r, R, kind, G, off)
     for (; r + 4 <= j->n; r += 4)
         FS_T(4);
     switch (j->n - r) {
@@ -435,10 +393,9 @@ FS_AVX2 FS_INLINE void fs_half_avx2(const fs_job *j, int h, const int kind, cons
 #undef FS_T
 }
 
-/* kind FS_N_KINDS: the float kernel */
 FS_AVX2 FS_INLINE void fs_panel_avx2(const fs_job *j, const int kind)
 {
-    const int G = kind == FS_KIND_F ? 0 : fs_avx2_group(j->type);
+    const int G = fs_avx2_group(j->type);
     const int32_t off = fs_q_offset(j->type);
     for (int h = 0; h < 2; h++) {
         if (j->valid <= h * 8)
@@ -456,7 +413,6 @@ FS_AVX2 static void fs_kernel_avx2_q(const fs_job *j) { fs_panel_avx2(j, FS_KIND
 FS_AVX2 static void fs_kernel_avx2_qm(const fs_job *j) { fs_panel_avx2(j, FS_KIND_QM); }
 FS_AVX2 static void fs_kernel_avx2_qs(const fs_job *j) { fs_panel_avx2(j, FS_KIND_QS); }
 FS_AVX2 static void fs_kernel_avx2_qsm(const fs_job *j) { fs_panel_avx2(j, FS_KIND_QSM); }
-FS_AVX2 static void fs_kernel_avx2_f(const fs_job *j) { fs_panel_avx2(j, FS_KIND_F); }
 
 #if defined(FS_HAVE_AVX512VNNI)
 #define FS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vnni")))
@@ -530,33 +486,10 @@ FS_AVX512 FS_INLINE void fs_tile_avx512(const fs_job *j, int64_t r0, const int R
         _mm512_mask_storeu_ps(j->y + (r0 + r) * j->ldy, msk, f[r]);
 }
 
-FS_AVX512 FS_INLINE void fs_float_tile_avx512(const fs_job *j, int64_t r0, const int R)
-{
-    const int64_t nb = j->nb, K = nb * FS_QK;
-    __m512 f[8];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++)
-        f[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const float *wb = (const float *)(j->w + b * FS_STAGE_F);
-        const float *xb = j->xf + r0 * K + b * FS_QK;
-        for (int i = 0; i < FS_QK; i++) {
-            __m512 wv = _mm512_loadu_ps(wb + i * FS_LANES);
-#pragma GCC unroll 8
-            for (int r = 0; r < R; r++)
-                f[r] = _mm512_add_ps(f[r], _mm512_mul_ps(wv, _mm512_set1_ps(xb[r * K + i])));
-        }
-    }
-    __mmask16 msk = (__mmask16)(j->valid >= 16 ? 0xFFFF : (1u << j->valid) - 1u);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++)
-        _mm512_mask_storeu_ps(j->y + (r0 + r) * j->ldy, msk, f[r]);
-}
-
 FS_AVX512 FS_INLINE void fs_panel_avx512(const fs_job *j, const int kind)
 {
     int64_t r = 0;
-#define FS_T(R) (kind == FS_KIND_F ? fs_float_tile_avx512(j, r, R) : fs_tile_avx512(j, r, R, kind))
+#define FS_T(R) fs_tile_avx512(j, r, R, kind)
     for (; r + 8 <= j->n; r += 8)
         FS_T(8);
     switch (j->n - r) {
@@ -576,7 +509,6 @@ FS_AVX512 static void fs_kernel_avx512_q(const fs_job *j) { fs_panel_avx512(j, F
 FS_AVX512 static void fs_kernel_avx512_qm(const fs_job *j) { fs_panel_avx512(j, FS_KIND_QM); }
 FS_AVX512 static void fs_kernel_avx512_qs(const fs_job *j) { fs_panel_avx512(j, FS_KIND_QS); }
 FS_AVX512 static void fs_kernel_avx512_qsm(const fs_job *j) { fs_panel_avx512(j, FS_KIND_QSM); }
-FS_AVX512 static void fs_kernel_avx512_f(const fs_job *j) { fs_panel_avx512(j, FS_KIND_F); }
 #endif /* FS_HAVE_AVX512VNNI */
 #endif /* FS_X86 */
 
@@ -707,37 +639,6 @@ static void fs_kernel_neon_qm(const fs_job *j) { fs_tile_neon_panel(j, FS_KIND_Q
 static void fs_kernel_neon_qs(const fs_job *j) { fs_tile_neon_panel(j, FS_KIND_QS); }
 static void fs_kernel_neon_qsm(const fs_job *j) { fs_tile_neon_panel(j, FS_KIND_QSM); }
 
-/* The float kind: 4 registers of 4 outputs, 2 rows at a time. */
-FS_INLINE_ARM void fs_float_tile_neon(const fs_job *j, int64_t r0, const int R)
-{
-    const int64_t nb = j->nb, K = nb * FS_QK;
-    float32x4_t f[2][4];
-    for (int r = 0; r < R; r++)
-        for (int l = 0; l < 4; l++)
-            f[r][l] = vdupq_n_f32(0.0f);
-    for (int64_t b = 0; b < nb; b++) {
-        const float *wb = (const float *)(j->w + b * FS_STAGE_F);
-        const float *xb = j->xf + r0 * K + b * FS_QK;
-        for (int i = 0; i < FS_QK; i++) {
-            for (int r = 0; r < R; r++) {
-                float32x4_t xv = vdupq_n_f32(xb[r * K + i]);
-                for (int l = 0; l < 4; l++)
-                    f[r][l] = vaddq_f32(f[r][l], vmulq_f32(vld1q_f32(wb + i * FS_LANES + l * 4), xv));
-            }
-        }
-    }
-    fs_store_neon(j, r0, R, f);
-}
-
-static void fs_kernel_neon_f(const fs_job *j)
-{
-    int64_t r = 0;
-    for (; r + 2 <= j->n; r += 2)
-        fs_float_tile_neon(j, r, 2);
-    if (r < j->n)
-        fs_float_tile_neon(j, r, 1);
-}
-
 #if defined(FS_HAVE_DOTPROD)
 FS_DOTPROD FS_INLINE_ARM int32x4_t fs_dot4_sdot(int32x4_t acc, int8x16_t w, int8x16_t x)
 {
@@ -759,8 +660,8 @@ static int fs_isa_supported(int isa)
         return 1;
 #if defined(FS_X86)
     __builtin_cpu_init();
-    if (isa == FS_ISA_AVX2)
-        return __builtin_cpu_supports("avx2") ? 1 : 0;
+    if (isa == FS_ISA_AVX2)     /* every AVX2 CPU has FMA3 and F16C; the float products use them */
+        return (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 1 : 0;
 #if defined(FS_HAVE_AVX512VNNI)
     if (isa == FS_ISA_AVX512VNNI)
         return (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -792,44 +693,45 @@ static int fs_best_isa(void)
     return FS_ISA_SCALAR;
 }
 
-/* The kernel of an isa for a staged panel of kind (FS_KIND_*). */
+/* The kernel of an isa for a staged panel of kind (FS_KIND_*); NULL for the float kind (fs_float_panel). */
 static fs_kernel fs_kernel_for(int isa, int kind)
 {
 #if defined(FS_X86)
     if (isa == FS_ISA_AVX2) {
-        static const fs_kernel k[FS_N_KINDS] = {fs_kernel_avx2_q, fs_kernel_avx2_qm, fs_kernel_avx2_qs, fs_kernel_avx2_f,
+        static const fs_kernel k[FS_N_KINDS] = {fs_kernel_avx2_q, fs_kernel_avx2_qm, fs_kernel_avx2_qs, NULL,
                                                 fs_kernel_avx2_qsm};
         return k[kind];
     }
 #if defined(FS_HAVE_AVX512VNNI)
     if (isa == FS_ISA_AVX512VNNI) {
         static const fs_kernel k[FS_N_KINDS] = {fs_kernel_avx512_q, fs_kernel_avx512_qm, fs_kernel_avx512_qs,
-                                                fs_kernel_avx512_f, fs_kernel_avx512_qsm};
+                                                NULL, fs_kernel_avx512_qsm};
         return k[kind];
     }
 #endif
 #endif
 #if defined(FS_ARM64)
     if (isa == FS_ISA_NEON) {
-        static const fs_kernel k[FS_N_KINDS] = {fs_kernel_neon_q, fs_kernel_neon_qm, fs_kernel_neon_qs, fs_kernel_neon_f,
+        static const fs_kernel k[FS_N_KINDS] = {fs_kernel_neon_q, fs_kernel_neon_qm, fs_kernel_neon_qs, NULL,
                                                 fs_kernel_neon_qsm};
         return k[kind];
     }
 #if defined(FS_HAVE_DOTPROD)
     if (isa == FS_ISA_NEON_DOTPROD) {
-        static const fs_kernel k[FS_N_KINDS] = {fs_kernel_sdot_q, fs_kernel_sdot_qm, fs_kernel_sdot_qs, fs_kernel_neon_f,
+        static const fs_kernel k[FS_N_KINDS] = {fs_kernel_sdot_q, fs_kernel_sdot_qm, fs_kernel_sdot_qs, NULL,
                                                 fs_kernel_sdot_qsm};
         return k[kind];
     }
 #endif
 #endif
-    static const fs_kernel k[FS_N_KINDS] = {fs_kernel_scalar_q, fs_kernel_scalar_qm, fs_kernel_scalar_qs, fs_float_scalar,
+    static const fs_kernel k[FS_N_KINDS] = {fs_kernel_scalar_q, fs_kernel_scalar_qm, fs_kernel_scalar_qs, NULL,
                                             fs_kernel_scalar_qsm};
     (void)isa;
     return k[kind];
 }
 
 #include "_matmul_fused.h"
+#include "_matmul_float.h"
 
 /* ---- a product over the parts of a stacked matrix ------------------------------------------ */
 
@@ -890,11 +792,6 @@ static void fs_stage_panel(int isa, int type, const uint8_t *rows, int64_t row_b
         (type == FS_T_Q3_K ? fs_stage_q3k_avx512 : fs_stage_q2k_avx512)(rows, row_bytes, n_in / FS_QK, stage, next);
         return;
     }
-    if (isa == FS_ISA_AVX512VNNI && valid == FS_LANES && n_in % FS_QK == 0 &&
-        (type == FS_T_F32 || type == FS_T_F16 || type == FS_T_BF16)) {
-        fs_stage_float_avx512(type, rows, row_bytes, n_in / FS_QK, stage, next);
-        return;
-    }
 #endif
 #if defined(FS_HAVE_STAGE_AVX2)
     if (isa == FS_ISA_AVX2 && valid == FS_LANES &&
@@ -940,16 +837,20 @@ static void fs_product_task(void *ctx, int64_t begin, int64_t end)
         fs_job j = pr->act;
         j.valid = valid;
         j.y = pr->act.y + pt->col0 + r0;
-        const int fused = pr->fused && fs_fused_ok(pr->isa, pt->type, j.n, valid);
+        const int direct = pt->kind == FS_KIND_F, fused = !direct && pr->fused && fs_fused_ok(pr->isa, pt->type, j.n, valid);
         /* Rows `ahead` panels ahead (in this part) come into L2 while this panel is decoded; a
          * task's first panel also asks for the ones between. */
-        const int64_t ahead = fused ? FS_PREFETCH_PANELS_FUSED : FS_PREFETCH_PANELS;
+        const int64_t ahead = fused || direct ? FS_PREFETCH_PANELS_FUSED : FS_PREFETCH_PANELS;
         if (g == begin || r0 == 0) {
             int64_t upto = r0 + ahead * FS_LANES < pt->rows ? r0 + ahead * FS_LANES : pt->rows;
             fs_prefetch_range(pt->data, r0 * pt->row_bytes, upto * pt->row_bytes);
         }
         const uint8_t *next = r0 + (ahead + 1) * FS_LANES <= pt->rows
                               ? pt->data + r0 * pt->row_bytes + ahead * panel_bytes : NULL;
+        if (direct) {
+            fs_float_panel(pr->isa, pt->type, &j, pt->data + r0 * pt->row_bytes, pt->row_bytes, next);
+            continue;
+        }
         if (fused) {
             fs_fused_panel(pr->isa, pt->type, &j, pt->data + r0 * pt->row_bytes, pt->row_bytes, next);
             continue;

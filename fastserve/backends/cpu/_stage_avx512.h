@@ -414,34 +414,6 @@ FS_STAGE512 static void fs_stage_q2k_avx512(const uint8_t *rows, int64_t row_byt
         }
     }
 }
-
-/* F32 / F16 / BF16 (n_in a multiple of 32): 8 floats of 16 rows per transpose. */
-FS_STAGE512 static void fs_stage_float_avx512(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb,
-                                              uint8_t *stage, const uint8_t *next)
-{
-    const int es = type == FS_T_F32 ? 4 : 2;
-    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, nb);
-    for (int64_t b = 0; b < nb; b++) {
-        fs_prefetch_step(&pf);
-        float *pb = (float *)(stage + b * FS_STAGE_F);
-        for (int64_t at = 0; at < 32 * es; at += 32) {       /* 32 bytes: 8 (F32) or 16 inputs */
-            __m512i t[8];
-            fs_rows16x8(rows, row_bytes, b * 32 * es + at, t);
-            const int i0 = (int)(at / es);
-            for (int k = 0; k < 8; k++) {
-                if (type == FS_T_F32) {
-                    _mm512_storeu_si512((void *)(pb + (i0 + k) * 16), t[k]);
-                } else if (type == FS_T_F16) {
-                    _mm512_storeu_ps(pb + (i0 + 2 * k) * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(t[k])));
-                    _mm512_storeu_ps(pb + (i0 + 2 * k + 1) * 16, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(t[k], 16))));
-                } else {
-                    _mm512_storeu_si512((void *)(pb + (i0 + 2 * k) * 16), _mm512_slli_epi32(t[k], 16));
-                    _mm512_storeu_si512((void *)(pb + (i0 + 2 * k + 1) * 16), _mm512_and_si512(t[k], _mm512_set1_epi32((int)0xFFFF0000u)));
-                }
-            }
-        }
-    }
-}
 #endif
 
 #endif /* FASTSERVE_STAGE_AVX512_H */

@@ -9,7 +9,9 @@ isum = sum_i s_i q_w,i q_x,i exact, s_x = d_x * float32(sum q_x), every product 
 float32. Kind "qsm" (Q2_K: an offset per half block, m_0 for inputs 0..15, m_1 for 16..31): after
 the isum step  acc = acc + m_0 * s_x,lo;  then  acc = acc + m_1 * s_x,hi,  with
 s_x,lo = d_x * float32(sum of q_x over inputs 0..15), s_x,hi = d_x * float32(sum over 16..31).
-Float weights (F32/F16/BF16): acc = acc + w_i * x_i for i = 0, 1, ... in order.
+Float weights (F32/F16/BF16): 16 partial sums p_(i mod 16) = fma(w_i, x_i, p_(i mod 16)) (one rounding) for
+i = 0, 1, ... in order (inputs padded with zeros to a multiple of 16), then folded in float32 sums:
+p_k + p_(k+8), + p_(k+4), + p_(k+2), p_0 + p_1.
 """
 from __future__ import annotations
 
@@ -116,14 +118,39 @@ class BlockMatrix:
         return out
 
 
+def fma32(a, b, c) -> np.ndarray:
+    """float32 fma(a, b, c): a * b + c rounded once. a * b is exact in float64 (48 bits); the float64 sum s
+    and its exact error e (TwoSum) give the true value s + e, whose float32 rounding differs from s's
+    only where s is exactly halfway between two float32 numbers and e is not zero: then it goes e's way."""
+    t = a.astype(np.float64) * b.astype(np.float64)
+    c64 = c.astype(np.float64)
+    s = t + c64
+    with np.errstate(invalid="ignore", over="ignore"):
+        v = s - t
+        e = (t - (s - v)) + (c64 - v)
+        r = s.astype(np.float32)
+        toward = np.nextafter(r, np.where(s > r, np.float32(np.inf), np.float32(-np.inf)).astype(np.float32))
+        halfway = np.isfinite(s) & (s != r) & (s == (r.astype(np.float64) + toward.astype(np.float64)) / 2)
+        # at a tie s rounded to even (r); the true value lies past it (take toward) when e points away from r
+        fix = halfway & (e != 0) & ((e > 0) == (toward > r))
+    return np.where(fix, toward, r).astype(np.float32)
+
+
 def _part_product(x, xq, dx, xs, xh, sx, p: B.Blocks) -> np.ndarray:
     """[n, rows] float32 of one part."""
     n = len(x)
     if p.kind == "f":
-        acc = np.zeros((n, len(p.w)), np.float32)
-        for i in range(p.w.shape[1]):
-            acc = acc + x[:, i, None] * p.w[None, :, i]
-        return acc
+        n_in = p.w.shape[1]
+        k = -(-n_in // 16) * 16
+        xp = np.zeros((n, k), np.float32)
+        wp = np.zeros((len(p.w), k), np.float32)
+        xp[:, :n_in], wp[:, :n_in] = x[:, :n_in], p.w
+        acc = np.zeros((n, len(p.w), 16), np.float32)
+        for c in range(0, k, 16):
+            acc = fma32(wp[None, :, c:c + 16], xp[:, None, c:c + 16], acc)
+        for half in (8, 4, 2, 1):
+            acc = acc[..., :half] + acc[..., half:2 * half]
+        return acc[..., 0]
     acc = np.zeros((n, len(p.q)), np.float32)
     for b in range(p.q.shape[1]):
         # The exact integer block dots: every partial sum is an integer below 2^53.
