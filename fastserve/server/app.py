@@ -27,7 +27,7 @@ from functools import partial
 from ..errors import RequestError
 from . import routes
 from .config import ServerConfig
-from .errors import LLAMA, OPENAI, HttpError, error_json, refused
+from .errors import HttpError, error_json, refused
 from .generation import Generation
 from .metrics import ServerMetrics
 from .params import Parser
@@ -78,7 +78,7 @@ class App:
     def handle(self, req, ex):
         """A Response now, or a coroutine that produces a Response or StreamResponse."""
         path = req.path
-        ex.family = OPENAI if path in routes.OPENAI_PATHS or path.startswith("/v1/") else LLAMA
+        ex.family = routes.family(path)
         try:
             if req.method == "OPTIONS" and self.config.cors_origin:
                 return Response(204, b"", TEXT, [

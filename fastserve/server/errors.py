@@ -1,8 +1,10 @@
-"""HTTP errors and their two wire formats (llama.cpp's and OpenAI's).
+"""HTTP errors and their three wire formats (llama.cpp's, OpenAI's and Anthropic's).
 
 llama.cpp:  {"error": {"code": 400, "message": "...", "type": "invalid_request_error"}}
 OpenAI:     {"error": {"message": "...", "type": "invalid_request_error", "param": null, "code": 400}}
-The OpenAI format is used for routes under /v1/ (and their unprefixed aliases).
+Anthropic:  {"type": "error", "error": {"type": "invalid_request_error", "message": "..."}}
+The OpenAI format is used for routes under /v1/ (and their unprefixed aliases), Anthropic's for
+/v1/messages; an Anthropic error's type is the one its API gives that status (its SDK reads the status).
 """
 from __future__ import annotations
 
@@ -25,7 +27,19 @@ ERROR_TYPES = {
     504: "timeout_error",
 }
 
-LLAMA, OPENAI = "llama", "openai"
+# Anthropic's error types, by status (docs.anthropic.com "Errors")
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+LLAMA, OPENAI, ANTHROPIC = "llama", "openai", "anthropic"
 
 
 class HttpError(Exception):
@@ -57,6 +71,10 @@ def refused(exc: RequestError) -> HttpError:
 
 
 def error_payload(family: str, status: int, message: str, type: str | None = None, fields: dict | None = None) -> dict:
+    if family == ANTHROPIC:
+        err = {"type": ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
+               "message": message, **(fields or {})}
+        return {"type": "error", "error": err}
     type = type or ERROR_TYPES.get(status, "server_error")
     if family == OPENAI:
         err = {"message": message, "type": type, "param": None, "code": status}

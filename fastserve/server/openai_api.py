@@ -12,7 +12,6 @@ together, streamed interleaved by index. Fields OpenAI defines that fastserve ca
 """
 from __future__ import annotations
 
-import os
 import time
 from functools import partial
 
@@ -22,6 +21,7 @@ from .errors import OPENAI
 from .fanout import interleave, run_all, start_all
 from .probs import chat_logprobs, legacy_logprobs
 from .response import StreamResponse, json_response
+from .tools import new_id
 
 
 def models(req, ex, *, alias, started, info):
@@ -35,10 +35,6 @@ def _usage(per_prompt: list) -> dict:
     n_prompt = sum(gens[0].n_prompt for gens in per_prompt)
     n_gen = sum(len(g.ids) for gens in per_prompt for g in gens)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
-
-
-def _new_id(prefix: str) -> str:
-    return prefix + os.urandom(12).hex()
 
 
 def _envelope(rid: str, created: int, model: str, obj: str, choices: list, **extra) -> dict:
@@ -55,7 +51,7 @@ async def completions(req, ex, *, parser, compile, start, tokenizer, alias):
     params = parser.completions(req.body)
     compiled = await compile(params.constraint, params.limits)
     gens = start_all(start, ex, params, compiled)
-    rid, created, n, k = _new_id("cmpl-"), int(time.time()), params.n, params.logprobs
+    rid, created, n, k = new_id("cmpl-"), int(time.time()), params.n, params.logprobs
 
     def choice(i, text, ids, probs, offset, finish):
         lp = None if k is None else legacy_logprobs(tokenizer, ids, probs or [], k, offset)
@@ -86,12 +82,17 @@ async def completions(req, ex, *, parser, compile, start, tokenizer, alias):
 
 # -- /v1/chat/completions ------------------------------------------------------------------------
 
-async def chat_completions(req, ex, *, parser, compile, start, tokenizer, alias):
-    params = parser.chat(req.body)
+async def start_chat(ex, params, *, parser, compile, start):
+    """(params with its prompt, its generations) of a chat request as Parser.chat_body read it: the constraint
+    compiled, the conversation made and the choices submitted. Every chat-shaped API starts so."""
     compiled = await compile(params.constraint, params.limits)     # the compiler's message before the prompt's size
     params = parser.conversation(params)
-    gens = start_all(start, ex, params, compiled)
-    rid, created, plan, k = _new_id("chatcmpl-"), int(time.time()), params.tools, params.logprobs
+    return params, start_all(start, ex, params, compiled)
+
+
+async def chat_completions(req, ex, *, parser, compile, start, tokenizer, alias):
+    params, gens = await start_chat(ex, parser.chat(req.body), parser=parser, compile=compile, start=start)
+    rid, created, plan, k = new_id("chatcmpl-"), int(time.time()), params.tools, params.logprobs
 
     def reply(g):
         """(message fields, finish_reason) of a finished generation."""

@@ -179,7 +179,11 @@ class Parser:
     def chat(self, data: bytes) -> Params:
         """OpenAI's /v1/chat/completions, its prompt still to be made (conversation()): tools or a
         response_format become the request's constraint."""
-        body = parse_object(data)
+        return self.chat_body(parse_object(data))
+
+    def chat_body(self, body: Body) -> Params:
+        """chat() of a parsed body: also the form other APIs' requests are translated into (anthropic_api,
+        responses_api)."""
         n = self._choices(body, 1)
         plan, schema, constraint = tool_plan(body), response_format(body), self.constraint(body)
         given = [name for name, v in (("tools", plan), ("response_format", schema), ("grammar", constraint or None))

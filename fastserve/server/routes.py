@@ -15,9 +15,9 @@ from functools import partial
 
 from ..config import check_token_ids
 from ..request import SlotState
-from . import llama_api, openai_api, webui
+from . import anthropic_api, llama_api, openai_api, webui
 from .config import BUILD_INFO
-from .errors import LLAMA, HttpError, error_json
+from .errors import ANTHROPIC, LLAMA, OPENAI, HttpError, error_json
 from .fields import parse_object
 from .params import PROMPT_CHARS_PER_TOKEN, settings_json
 from .response import PROMETHEUS, Response, json_response
@@ -230,6 +230,8 @@ ROUTES = {
     "/v1/completions": {"POST": openai_api.completions},
     "/v1/chat/completions": {"POST": openai_api.chat_completions},
     "/chat/completions": {"POST": openai_api.chat_completions},
+    "/v1/messages": {"POST": anthropic_api.messages},
+    "/v1/messages/count_tokens": {"POST": anthropic_api.count_tokens},
     "/embedding": {"POST": not_supported},
     "/embeddings": {"POST": not_supported},
     "/v1/embeddings": {"POST": not_supported},
@@ -240,6 +242,14 @@ SLOT_ROUTES = {"POST": slot_action}             # /slots/{id}: the id is the rou
 PUBLIC = frozenset({"/", "/health", "/v1/health", "/models", "/v1/models"})
 OPENAI_PATHS = frozenset({"/v1/models", "/models", "/v1/completions", "/v1/chat/completions", "/chat/completions",
                           "/v1/embeddings", "/v1/health"})
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+
+
+def family(path: str) -> str:
+    """The error format of a path's answers (errors.py)."""
+    if path in ANTHROPIC_PATHS:
+        return ANTHROPIC
+    return OPENAI if path in OPENAI_PATHS or path.startswith("/v1/") else LLAMA
 
 
 class Routes:
