@@ -31,13 +31,10 @@ from .errors import ANTHROPIC, HttpError
 from .fanout import run_all
 from .fields import Body, parse_object
 from .openai_api import start_chat
+from .params import PASSED_TO_CHAT
 from .response import StreamResponse, json_response
 from .tools import new_id
 
-# request fields passed to the chat's parse as they are (same names, same meaning)
-PASSED = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
-          "frequency_penalty", "seed", "logit_bias", "ignore_eos", "queue_timeout", "request_timeout", "token_timeout",
-          "stream")
 STOP_REASONS = {"eos": "end_turn", "grammar": "end_turn", "limit": "max_tokens", "word": "stop_sequence"}
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}      # and {"type": "tool", "name": ...}
 NO_VISION = ("image", "document")
@@ -116,7 +113,7 @@ def reply(plan, gen) -> tuple[list, str, str | None]:
 def chat_request(body: Body, counting: bool = False) -> dict:
     """The chat body standing for a Messages request (400 naming the Anthropic field that is wrong).
     counting (count_tokens): max_tokens is not asked for."""
-    out = {name: body.data[name] for name in PASSED if body.has(name)}
+    out = {name: body.data[name] for name in PASSED_TO_CHAT if body.has(name)}
     max_tokens = body.int("max_tokens", None, lo=1)
     if max_tokens is None and not counting:
         raise HttpError(400, "'max_tokens' is required (the most tokens to generate, >= 1)")

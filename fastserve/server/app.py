@@ -34,6 +34,7 @@ from .params import Parser
 from .protocol import HttpProtocol
 from .reqlog import RequestLog
 from .response import JSON, TEXT, Response
+from .response_store import ResponseStore
 from .watchdog import Watchdog
 
 EXIT_DEADLINE_S = 2.8           # after SIGTERM, the process is gone by then whatever happens
@@ -71,7 +72,7 @@ class App:
             "engine": engine, "info": info, "tokenizer": engine.tokenizer, "config": config,
             "parser": Parser(engine.tokenizer, info, config), "compile": self.compile, "start": self.start_generation,
             "inflight": self.inflight, "metrics": self.metrics, "unhealthy": self.unhealthy_reason,
-            "alias": config.alias or info.model_name, "started": self.started_wall})
+            "alias": config.alias or info.model_name, "started": self.started_wall, "responses": ResponseStore()})
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -27,6 +27,9 @@ from .tools import ToolPlan, chat_messages, response_format, tool_plan, with_too
 SAMPLING = {"temperature": Body.number, "top_k": Body.int, "top_p": Body.number, "min_p": Body.number,
             "repeat_penalty": Body.number, "repeat_last_n": Body.int, "presence_penalty": Body.number,
             "frequency_penalty": Body.number}
+# the fields another API's request (anthropic_api, responses_api) hands the chat's parse as they are
+PASSED_TO_CHAT = (*SAMPLING, "seed", "logit_bias", "ignore_eos", "queue_timeout", "request_timeout", "token_timeout",
+                  "stream")
 SAMPLER_CHAIN = ["penalties", "top_k", "top_p", "min_p", "temperature"]      # fastserve's, in llama.cpp's names
 OFF_SAMPLERS = ("dry", "top_n_sigma", "typ_p", "xtc", "adaptive_p")          # llama.cpp's, all off in fastserve
 
