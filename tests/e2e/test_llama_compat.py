@@ -298,6 +298,23 @@ def test_metrics_names_header_and_finite_values(http):
     # the rates are over the window since the last scrape (as llama-server): nothing ran since
     again = {s.name: s.value for fam in text_string_to_metric_families(http.get("/metrics").text) for s in fam.samples}
     assert again["llamacpp:predicted_tokens_seconds"] == 0
+    # a request of one token (or none) counts in neither rate, as llama-server's
+    for n in (0, 1):
+        http.post("/completion", json={"prompt": "metrics please", "temperature": 0, "n_predict": n})
+    after = {s.name: s.value for fam in text_string_to_metric_families(http.get("/metrics").text) for s in fam.samples}
+    assert after["llamacpp:prompt_tokens_seconds"] == after["llamacpp:predicted_tokens_seconds"] == 0
+    assert after["llamacpp:prompt_tokens_total"] > samples["llamacpp:prompt_tokens_total"]     # the totals count them
+
+
+def test_metrics_header_keeps_llama_servers_case(server):
+    """Process-Start-Time-Unix as llama-server writes it: clients that read it by its exact name find it."""
+    import socket
+    with socket.create_connection((server.host, server.port), timeout=10) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += s.recv(4096)
+    assert b"\r\nProcess-Start-Time-Unix: " in head
 
 
 def test_props_fields(http, server):
