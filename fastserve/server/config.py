@@ -38,6 +38,8 @@ class ServerConfig:
     seed: int | None = None          # None: a random seed per request (llama-server's -1)
     ignore_eos: bool = False         # --ignore-eos: a request's ignore_eos when it does not give one
     webui: bool = True               # GET / serves the chat page (--no-webui: 404)
+    # a chat's last assistant message is continued, not answered (llama-server's --prefill-assistant, its default)
+    prefill_assistant: bool = True
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:

@@ -178,8 +178,8 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--chat-template JINJA_TEMPLATE", DIFFERS, "a Jinja template, or the built-in name chatml; llama-server's "
                                                 "other built-in names are refused"),
     ("--chat-template-file FILE", SAME, "a Jinja template file"),
-    ("--prefill-assistant, --no-prefill-assistant", REFUSED, "a last assistant message is rendered by the "
-                                                             "template as it is"),
+    ("--prefill-assistant, --no-prefill-assistant", SAME, "on by default: a chat's last assistant message is "
+                                                          "continued (two at the end are a 400)"),
     ("-sps, --slot-prompt-similarity SIMILARITY", SAME, "default 0.1; a sliding-window model's slots and host-RAM "
      "cache entries count a shared prefix only where their rings still hold the window before it "
      "(`/slots` `swa_reusable`)"),
@@ -248,6 +248,10 @@ def add_taken(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--jinja", action="store_true", help="taken: chat templates are always Jinja")
     g.add_argument("--chat-template", help="a Jinja chat template (or the built-in name chatml) instead of the model's")
     g.add_argument("--chat-template-file", help="a file holding a Jinja chat template instead of the model's")
+    g.add_argument("--prefill-assistant", dest="prefill_assistant", action="store_true", default=True,
+                   help="a chat's last assistant message is continued (the default)")
+    g.add_argument("--no-prefill-assistant", dest="prefill_assistant", action="store_false",
+                   help="a chat's last assistant message is rendered by the template, and answered")
     g.add_argument("--log-file", help="append the request log to this file instead of stderr")
     g.add_argument("-lv", "--verbosity", "--log-verbosity", dest="log_verbosity", type=int, default=None,
                    help="< 3 turns the request log off, >= 3 keeps it")

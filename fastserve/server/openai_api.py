@@ -112,6 +112,9 @@ async def chat_completions(req, ex, *, parser, compile, start, tokenizer, alias)
         return sse.event(envelope("chat.completion.chunk", [
             {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}], **extra))
 
+    def per_token(g) -> dict:
+        return {"timings": g.timings()} if params.timings_per_token else {}
+
     if params.stream:
         async def events():
             for i in range(params.n):
@@ -124,9 +127,9 @@ async def chat_completions(req, ex, *, parser, compile, start, tokenizer, alias)
                                     {"tool_calls": [{"index": j, **c} for j, c in enumerate(fields["tool_calls"])]})
                     yield chunk(i, {}, finish=finish, timings=gens[i].timings())
                 elif plan is None and (d.text or k is not None):
-                    yield chunk(i, {"content": d.text}, logprobs(d.ids, d.probs))
-            if params.include_usage:
-                yield sse.event(envelope("chat.completion.chunk", [], usage=_usage([gens])))
+                    yield chunk(i, {"content": d.text}, logprobs(d.ids, d.probs), **per_token(gens[i]))
+            if params.include_usage:        # the last chunk: llama-server's carries the timings
+                yield sse.event(envelope("chat.completion.chunk", [], usage=_usage([gens]), timings=gens[0].timings()))
             yield sse.DONE
         return StreamResponse(events(), on_error=lambda err: sse.error_event(err.payload(OPENAI)))
     await run_all(gens)

@@ -204,7 +204,8 @@ class Parser:
         messages = chat_messages(body.raw("messages"), self.tokenizer.chat_template_takes_tools)
         return self._params(body, [], "openai", n=n, logprobs=(top or 0) if want else None,
                             n_probs=max(LOGPROB_POOL, top or 0) if want else 0, constraint=constraint,
-                            include_usage=_include_usage(body), tools=plan, messages=tuple(messages))
+                            include_usage=_include_usage(body), tools=plan, messages=tuple(messages),
+                            timings_per_token=body.bool("timings_per_token"))
 
     def _params(self, body: Body, prompts: list, api: str, *, n_probs: int, post_sampling_probs: bool = False,
                 **fields) -> Params:
@@ -326,12 +327,18 @@ class Parser:
     def conversation(self, params: Params) -> Params:
         """A chat's params with its prompt: the messages through the model's chat template, tokenized. Apart
         from the rest of the parse: with tools, their schema's compile must be judged first (the template's
-        text describes them)."""
+        text describes them). An assistant message last is a prefill (llama-server's, on unless
+        --no-prefill-assistant): the template renders the others, then its text follows, to be continued."""
         tok, plan = self.tokenizer, params.tools
         native = tok.chat_template_takes_tools
         messages = list(params.messages) if plan is None else with_tools(list(params.messages), plan, native)
+        prefill = ""
+        if self.config.prefill_assistant and messages[-1]["role"] == "assistant":
+            if len(messages) > 1 and messages[-2]["role"] == "assistant":
+                raise HttpError(400, "Cannot have 2 or more assistant messages at the end of the list.")
+            prefill = messages.pop()["content"]
         text = tok.apply_chat_template(messages, add_generation_prompt=True,
-                                       tools=plan.tools if plan is not None and native else None)
+                                       tools=plan.tools if plan is not None and native else None) + prefill
         self.check_length(len(text), "the conversation")      # the template's text: what is tokenized
         ids = tok.encode(text, add_special=True)
         if not ids:

@@ -219,7 +219,8 @@ def chat_messages(value, template_takes_tools: bool = False) -> list[dict]:
     """Validate OpenAI messages; content parts of type text are joined into one string; earlier tool
     calls and their results are kept for the template (history_message). Refused (400): a message that
     is not an object, without a known role, with content of a wrong type, without content (only an
-    assistant's may be null), a tool message without its tool_call_id."""
+    assistant's may be null, and it needs the key or tool_calls, as llama-server), a tool message without
+    its tool_call_id."""
     if not isinstance(value, list) or not value:
         raise HttpError(400, "'messages' must be a non-empty array of {\"role\": ..., \"content\": ...} objects")
     out = []
@@ -235,6 +236,8 @@ def chat_messages(value, template_takes_tools: bool = False) -> list[dict]:
         if content is None:
             if role != "assistant":
                 raise HttpError(400, f"messages[{i}] ({role}) has no 'content'")
+            if "content" not in m and m.get("tool_calls") is None:     # null content is an assistant's right
+                raise HttpError(400, f"messages[{i}] (assistant) has neither 'content' nor 'tool_calls'")
             content = ""
         elif isinstance(content, list):
             parts = []

@@ -261,10 +261,34 @@ def test_chat_n_choices_and_first_delta(oai, http):
     ([{"role": "user"}], "content"),
     ([{"role": "user", "content": "q"}, {"role": "tool", "content": "42"}], "tool_call_id"),
     ([{"role": "user", "content": [{"type": "text"}]}], "content"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant"}], "tool_calls"),      # llama-server's 400s too
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}],
+     "2 or more assistant messages"),
 ])
 def test_malformed_messages_are_400(http, messages, needle):
     err = error(http.post("/v1/chat/completions", json={"messages": messages}), 400)
     assert needle in err["message"], err
+
+
+def test_chat_prefill_and_timings_in_the_last_chunk(http):
+    """An assistant message last is continued (the prompt ends with its text); streamed with timings_per_token
+    every chunk carries timings, the last one (the usage chunk) too, as llama-server's."""
+    msgs = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Sure, the"}]
+    chat = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0}).json()
+    prompt = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\nSure, the"      # the tiny model's ChatML
+    plain = http.post("/completion", json={"prompt": prompt, "n_predict": 6, "temperature": 0}).json()
+    assert chat["choices"][0]["message"]["content"] == plain["content"]
+    assert chat["usage"]["prompt_tokens"] == plain["tokens_evaluated"]
+
+    chunks = stream_post(http, "/v1/chat/completions", {"messages": msgs[:1], "max_tokens": 4, "temperature": 0,
+                                                        "timings_per_token": True,
+                                                        "stream_options": {"include_usage": True}})
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert chunks[-1]["timings"]["predicted_n"] == 4
+    content = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert content and all("timings" in c for c in content)
+    plain = stream_post(http, "/v1/chat/completions", {"messages": msgs[:1], "max_tokens": 4, "temperature": 0})
+    assert not any("timings" in c for c in plain if c["choices"] and c["choices"][0]["delta"].get("content"))
 
 
 # -- /metrics, /props, /slots --------------------------------------------------------------------------

@@ -134,6 +134,22 @@ def test_a_chat_prompt_is_made_after_the_rest(tok):
     assert parser.conversation(p).prompts == [tok.encode(text, add_special=True)]
 
 
+def test_an_assistant_message_last_is_continued(tok):
+    """llama-server's prefill: the template renders the messages before it, then its text follows; two
+    assistant messages at the end are a 400; --no-prefill-assistant renders it as any other."""
+    ask = [{"role": "user", "content": "hello"}]
+    body = {"messages": [*ask, {"role": "assistant", "content": "Hi, I am"}]}
+    text = tok.apply_chat_template(ask, add_generation_prompt=True) + "Hi, I am"
+    parser = _parser(tok)
+    assert parser.conversation(parser.chat(_json(body))).prompts == [tok.encode(text, add_special=True)]
+    twice = {"messages": [*body["messages"], {"role": "assistant", "content": "x"}]}
+    _refused(lambda: parser.conversation(parser.chat(_json(twice))), "2 or more assistant messages")
+    plain = _parser(tok, prefill_assistant=False)
+    whole = tok.apply_chat_template(body["messages"], add_generation_prompt=True)
+    assert plain.conversation(plain.chat(_json(body))).prompts == [tok.encode(whole, add_special=True)]
+    assert plain.conversation(plain.chat(_json(twice))).prompts        # not a prefill: allowed
+
+
 # -- checks --------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("body, needle", [
@@ -292,6 +308,8 @@ def test_openai_completions_checks(tok, body, needle):
     ({"logprobs": True, "top_logprobs": 50}, "'top_logprobs'"),
     ({"response_format": {"type": "json_object"}, "grammar": "root ::= \"a\""}, "one constraint"),
     ({"tool_choice": "required"}, "needs 'tools'"),
+    # as llama-server: an assistant message needs the 'content' key (null will do) or tool_calls
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]}, "neither 'content' nor 'tool_calls'"),
 ])
 def test_chat_checks(tok, body, needle):
     _refused(lambda: _parser(tok).chat(_json({"messages": [{"role": "user", "content": "a"}], **body})), needle)
