@@ -64,10 +64,17 @@ def refused(exc: RequestError) -> HttpError:
     RequestError, for both families, streamed or not. A prompt its slot cannot hold is llama-server's
     exceed_context_size_error, with its message and its fields."""
     if isinstance(exc, ContextExceeded):
-        return HttpError(400, f"request ({exc.n_prompt} tokens) exceeds the available context size ({exc.n_ctx} "
-                              f"tokens) of a slot (n_ctx / n_parallel), try increasing it",
-                         type="exceed_context_size_error", fields={"n_prompt_tokens": exc.n_prompt, "n_ctx": exc.n_ctx})
+        return exceeded(exc.n_prompt, exc.n_ctx)
     return HttpError(400, str(exc))
+
+
+def exceeded(n_prompt: int, n_ctx: int, about: bool = False) -> HttpError:
+    """llama-server's exceed_context_size_error; about: n_prompt is an estimate (a text too long to tokenize whole
+    on the event loop: params.Parser.check_length)."""
+    count = f"about {n_prompt}" if about else f"{n_prompt}"
+    return HttpError(400, f"request ({count} tokens) exceeds the available context size ({n_ctx} tokens) of a slot "
+                          f"(n_ctx / n_parallel), try increasing it",
+                     type="exceed_context_size_error", fields={"n_prompt_tokens": n_prompt, "n_ctx": n_ctx})
 
 
 def error_payload(family: str, status: int, message: str, type: str | None = None, fields: dict | None = None) -> dict:

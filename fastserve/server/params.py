@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from ..config import SamplingParams
-from .errors import HttpError
+from .errors import HttpError, exceeded
 from .fields import Body, kind, parse_object
 from .tools import ToolPlan, chat_messages, response_format, tool_plan, with_tools
 
@@ -60,7 +60,11 @@ NOT_SUPPORTED = {
     "lora": (None, lambda v: v == [], "no LoRA adapters"),
 }
 
-PROMPT_CHARS_PER_TOKEN = 16     # a text longer than 16 characters per slot token cannot fit: refused untokenized
+# A text longer than 16 characters per slot token cannot fit: it is not tokenized whole (tokenizing holds the
+# GIL, ~0.9 us a character), only its first EXACT_CHARS, to estimate its size in llama-server's refusal. Up to
+# EXACT_CHARS (~60 ms), a text is always tokenized: a small slot's refusal counts its tokens exactly.
+PROMPT_CHARS_PER_TOKEN = 16
+EXACT_CHARS = 65536
 MAX_PROMPTS = 16                # prompts in one request (each takes a slot)
 MAX_CHOICES = 16                # OpenAI's n x prompts per request (each takes a slot)
 MAX_TOP_LOGPROBS = 20           # OpenAI's cap
@@ -143,7 +147,7 @@ class Parser:
         self.tokenizer, self.config = tokenizer, config
         self.n_vocab = info.n_vocab                 # the model's: the sampler's rows
         self.n_ctx = info.n_ctx_slot
-        self.max_chars = self.n_ctx * PROMPT_CHARS_PER_TOKEN
+        self.max_chars = max(self.n_ctx * PROMPT_CHARS_PER_TOKEN, EXACT_CHARS)
 
     # -- the three routes ----------------------------------------------------------------------------
 
@@ -309,7 +313,7 @@ class Parser:
         ids = []
         for i, x in enumerate(value):
             if isinstance(x, str):
-                self.check_length(len(x), "the prompt")
+                self.check_length(x, len(ids))
                 ids.extend(tok.encode(x, add_special=i == 0))
             elif not isinstance(x, int) or isinstance(x, bool):
                 raise HttpError(400, f"'{name}' must be a string, an array of token ids and strings, or an array "
@@ -339,17 +343,19 @@ class Parser:
             prefill = messages.pop()["content"]
         text = tok.apply_chat_template(messages, add_generation_prompt=True,
                                        tools=plan.tools if plan is not None and native else None) + prefill
-        self.check_length(len(text), "the conversation")      # the template's text: what is tokenized
+        self.check_length(text)            # the template's text: what is tokenized
         ids = tok.encode(text, add_special=True)
         if not ids:
             raise HttpError(400, "the conversation is empty")
         return replace(params, prompts=[ids])
 
-    def check_length(self, n_chars: int, what: str) -> None:
-        """Refuse, before tokenizing it (tokenizing holds the GIL), text too long to fit in a slot."""
-        if n_chars > self.max_chars:
-            raise HttpError(400, f"{what} has {n_chars} characters, more than a slot of {self.n_ctx} tokens can "
-                                 f"hold (at most {self.max_chars} characters are accepted); shorten it")
+    def check_length(self, text: str, n_before: int = 0) -> None:
+        """Refuse, before tokenizing it whole, text too long to fit in a slot (after n_before tokens): llama-server's
+        exceed_context_size_error, its n_prompt_tokens estimated from the first EXACT_CHARS characters' tokens."""
+        if len(text) > self.max_chars:
+            n = len(self.tokenizer.encode(text[:EXACT_CHARS], add_special=False))
+            estimate = n_before + math.ceil(n * len(text) / EXACT_CHARS)
+            raise exceeded(max(estimate, self.n_ctx + 1), self.n_ctx, about=True)
 
     @staticmethod
     def constraint(body: Body) -> dict:

@@ -221,8 +221,10 @@ def test_exceed_context_size_error(http):
     """The slot holds 256 tokens: llama-server's error type, with n_prompt_tokens and n_ctx, streamed or not."""
     long_ids = [5] * 300
     long_chat = [{"role": "user", "content": "word " * 200}]
+    longer_chat = [{"role": "user", "content": "word " * 1000}]         # more than 16 characters a slot token
     for path, body in (("/completion", {"prompt": long_ids}), ("/completion", {"prompt": [[1, 2], long_ids]}),
-                       ("/v1/completions", {"prompt": long_ids}), ("/v1/chat/completions", {"messages": long_chat})):
+                       ("/v1/completions", {"prompt": long_ids}), ("/v1/chat/completions", {"messages": long_chat}),
+                       ("/v1/chat/completions", {"messages": longer_chat}), ("/completion", {"prompt": "word " * 1000})):
         for stream in (False, True):
             err = error(http.post(path, json={**body, "stream": stream}), 400, "exceed_context_size_error")
             assert err["n_ctx"] == 256 and err["n_prompt_tokens"] > 256, err

@@ -18,7 +18,7 @@ from fastserve.server.errors import LLAMA, OPENAI, HttpError, refused
 from fastserve.server.fields import Body
 from fastserve.server.generation import Generation
 from fastserve.server.metrics import LlamaTotals
-from fastserve.server.params import (LOGPROB_POOL, MAX_CHOICES, MAX_PROMPTS, PROMPT_CHARS_PER_TOKEN, SAMPLING,
+from fastserve.server.params import (EXACT_CHARS, LOGPROB_POOL, MAX_CHOICES, MAX_PROMPTS, SAMPLING,
                                      Parser)
 
 N_CTX = 64
@@ -201,7 +201,7 @@ def test_neutral_values_of_unsupported_fields_pass(tok):
     ([1, 2.5], "got float at [1]"),
     ([[1], [2, "x", {}]], "'prompt[1]'"),
     (["a"] * (MAX_PROMPTS + 1), f"at most {MAX_PROMPTS}"),
-    ("x" * (N_CTX * PROMPT_CHARS_PER_TOKEN + 1), "characters"),
+    ("x" * (EXACT_CHARS + 1), "exceeds the available context size"),
 ])
 def test_prompt_checks(tok, prompt, needle):
     _refused(lambda: _parser(tok).completion(_json({"prompt": prompt})), needle)
@@ -210,7 +210,7 @@ def test_prompt_checks(tok, prompt, needle):
 def test_prompt_limits_of_the_parse(tok):
     parser = _parser(tok)
     longer = parser.chat(_json({"messages": [{"role": "user", "content": "word " * 250}]}))
-    _refused(lambda: parser.conversation(longer), "the conversation has")          # refused untokenized
+    assert len(parser.conversation(longer).prompts[0]) > N_CTX     # tokenized whole: the engine refuses it, exactly
     assert parser.completion(_json({"prompt": list(range(1000))})).prompts == [list(range(N_CTX + 1))]  # read no further
     assert parser.prompt(list(range(200)), "content", limit=200) == list(range(200))       # /tokenize's limit
     _refused(lambda: parser.prompt(list(range(201)), "content", limit=200), "more than 200 tokens")
@@ -275,6 +275,20 @@ def test_a_prompt_must_leave_its_slot_a_token(tok, engine):
     with pytest.raises(ContextExceeded) as exc:
         _start(engine, long_chat)
     assert (exc.value.n_prompt, exc.value.n_ctx) == (len(long_chat.prompts[0]), N_CTX)
+
+
+def test_a_text_too_long_to_tokenize_whole_is_llama_servers_context_error(tok):
+    """Past EXACT_CHARS (and 16 characters a slot token) a text is not tokenized whole on the loop: still
+    llama-server's exceed_context_size_error, its n_prompt_tokens estimated from the first EXACT_CHARS."""
+    parser = _parser(tok)
+    text = "word " * (EXACT_CHARS // 5 * 3)
+    per_char = len(tok.encode(text[:EXACT_CHARS], add_special=False)) / EXACT_CHARS
+    for fn in (lambda: parser.conversation(parser.chat(_json({"messages": [{"role": "user", "content": text}]}))),
+               lambda: parser.completion(_json({"prompt": [1, 2, text]}))):
+        err = _refused(fn, "exceeds the available context size")
+        assert err.type == "exceed_context_size_error" and err.fields["n_ctx"] == N_CTX
+        assert abs(err.fields["n_prompt_tokens"] - per_char * len(text)) < 0.01 * per_char * len(text)
+        assert "(about " in err.message
 
 
 def test_refused_keeps_llama_servers_context_error_in_both_families():
