@@ -42,7 +42,8 @@ async def completion(req, ex, *, parser, compile, start, tokenizer, alias):
     for i, gen in enumerate(gens):
         res = final(i, gen.text.text, gen.ids if params.return_tokens else [])
         if params.sampling.n_probs and (not fields or "completion_probabilities" in fields):
-            res["completion_probabilities"] = completion_probabilities(tokenizer, gen.ids, gen.probs, post)
+            res["completion_probabilities"] = completion_probabilities(tokenizer, gen.ids, gen.probs, post,
+                                                                       params.shown_probs)
         out.append(res)
     return json_response(out[0] if len(out) == 1 else out)
 
@@ -75,7 +76,8 @@ async def _stream(tok, gens: list, final, params):
                  "id_slot": gen.id_slot(), "tokens_predicted": n[i], "tokens_evaluated": gen.n_prompt}
         if d.probs:
             chunk["completion_probabilities"] = completion_probabilities(tok, d.ids, d.probs,
-                                                                         params.sampling.post_sampling_probs)
+                                                                         params.sampling.post_sampling_probs,
+                                                                         params.shown_probs)
         if params.timings_per_token:
             chunk["timings"] = gen.timings()
         yield sse.event(chunk)

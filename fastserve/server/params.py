@@ -71,6 +71,10 @@ MAX_TOP_LOGPROBS = 20           # OpenAI's cap
 # OpenAI logprobs: the engine reports the top-N probabilities of each step; the sampled token's own
 # logprob is found among them (-9999.0 when it lies outside, which needs sampling far from the top).
 LOGPROB_POOL = 10
+# /completion's post_sampling_probs: the engine reports the top max(n_probs, top_k) of the kept set (at most
+# POST_PROB_POOL; 64 when top_k is off), so the sampled token's own probability is found there (llama-server's
+# is never 0 for a sampled token) while n_probs are shown
+POST_PROB_POOL = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_TIMEOUT_S = 86400.0
@@ -110,6 +114,7 @@ class Params:
     response_fields: tuple = ()     # /completion: the paths its answer keeps ("a/b" reaches into objects)
     include_usage: bool = False     # OpenAI streams: a last chunk with the usage
     logprobs: int | None = None     # OpenAI: alternatives shown per token (None: no logprobs)
+    shown_probs: int | None = None  # /completion: n_probs as asked (sampling.n_probs may be more: POST_PROB_POOL)
     tools: ToolPlan | None = None
     messages: tuple = ()            # a chat's, for its template (Parser.conversation makes its prompt)
 
@@ -124,9 +129,10 @@ class Params:
         """llama-server's generation settings of the request: its answer's (the seed as given, -1 for a
         drawn one), or, given a choice's sampling, its /slots params (the seed in use)."""
         seed = (-1 if self.seed is None else self.seed) if sampling is None else sampling.seed
+        shown = {} if self.shown_probs is None else {"n_probs": self.shown_probs}
         return settings_json(sampling or self.sampling, seed, self.max_tokens, ignore_eos=self.ignore_eos,
                              stream=self.stream, timings_per_token=self.timings_per_token, stop=self.stop,
-                             cache_prompt=self.cache_prompt)
+                             cache_prompt=self.cache_prompt, **shown)
 
 
 def settings_json(sampling: SamplingParams, seed: int, max_tokens: int, *, ignore_eos: bool, **extra) -> dict:
@@ -160,12 +166,17 @@ class Parser:
         fields = body.raw("response_fields", [])
         if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
             raise HttpError(400, "'response_fields' must be an array of field names (\"a/b\" for a nested one)")
-        return self._params(body, prompts, "llama", n_probs=body.int("n_probs", 0),
-                            post_sampling_probs=body.bool("post_sampling_probs"),
-                            constraint=self.constraint(body), cache_prompt=body.bool("cache_prompt", True),
-                            id_slot=body.int("id_slot", -1, lo=-1), return_tokens=body.bool("return_tokens"),
-                            timings_per_token=body.bool("timings_per_token"), response_fields=tuple(fields),
-                            texts=tuple(t if isinstance(t, str) else None for t in texts))
+        n_probs, post = body.int("n_probs", 0), body.bool("post_sampling_probs")
+        params = self._params(body, prompts, "llama", n_probs=n_probs, post_sampling_probs=post,
+                              constraint=self.constraint(body), cache_prompt=body.bool("cache_prompt", True),
+                              id_slot=body.int("id_slot", -1, lo=-1), return_tokens=body.bool("return_tokens"),
+                              timings_per_token=body.bool("timings_per_token"), response_fields=tuple(fields),
+                              texts=tuple(t if isinstance(t, str) else None for t in texts), shown_probs=n_probs)
+        if post and n_probs:
+            top_k = params.sampling.top_k
+            pool = max(n_probs, top_k if 0 < top_k <= POST_PROB_POOL else POST_PROB_POOL)
+            params = replace(params, sampling=replace(params.sampling, n_probs=pool))
+        return params
 
     def completions(self, data: bytes) -> Params:
         """OpenAI's legacy /v1/completions: a prompt or a list of them (as llama-server), n choices of each."""

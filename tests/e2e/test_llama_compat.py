@@ -107,6 +107,20 @@ def test_logit_bias_forms(http):
         error(http.post("/completion", json={"prompt": "abc", "logit_bias": bad}), 400)
 
 
+def test_post_sampling_probs_give_each_sampled_token_its_probability(http):
+    """As llama-server: a sampled token's prob is its probability in the kept set, never 0, even when it is
+    not among the n_probs shown; generation_settings show n_probs as asked."""
+    body = {"prompt": "my fox", "n_probs": 1, "post_sampling_probs": True, "temperature": 1.5, "n_predict": 16,
+            "seed": 5}
+    r = http.post("/completion", json=body).json()
+    probs = r["completion_probabilities"]
+    assert len(probs) == 16 and all(0 < p["prob"] <= 1 and len(p["top_probs"]) == 1 for p in probs), probs
+    assert any(p["id"] != p["top_probs"][0]["id"] for p in probs)          # sampled outside the one shown
+    assert r["generation_settings"]["n_probs"] == 1
+    streamed = [p for e in stream_post(http, "/completion", body) for p in e.get("completion_probabilities", [])]
+    assert [(p["id"], p["prob"]) for p in streamed] == [(p["id"], p["prob"]) for p in probs]
+
+
 def test_stream_equals_non_stream_for_a_seed(http):
     body = {"prompt": "zebra song", "n_predict": 24, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
             "seed": 1234, "return_tokens": True, "n_probs": 2}

@@ -18,7 +18,7 @@ from fastserve.server.errors import LLAMA, OPENAI, HttpError, refused
 from fastserve.server.fields import Body
 from fastserve.server.generation import Generation
 from fastserve.server.metrics import LlamaTotals
-from fastserve.server.params import (EXACT_CHARS, LOGPROB_POOL, MAX_CHOICES, MAX_PROMPTS, SAMPLING,
+from fastserve.server.params import (EXACT_CHARS, LOGPROB_POOL, MAX_CHOICES, MAX_PROMPTS, POST_PROB_POOL, SAMPLING,
                                      Parser)
 
 N_CTX = 64
@@ -107,7 +107,11 @@ def test_choices_seed_each_choice_of_each_prompt(tok):
 
 
 def test_probabilities_fields_of_each_api(tok):
-    assert _completion(tok, {"n_probs": 3, "post_sampling_probs": True}).sampling.n_probs == 3
+    # post-sampling: the engine reports the whole top_k (the kept set), 3 are shown
+    post = _completion(tok, {"n_probs": 3, "post_sampling_probs": True, "top_k": 20})
+    assert (post.sampling.n_probs, post.shown_probs, post.settings()["n_probs"]) == (20, 3, 3)
+    assert _completion(tok, {"n_probs": 3, "post_sampling_probs": True, "top_k": 0}).sampling.n_probs == POST_PROB_POOL
+    assert _completion(tok, {"n_probs": 3}).sampling.n_probs == 3
     parser = _parser(tok)
     legacy = parser.completions(_json({"prompt": "a", "logprobs": 2}))
     assert (legacy.logprobs, legacy.sampling.n_probs) == (2, LOGPROB_POOL)
