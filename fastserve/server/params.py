@@ -310,17 +310,24 @@ class Parser:
         return [self.prompt(value, name)]
 
     def prompt(self, value, name: str = "prompt", limit: int | None = None) -> list[int]:
-        """One prompt as token ids: text, token ids, or llama.cpp's mix of both ([1, "text", 2, ...]); text
-        gets the BOS token when it comes first. Reads no further once it is longer than a slot (Engine.submit
-        refuses it then); given a limit (/tokenize), refuses more than limit tokens."""
+        """One prompt as token ids: text, token ids, or llama.cpp's mix of both ([1, "text", 2, ...]), also
+        inside llama-server's object form {"prompt_string": ...} (its multimodal_data is refused: no vision);
+        text gets the BOS token when it comes first. Reads no further once it is longer than a slot
+        (Engine.submit refuses it then); given a limit (/tokenize), refuses more than limit tokens."""
         tok = self.tokenizer
         cap = self.n_ctx if limit is None else limit
+        if isinstance(value, dict):
+            if value.get("multimodal_data"):
+                raise HttpError(400, f"'{name}.multimodal_data': multimodal prompts are not supported (no vision)")
+            if "prompt_string" not in value:
+                raise HttpError(400, f"'{name}' as an object must be {{\"prompt_string\": ...}}")
+            value, name = value["prompt_string"], f"{name}.prompt_string"
         if value is None:
             raise HttpError(400, f"'{name}' is required")
         if isinstance(value, str):
             value = [value]
         elif not isinstance(value, list):
-            raise HttpError(400, f"'{name}' must be a string or an array of token ids")
+            raise HttpError(400, f"'{name}' must be a string, an array of token ids or {{\"prompt_string\": ...}}")
         ids = []
         for i, x in enumerate(value):
             if isinstance(x, str):

@@ -62,6 +62,14 @@ def test_prompt_forms(http):
     alone = http.post("/completion", json={"prompt": "far away", **GREEDY}).json()
     assert many[3]["content"] == alone["content"] and many[3]["prompt"] == "far away"
 
+    # llama-server's object form, ids or text inside, alone or in a list; its multimodal_data is a 400 (no vision)
+    obj = http.post("/completion", json={"prompt": {"prompt_string": a + b}, **GREEDY, "return_tokens": True}).json()
+    assert obj["tokens"] == ids["tokens"] and obj["tokens_evaluated"] == len(a) + len(b)
+    two = http.post("/completion", json={"prompt": [{"prompt_string": "far away"}, a + b], **GREEDY}).json()
+    assert [r["content"] for r in two] == [alone["content"], ids["content"]] and two[0]["prompt"] == "far away"
+    error(http.post("/completion", json={"prompt": {"prompt_string": "x", "multimodal_data": ["aGk="]}}), 400)
+    error(http.post("/completion", json={"prompt": {"text": "x"}}), 400)
+
     ev = stream_post(http, "/completion", {"prompt": ["my fox ran", "far away"], **GREEDY})
     for i, want in enumerate((text_alone, alone)):
         mine = [e for e in ev if e["index"] == i]

@@ -199,7 +199,7 @@ def test_neutral_values_of_unsupported_fields_pass(tok):
 
 @pytest.mark.parametrize("prompt, needle", [
     (None, "'prompt' is required"),
-    (5, "'prompt' must be a string or an array"),
+    (5, "'prompt' must be a string, an array"),
     ("", "'prompt' is empty"),
     ([], "'prompt' is empty"),
     ([1, 2.5], "got float at [1]"),
