@@ -1,4 +1,5 @@
-"""llama.cpp's native API: POST /completion (streamed or not), with llama-server's fields and response shape.
+"""llama.cpp's native API: POST /completion (streamed or not), with llama-server's fields and response shape, and
+POST /apply-template.
 
 Request fields: prompt (text, token ids, a mix, or a list of such prompts: then the answer is a list,
 and a stream's events carry each prompt's index), n_predict (or max_tokens), temperature, top_k,
@@ -20,6 +21,12 @@ from .fanout import interleave, run_all, start_all
 from .generation import Generation
 from .probs import completion_probabilities
 from .response import StreamResponse, json_response
+
+
+def apply_template(req, ex, *, parser):
+    """POST /apply-template: a chat body's prompt as the template renders it (tools, prefill and all), untokenized,
+    as llama-server answers it."""
+    return json_response({"prompt": parser.chat_text(parser.chat(req.body))})
 
 
 async def completion(req, ex, *, parser, compile, start, tokenizer, alias):

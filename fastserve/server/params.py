@@ -351,6 +351,15 @@ class Parser:
         from the rest of the parse: with tools, their schema's compile must be judged first (the template's
         text describes them). An assistant message last is a prefill (llama-server's, on unless
         --no-prefill-assistant): the template renders the others, then its text follows, to be continued."""
+        text = self.chat_text(params)
+        self.check_length(text)            # the template's text: what is tokenized
+        ids = self.tokenizer.encode(text, add_special=True)
+        if not ids:
+            raise HttpError(400, "the conversation is empty")
+        return replace(params, prompts=[ids])
+
+    def chat_text(self, params: Params) -> str:
+        """The text of a chat's prompt (conversation(); POST /apply-template answers it)."""
         tok, plan = self.tokenizer, params.tools
         native = tok.chat_template_takes_tools
         messages = list(params.messages) if plan is None else with_tools(list(params.messages), plan, native)
@@ -359,13 +368,8 @@ class Parser:
             if len(messages) > 1 and messages[-2]["role"] == "assistant":
                 raise HttpError(400, "Cannot have 2 or more assistant messages at the end of the list.")
             prefill = messages.pop()["content"]
-        text = tok.apply_chat_template(messages, add_generation_prompt=True,
+        return tok.apply_chat_template(messages, add_generation_prompt=True,
                                        tools=plan.tools if plan is not None and native else None) + prefill
-        self.check_length(text)            # the template's text: what is tokenized
-        ids = tok.encode(text, add_special=True)
-        if not ids:
-            raise HttpError(400, "the conversation is empty")
-        return replace(params, prompts=[ids])
 
     def check_length(self, text: str, n_before: int = 0) -> None:
         """Refuse, before tokenizing it whole, text too long to fit in a slot (after n_before tokens): llama-server's

@@ -225,6 +225,7 @@ ROUTES = {
     "/detokenize": {"POST": detokenize},
     "/completion": {"POST": llama_api.completion},
     "/completions": {"POST": llama_api.completion},
+    "/apply-template": {"POST": llama_api.apply_template},
     "/v1/models": {"GET": openai_api.models},
     "/models": {"GET": openai_api.models},
     "/v1/completions": {"POST": openai_api.completions},

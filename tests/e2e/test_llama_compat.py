@@ -315,6 +315,19 @@ def test_chat_prefill_and_timings_in_the_last_chunk(http):
     assert not any("timings" in c for c in plain if c["choices"] and c["choices"][0]["delta"].get("content"))
 
 
+def test_apply_template(http):
+    """The chat's prompt as its template renders it, prefill included; the same checks as the chat."""
+    msgs = [{"role": "user", "content": "hello"}]
+    r = http.post("/apply-template", json={"messages": msgs})
+    assert r.json() == {"prompt": "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"}
+    more = http.post("/apply-template", json={"messages": [*msgs, {"role": "assistant", "content": "Hi"}]}).json()
+    assert more["prompt"] == r.json()["prompt"] + "Hi"
+    chat = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}).json()
+    assert chat["usage"]["prompt_tokens"] == len(tokens(http, r.json()["prompt"], add_special=True))
+    error(http.post("/apply-template", json={"messages": [{"role": "robot", "content": "x"}]}), 400)
+    error(http.post("/apply-template", json={}), 400)
+
+
 # -- /metrics, /props, /slots --------------------------------------------------------------------------
 
 LLAMA_METRICS = {   # llama-server's names and help texts
