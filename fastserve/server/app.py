@@ -27,6 +27,7 @@ from functools import partial
 from ..errors import RequestError
 from . import routes
 from .config import ServerConfig
+from .cors import PREFLIGHT, Cors, parse_origins
 from .errors import HttpError, error_json, refused
 from .generation import Generation
 from .metrics import ServerMetrics
@@ -66,6 +67,7 @@ class App:
         self.watchdog = Watchdog(self, engine)
         key = config.api_key
         self._key_digest = hashlib.sha256(key.encode()).digest() if key else None
+        self.cors = Cors(config.cors_origins)
         self._compiler: ThreadPoolExecutor | None = None     # started on the first constrained request
         # what the routes may read, by the names their keyword-only parameters give (routes.Routes)
         self.routes = routes.Routes({
@@ -81,11 +83,9 @@ class App:
         path = req.path
         ex.family = routes.family(path)
         try:
-            if req.method == "OPTIONS" and self.config.cors_origin:
-                return Response(204, b"", TEXT, [
-                    ("access-control-allow-methods", "GET, POST, OPTIONS"),
-                    ("access-control-allow-headers", "authorization, content-type, x-api-key"),
-                    ("access-control-max-age", "600")])
+            ex.cors = self.cors.check(req)          # a browser page's origin: allowed, or 403 (cors.py)
+            if req.method == "OPTIONS":
+                return Response(204, b"", TEXT, PREFLIGHT)
             if self._key_digest is not None and path not in routes.PUBLIC and not self._authorized(req):
                 raise HttpError(401, "Invalid API Key", headers=[("www-authenticate", "Bearer")])
             methods, args = self.routes.lookup(path)
@@ -117,17 +117,7 @@ class App:
         return Response(err.status, error_json(family, err.status, err.message, err.type, err.fields), JSON, err.headers)
 
     def headers(self, ex, content_type: str, extra: list) -> list:
-        out = [("content-type", content_type)]
-        out.extend(extra)
-        origin = self.config.cors_origin
-        if origin:
-            asked = ex.req.header("origin") if ex.req is not None else None
-            if origin == "*":
-                out.append(("access-control-allow-origin", "*"))
-            elif asked == origin:
-                out.append(("access-control-allow-origin", origin))
-                out.append(("vary", "origin"))
-        return out
+        return [("content-type", content_type), *extra, *ex.cors]
 
     def start_generation(self, ex, ids: list, sampling, params, constraint=None) -> Generation:
         """Submit one choice of a request to the engine (never blocks; Generation's arguments); refuses with 503
@@ -277,6 +267,7 @@ def serve(args, backend=None) -> int:
     from .llama_flags import check_gpu_layers, resolve, sampling_defaults
 
     llama = resolve(args)                   # llama-server's flags, checked before anything loads
+    cors_origins = parse_origins(args.cors_origins)
     path = args.model or default_model_path()
     # The load builds 10^5 containers (vocabulary, merges, tables) that all live as long as the process:
     # the cycle collector's passes over them while they are built find nothing and cost 10-20 ms.
@@ -288,7 +279,7 @@ def serve(args, backend=None) -> int:
     cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, timeout=args.timeout,
                        stall_limit=args.stall_limit, queue_timeout=args.queue_timeout,
                        request_timeout=args.request_timeout, token_timeout=args.token_timeout,
-                       n_predict=args.n_predict, cors_origin=args.cors_origin, body_limit=args.body_limit,
+                       n_predict=args.n_predict, cors_origins=cors_origins, body_limit=args.body_limit,
                        alias=args.alias, log_requests=llama["log_requests"], metrics=args.metrics,
                        slots=args.slots, props=args.props, seed=llama["seed"], ignore_eos=llama["ignore_eos"],
                        sampling=sampling_defaults(model.config.n_vocab, llama["sampling"]),

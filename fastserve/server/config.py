@@ -19,7 +19,7 @@ class ServerConfig:
     request_timeout: float = 0.0     # s: most time a request may take in all (0: no limit)
     token_timeout: float = 60.0      # s: most time between two tokens of a running request (0: no limit)
     n_predict: int = -1              # tokens generated when a request does not say (-1: until the slot is full)
-    cors_origin: str | None = None   # "*" or one origin allowed to call from a browser
+    cors_origins: tuple | None = None    # origins allowed to call from a browser ("*": any; None: this machine's)
     body_limit: int = DEFAULT_BODY_LIMIT
     alias: str | None = None         # the model name in responses (default: the file name)
     # s: how long /slots/{id}?action=erase waits for a busy slot's request to end (the erasure happens then,

@@ -143,10 +143,11 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--port PORT", SAME, "0 picks a free port (printed at start)"),
     ("--reuse-port", REFUSED, "one process serves one port"),
     ("--path PATH", REFUSED, "no static files"),
-    ("--cors-origins ORIGINS", REFUSED, "use fastserve's --cors-origin: one origin or *; default: no CORS "
-                                        "(llama-server: *)"),
+    ("--cors-origins ORIGINS", DIFFERS, "comma-separated origins or *; the default allows pages on this machine "
+                                        "(localhost, any port) and the server's own; other origins are refused "
+                                        "(403)"),
     ("--cors-methods, --cors-headers, --cors-credentials, --no-cors-credentials", REFUSED,
-     "fixed: GET, POST, OPTIONS; authorization, content-type, x-api-key; no credentials"),
+     "fixed: GET, POST, DELETE, OPTIONS; authorization, content-type, x-api-key, anthropic-version; no credentials"),
     ("--api-prefix PREFIX", REFUSED, "routes are served at the root"),
     ("--ui-config, --webui-config, --ui-config-file, --webui-config-file, --ui-mcp-proxy, --webui-mcp-proxy, "
      "--no-ui-mcp-proxy, --no-webui-mcp-proxy, --tools, "

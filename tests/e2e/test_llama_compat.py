@@ -518,6 +518,7 @@ def test_flags_server_wide_defaults_and_endpoints(make_server, tmp_path):
     (["--host", "/tmp/fastserve.sock"], "UNIX socket"),
     (["-c", "0"], "give a size"),
     (["-ub", "0"], "--ubatch-size"),
+    (["--cors-origins", "ftp://x.example"], "--cors-origins"),
     (["--chat-template-file", "/nonexistent/t.jinja"], "--chat-template-file"),     # the tiny model has 2 layers: all or nothing on a GPU
 ])
 def test_refused_flags_exit_with_the_reason(tiny_model_path, flags, needle):
