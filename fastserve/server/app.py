@@ -283,7 +283,9 @@ def serve(args, backend=None) -> int:
                        alias=args.alias, log_requests=llama["log_requests"], metrics=args.metrics,
                        slots=args.slots, props=args.props, seed=llama["seed"], ignore_eos=llama["ignore_eos"],
                        sampling=sampling_defaults(model.config.n_vocab, llama["sampling"]),
-                       webui=not args.no_webui, prefill_assistant=args.prefill_assistant)
+                       webui=not args.no_webui, prefill_assistant=args.prefill_assistant,
+                       reasoning_format=args.reasoning_format, reasoning_budget=args.reasoning_budget,
+                       chat_template_kwargs=llama["chat_template_kwargs"])
     if llama["chat_template"] is not None:
         model.tokenizer.set_chat_template(llama["chat_template"])
     elif model.tokenizer.chat_template_is_fallback:

@@ -40,6 +40,10 @@ class ServerConfig:
     webui: bool = True               # GET / serves the chat page (--no-webui: 404)
     # a chat's last assistant message is continued, not answered (llama-server's --prefill-assistant, its default)
     prefill_assistant: bool = True
+    # reasoning models (server/reasoning.py): their thinking apart from the content, and its budget in tokens
+    reasoning_format: str = "auto"   # none | deepseek | auto
+    reasoning_budget: int = -1       # -1: none; 0: thinking off; N: at most N tokens of thinking
+    chat_template_kwargs: dict | None = None     # further template variables of every chat (enable_thinking, ...)
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -56,3 +60,7 @@ class ServerConfig:
             raise ValueError("--n-predict must be -1 (no limit) or >= 0")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
+        if self.reasoning_format not in ("none", "deepseek", "auto"):
+            raise ValueError(f"--reasoning-format must be none, deepseek or auto, got {self.reasoning_format!r}")
+        if self.reasoning_budget < -1:
+            raise ValueError("--reasoning-budget must be -1 (no budget), 0 (no thinking) or a number of tokens")

@@ -21,6 +21,7 @@ from .errors import OPENAI
 from .fanout import interleave, run_all, start_all
 from .probs import chat_logprobs, legacy_logprobs
 from .response import StreamResponse, json_response
+from .reasoning import Splitter, split
 from .tools import new_id
 
 
@@ -93,11 +94,15 @@ async def start_chat(ex, params, *, parser, compile, start):
 async def chat_completions(req, ex, *, parser, compile, start, tokenizer, alias):
     params, gens = await start_chat(ex, parser.chat(req.body), parser=parser, compile=compile, start=start)
     rid, created, plan, k = new_id("chatcmpl-"), int(time.time()), params.tools, params.logprobs
+    think = params.reasoning if params.reasoning is not None and params.reasoning.split else None
 
     def reply(g):
         """(message fields, finish_reason) of a finished generation."""
         if plan is None:
-            return {"content": g.text.text}, g.openai_finish_reason
+            if think is None:
+                return {"content": g.text.text}, g.openai_finish_reason
+            thought, content = split(think, g.text.text)
+            return {"content": content, **({"reasoning_content": thought} if thought else {})}, g.openai_finish_reason
         content, calls = plan.parse(g.text.text)
         if calls:
             return {"content": None, "tool_calls": calls}, "tool_calls"
@@ -115,7 +120,16 @@ async def chat_completions(req, ex, *, parser, compile, start, tokenizer, alias)
     def per_token(g) -> dict:
         return {"timings": g.timings()} if params.timings_per_token else {}
 
+    def split_delta(i: int, text: str, end: bool = False) -> dict:
+        """A content delta, its reasoning apart (a reasoning chat) as it comes."""
+        if think is None:
+            return {"content": text}
+        thought, content = splitters[i].flush() if end else splitters[i].feed(text)
+        return {**({"reasoning_content": thought} if thought else {}), **({"content": content} if content else {})}
+
     if params.stream:
+        splitters = [Splitter(think) for _ in gens] if think is not None else []
+
         async def events():
             for i in range(params.n):
                 yield chunk(i, {"role": "assistant", "content": None})
@@ -125,9 +139,13 @@ async def chat_completions(req, ex, *, parser, compile, start, tokenizer, alias)
                     if plan is not None:    # a call is known to be one when its JSON is complete
                         yield chunk(i, {"content": fields["content"]} if "tool_calls" not in fields else
                                     {"tool_calls": [{"index": j, **c} for j, c in enumerate(fields["tool_calls"])]})
+                    elif think is not None and (rest := split_delta(i, "", end=True)):
+                        yield chunk(i, rest)
                     yield chunk(i, {}, finish=finish, timings=gens[i].timings())
                 elif plan is None and (d.text or k is not None):
-                    yield chunk(i, {"content": d.text}, logprobs(d.ids, d.probs), **per_token(gens[i]))
+                    delta = split_delta(i, d.text)
+                    if delta or k is not None:
+                        yield chunk(i, delta, logprobs(d.ids, d.probs), **per_token(gens[i]))
             if params.include_usage:        # the last chunk: llama-server's carries the timings
                 yield sse.event(envelope("chat.completion.chunk", [], usage=_usage([gens]), timings=gens[0].timings()))
             yield sse.DONE

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from ..config import SamplingParams
+from . import reasoning
 from .errors import HttpError, exceeded
 from .fields import Body, kind, parse_object
 from .tools import ToolPlan, chat_messages, response_format, tool_plan, with_tools
@@ -117,6 +118,8 @@ class Params:
     shown_probs: int | None = None  # /completion: n_probs as asked (sampling.n_probs may be more: POST_PROB_POOL)
     tools: ToolPlan | None = None
     messages: tuple = ()            # a chat's, for its template (Parser.conversation makes its prompt)
+    reasoning: "reasoning.Reasoning | None" = None      # a reasoning chat's plan (server/reasoning.py)
+    template_kwargs: dict | None = None                 # a chat's further template variables
 
     def choices(self) -> list[tuple[list, SamplingParams]]:
         """(prompt ids, sampling) of each generation, prompt by prompt: choice i of a prompt is seeded
@@ -217,10 +220,29 @@ class Parser:
         if top is not None and not want:
             raise HttpError(400, "'top_logprobs' needs 'logprobs': true")
         messages = chat_messages(body.raw("messages"), self.tokenizer.chat_template_takes_tools)
+        think, kwargs = self.reasoning(body)
+        if think is not None and think.budget > 0 and not constraint:
+            constraint = {"lark": reasoning.budget_grammar(think, self.tokenizer)}
         return self._params(body, [], "openai", n=n, logprobs=(top or 0) if want else None,
                             n_probs=max(LOGPROB_POOL, top or 0) if want else 0, constraint=constraint,
                             include_usage=_include_usage(body), tools=plan, messages=tuple(messages),
-                            timings_per_token=body.bool("timings_per_token"))
+                            timings_per_token=body.bool("timings_per_token"), reasoning=think,
+                            template_kwargs=kwargs)
+
+    def reasoning(self, body: Body) -> tuple:
+        """(the chat's reasoning plan, or None for a template without thinking markers; its template variables:
+        --chat-template-kwargs and the request's chat_template_kwargs, enable_thinking false for a budget of 0)."""
+        cfg = self.config
+        given = body.raw("chat_template_kwargs")
+        if given is not None and not isinstance(given, dict):
+            raise HttpError(400, "'chat_template_kwargs' must be an object of template variables")
+        kwargs = {**(cfg.chat_template_kwargs or {}), **(given or {})}
+        budget = reasoning.request_budget(body, cfg.reasoning_budget)
+        think = reasoning.plan(self.tokenizer.chat_template, reasoning.request_format(body, cfg.reasoning_format),
+                               budget)
+        if think is not None and budget == 0:
+            kwargs.setdefault("enable_thinking", False)
+        return think, kwargs
 
     def _params(self, body: Body, prompts: list, api: str, *, n_probs: int, post_sampling_probs: bool = False,
                 **fields) -> Params:
@@ -356,7 +378,10 @@ class Parser:
         ids = self.tokenizer.encode(text, add_special=True)
         if not ids:
             raise HttpError(400, "the conversation is empty")
-        return replace(params, prompts=[ids])
+        think = params.reasoning
+        if think is not None:              # a template that opens the thinking: the reply starts inside it
+            think = think._replace(opened=text.rstrip().endswith(think.open))
+        return replace(params, prompts=[ids], reasoning=think)
 
     def chat_text(self, params: Params) -> str:
         """The text of a chat's prompt (conversation(); POST /apply-template answers it)."""
@@ -369,7 +394,8 @@ class Parser:
                 raise HttpError(400, "Cannot have 2 or more assistant messages at the end of the list.")
             prefill = messages.pop()["content"]
         return tok.apply_chat_template(messages, add_generation_prompt=True,
-                                       tools=plan.tools if plan is not None and native else None) + prefill
+                                       tools=plan.tools if plan is not None and native else None,
+                                       kwargs=params.template_kwargs) + prefill
 
     def check_length(self, text: str, n_before: int = 0) -> None:
         """Refuse, before tokenizing it whole, text too long to fit in a slot (after n_before tokens): llama-server's
