@@ -15,12 +15,15 @@ params.Parser.chat_body, so the template, the tools' constraint and every field 
       input_schema}]                      disable_parallel_tool_use
     stop_sequences, max_tokens (required) stop, max_tokens; temperature, top_p, top_k and llama.cpp's
                                           sampling fields as the chat takes them
+    thinking enabled / disabled /         thinking_budget_tokens budget_tokens / 0 / none (server/reasoning.py)
+      adaptive
 
-The answer: a message whose content is a text block, or the tool_use blocks of the calls (stop_reason
-tool_use); stop_reason end_turn, max_tokens or stop_sequence otherwise. A stream sends Anthropic's events:
-message_start, then each block's content_block_start / content_block_delta / content_block_stop (indices
-from 0), message_delta (stop_reason, usage), message_stop; with tools, the blocks come once the reply's
-JSON is complete (as the chat's tool_calls do). Errors: Anthropic's shape (errors.ANTHROPIC).
+The answer: a message whose content is a text block (after a thinking block, for a reasoning model's reply),
+or the tool_use blocks of the calls (stop_reason tool_use); stop_reason end_turn, max_tokens or stop_sequence
+otherwise. A stream sends Anthropic's events: message_start, ping, then each block's content_block_start /
+content_block_delta / content_block_stop (indices from 0; a block opens with its first text), message_delta
+(stop_reason, usage), message_stop; with tools, the blocks come once the reply's JSON is complete (as the
+chat's tool_calls do). Errors: Anthropic's shape (errors.ANTHROPIC).
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from .fields import Body, parse_object
 from .openai_api import start_chat
 from .params import PASSED_TO_CHAT
 from .response import StreamResponse, json_response
+from .reasoning import Splitter, split
 from .tools import new_id
 
 STOP_REASONS = {"eos": "end_turn", "grammar": "end_turn", "limit": "max_tokens", "word": "stop_sequence"}
@@ -44,6 +48,7 @@ async def messages(req, ex, *, parser, compile, start, alias):
     params = parser.chat_body(Body(chat_request(parse_object(req.body))))
     params, gens = await start_chat(ex, params, parser=parser, compile=compile, start=start)
     gen, plan = gens[0], params.tools
+    think = params.reasoning if params.reasoning is not None and params.reasoning.split else None
     mid = new_id("msg_")
 
     def message(content: list, stop_reason, stop_sequence, output_tokens: int) -> dict:
@@ -53,21 +58,24 @@ async def messages(req, ex, *, parser, compile, start, alias):
 
     if not params.stream:
         await run_all(gens)
-        return json_response(message(*reply(plan, gen), len(gen.ids)))
+        return json_response(message(*reply(plan, gen, think), len(gen.ids)))
 
     async def events():
         yield event("message_start", {"message": message([], None, None, 0)})
-        if plan is None:
-            yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
         yield event("ping", {})
+        blocks, splitter = Blocks(), Splitter(think) if think is not None else None
         async for d in gen.deltas():
             if plan is None and d.text:
-                yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": d.text}})
-        blocks, stop_reason, stop_sequence = reply(plan, gen)
+                thought, text = splitter.feed(d.text) if splitter is not None else ("", d.text)
+                yield blocks.delta("thinking", thought) + blocks.delta("text", text)
+        if splitter is not None:
+            thought, text = splitter.flush()
+            yield blocks.delta("thinking", thought) + blocks.delta("text", text)
+        content, stop_reason, stop_sequence = reply(plan, gen, think)
         if plan is None:
-            yield event("content_block_stop", {"index": 0})
+            yield blocks.stop() if blocks.index >= 0 else from_block(0, {"type": "text", "text": ""})
         else:
-            for i, b in enumerate(blocks):
+            for i, b in enumerate(content):
                 yield from_block(i, b)
         yield event("message_delta", {"delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                                       "usage": {"output_tokens": len(gen.ids)}})
@@ -98,14 +106,50 @@ def from_block(i: int, block: dict) -> bytes:
             + event("content_block_stop", {"index": i}))
 
 
-def reply(plan, gen) -> tuple[list, str, str | None]:
-    """(content blocks, stop_reason, stop_sequence) of a finished generation."""
+class Blocks:
+    """A stream's content blocks as the text comes: a block opens with its first text of a kind and closes when
+    the other kind begins (a reasoning reply: its thinking block, then its text block)."""
+
+    def __init__(self):
+        self.index, self.kind = -1, None
+
+    def delta(self, kind: str, text: str) -> bytes:
+        if not text:
+            return b""
+        out = b""
+        if kind != self.kind:
+            out = self.stop()
+            self.index, self.kind = self.index + 1, kind
+            out += event("content_block_start", {"index": self.index, "content_block": _empty(kind)})
+        delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else {"type": "text_delta",
+                                                                                          "text": text}
+        return out + event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def stop(self) -> bytes:
+        if self.kind is None:
+            return b""
+        kind, self.kind = self.kind, None
+        return event("content_block_stop", {"index": self.index})
+
+
+def _empty(kind: str) -> dict:
+    return {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text", "text": ""}
+
+
+def reply(plan, gen, think=None) -> tuple[list, str, str | None]:
+    """(content blocks, stop_reason, stop_sequence) of a finished generation; think: a reasoning reply's plan
+    (its thinking block first)."""
     content, calls = plan.calls(gen.text.text) if plan is not None else (gen.text.text, None)
     if calls:
         return [{"type": "tool_use", "id": new_id("toolu_"), "name": c["name"], "input": c["arguments"]}
                 for c in calls], "tool_use", None
+    thought = ""
+    if think is not None and plan is None:
+        thought, content = split(think, content)
     reason = STOP_REASONS.get(gen.stop_type, "end_turn")
-    return [{"type": "text", "text": content or ""}], reason, gen.text.stopping_word if reason == "stop_sequence" else None
+    blocks = [{"type": "thinking", "thinking": thought, "signature": ""}] if thought else []
+    blocks.append({"type": "text", "text": content or ""})
+    return blocks, reason, gen.text.stopping_word if reason == "stop_sequence" else None
 
 
 # -- the request, in the chat's form ---------------------------------------------------------------
@@ -125,7 +169,9 @@ def chat_request(body: Body, counting: bool = False) -> dict:
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
             raise HttpError(400, "'stop_sequences' must be an array of strings")
         out["stop"] = stops
-    _thinking(body.raw("thinking"))
+    budget = _thinking(body.raw("thinking"))
+    if budget is not None:
+        out["thinking_budget_tokens"] = budget
     tools = body.raw("tools")
     if tools is not None:
         out["tools"] = chat_tools(tools)
@@ -136,18 +182,23 @@ def chat_request(body: Body, counting: bool = False) -> dict:
     return out
 
 
-def _thinking(value) -> None:
-    """`thinking` is checked; the model's reasoning, if it has any, is its text (no thinking blocks yet)."""
+def _thinking(value) -> int | None:
+    """`thinking` as the chat's thinking_budget_tokens (None: the server's): enabled, its budget_tokens; disabled,
+    0 (the template's enable_thinking false); adaptive or between_tools, no budget."""
     if value is None:
-        return
+        return None
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "enabled":
         budget = value.get("budget_tokens")
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise HttpError(400, "'thinking.budget_tokens' must be an integer >= 1")
-    elif kind not in ("disabled", "adaptive", "between_tools"):
-        raise HttpError(400, "'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": N}, or of type disabled, "
-                             "adaptive or between_tools")
+        return budget
+    if kind == "disabled":
+        return 0
+    if kind in ("adaptive", "between_tools"):
+        return -1
+    raise HttpError(400, "'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": N}, or of type disabled, "
+                         "adaptive or between_tools")
 
 
 def chat_tools(tools) -> list[dict]:

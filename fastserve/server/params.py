@@ -30,7 +30,7 @@ SAMPLING = {"temperature": Body.number, "top_k": Body.int, "top_p": Body.number,
             "frequency_penalty": Body.number}
 # the fields another API's request (anthropic_api, responses_api) hands the chat's parse as they are
 PASSED_TO_CHAT = (*SAMPLING, "seed", "logit_bias", "ignore_eos", "queue_timeout", "request_timeout", "token_timeout",
-                  "stream")
+                  "stream", "thinking_budget_tokens", "reasoning_format", "chat_template_kwargs")
 SAMPLER_CHAIN = ["penalties", "top_k", "top_p", "min_p", "temperature"]      # fastserve's, in llama.cpp's names
 OFF_SAMPLERS = ("dry", "top_n_sigma", "typ_p", "xtc", "adaptive_p")          # llama.cpp's, all off in fastserve
 

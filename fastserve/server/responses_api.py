@@ -16,12 +16,15 @@ Like anthropic_api, a request is translated into the chat route's form and read 
     max_output_tokens, temperature,   max_tokens and the chat's sampling fields
       top_p, ...
 
-The answer's output: a message item (one output_text part), or the function_call items of the calls;
+    reasoning.effort                  the chat's reasoning_effort (a thinking budget: server/reasoning.py)
+
+The answer's output: a message item (one output_text part), after a reasoning item (one reasoning_text part)
+for a reasoning model's reply, or the function_call items of the calls;
 status completed, or incomplete (incomplete_details.reason max_output_tokens). With store (default true) the
 response is kept (response_store.py). A stream sends OpenAI's events, each with its sequence_number:
 response.created, response.in_progress, then per output item response.output_item.added,
-(response.content_part.added, response.output_text.delta..., response.output_text.done,
-response.content_part.done | response.function_call_arguments.delta / .done), response.output_item.done,
+(response.content_part.added, response.output_text.delta... (a reasoning item: response.reasoning_text.delta...),
+its .done, response.content_part.done | response.function_call_arguments.delta / .done), response.output_item.done,
 and last response.completed (response.incomplete; response.failed when cut short). With tools the items
 come once the reply's JSON is complete, as the chat's tool_calls do.
 """
@@ -37,6 +40,7 @@ from .fields import Body, parse_object
 from .openai_api import start_chat
 from .params import PASSED_TO_CHAT
 from .response import StreamResponse, json_response
+from .reasoning import Splitter, split
 from .tools import new_id
 
 ROLES = ("user", "assistant", "system", "developer")
@@ -50,6 +54,7 @@ async def create(req, ex, *, parser, compile, start, alias, responses):
     chat, history, calls = chat_request(body, responses)
     params, gens = await start_chat(ex, parser.chat_body(Body(chat)), parser=parser, compile=compile, start=start)
     gen, plan = gens[0], params.tools
+    think = params.reasoning if params.reasoning is not None and params.reasoning.split and plan is None else None
     rid, created, store = new_id("resp_"), int(time.time()), body.bool("store", True)
     echo = _echo(body)
 
@@ -57,8 +62,8 @@ async def create(req, ex, *, parser, compile, start, alias, responses):
         return {"id": rid, "object": "response", "created_at": created, "status": status, "error": None,
                 "incomplete_details": None, "model": alias, "output": output, **echo, "usage": None, **extra}
 
-    def finished(mid: str) -> dict:
-        output, said = reply(plan, gen, mid)
+    def finished(ids: dict) -> dict:
+        output, said = reply(plan, gen, ids, think)
         status = "incomplete" if gen.stop_type == "limit" else "completed"
         usage = {"input_tokens": gen.n_prompt, "input_tokens_details": {"cached_tokens": gen.reader.n_cached},
                  "output_tokens": len(gen.ids), "output_tokens_details": {"reasoning_tokens": 0},
@@ -72,26 +77,27 @@ async def create(req, ex, *, parser, compile, start, alias, responses):
 
     if not params.stream:
         await run_all(gens)
-        return json_response(finished(new_id("msg_")))
+        return json_response(finished(_item_ids()))
 
     seq = Sequence()
 
     async def events():
         yield seq("response.created", response=response("in_progress", []))
         yield seq("response.in_progress", response=response("in_progress", []))
-        mid = new_id("msg_")
-        if plan is None:
-            yield seq("response.output_item.added", output_index=0, item=_message(mid, "in_progress", None))
-            yield seq("response.content_part.added", item_id=mid, output_index=0, content_index=0, part=_text(""))
+        ids = _item_ids()
+        items, splitter = Items(seq, ids), Splitter(think) if think is not None else None
         async for d in gen.deltas():
             if plan is None and d.text:
-                yield seq("response.output_text.delta", item_id=mid, output_index=0, content_index=0, delta=d.text,
-                          logprobs=[])
-        out = finished(mid)
-        for i, item in enumerate(out["output"]):
-            if plan is not None:
-                yield seq("response.output_item.added", output_index=i, item=_opening(item))
-            for event in _item_events(seq, i, item, plan is not None):
+                thought, text = splitter.feed(d.text) if splitter is not None else ("", d.text)
+                yield items.delta("reasoning", thought) + items.delta("message", text)
+        if splitter is not None:
+            thought, text = splitter.flush()
+            yield items.delta("reasoning", thought) + items.delta("message", text)
+        out = finished(ids)
+        yield items.close(out["output"][items.index] if items.index >= 0 else None)
+        for i, item in enumerate(out["output"][items.index + 1:], items.index + 1):     # not streamed: whole
+            yield seq("response.output_item.added", output_index=i, item=_opening(item))
+            for event in _item_events(seq, i, item, True):
                 yield event
         yield seq("response.incomplete" if out["status"] == "incomplete" else "response.completed", response=out)
 
@@ -111,6 +117,52 @@ def delete(req, ex, rid: str, *, responses):
     if not responses.delete(rid):
         raise HttpError(404, f"no stored response has the id {rid!r}")
     return json_response({"id": rid, "object": "response.deleted", "deleted": True})
+
+
+def _item_ids() -> dict:
+    return {"message": new_id("msg_"), "reasoning": new_id("rs_")}
+
+
+class Items:
+    """A stream's output items as the text comes: an item opens with its first text of a kind (a reasoning reply:
+    its reasoning item, then its message) and closes when the other kind begins, or at the end."""
+
+    def __init__(self, seq, ids: dict):
+        self.seq, self.ids = seq, ids
+        self.index, self.kind, self.text = -1, None, ""
+
+    def delta(self, kind: str, text: str) -> bytes:
+        if not text:
+            return b""
+        seq, out = self.seq, b""
+        if kind != self.kind:
+            out = self.close(None)
+            self.index, self.kind, self.text = self.index + 1, kind, ""
+            opening = _message(self.ids[kind], "in_progress", None) if kind == "message" else \
+                _reasoning(self.ids[kind], None)
+            out += seq("response.output_item.added", output_index=self.index, item=opening)
+            out += seq("response.content_part.added", item_id=self.ids[kind], output_index=self.index,
+                       content_index=0, part=_part(kind, ""))
+        self.text += text
+        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        extra = {"logprobs": []} if kind == "message" else {}
+        return out + seq(name, item_id=self.ids[kind], output_index=self.index, content_index=0, delta=text, **extra)
+
+    def close(self, item: dict | None) -> bytes:
+        """The open item's done events; item: its final form (None: completed, of the text streamed)."""
+        if self.kind is None:
+            return b""
+        kind, self.kind = self.kind, None
+        if item is None:
+            item = _message(self.ids[kind], "completed", self.text) if kind == "message" else \
+                _reasoning(self.ids[kind], self.text)
+        if kind == "message":
+            return b"".join(_item_events(self.seq, self.index, item, False))
+        rid, seq, i = self.ids[kind], self.seq, self.index
+        return (seq("response.reasoning_text.done", item_id=rid, output_index=i, content_index=0, text=self.text)
+                + seq("response.content_part.done", item_id=rid, output_index=i, content_index=0,
+                      part=_part(kind, self.text))
+                + seq("response.output_item.done", output_index=i, item=item))
 
 
 class Sequence:
@@ -156,18 +208,32 @@ def _text(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
+def _part(kind: str, text: str) -> dict:
+    return _text(text) if kind == "message" else {"type": "reasoning_text", "text": text}
+
+
+def _reasoning(rid: str, text: str | None) -> dict:
+    return {"type": "reasoning", "id": rid, "summary": [], "status": "in_progress" if text is None else "completed",
+            "content": [] if text is None else [_part("reasoning", text)]}
+
+
 def _message(mid: str, status: str, text: str | None) -> dict:
     return {"type": "message", "id": mid, "status": status, "role": "assistant",
             "content": [] if text is None else [_text(text)]}
 
 
-def reply(plan, gen, mid: str) -> tuple[list, dict]:
+def reply(plan, gen, ids: dict, think=None) -> tuple[list, dict]:
     """(output items, the reply as the chat message a follow-up's conversation holds) of a finished generation;
-    mid: its message item's id."""
+    ids: its items' ids by kind; think: a reasoning reply's plan (its reasoning item first, left out of the
+    conversation as the templates leave earlier thinking out)."""
     content, calls = plan.calls(gen.text.text) if plan is not None else (gen.text.text, None)
     status = "incomplete" if gen.stop_type == "limit" else "completed"
     if not calls:
-        return [_message(mid, status, content or "")], {"role": "assistant", "content": content or ""}
+        thought = ""
+        if think is not None:
+            thought, content = split(think, content)
+        first = [_reasoning(ids["reasoning"], thought)] if thought else []
+        return first + [_message(ids["message"], status, content or "")], {"role": "assistant", "content": content or ""}
     items = [{"type": "function_call", "id": new_id("fc_"), "call_id": new_id("call_"), "name": c["name"],
               "arguments": json.dumps(c["arguments"], ensure_ascii=False), "status": "completed"} for c in calls]
     said = {"role": "assistant", "content": "", "tool_calls": [
@@ -220,6 +286,8 @@ def chat_request(body: Body, responses) -> tuple[dict, list, set]:
     reasoning = body.raw("reasoning")
     if reasoning is not None and not isinstance(reasoning, dict):
         raise HttpError(400, "'reasoning' must be an object like {\"effort\": \"low\"}")
+    if reasoning is not None and reasoning.get("effort") is not None:
+        out["reasoning_effort"] = reasoning["effort"]        # the chat's budget of it (server/reasoning.py)
     return out, history, calls
 
 

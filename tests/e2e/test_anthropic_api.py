@@ -193,6 +193,6 @@ def test_a_stream_cut_short_ends_with_an_error_event(raw):
         assert r.status_code == 200
         lines = [x for x in r.iter_lines() if x]
     names = [x[7:] for x in lines if x.startswith("event: ")]
-    assert names[:3] == ["message_start", "content_block_start", "ping"] and names[-1] == "error"
+    assert names[:3] == ["message_start", "ping", "content_block_start"] and names[-1] == "error"
     last = orjson.loads(lines[-1][6:])
     assert last["type"] == "error" and last["error"]["type"] == "timeout_error" and "time limit" in last["error"]["message"]

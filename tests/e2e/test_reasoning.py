@@ -82,3 +82,55 @@ def test_budget_zero_and_template_kwargs_reach_the_template(http):
 def test_bad_reasoning_fields_are_400(http, body, needle):
     r = http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, **body})
     assert r.status_code == 400 and needle in r.json()["error"]["message"]
+
+
+def test_anthropic_thinking_blocks(server, http):
+    """Messages' thinking (enabled: its budget_tokens) gives a thinking block, then the text, streamed and not;
+    disabled turns the thinking off in the template."""
+    import anthropic
+    client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=60)
+    chat, _ = _chat(http, max_tokens=30, thinking_budget_tokens=5)
+    kw = dict(model="m", max_tokens=30, messages=ASK, thinking={"type": "enabled", "budget_tokens": 5},
+              extra_body={"temperature": 0, "ignore_eos": True})
+    m = client.messages.create(**kw)
+    assert [b.type for b in m.content] == ["thinking", "text"]
+    assert (m.content[0].thinking, m.content[1].text) == (chat["reasoning_content"], chat["content"])
+    with client.messages.stream(**kw) as s:
+        events = list(s)
+        final = s.get_final_message()
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in final.content] == \
+        [("thinking", chat["reasoning_content"]), ("text", chat["content"])]
+    starts = [(e.index, e.content_block.type) for e in events if e.type == "content_block_start"]
+    assert starts == [(0, "thinking"), (1, "text")]
+    assert {e.delta.type for e in events if e.type == "content_block_delta" and e.index == 0} == {"thinking_delta"}
+    off = client.messages.create(**{**kw, "thinking": {"type": "disabled"}})
+    assert [b.type for b in off.content] == ["text"] and off.content[0].text
+
+
+def test_responses_reasoning_items(oai, http):
+    """Responses: a reasoning item (reasoning_text), then the message, streamed in OpenAI's order; a follow-up's
+    conversation holds the answer, not the thinking."""
+    chat, _ = _chat(http, max_tokens=30, thinking_budget_tokens=5)
+    kw = dict(model="m", input="hi", max_output_tokens=30, temperature=0,
+              extra_body={"thinking_budget_tokens": 5, "ignore_eos": True})
+    r = oai.responses.create(**kw)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert (r.output[0].content[0].text, r.output_text) == (chat["reasoning_content"], chat["content"])
+    events = list(oai.responses.create(stream=True, **kw))
+    kinds = []
+    for e in events:
+        if not (kinds and kinds[-1] == e.type and e.type.endswith(".delta")):
+            kinds.append(e.type)
+    item = ["response.output_item.added", "response.content_part.added", "{}.delta", "{}.done",
+            "response.content_part.done", "response.output_item.done"]
+    assert kinds == ["response.created", "response.in_progress",
+                     *[k.format("response.reasoning_text") for k in item],
+                     *[k.format("response.output_text") for k in item], "response.incomplete"]
+    done = events[-1].response
+    assert [o.type for o in done.output] == ["reasoning", "message"] and done.output_text == r.output_text
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == chat["reasoning_content"]
+    follow = oai.responses.create(previous_response_id=r.id, input="and?", model="m", max_output_tokens=1)
+    said = http.post("/apply-template", json={"messages": [*ASK, {"role": "assistant", "content": chat["content"]},
+                                                           {"role": "user", "content": "and?"}]}).json()["prompt"]
+    assert follow.usage.input_tokens == len(http.post("/tokenize", json={"content": said, "add_special": True})
+                                            .json()["tokens"])
