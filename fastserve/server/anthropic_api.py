@@ -72,8 +72,8 @@ async def messages(req, ex, *, parser, compile, start, alias):
             thought, text = splitter.flush()
             yield blocks.delta("thinking", thought) + blocks.delta("text", text)
         content, stop_reason, stop_sequence = reply(plan, gen, think)
-        if plan is None:
-            yield blocks.stop() if blocks.index >= 0 else from_block(0, {"type": "text", "text": ""})
+        if plan is None:        # as the answer not streamed: a text block last, if empty
+            yield blocks.stop() + (b"" if "text" in blocks.kinds else from_block(blocks.index + 1, content[-1]))
         else:
             for i, b in enumerate(content):
                 yield from_block(i, b)
@@ -112,6 +112,7 @@ class Blocks:
 
     def __init__(self):
         self.index, self.kind = -1, None
+        self.kinds: list = []           # of the blocks opened, in order
 
     def delta(self, kind: str, text: str) -> bytes:
         if not text:
@@ -120,6 +121,7 @@ class Blocks:
         if kind != self.kind:
             out = self.stop()
             self.index, self.kind = self.index + 1, kind
+            self.kinds.append(kind)
             out += event("content_block_start", {"index": self.index, "content_block": _empty(kind)})
         delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else {"type": "text_delta",
                                                                                           "text": text}

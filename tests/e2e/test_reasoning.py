@@ -103,6 +103,11 @@ def test_anthropic_thinking_blocks(server, http):
     starts = [(e.index, e.content_block.type) for e in events if e.type == "content_block_start"]
     assert starts == [(0, "thinking"), (1, "text")]
     assert {e.delta.type for e in events if e.type == "content_block_delta" and e.index == 0} == {"thinking_delta"}
+    cut = {**kw, "max_tokens": 3, "thinking": {"type": "enabled", "budget_tokens": 100}}    # ends in the thought
+    want = [(b.type, getattr(b, "thinking", None) or b.text) for b in client.messages.create(**cut).content]
+    with client.messages.stream(**cut) as s:
+        assert [(b.type, getattr(b, "thinking", None) or b.text) for b in s.get_final_message().content] == want
+    assert [t for t, _ in want] == ["thinking", "text"] and want[1][1] == ""
     off = client.messages.create(**{**kw, "thinking": {"type": "disabled"}})
     assert [b.type for b in off.content] == ["text"] and off.content[0].text
 
