@@ -254,7 +254,7 @@ ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
 
 def family(path: str) -> str:
     """The error format of a path's answers (errors.py)."""
-    if path in ANTHROPIC_PATHS:
+    if path in ANTHROPIC_PATHS or path.startswith("/v1/messages/"):
         return ANTHROPIC
     return OPENAI if path in OPENAI_PATHS or path.startswith("/v1/") else LLAMA
 

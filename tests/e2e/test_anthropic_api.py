@@ -170,6 +170,7 @@ def test_bad_input_is_a_4xx_in_anthropic_shape(raw, client):
     for change, named in bad:
         assert named in _refused(raw.post("/v1/messages", json={**ok, **change})), change
     assert "JSON" in _refused(raw.post("/v1/messages", content=b"{nope"))
+    assert "no route" in _refused(raw.post("/v1/messages/batches", json=ok), 404, "not_found_error")
     too_long = {**ok, "messages": [{"role": "user", "content": "hello " * 3000}]}
     r = raw.post("/v1/messages", json=too_long)
     assert r.status_code == 400 and r.json()["type"] == "error"
