@@ -98,6 +98,17 @@ def _regex(text: str) -> str:
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~/")
 
 
+def thought_tokens(r: Reasoning, tokenizer, ids: list) -> int:
+    """How many of a reply's tokens are its thinking, its closing marker included (a thought cut short: all)."""
+    decoder, text = tokenizer.decoder(), ""
+    for n, t in enumerate(ids, 1):
+        text += decoder.push(t)
+        if r.close in text:
+            return n
+    thought, content = split(r, text + decoder.flush())
+    return len(ids) if thought and not content else 0
+
+
 def split(r: Reasoning, text: str) -> tuple[str, str]:
     """(reasoning, content) of a whole reply."""
     s = Splitter(r)

@@ -40,7 +40,7 @@ from .fields import Body, parse_object
 from .openai_api import start_chat
 from .params import PASSED_TO_CHAT
 from .response import StreamResponse, json_response
-from .reasoning import Splitter, split
+from .reasoning import Splitter, split, thought_tokens
 from .tools import new_id
 
 ROLES = ("user", "assistant", "system", "developer")
@@ -49,7 +49,7 @@ NO_VISION = ("input_image", "input_file", "input_audio")
 TOOL_CHOICES = ("auto", "none", "required")
 
 
-async def create(req, ex, *, parser, compile, start, alias, responses):
+async def create(req, ex, *, parser, compile, start, alias, responses, tokenizer):
     body = parse_object(req.body)
     chat, history, calls = chat_request(body, responses)
     params, gens = await start_chat(ex, parser.chat_body(Body(chat)), parser=parser, compile=compile, start=start)
@@ -65,8 +65,9 @@ async def create(req, ex, *, parser, compile, start, alias, responses):
     def finished(ids: dict) -> dict:
         output, said = reply(plan, gen, ids, think)
         status = "incomplete" if gen.stop_type == "limit" else "completed"
+        thought = thought_tokens(think, tokenizer, gen.ids) if think is not None else 0
         usage = {"input_tokens": gen.n_prompt, "input_tokens_details": {"cached_tokens": gen.reader.n_cached},
-                 "output_tokens": len(gen.ids), "output_tokens_details": {"reasoning_tokens": 0},
+                 "output_tokens": len(gen.ids), "output_tokens_details": {"reasoning_tokens": thought},
                  "total_tokens": gen.n_prompt + len(gen.ids)}
         out = response(status, output, usage=usage,
                        incomplete_details={"reason": "max_output_tokens"} if status == "incomplete" else None)

@@ -115,12 +115,14 @@ def test_anthropic_thinking_blocks(server, http):
 def test_responses_reasoning_items(oai, http):
     """Responses: a reasoning item (reasoning_text), then the message, streamed in OpenAI's order; a follow-up's
     conversation holds the answer, not the thinking."""
-    chat, _ = _chat(http, max_tokens=30, thinking_budget_tokens=5)
+    chat, tokens = _chat(http, max_tokens=30, thinking_budget_tokens=5)
+    closed = next(n for n in range(1, len(tokens) + 1) if b"</think>" in b"".join(tokens[:n]))
     kw = dict(model="m", input="hi", max_output_tokens=30, temperature=0,
               extra_body={"thinking_budget_tokens": 5, "ignore_eos": True})
     r = oai.responses.create(**kw)
     assert [o.type for o in r.output] == ["reasoning", "message"]
     assert (r.output[0].content[0].text, r.output_text) == (chat["reasoning_content"], chat["content"])
+    assert r.usage.output_tokens_details.reasoning_tokens == closed          # the thought and its closing marker
     events = list(oai.responses.create(stream=True, **kw))
     kinds = []
     for e in events:
