@@ -221,7 +221,9 @@ class Parser:
             raise HttpError(400, "'top_logprobs' needs 'logprobs': true")
         messages = chat_messages(body.raw("messages"), self.tokenizer.chat_template_takes_tools)
         think, kwargs = self.reasoning(body)
-        if think is not None and think.budget > 0 and not constraint:
+        if think is not None and constraint:
+            think = None            # JSON or a grammar from the first token: no thinking to split off or budget
+        elif think is not None and think.budget > 0:
             constraint = {"lark": reasoning.budget_grammar(think, self.tokenizer)}
         return self._params(body, [], "openai", n=n, logprobs=(top or 0) if want else None,
                             n_probs=max(LOGPROB_POOL, top or 0) if want else 0, constraint=constraint,

@@ -63,6 +63,14 @@ def test_the_servers_budget_effort_and_format(http):
     assert raw["content"].startswith(msg["reasoning_content"])
 
 
+def test_a_constrained_reply_is_not_split(http):
+    """JSON from the first token (response_format) has no thinking: the prompt opened one, the reply is content."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}}}
+    msg, _ = _chat(http, max_tokens=64, response_format=fmt, ignore_eos=False)
+    assert "reasoning_content" not in msg and json.loads(msg["content"]).keys() == {"n"}
+
+
 def test_budget_zero_and_template_kwargs_reach_the_template(http):
     closed = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
     for body in ({"thinking_budget_tokens": 0}, {"reasoning_effort": "none"},
