@@ -10,7 +10,8 @@ template opened it: DeepSeek-R1) starts in the thinking. none: the text is the c
 A budget of N >= 1 tokens is enforced in the sampler: the request's constraint is a grammar (llguidance's Lark)
 whose thought may take at most N tokens, after which the closing marker is the only text allowed, then any
 answer; 0 turns the thinking off in the template (enable_thinking false, as llama-server). A request whose
-constraint is already JSON (tools, response_format) keeps it: JSON from the first token leaves no thinking.
+constraint is already JSON or a grammar (tools, response_format, grammar) keeps it, and its text is all
+content: JSON from the first token leaves no thinking.
 """
 from __future__ import annotations
 
