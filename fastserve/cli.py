@@ -57,7 +57,9 @@ def main(argv=None) -> int:
                     help="MiB of host RAM keeping reused slots' prompt prefixes (0: off)")
     sp.add_argument("-sps", "--slot-prompt-similarity", type=float, default=EngineConfig.slot_prompt_similarity,
                     help="share of a prompt a free slot's cached prefix must match for that slot to be picked")
-    sp.add_argument("--cors-origin", help="allow browser calls from this origin ('*' for any)")
+    sp.add_argument("--cors-origins", "--cors-origin", dest="cors_origins",
+                    help="origins allowed to call from a browser, comma-separated, '*' for any (default: pages "
+                         "on this machine, and the server's own)")
     sp.add_argument("--body-limit", type=int, default=DEFAULT_BODY_LIMIT, help="largest request body, bytes (413 above)")
     sp.add_argument("-a", "--alias", help="model name shown in responses (default: the file name)")
     sp.add_argument("-t", "--threads", type=int, default=0,

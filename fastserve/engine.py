@@ -302,10 +302,11 @@ class Engine:
             raise RequestError(f"slot must be in [0, {self._n_slots})")
         self._inbox.put(Erase(slot, reply))
 
-    def constraint(self, grammar=None, json_schema=None) -> Constraint | None:
-        """The compiled matcher of a GBNF grammar or a JSON schema (None for neither), for submit(constraint=).
-        Any thread; takes as long as llguidance's compiler (it drops the GIL). Raises RequestError."""
-        text = compile_grammar(grammar=grammar, json_schema=json_schema)
+    def constraint(self, grammar=None, json_schema=None, lark=None) -> Constraint | None:
+        """The compiled matcher of a GBNF grammar, a JSON schema or a Lark grammar (llguidance's: a reasoning
+        budget's) (None for none), for submit(constraint=). Any thread; takes as long as llguidance's compiler
+        (it drops the GIL). Raises RequestError."""
+        text = compile_grammar(grammar=grammar, json_schema=json_schema, lark=lark)
         return None if text is None else Constraint(self.tokenizer, text)
 
     def stats(self) -> EngineStats:

@@ -34,6 +34,38 @@ _lock = threading.Lock()
 _JSON_OPTIONS = {"whitespace_pattern": r"(?: |\n[ \t]{0,20})?"}
 
 
+# JSON schema keywords whose value is a subschema, or a list / a map of subschemas (allOf is apart: closed_objects)
+_SUBSCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
+              "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed_objects(schema, close: bool = True):
+    """The schema with each object that lists its properties and says nothing of others closed
+    ("additionalProperties": false), as llama.cpp's schema converter reads a missing additionalProperties:
+    else a small model keeps adding keys until n_predict cuts the JSON. An allOf's members are left open
+    (each would forbid the others' properties) but what they hold is closed."""
+    if isinstance(schema, list):        # items given as a list (draft 4's tuple form)
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key, v in schema.items():
+        if key in _SUBSCHEMA:
+            out[key] = closed_objects(v)
+        elif key in _SUBSCHEMA_LISTS and isinstance(v, list):
+            out[key] = [closed_objects(s) for s in v]
+        elif key in _SUBSCHEMA_MAPS and isinstance(v, dict):
+            out[key] = {name: closed_objects(s) for name, s in v.items()}
+        elif key == "allOf" and isinstance(v, list):
+            out[key] = [closed_objects(s, close=False) for s in v]
+    if close and isinstance(schema.get("properties"), dict) and not any(
+            k in schema for k in ("additionalProperties", "patternProperties", "unevaluatedProperties")):
+        out["additionalProperties"] = False
+    return out
+
+
 def _llg():
     try:
         import llguidance
@@ -112,7 +144,7 @@ def compile_grammar(*, grammar: str | None = None, json_schema: Any = None, json
                     raise RequestError(f"'json_schema' is not valid JSON: {exc}") from None
             if not isinstance(schema, (dict, bool)):
                 raise RequestError("'json_schema' must be a JSON schema object")
-            text = lib.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+            text = lib.LLMatcher.grammar_from_json_schema(closed_objects(schema), defaults=_JSON_OPTIONS)
     except ValueError as exc:
         raise RequestError(f"invalid {given[0]}: {exc}") from None
     err = lib.LLMatcher.validate_grammar(text)

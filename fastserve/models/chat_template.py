@@ -41,13 +41,17 @@ class ChatTemplate:
         return "tools" in self.source
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               tools: list[dict] | None = None) -> str:
+               tools: list[dict] | None = None, kwargs: dict | None = None) -> str:
+        """kwargs: further variables for the template (llama-server's chat_template_kwargs: enable_thinking, ...);
+        they never replace the ones given here."""
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise RequestError("messages must be a list of objects like {\"role\": \"user\", \"content\": \"...\"}")
         try:
             if self._compiled is None:
                 self._compiled = _environment().from_string(self.source)
-            extra = {"tools": tools} if tools else {}
+            extra = {**(kwargs or {}), **({"tools": tools} if tools else {})}
+            for name in ("messages", "add_generation_prompt", "bos_token", "eos_token"):
+                extra.pop(name, None)
             return self._compiled.render(messages=messages, add_generation_prompt=bool(add_generation_prompt),
                                          bos_token=self.bos_token, eos_token=self.eos_token, **extra)
         except RequestError:

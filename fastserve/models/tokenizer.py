@@ -418,10 +418,10 @@ class Tokenizer:
         self._template = ChatTemplate(source, self._template.bos_token, self._template.eos_token)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
-        """Render the chat template (sandboxed jinja2), with OpenAI `tools` when given. Raises RequestError
-        when the template refuses the messages."""
-        return self._template.render(messages, add_generation_prompt, tools)
+                            tools: list[dict] | None = None, kwargs: dict | None = None) -> str:
+        """Render the chat template (sandboxed jinja2), with OpenAI `tools` when given and further template
+        variables (kwargs: enable_thinking, ...). Raises RequestError when the template refuses the messages."""
+        return self._template.render(messages, add_generation_prompt, tools, kwargs)
 
     @property
     def chat_template_takes_tools(self) -> bool:

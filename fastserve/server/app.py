@@ -27,13 +27,15 @@ from functools import partial
 from ..errors import RequestError
 from . import routes
 from .config import ServerConfig
-from .errors import LLAMA, OPENAI, HttpError, error_json, refused
+from .cors import PREFLIGHT, Cors, parse_origins
+from .errors import HttpError, error_json, refused
 from .generation import Generation
 from .metrics import ServerMetrics
 from .params import Parser
 from .protocol import HttpProtocol
 from .reqlog import RequestLog
 from .response import JSON, TEXT, Response
+from .response_store import ResponseStore
 from .watchdog import Watchdog
 
 EXIT_DEADLINE_S = 2.8           # after SIGTERM, the process is gone by then whatever happens
@@ -65,26 +67,25 @@ class App:
         self.watchdog = Watchdog(self, engine)
         key = config.api_key
         self._key_digest = hashlib.sha256(key.encode()).digest() if key else None
+        self.cors = Cors(config.cors_origins)
         self._compiler: ThreadPoolExecutor | None = None     # started on the first constrained request
         # what the routes may read, by the names their keyword-only parameters give (routes.Routes)
         self.routes = routes.Routes({
             "engine": engine, "info": info, "tokenizer": engine.tokenizer, "config": config,
             "parser": Parser(engine.tokenizer, info, config), "compile": self.compile, "start": self.start_generation,
             "inflight": self.inflight, "metrics": self.metrics, "unhealthy": self.unhealthy_reason,
-            "alias": config.alias or info.model_name, "started": self.started_wall})
+            "alias": config.alias or info.model_name, "started": self.started_wall, "responses": ResponseStore()})
 
     # -- requests ------------------------------------------------------------------------------
 
     def handle(self, req, ex):
         """A Response now, or a coroutine that produces a Response or StreamResponse."""
         path = req.path
-        ex.family = OPENAI if path in routes.OPENAI_PATHS or path.startswith("/v1/") else LLAMA
+        ex.family = routes.family(path)
         try:
-            if req.method == "OPTIONS" and self.config.cors_origin:
-                return Response(204, b"", TEXT, [
-                    ("access-control-allow-methods", "GET, POST, OPTIONS"),
-                    ("access-control-allow-headers", "authorization, content-type, x-api-key"),
-                    ("access-control-max-age", "600")])
+            ex.cors = self.cors.check(req)          # a browser page's origin: allowed, or 403 (cors.py)
+            if req.method == "OPTIONS":
+                return Response(204, b"", TEXT, PREFLIGHT)
             if self._key_digest is not None and path not in routes.PUBLIC and not self._authorized(req):
                 raise HttpError(401, "Invalid API Key", headers=[("www-authenticate", "Bearer")])
             methods, args = self.routes.lookup(path)
@@ -116,17 +117,7 @@ class App:
         return Response(err.status, error_json(family, err.status, err.message, err.type, err.fields), JSON, err.headers)
 
     def headers(self, ex, content_type: str, extra: list) -> list:
-        out = [("content-type", content_type)]
-        out.extend(extra)
-        origin = self.config.cors_origin
-        if origin:
-            asked = ex.req.header("origin") if ex.req is not None else None
-            if origin == "*":
-                out.append(("access-control-allow-origin", "*"))
-            elif asked == origin:
-                out.append(("access-control-allow-origin", origin))
-                out.append(("vary", "origin"))
-        return out
+        return [("content-type", content_type), *extra, *ex.cors]
 
     def start_generation(self, ex, ids: list, sampling, params, constraint=None) -> Generation:
         """Submit one choice of a request to the engine (never blocks; Generation's arguments); refuses with 503
@@ -276,6 +267,7 @@ def serve(args, backend=None) -> int:
     from .llama_flags import check_gpu_layers, resolve, sampling_defaults
 
     llama = resolve(args)                   # llama-server's flags, checked before anything loads
+    cors_origins = parse_origins(args.cors_origins)
     path = args.model or default_model_path()
     # The load builds 10^5 containers (vocabulary, merges, tables) that all live as long as the process:
     # the cycle collector's passes over them while they are built find nothing and cost 10-20 ms.
@@ -287,11 +279,13 @@ def serve(args, backend=None) -> int:
     cfg = ServerConfig(host=args.host, port=args.port, api_key=args.api_key, timeout=args.timeout,
                        stall_limit=args.stall_limit, queue_timeout=args.queue_timeout,
                        request_timeout=args.request_timeout, token_timeout=args.token_timeout,
-                       n_predict=args.n_predict, cors_origin=args.cors_origin, body_limit=args.body_limit,
+                       n_predict=args.n_predict, cors_origins=cors_origins, body_limit=args.body_limit,
                        alias=args.alias, log_requests=llama["log_requests"], metrics=args.metrics,
                        slots=args.slots, props=args.props, seed=llama["seed"], ignore_eos=llama["ignore_eos"],
                        sampling=sampling_defaults(model.config.n_vocab, llama["sampling"]),
-                       webui=not args.no_webui)
+                       webui=not args.no_webui, prefill_assistant=args.prefill_assistant,
+                       reasoning_format=args.reasoning_format, reasoning_budget=args.reasoning_budget,
+                       chat_template_kwargs=llama["chat_template_kwargs"])
     if llama["chat_template"] is not None:
         model.tokenizer.set_chat_template(llama["chat_template"])
     elif model.tokenizer.chat_template_is_fallback:

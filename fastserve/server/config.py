@@ -19,7 +19,7 @@ class ServerConfig:
     request_timeout: float = 0.0     # s: most time a request may take in all (0: no limit)
     token_timeout: float = 60.0      # s: most time between two tokens of a running request (0: no limit)
     n_predict: int = -1              # tokens generated when a request does not say (-1: until the slot is full)
-    cors_origin: str | None = None   # "*" or one origin allowed to call from a browser
+    cors_origins: tuple | None = None    # origins allowed to call from a browser ("*": any; None: this machine's)
     body_limit: int = DEFAULT_BODY_LIMIT
     alias: str | None = None         # the model name in responses (default: the file name)
     # s: how long /slots/{id}?action=erase waits for a busy slot's request to end (the erasure happens then,
@@ -38,6 +38,12 @@ class ServerConfig:
     seed: int | None = None          # None: a random seed per request (llama-server's -1)
     ignore_eos: bool = False         # --ignore-eos: a request's ignore_eos when it does not give one
     webui: bool = True               # GET / serves the chat page (--no-webui: 404)
+    # a chat's last assistant message is continued, not answered (llama-server's --prefill-assistant, its default)
+    prefill_assistant: bool = True
+    # reasoning models (server/reasoning.py): their thinking apart from the content, and its budget in tokens
+    reasoning_format: str = "auto"   # none | deepseek | auto
+    reasoning_budget: int = -1       # -1: none; 0: thinking off; N: at most N tokens of thinking
+    chat_template_kwargs: dict | None = None     # further template variables of every chat (enable_thinking, ...)
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -54,3 +60,7 @@ class ServerConfig:
             raise ValueError("--n-predict must be -1 (no limit) or >= 0")
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
+        if self.reasoning_format not in ("none", "deepseek", "auto"):
+            raise ValueError(f"--reasoning-format must be none, deepseek or auto, got {self.reasoning_format!r}")
+        if self.reasoning_budget < -1:
+            raise ValueError("--reasoning-budget must be -1 (no budget), 0 (no thinking) or a number of tokens")

@@ -1,8 +1,10 @@
-"""HTTP errors and their two wire formats (llama.cpp's and OpenAI's).
+"""HTTP errors and their three wire formats (llama.cpp's, OpenAI's and Anthropic's).
 
 llama.cpp:  {"error": {"code": 400, "message": "...", "type": "invalid_request_error"}}
 OpenAI:     {"error": {"message": "...", "type": "invalid_request_error", "param": null, "code": 400}}
-The OpenAI format is used for routes under /v1/ (and their unprefixed aliases).
+Anthropic:  {"type": "error", "error": {"type": "invalid_request_error", "message": "..."}}
+The OpenAI format is used for routes under /v1/ (and their unprefixed aliases), Anthropic's for
+/v1/messages; an Anthropic error's type is the one its API gives that status (its SDK reads the status).
 """
 from __future__ import annotations
 
@@ -25,7 +27,19 @@ ERROR_TYPES = {
     504: "timeout_error",
 }
 
-LLAMA, OPENAI = "llama", "openai"
+# Anthropic's error types, by status (docs.anthropic.com "Errors")
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+LLAMA, OPENAI, ANTHROPIC = "llama", "openai", "anthropic"
 
 
 class HttpError(Exception):
@@ -50,13 +64,24 @@ def refused(exc: RequestError) -> HttpError:
     RequestError, for both families, streamed or not. A prompt its slot cannot hold is llama-server's
     exceed_context_size_error, with its message and its fields."""
     if isinstance(exc, ContextExceeded):
-        return HttpError(400, f"request ({exc.n_prompt} tokens) exceeds the available context size ({exc.n_ctx} "
-                              f"tokens) of a slot (n_ctx / n_parallel), try increasing it",
-                         type="exceed_context_size_error", fields={"n_prompt_tokens": exc.n_prompt, "n_ctx": exc.n_ctx})
+        return exceeded(exc.n_prompt, exc.n_ctx)
     return HttpError(400, str(exc))
 
 
+def exceeded(n_prompt: int, n_ctx: int, about: bool = False) -> HttpError:
+    """llama-server's exceed_context_size_error; about: n_prompt is an estimate (a text too long to tokenize whole
+    on the event loop: params.Parser.check_length)."""
+    count = f"about {n_prompt}" if about else f"{n_prompt}"
+    return HttpError(400, f"request ({count} tokens) exceeds the available context size ({n_ctx} tokens) of a slot "
+                          f"(n_ctx / n_parallel), try increasing it",
+                     type="exceed_context_size_error", fields={"n_prompt_tokens": n_prompt, "n_ctx": n_ctx})
+
+
 def error_payload(family: str, status: int, message: str, type: str | None = None, fields: dict | None = None) -> dict:
+    if family == ANTHROPIC:
+        err = {"type": ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
+               "message": message, **(fields or {})}
+        return {"type": "error", "error": err}
     type = type or ERROR_TYPES.get(status, "server_error")
     if family == OPENAI:
         err = {"message": message, "type": type, "param": None, "code": status}

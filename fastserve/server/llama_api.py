@@ -1,4 +1,5 @@
-"""llama.cpp's native API: POST /completion (streamed or not), with llama-server's fields and response shape.
+"""llama.cpp's native API: POST /completion (streamed or not), with llama-server's fields and response shape, and
+POST /apply-template.
 
 Request fields: prompt (text, token ids, a mix, or a list of such prompts: then the answer is a list,
 and a stream's events carry each prompt's index), n_predict (or max_tokens), temperature, top_k,
@@ -22,6 +23,12 @@ from .probs import completion_probabilities
 from .response import StreamResponse, json_response
 
 
+def apply_template(req, ex, *, parser):
+    """POST /apply-template: a chat body's prompt as the template renders it (tools, prefill and all), untokenized,
+    as llama-server answers it."""
+    return json_response({"prompt": parser.chat_text(parser.chat(req.body))})
+
+
 async def completion(req, ex, *, parser, compile, start, tokenizer, alias):
     params = parser.completion(req.body)
     compiled = await compile(params.constraint, params.limits)     # in a worker thread: a big schema takes long
@@ -42,7 +49,8 @@ async def completion(req, ex, *, parser, compile, start, tokenizer, alias):
     for i, gen in enumerate(gens):
         res = final(i, gen.text.text, gen.ids if params.return_tokens else [])
         if params.sampling.n_probs and (not fields or "completion_probabilities" in fields):
-            res["completion_probabilities"] = completion_probabilities(tokenizer, gen.ids, gen.probs, post)
+            res["completion_probabilities"] = completion_probabilities(tokenizer, gen.ids, gen.probs, post,
+                                                                       params.shown_probs)
         out.append(res)
     return json_response(out[0] if len(out) == 1 else out)
 
@@ -75,7 +83,8 @@ async def _stream(tok, gens: list, final, params):
                  "id_slot": gen.id_slot(), "tokens_predicted": n[i], "tokens_evaluated": gen.n_prompt}
         if d.probs:
             chunk["completion_probabilities"] = completion_probabilities(tok, d.ids, d.probs,
-                                                                         params.sampling.post_sampling_probs)
+                                                                         params.sampling.post_sampling_probs,
+                                                                         params.shown_probs)
         if params.timings_per_token:
             chunk["timings"] = gen.timings()
         yield sse.event(chunk)

@@ -12,6 +12,7 @@ are defined in cli.py beside its own; apply() maps their values onto the server'
 from __future__ import annotations
 
 import argparse
+import json
 
 from ..config import SAMPLING_DEFAULTS, SamplingParams
 from ..errors import RequestError
@@ -143,10 +144,11 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--port PORT", SAME, "0 picks a free port (printed at start)"),
     ("--reuse-port", REFUSED, "one process serves one port"),
     ("--path PATH", REFUSED, "no static files"),
-    ("--cors-origins ORIGINS", REFUSED, "use fastserve's --cors-origin: one origin or *; default: no CORS "
-                                        "(llama-server: *)"),
+    ("--cors-origins ORIGINS", DIFFERS, "comma-separated origins or *; the default allows pages on this machine "
+                                        "(localhost, any port) and the server's own; other origins are refused "
+                                        "(403)"),
     ("--cors-methods, --cors-headers, --cors-credentials, --no-cors-credentials", REFUSED,
-     "fixed: GET, POST, OPTIONS; authorization, content-type, x-api-key; no credentials"),
+     "fixed: GET, POST, DELETE, OPTIONS; authorization, content-type, x-api-key, anthropic-version; no credentials"),
     ("--api-prefix PREFIX", REFUSED, "routes are served at the root"),
     ("--ui-config, --webui-config, --ui-config-file, --webui-config-file, --ui-mcp-proxy, --webui-mcp-proxy, "
      "--no-ui-mcp-proxy, --no-webui-mcp-proxy, --tools, "
@@ -156,7 +158,8 @@ FLAGS: list[tuple[str, str, str]] = [
                                "/v1/models stay public, as in llama-server"),
     ("--api-key-file FNAME", REFUSED, "not yet; give --api-key"),
     ("--ssl-key-file, --ssl-cert-file", REFUSED, "no TLS: put a proxy in front"),
-    ("--chat-template-kwargs STRING", REFUSED, "not yet"),
+    ("--chat-template-kwargs STRING", SAME, "a JSON object of template variables for every chat (a request's "
+                                            "chat_template_kwargs add to them)"),
     ("-to, --timeout N", DIFFERS, "seconds a client may read (or send) nothing before it is dropped (default "
                                   "600, llama-server 3600)"),
     ("--sse-ping-interval N", REFUSED, "no SSE pings"),
@@ -172,14 +175,20 @@ FLAGS: list[tuple[str, str, str]] = [
      "one model per server: no router mode"),
     ("--jinja, --no-jinja", DIFFERS, "chat templates are always Jinja (sandboxed jinja2): --jinja is taken, "
                                      "--no-jinja refused"),
-    ("--reasoning-format, -rea, --reasoning, --reasoning-effort, --reasoning-budget, --reasoning-budget-message, "
-     "--reasoning-preserve, --no-reasoning-preserve, --skip-chat-parsing, --no-skip-chat-parsing", REFUSED,
-     "no reasoning or tool-call parsing: the model's text is the content"),
+    ("--reasoning-format FORMAT", DIFFERS, "none, deepseek or auto (the default; as deepseek): a template's "
+                                           "thinking markers (<think>, [THINK], ...) split reasoning_content off; "
+                                           "deepseek-legacy is refused"),
+    ("--reasoning-budget N", DIFFERS, "-1 (default): no budget; 0: thinking off (enable_thinking false); N > 0 "
+                                      "(llama-server takes -1 and 0): at most N tokens of thinking, enforced in "
+                                      "the sampler"),
+    ("-rea, --reasoning, --reasoning-effort, --reasoning-budget-message, --reasoning-preserve, "
+     "--no-reasoning-preserve, --skip-chat-parsing, --no-skip-chat-parsing", REFUSED,
+     "use --reasoning-format and --reasoning-budget (per request: reasoning_effort, thinking_budget_tokens)"),
     ("--chat-template JINJA_TEMPLATE", DIFFERS, "a Jinja template, or the built-in name chatml; llama-server's "
                                                 "other built-in names are refused"),
     ("--chat-template-file FILE", SAME, "a Jinja template file"),
-    ("--prefill-assistant, --no-prefill-assistant", REFUSED, "a last assistant message is rendered by the "
-                                                             "template as it is"),
+    ("--prefill-assistant, --no-prefill-assistant", SAME, "on by default: a chat's last assistant message is "
+                                                          "continued (two at the end are a 400)"),
     ("-sps, --slot-prompt-similarity SIMILARITY", SAME, "default 0.1; a sliding-window model's slots and host-RAM "
      "cache entries count a shared prefix only where their rings still hold the window before it "
      "(`/slots` `swa_reusable`)"),
@@ -207,9 +216,9 @@ _REFUSED_OPTIONS: list[tuple[tuple[str, ...], int | str | None]] = [
     (("--dry-multiplier",), None), (("--xtc-probability",), None), (("--top-nsigma", "--top-n-sigma"), None),
     (("--dynatemp-range",), None), (("-md", "--model-draft"), None), (("--api-key-file",), None),
     (("--ssl-key-file",), None), (("--ssl-cert-file",), None), (("--api-prefix",), None), (("--path",), None),
-    (("--slot-save-path",), None), (("--chat-template-kwargs",), None), (("--threads-http",), None),
+    (("--slot-save-path",), None), (("--threads-http",), None),
     (("--cache-reuse",), None), (("--no-cache-prompt",), 0), (("--sse-ping-interval",), None),
-    (("--reasoning-format",), None), (("--reasoning-budget",), None), (("-kvo", "--kv-offload"), 0),
+    (("-kvo", "--kv-offload"), 0),
     (("-nkvo", "--no-kv-offload"), 0), (("--override-kv",), None), (("-ot", "--override-tensor"), None),
     (("--check-tensors",), 0), (("-lm", "--load-mode"), None), (("-fit", "--fit"), "?"), (("--swa-full",), 0),
     (("--models-dir",), None), (("--models-preset",), None), (("--sleep-idle-seconds",), None),
@@ -223,6 +232,18 @@ class _Refuse(argparse.Action):
         row = covers(self.option_strings[-1])
         why = row[2] if row is not None else "not supported"
         parser.error(f"{option_string} (llama-server's) is not supported by fastserve: {why}")
+
+
+def _template_kwargs(text: str | None) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"--chat-template-kwargs: not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("--chat-template-kwargs must be a JSON object, like '{\"enable_thinking\": false}'")
+    return value
 
 
 def add_refused(parser: argparse.ArgumentParser) -> None:
@@ -248,6 +269,15 @@ def add_taken(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--jinja", action="store_true", help="taken: chat templates are always Jinja")
     g.add_argument("--chat-template", help="a Jinja chat template (or the built-in name chatml) instead of the model's")
     g.add_argument("--chat-template-file", help="a file holding a Jinja chat template instead of the model's")
+    g.add_argument("--prefill-assistant", dest="prefill_assistant", action="store_true", default=True,
+                   help="a chat's last assistant message is continued (the default)")
+    g.add_argument("--no-prefill-assistant", dest="prefill_assistant", action="store_false",
+                   help="a chat's last assistant message is rendered by the template, and answered")
+    g.add_argument("--reasoning-format", default="auto", choices=("none", "deepseek", "auto"),
+                   help="a reasoning model's thinking: apart from the content (deepseek, auto) or in it (none)")
+    g.add_argument("--reasoning-budget", type=int, default=-1,
+                   help="tokens of thinking at most (-1: no budget, 0: thinking off)")
+    g.add_argument("--chat-template-kwargs", help="a JSON object of further chat template variables")
     g.add_argument("--log-file", help="append the request log to this file instead of stderr")
     g.add_argument("-lv", "--verbosity", "--log-verbosity", dest="log_verbosity", type=int, default=None,
                    help="< 3 turns the request log off, >= 3 keeps it")
@@ -283,7 +313,8 @@ def resolve(args) -> dict:
     n_batch, device, sampling (ServerConfig.sampling), ignore_eos, log_requests, log_file, chat_template (source or
     None), n_gpu_layers (None, "all" or an int: check_gpu_layers() needs the model's depth)."""
     out = {"n_batch": args.batch_size, "device": getattr(args, "device", None), "log_file": args.log_file,
-           "log_requests": not args.log_disable, "chat_template": None, "n_gpu_layers": None}
+           "log_requests": not args.log_disable, "chat_template": None, "n_gpu_layers": None,
+           "chat_template_kwargs": _template_kwargs(args.chat_template_kwargs)}
     if args.host.endswith(".sock"):
         raise ValueError(f"--host {args.host}: fastserve does not serve on a UNIX socket; give an address")
     if args.ctx_size == 0:

@@ -13,7 +13,8 @@ its generate_latest costs ~6 µs a sample. Its parser still checks this output i
 
 llama-server's gauges prompt_tokens_seconds and predicted_tokens_seconds are averages over the
 window since the previous scrape (reset by each scrape, as llama-server does); the generation rate
-counts a request's tokens after its first (the first comes from the prompt's pass, not a decode step).
+counts a request's tokens after its first (the first comes from the prompt's pass, not a decode step), and
+a request that generated one token or none counts in neither rate (llama-server's are 0 after such requests).
 Not shown, because fastserve has no such thing: the speculative-decoding counters and
 n_busy_slots_per_decode (the engine does not count busy slots per step).
 """
@@ -184,10 +185,12 @@ class LlamaTotals:
         self.prompt_s += prompt_s
         self.predicted_n += n_gen
         self.predicted_s += gen_s
+        if n_gen <= 1:                        # as llama-server: no throughput of a request without a decode step
+            return
         w = self.window
         w[0] += n_eval
         w[1] += prompt_s
-        w[2] += max(0, n_gen - 1)
+        w[2] += n_gen - 1
         w[3] += gen_s
 
     def close_window(self) -> None:
@@ -294,4 +297,4 @@ class ServerMetrics:
 
     def headers(self) -> list:
         """llama-server's Process-Start-Time-Unix header (whole seconds since the epoch)."""
-        return [("process-start-time-unix", str(int(self.app.started_wall)))]
+        return [("Process-Start-Time-Unix", str(int(self.app.started_wall)))]     # its case: clients match it exactly

@@ -12,7 +12,6 @@ together, streamed interleaved by index. Fields OpenAI defines that fastserve ca
 """
 from __future__ import annotations
 
-import os
 import time
 from functools import partial
 
@@ -22,6 +21,8 @@ from .errors import OPENAI
 from .fanout import interleave, run_all, start_all
 from .probs import chat_logprobs, legacy_logprobs
 from .response import StreamResponse, json_response
+from .reasoning import Splitter, split
+from .tools import new_id
 
 
 def models(req, ex, *, alias, started, info):
@@ -35,10 +36,6 @@ def _usage(per_prompt: list) -> dict:
     n_prompt = sum(gens[0].n_prompt for gens in per_prompt)
     n_gen = sum(len(g.ids) for gens in per_prompt for g in gens)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
-
-
-def _new_id(prefix: str) -> str:
-    return prefix + os.urandom(12).hex()
 
 
 def _envelope(rid: str, created: int, model: str, obj: str, choices: list, **extra) -> dict:
@@ -55,7 +52,7 @@ async def completions(req, ex, *, parser, compile, start, tokenizer, alias):
     params = parser.completions(req.body)
     compiled = await compile(params.constraint, params.limits)
     gens = start_all(start, ex, params, compiled)
-    rid, created, n, k = _new_id("cmpl-"), int(time.time()), params.n, params.logprobs
+    rid, created, n, k = new_id("cmpl-"), int(time.time()), params.n, params.logprobs
 
     def choice(i, text, ids, probs, offset, finish):
         lp = None if k is None else legacy_logprobs(tokenizer, ids, probs or [], k, offset)
@@ -86,17 +83,26 @@ async def completions(req, ex, *, parser, compile, start, tokenizer, alias):
 
 # -- /v1/chat/completions ------------------------------------------------------------------------
 
-async def chat_completions(req, ex, *, parser, compile, start, tokenizer, alias):
-    params = parser.chat(req.body)
+async def start_chat(ex, params, *, parser, compile, start):
+    """(params with its prompt, its generations) of a chat request as Parser.chat_body read it: the constraint
+    compiled, the conversation made and the choices submitted. Every chat-shaped API starts so."""
     compiled = await compile(params.constraint, params.limits)     # the compiler's message before the prompt's size
     params = parser.conversation(params)
-    gens = start_all(start, ex, params, compiled)
-    rid, created, plan, k = _new_id("chatcmpl-"), int(time.time()), params.tools, params.logprobs
+    return params, start_all(start, ex, params, compiled)
+
+
+async def chat_completions(req, ex, *, parser, compile, start, tokenizer, alias):
+    params, gens = await start_chat(ex, parser.chat(req.body), parser=parser, compile=compile, start=start)
+    rid, created, plan, k = new_id("chatcmpl-"), int(time.time()), params.tools, params.logprobs
+    think = params.reasoning if params.reasoning is not None and params.reasoning.split else None
 
     def reply(g):
         """(message fields, finish_reason) of a finished generation."""
         if plan is None:
-            return {"content": g.text.text}, g.openai_finish_reason
+            if think is None:
+                return {"content": g.text.text}, g.openai_finish_reason
+            thought, content = split(think, g.text.text)
+            return {"content": content, **({"reasoning_content": thought} if thought else {})}, g.openai_finish_reason
         content, calls = plan.parse(g.text.text)
         if calls:
             return {"content": None, "tool_calls": calls}, "tool_calls"
@@ -111,7 +117,19 @@ async def chat_completions(req, ex, *, parser, compile, start, tokenizer, alias)
         return sse.event(envelope("chat.completion.chunk", [
             {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}], **extra))
 
+    def per_token(g) -> dict:
+        return {"timings": g.timings()} if params.timings_per_token else {}
+
+    def split_delta(i: int, text: str, end: bool = False) -> dict:
+        """A content delta, its reasoning apart (a reasoning chat) as it comes."""
+        if think is None:
+            return {"content": text}
+        thought, content = splitters[i].flush() if end else splitters[i].feed(text)
+        return {**({"reasoning_content": thought} if thought else {}), **({"content": content} if content else {})}
+
     if params.stream:
+        splitters = [Splitter(think) for _ in gens] if think is not None else []
+
         async def events():
             for i in range(params.n):
                 yield chunk(i, {"role": "assistant", "content": None})
@@ -121,11 +139,15 @@ async def chat_completions(req, ex, *, parser, compile, start, tokenizer, alias)
                     if plan is not None:    # a call is known to be one when its JSON is complete
                         yield chunk(i, {"content": fields["content"]} if "tool_calls" not in fields else
                                     {"tool_calls": [{"index": j, **c} for j, c in enumerate(fields["tool_calls"])]})
+                    elif think is not None and (rest := split_delta(i, "", end=True)):
+                        yield chunk(i, rest)
                     yield chunk(i, {}, finish=finish, timings=gens[i].timings())
                 elif plan is None and (d.text or k is not None):
-                    yield chunk(i, {"content": d.text}, logprobs(d.ids, d.probs))
-            if params.include_usage:
-                yield sse.event(envelope("chat.completion.chunk", [], usage=_usage([gens])))
+                    delta = split_delta(i, d.text)
+                    if delta or k is not None:
+                        yield chunk(i, delta, logprobs(d.ids, d.probs), **per_token(gens[i]))
+            if params.include_usage:        # the last chunk: llama-server's carries the timings
+                yield sse.event(envelope("chat.completion.chunk", [], usage=_usage([gens]), timings=gens[0].timings()))
             yield sse.DONE
         return StreamResponse(events(), on_error=lambda err: sse.error_event(err.payload(OPENAI)))
     await run_all(gens)

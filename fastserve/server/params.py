@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from ..config import SamplingParams
-from .errors import HttpError
+from . import reasoning
+from .errors import HttpError, exceeded
 from .fields import Body, kind, parse_object
 from .tools import ToolPlan, chat_messages, response_format, tool_plan, with_tools
 
@@ -27,6 +28,9 @@ from .tools import ToolPlan, chat_messages, response_format, tool_plan, with_too
 SAMPLING = {"temperature": Body.number, "top_k": Body.int, "top_p": Body.number, "min_p": Body.number,
             "repeat_penalty": Body.number, "repeat_last_n": Body.int, "presence_penalty": Body.number,
             "frequency_penalty": Body.number}
+# the fields another API's request (anthropic_api, responses_api) hands the chat's parse as they are
+PASSED_TO_CHAT = (*SAMPLING, "seed", "logit_bias", "ignore_eos", "queue_timeout", "request_timeout", "token_timeout",
+                  "stream", "thinking_budget_tokens", "reasoning_format", "chat_template_kwargs")
 SAMPLER_CHAIN = ["penalties", "top_k", "top_p", "min_p", "temperature"]      # fastserve's, in llama.cpp's names
 OFF_SAMPLERS = ("dry", "top_n_sigma", "typ_p", "xtc", "adaptive_p")          # llama.cpp's, all off in fastserve
 
@@ -57,13 +61,21 @@ NOT_SUPPORTED = {
     "lora": (None, lambda v: v == [], "no LoRA adapters"),
 }
 
-PROMPT_CHARS_PER_TOKEN = 16     # a text longer than 16 characters per slot token cannot fit: refused untokenized
+# A text longer than 16 characters per slot token cannot fit: it is not tokenized whole (tokenizing holds the
+# GIL, ~0.9 us a character), only its first EXACT_CHARS, to estimate its size in llama-server's refusal. Up to
+# EXACT_CHARS (~60 ms), a text is always tokenized: a small slot's refusal counts its tokens exactly.
+PROMPT_CHARS_PER_TOKEN = 16
+EXACT_CHARS = 65536
 MAX_PROMPTS = 16                # prompts in one request (each takes a slot)
 MAX_CHOICES = 16                # OpenAI's n x prompts per request (each takes a slot)
 MAX_TOP_LOGPROBS = 20           # OpenAI's cap
 # OpenAI logprobs: the engine reports the top-N probabilities of each step; the sampled token's own
 # logprob is found among them (-9999.0 when it lies outside, which needs sampling far from the top).
 LOGPROB_POOL = 10
+# /completion's post_sampling_probs: the engine reports the top max(n_probs, top_k) of the kept set (at most
+# POST_PROB_POOL; 64 when top_k is off), so the sampled token's own probability is found there (llama-server's
+# is never 0 for a sampled token) while n_probs are shown
+POST_PROB_POOL = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_TIMEOUT_S = 86400.0
@@ -103,8 +115,11 @@ class Params:
     response_fields: tuple = ()     # /completion: the paths its answer keeps ("a/b" reaches into objects)
     include_usage: bool = False     # OpenAI streams: a last chunk with the usage
     logprobs: int | None = None     # OpenAI: alternatives shown per token (None: no logprobs)
+    shown_probs: int | None = None  # /completion: n_probs as asked (sampling.n_probs may be more: POST_PROB_POOL)
     tools: ToolPlan | None = None
     messages: tuple = ()            # a chat's, for its template (Parser.conversation makes its prompt)
+    reasoning: "reasoning.Reasoning | None" = None      # a reasoning chat's plan (server/reasoning.py)
+    template_kwargs: dict | None = None                 # a chat's further template variables
 
     def choices(self) -> list[tuple[list, SamplingParams]]:
         """(prompt ids, sampling) of each generation, prompt by prompt: choice i of a prompt is seeded
@@ -117,9 +132,10 @@ class Params:
         """llama-server's generation settings of the request: its answer's (the seed as given, -1 for a
         drawn one), or, given a choice's sampling, its /slots params (the seed in use)."""
         seed = (-1 if self.seed is None else self.seed) if sampling is None else sampling.seed
+        shown = {} if self.shown_probs is None else {"n_probs": self.shown_probs}
         return settings_json(sampling or self.sampling, seed, self.max_tokens, ignore_eos=self.ignore_eos,
                              stream=self.stream, timings_per_token=self.timings_per_token, stop=self.stop,
-                             cache_prompt=self.cache_prompt)
+                             cache_prompt=self.cache_prompt, **shown)
 
 
 def settings_json(sampling: SamplingParams, seed: int, max_tokens: int, *, ignore_eos: bool, **extra) -> dict:
@@ -140,7 +156,7 @@ class Parser:
         self.tokenizer, self.config = tokenizer, config
         self.n_vocab = info.n_vocab                 # the model's: the sampler's rows
         self.n_ctx = info.n_ctx_slot
-        self.max_chars = self.n_ctx * PROMPT_CHARS_PER_TOKEN
+        self.max_chars = max(self.n_ctx * PROMPT_CHARS_PER_TOKEN, EXACT_CHARS)
 
     # -- the three routes ----------------------------------------------------------------------------
 
@@ -153,12 +169,17 @@ class Parser:
         fields = body.raw("response_fields", [])
         if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
             raise HttpError(400, "'response_fields' must be an array of field names (\"a/b\" for a nested one)")
-        return self._params(body, prompts, "llama", n_probs=body.int("n_probs", 0),
-                            post_sampling_probs=body.bool("post_sampling_probs"),
-                            constraint=self.constraint(body), cache_prompt=body.bool("cache_prompt", True),
-                            id_slot=body.int("id_slot", -1, lo=-1), return_tokens=body.bool("return_tokens"),
-                            timings_per_token=body.bool("timings_per_token"), response_fields=tuple(fields),
-                            texts=tuple(t if isinstance(t, str) else None for t in texts))
+        n_probs, post = body.int("n_probs", 0), body.bool("post_sampling_probs")
+        params = self._params(body, prompts, "llama", n_probs=n_probs, post_sampling_probs=post,
+                              constraint=self.constraint(body), cache_prompt=body.bool("cache_prompt", True),
+                              id_slot=body.int("id_slot", -1, lo=-1), return_tokens=body.bool("return_tokens"),
+                              timings_per_token=body.bool("timings_per_token"), response_fields=tuple(fields),
+                              texts=tuple(t if isinstance(t, str) else None for t in texts), shown_probs=n_probs)
+        if post and n_probs:
+            top_k = params.sampling.top_k
+            pool = max(n_probs, top_k if 0 < top_k <= POST_PROB_POOL else POST_PROB_POOL)
+            params = replace(params, sampling=replace(params.sampling, n_probs=pool))
+        return params
 
     def completions(self, data: bytes) -> Params:
         """OpenAI's legacy /v1/completions: a prompt or a list of them (as llama-server), n choices of each."""
@@ -179,7 +200,11 @@ class Parser:
     def chat(self, data: bytes) -> Params:
         """OpenAI's /v1/chat/completions, its prompt still to be made (conversation()): tools or a
         response_format become the request's constraint."""
-        body = parse_object(data)
+        return self.chat_body(parse_object(data))
+
+    def chat_body(self, body: Body) -> Params:
+        """chat() of a parsed body: also the form other APIs' requests are translated into (anthropic_api,
+        responses_api)."""
         n = self._choices(body, 1)
         plan, schema, constraint = tool_plan(body), response_format(body), self.constraint(body)
         given = [name for name, v in (("tools", plan), ("response_format", schema), ("grammar", constraint or None))
@@ -195,9 +220,31 @@ class Parser:
         if top is not None and not want:
             raise HttpError(400, "'top_logprobs' needs 'logprobs': true")
         messages = chat_messages(body.raw("messages"), self.tokenizer.chat_template_takes_tools)
+        think, kwargs = self.reasoning(body)
+        if think is not None and constraint:
+            think = None            # JSON or a grammar from the first token: no thinking to split off or budget
+        elif think is not None and think.budget > 0:
+            constraint = {"lark": reasoning.budget_grammar(think, self.tokenizer)}
         return self._params(body, [], "openai", n=n, logprobs=(top or 0) if want else None,
                             n_probs=max(LOGPROB_POOL, top or 0) if want else 0, constraint=constraint,
-                            include_usage=_include_usage(body), tools=plan, messages=tuple(messages))
+                            include_usage=_include_usage(body), tools=plan, messages=tuple(messages),
+                            timings_per_token=body.bool("timings_per_token"), reasoning=think,
+                            template_kwargs=kwargs)
+
+    def reasoning(self, body: Body) -> tuple:
+        """(the chat's reasoning plan, or None for a template without thinking markers; its template variables:
+        --chat-template-kwargs and the request's chat_template_kwargs, enable_thinking false for a budget of 0)."""
+        cfg = self.config
+        given = body.raw("chat_template_kwargs")
+        if given is not None and not isinstance(given, dict):
+            raise HttpError(400, "'chat_template_kwargs' must be an object of template variables")
+        kwargs = {**(cfg.chat_template_kwargs or {}), **(given or {})}
+        budget = reasoning.request_budget(body, cfg.reasoning_budget)
+        think = reasoning.plan(self.tokenizer.chat_template, reasoning.request_format(body, cfg.reasoning_format),
+                               budget)
+        if think is not None and budget == 0:
+            kwargs.setdefault("enable_thinking", False)
+        return think, kwargs
 
     def _params(self, body: Body, prompts: list, api: str, *, n_probs: int, post_sampling_probs: bool = False,
                 **fields) -> Params:
@@ -287,21 +334,28 @@ class Parser:
         return [self.prompt(value, name)]
 
     def prompt(self, value, name: str = "prompt", limit: int | None = None) -> list[int]:
-        """One prompt as token ids: text, token ids, or llama.cpp's mix of both ([1, "text", 2, ...]); text
-        gets the BOS token when it comes first. Reads no further once it is longer than a slot (Engine.submit
-        refuses it then); given a limit (/tokenize), refuses more than limit tokens."""
+        """One prompt as token ids: text, token ids, or llama.cpp's mix of both ([1, "text", 2, ...]), also
+        inside llama-server's object form {"prompt_string": ...} (its multimodal_data is refused: no vision);
+        text gets the BOS token when it comes first. Reads no further once it is longer than a slot
+        (Engine.submit refuses it then); given a limit (/tokenize), refuses more than limit tokens."""
         tok = self.tokenizer
         cap = self.n_ctx if limit is None else limit
+        if isinstance(value, dict):
+            if value.get("multimodal_data"):
+                raise HttpError(400, f"'{name}.multimodal_data': multimodal prompts are not supported (no vision)")
+            if "prompt_string" not in value:
+                raise HttpError(400, f"'{name}' as an object must be {{\"prompt_string\": ...}}")
+            value, name = value["prompt_string"], f"{name}.prompt_string"
         if value is None:
             raise HttpError(400, f"'{name}' is required")
         if isinstance(value, str):
             value = [value]
         elif not isinstance(value, list):
-            raise HttpError(400, f"'{name}' must be a string or an array of token ids")
+            raise HttpError(400, f"'{name}' must be a string, an array of token ids or {{\"prompt_string\": ...}}")
         ids = []
         for i, x in enumerate(value):
             if isinstance(x, str):
-                self.check_length(len(x), "the prompt")
+                self.check_length(x, len(ids))
                 ids.extend(tok.encode(x, add_special=i == 0))
             elif not isinstance(x, int) or isinstance(x, bool):
                 raise HttpError(400, f"'{name}' must be a string, an array of token ids and strings, or an array "
@@ -319,23 +373,39 @@ class Parser:
     def conversation(self, params: Params) -> Params:
         """A chat's params with its prompt: the messages through the model's chat template, tokenized. Apart
         from the rest of the parse: with tools, their schema's compile must be judged first (the template's
-        text describes them)."""
+        text describes them). An assistant message last is a prefill (llama-server's, on unless
+        --no-prefill-assistant): the template renders the others, then its text follows, to be continued."""
+        text = self.chat_text(params)
+        self.check_length(text)            # the template's text: what is tokenized
+        ids = self.tokenizer.encode(text, add_special=True)
+        if not ids:
+            raise HttpError(400, "the conversation is empty")
+        think = params.reasoning
+        if think is not None:              # a template that opens the thinking: the reply starts inside it
+            think = think._replace(opened=text.rstrip().endswith(think.open))
+        return replace(params, prompts=[ids], reasoning=think)
+
+    def chat_text(self, params: Params) -> str:
+        """The text of a chat's prompt (conversation(); POST /apply-template answers it)."""
         tok, plan = self.tokenizer, params.tools
         native = tok.chat_template_takes_tools
         messages = list(params.messages) if plan is None else with_tools(list(params.messages), plan, native)
-        text = tok.apply_chat_template(messages, add_generation_prompt=True,
-                                       tools=plan.tools if plan is not None and native else None)
-        self.check_length(len(text), "the conversation")      # the template's text: what is tokenized
-        ids = tok.encode(text, add_special=True)
-        if not ids:
-            raise HttpError(400, "the conversation is empty")
-        return replace(params, prompts=[ids])
+        prefill = ""
+        if self.config.prefill_assistant and messages[-1]["role"] == "assistant":
+            if len(messages) > 1 and messages[-2]["role"] == "assistant":
+                raise HttpError(400, "Cannot have 2 or more assistant messages at the end of the list.")
+            prefill = messages.pop()["content"]
+        return tok.apply_chat_template(messages, add_generation_prompt=True,
+                                       tools=plan.tools if plan is not None and native else None,
+                                       kwargs=params.template_kwargs) + prefill
 
-    def check_length(self, n_chars: int, what: str) -> None:
-        """Refuse, before tokenizing it (tokenizing holds the GIL), text too long to fit in a slot."""
-        if n_chars > self.max_chars:
-            raise HttpError(400, f"{what} has {n_chars} characters, more than a slot of {self.n_ctx} tokens can "
-                                 f"hold (at most {self.max_chars} characters are accepted); shorten it")
+    def check_length(self, text: str, n_before: int = 0) -> None:
+        """Refuse, before tokenizing it whole, text too long to fit in a slot (after n_before tokens): llama-server's
+        exceed_context_size_error, its n_prompt_tokens estimated from the first EXACT_CHARS characters' tokens."""
+        if len(text) > self.max_chars:
+            n = len(self.tokenizer.encode(text[:EXACT_CHARS], add_special=False))
+            estimate = n_before + math.ceil(n * len(text) / EXACT_CHARS)
+            raise exceeded(max(estimate, self.n_ctx + 1), self.n_ctx, about=True)
 
     @staticmethod
     def constraint(body: Body) -> dict:

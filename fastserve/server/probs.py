@@ -19,8 +19,9 @@ def _text(tok, tid: int) -> str:
     return tok.token_bytes(tid).decode("utf-8", "replace")
 
 
-def completion_probabilities(tok, ids: list, probs: list, post: bool) -> list:
-    """llama-server's entries: probabilities after sampling (post_sampling_probs), else logprobs."""
+def completion_probabilities(tok, ids: list, probs: list, post: bool, k: int) -> list:
+    """llama-server's entries of k alternatives: probabilities after sampling (post_sampling_probs), else
+    logprobs; the sampled token's own is looked for among all the engine reported (params.POST_PROB_POOL)."""
     key, top_key = ("prob", "top_probs") if post else ("logprob", "top_logprobs")
     value = (lambda p: p) if post else logprob
 
@@ -32,7 +33,7 @@ def completion_probabilities(tok, ids: list, probs: list, post: bool) -> list:
     for tid, (top_ids, top_ps) in zip(ids, probs):
         e = token(tid)
         e[key] = value(_own(tid, top_ids, top_ps))
-        e[top_key] = [{**token(t), key: value(q)} for t, q in zip(top_ids, top_ps)]
+        e[top_key] = [{**token(t), key: value(q)} for t, q in zip(top_ids[:k], top_ps[:k])]
         out.append(e)
     return out
 

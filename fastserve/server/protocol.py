@@ -33,7 +33,7 @@ class Exchange:
     """One request and its response on a connection: what the log line and the watchdog need."""
 
     __slots__ = ("conn", "req", "method", "target", "family", "t0", "task", "generation", "failure",
-                 "status", "streaming")
+                 "status", "streaming", "cors")
 
     def __init__(self, conn, req=None, method="-", target="-"):
         self.conn = conn
@@ -47,6 +47,7 @@ class Exchange:
         self.failure: HttpError | None = None
         self.status = 0
         self.streaming = False
+        self.cors: list = []            # the answer's CORS headers (App.handle: cors.Cors.check)
 
 
 class HttpProtocol(asyncio.Protocol):

@@ -15,9 +15,9 @@ from functools import partial
 
 from ..config import check_token_ids
 from ..request import SlotState
-from . import llama_api, openai_api, webui
+from . import anthropic_api, llama_api, openai_api, responses_api, webui
 from .config import BUILD_INFO
-from .errors import LLAMA, HttpError, error_json
+from .errors import ANTHROPIC, LLAMA, OPENAI, HttpError, error_json
 from .fields import parse_object
 from .params import PROMPT_CHARS_PER_TOKEN, settings_json
 from .response import PROMETHEUS, Response, json_response
@@ -225,21 +225,38 @@ ROUTES = {
     "/detokenize": {"POST": detokenize},
     "/completion": {"POST": llama_api.completion},
     "/completions": {"POST": llama_api.completion},
+    "/apply-template": {"POST": llama_api.apply_template},
     "/v1/models": {"GET": openai_api.models},
     "/models": {"GET": openai_api.models},
     "/v1/completions": {"POST": openai_api.completions},
     "/v1/chat/completions": {"POST": openai_api.chat_completions},
     "/chat/completions": {"POST": openai_api.chat_completions},
+    "/v1/messages": {"POST": anthropic_api.messages},
+    "/v1/messages/count_tokens": {"POST": anthropic_api.count_tokens},
+    "/v1/responses": {"POST": responses_api.create},
     "/embedding": {"POST": not_supported},
     "/embeddings": {"POST": not_supported},
     "/v1/embeddings": {"POST": not_supported},
     "/infill": {"POST": not_supported},
 }
-SLOT_ROUTES = {"POST": slot_action}             # /slots/{id}: the id is the route's third argument
+# routes of a path that ends in an id, the route's third argument: prefix -> (methods, the id's test, its type)
+ID_ROUTES = {
+    "/slots/": ({"POST": slot_action}, lambda tail: tail.isdigit() and len(tail) < 7, int),
+    "/v1/responses/": ({"GET": responses_api.retrieve, "DELETE": responses_api.delete},
+                       lambda tail: 0 < len(tail) <= 64 and "/" not in tail, str),
+}
 # no API key asked: as llama-server, and "/" (the page holds no secret; it asks for the key itself)
 PUBLIC = frozenset({"/", "/health", "/v1/health", "/models", "/v1/models"})
 OPENAI_PATHS = frozenset({"/v1/models", "/models", "/v1/completions", "/v1/chat/completions", "/chat/completions",
                           "/v1/embeddings", "/v1/health"})
+ANTHROPIC_PATHS = frozenset({"/v1/messages", "/v1/messages/count_tokens"})
+
+
+def family(path: str) -> str:
+    """The error format of a path's answers (errors.py)."""
+    if path in ANTHROPIC_PATHS or path.startswith("/v1/messages/"):
+        return ANTHROPIC
+    return OPENAI if path in OPENAI_PATHS or path.startswith("/v1/") else LLAMA
 
 
 class Routes:
@@ -249,17 +266,18 @@ class Routes:
 
     def __init__(self, services: dict):
         self.paths = {path: _bind(methods, services) for path, methods in ROUTES.items()}
-        self.slot = _bind(SLOT_ROUTES, services)
+        self.ids = {prefix: (_bind(methods, services), valid, typ) for prefix, (methods, valid, typ) in ID_ROUTES.items()}
 
     def lookup(self, path: str):
         """(methods dict, extra args) for a path, or (None, ()) when unknown."""
         methods = self.paths.get(path)
         if methods is not None:
             return methods, ()
-        if path.startswith("/slots/"):
-            tail = path[len("/slots/"):]
-            if tail.isdigit() and len(tail) < 7:
-                return self.slot, (int(tail),)
+        for prefix, (methods, valid, typ) in self.ids.items():
+            if path.startswith(prefix):
+                tail = path[len(prefix):]
+                if valid(tail):
+                    return methods, (typ(tail),)
         return None, ()
 
 

@@ -52,21 +52,34 @@ class ToolPlan:
             lines.append('To answer without a tool, reply with JSON: {"response": "<your answer>"}.')
         return "\n".join(lines)
 
-    def parse(self, text: str):
-        """(content, tool_calls) of a finished reply; tool_calls is None when it holds none."""
+    def calls(self, text: str):
+        """(content, calls) of a finished reply, each call {"name", "arguments": its JSON object}; calls is
+        None when it holds none. Every API writes these its own way (parse: OpenAI chat's)."""
         try:
             obj = json.loads(text)
         except ValueError:
             return text, None               # cut short (length) or not JSON: the text as it is
         if isinstance(obj, dict) and isinstance(obj.get("tool_calls"), list):
-            calls = [{"id": "call_" + os.urandom(12).hex(), "type": "function",
-                      "function": {"name": c.get("name", ""),
-                                   "arguments": json.dumps(c.get("arguments", {}), ensure_ascii=False)}}
-                     for c in obj["tool_calls"] if isinstance(c, dict)]
-            return None, calls
+            return None, [{"name": c.get("name", ""), "arguments": c.get("arguments", {})}
+                          for c in obj["tool_calls"] if isinstance(c, dict)]
         if isinstance(obj, dict) and isinstance(obj.get("response"), str):
             return obj["response"], None
         return text, None
+
+    def parse(self, text: str):
+        """(content, tool_calls) of a finished reply as OpenAI's chat writes them; tool_calls is None when it
+        holds none."""
+        content, calls = self.calls(text)
+        if calls is None:
+            return content, None
+        return None, [{"id": new_id("call_"), "type": "function",
+                       "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+                      for c in calls]
+
+
+def new_id(prefix: str) -> str:
+    """An id for a response, a message or a call: the API's prefix and 24 random hex digits."""
+    return prefix + os.urandom(12).hex()
 
 
 def tool_plan(body) -> ToolPlan | None:
@@ -206,7 +219,8 @@ def chat_messages(value, template_takes_tools: bool = False) -> list[dict]:
     """Validate OpenAI messages; content parts of type text are joined into one string; earlier tool
     calls and their results are kept for the template (history_message). Refused (400): a message that
     is not an object, without a known role, with content of a wrong type, without content (only an
-    assistant's may be null), a tool message without its tool_call_id."""
+    assistant's may be null, and it needs the key or tool_calls, as llama-server), a tool message without
+    its tool_call_id."""
     if not isinstance(value, list) or not value:
         raise HttpError(400, "'messages' must be a non-empty array of {\"role\": ..., \"content\": ...} objects")
     out = []
@@ -222,6 +236,8 @@ def chat_messages(value, template_takes_tools: bool = False) -> list[dict]:
         if content is None:
             if role != "assistant":
                 raise HttpError(400, f"messages[{i}] ({role}) has no 'content'")
+            if "content" not in m and m.get("tool_calls") is None:     # null content is an assistant's right
+                raise HttpError(400, f"messages[{i}] (assistant) has neither 'content' nor 'tool_calls'")
             content = ""
         elif isinstance(content, list):
             parts = []

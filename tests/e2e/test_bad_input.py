@@ -62,7 +62,7 @@ def test_prompt_longer_than_a_slot(http):
     ids = list(range(10, 10 + 300))           # the shared server's slots hold 256 tokens
     assert "slot" in _llama_error(http.post(LLAMA, json={"prompt": ids}), 400)
     assert "slot" in _llama_error(http.post(LLAMA, json={"prompt": "word " * 300}), 400)
-    assert "characters" in _llama_error(http.post(LLAMA, json={"prompt": "x" * 100_000}), 400)
+    assert "(about " in _llama_error(http.post(LLAMA, json={"prompt": "x" * 100_000}), 400)    # not tokenized whole
 
 
 @pytest.mark.parametrize("body, needle", [
@@ -203,12 +203,36 @@ def test_api_key(make_server):
     assert rc == 0 and dt < 3
 
 
-def test_cors(make_server):
-    srv = make_server("-c", "512", "-np", "2", "--cors-origin", "http://app.example", "-n", "4")
+def test_cors(make_server, server):
+    """--cors-origins (llama-server's flag; --cors-origin too): those origins and the server's own are reflected,
+    others refused (403, preflight or not); without it, pages on this machine and the server's own."""
+    preflight = {"Access-Control-Request-Method": "POST"}
+    srv = make_server("-c", "512", "-np", "2", "--cors-origins", "http://app.example,http://b.example:81", "-n", "4")
     with httpx.Client(base_url=srv.url, timeout=10) as c:
-        r = c.options(LLAMA, headers={"Origin": "http://app.example", "Access-Control-Request-Method": "POST"})
-        assert r.status_code == 204 and r.headers["access-control-allow-origin"] == "http://app.example"
-        assert "POST" in r.headers["access-control-allow-methods"]
-        r = c.get("/health", headers={"Origin": "http://evil.example"})
-        assert "access-control-allow-origin" not in r.headers
+        for origin in ("http://app.example", "http://b.example:81", srv.url):
+            r = c.options(LLAMA, headers={"Origin": origin, **preflight})
+            assert r.status_code == 204 and r.headers["access-control-allow-origin"] == origin, origin
+            assert "POST" in r.headers["access-control-allow-methods"]
+            assert "x-api-key" in r.headers["access-control-allow-headers"]
+        r = c.post(LLAMA, json={"prompt": "a"}, headers={"Origin": "http://app.example"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+        for origin in ("http://evil.example", "http://localhost:3000", "null"):
+            r = c.options(LLAMA, headers={"Origin": origin, **preflight})
+            assert r.status_code == 403 and "access-control-allow-origin" not in r.headers, origin
+            r = c.post(LLAMA, json={"prompt": "a"}, headers={"Origin": origin})
+            assert r.status_code == 403 and "--cors-origins" in r.json()["error"]["message"]
+        assert c.get("/health").status_code == 200                  # no Origin: no browser, never refused
     srv.kill()
+    with httpx.Client(base_url=server.url, timeout=10) as c:        # the default
+        for origin in ("http://localhost:3000", "http://127.0.0.1:5173", "https://[::1]:8443", server.url):
+            r = c.options("/v1/chat/completions", headers={"Origin": origin, **preflight})
+            assert r.status_code == 204 and r.headers["access-control-allow-origin"] == origin, origin
+        r = c.post("/v1/chat/completions", headers={"Origin": "http://evil.example"},
+                   json={"messages": [{"role": "user", "content": "a"}], "max_tokens": 1})
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+        r = c.get("/health", headers={"Origin": "http://localhost:3000"})
+        assert r.status_code == 200 and r.headers["vary"] == "origin"
+    star = make_server("-c", "512", "-np", "2", "--cors-origins", "*")
+    r = httpx.options(star.url + LLAMA, headers={"Origin": "http://anywhere.example", **preflight})
+    assert r.status_code == 204 and r.headers["access-control-allow-origin"] == "*"
+    star.kill()

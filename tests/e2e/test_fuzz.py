@@ -1,5 +1,6 @@
-"""Property: random JSON bodies at /completion and /v1/chat/completions never get a 5xx, never hang,
-and leave the server healthy (issue 4's acceptance)."""
+"""Property: random JSON bodies at /completion, /v1/chat/completions, /apply-template and the agents' APIs
+(/v1/messages, /v1/messages/count_tokens, /v1/responses) never get a 5xx, never hang, and leave the server
+healthy (issue 4's acceptance, issue 27's)."""
 from __future__ import annotations
 
 import json
@@ -68,6 +69,53 @@ def test_completion_never_5xx(client, body):
 @given(body=bodies(CHAT_KEYS, "messages", messages) | st.binary(max_size=40))
 def test_chat_never_5xx(client, body):
     r = _send(client, "/v1/chat/completions", body)
+    assert r.status_code < 500, (body, r.status_code, r.text[:500])
+
+
+@FUZZ
+@given(body=bodies(CHAT_KEYS, "messages", messages) | st.binary(max_size=40))
+def test_apply_template_never_5xx(client, body):
+    r = _send(client, "/apply-template", body)
+    assert r.status_code < 500, (body, r.status_code, r.text[:500])
+
+
+BLOCK_TYPES = ["text", "tool_use", "tool_result", "image", "thinking", "document", "nope"]
+blocks = st.fixed_dictionaries({"type": st.sampled_from(BLOCK_TYPES)},
+                               optional={"text": values, "id": st.sampled_from(["t1", "t2"]) | values,
+                                         "tool_use_id": st.sampled_from(["t1", "t2"]) | values, "name": values,
+                                         "input": values, "content": values, "is_error": values})
+anthropic_messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
+                                                     "content": st.text(max_size=12) | st.lists(blocks, max_size=3)
+                                                     | values}), max_size=3)
+MESSAGES_KEYS = ["messages", "max_tokens", "system", "tools", "tool_choice", "stop_sequences", "temperature", "top_p",
+                 "top_k", "stream", "thinking", "metadata"]
+
+
+@FUZZ
+@given(body=bodies(MESSAGES_KEYS, "messages", anthropic_messages) | st.binary(max_size=40),
+       path=st.sampled_from(["/v1/messages", "/v1/messages/count_tokens"]))
+def test_messages_never_5xx(client, body, path):
+    if isinstance(body, dict) and path == "/v1/messages" and "max_tokens" in body and isinstance(body["max_tokens"], int):
+        body["max_tokens"] = max(1, min(body["max_tokens"], 8))
+    r = _send(client, path, body)
+    assert r.status_code < 500, (body, r.status_code, r.text[:500])
+
+
+ITEM_TYPES = ["message", "function_call", "function_call_output", "reasoning", "web_search_call"]
+items = st.fixed_dictionaries({"type": st.sampled_from(ITEM_TYPES)},
+                              optional={"role": st.sampled_from(["user", "assistant", "developer", "x"]),
+                                        "content": st.text(max_size=12) | values, "call_id": st.sampled_from(["c1"])
+                                        | values, "name": values, "arguments": st.text(max_size=8) | values,
+                                        "output": values})
+RESPONSES_KEYS = ["input", "instructions", "tools", "tool_choice", "previous_response_id", "store", "stream",
+                  "max_output_tokens", "temperature", "top_p", "text", "reasoning", "parallel_tool_calls"]
+
+
+@FUZZ
+@given(body=bodies(RESPONSES_KEYS, "input", st.text(max_size=12) | st.lists(items, max_size=3))
+       | st.binary(max_size=40))
+def test_responses_never_5xx(client, body):
+    r = _send(client, "/v1/responses", body)
     assert r.status_code < 500, (body, r.status_code, r.text[:500])
 
 

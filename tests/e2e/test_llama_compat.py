@@ -62,6 +62,14 @@ def test_prompt_forms(http):
     alone = http.post("/completion", json={"prompt": "far away", **GREEDY}).json()
     assert many[3]["content"] == alone["content"] and many[3]["prompt"] == "far away"
 
+    # llama-server's object form, ids or text inside, alone or in a list; its multimodal_data is a 400 (no vision)
+    obj = http.post("/completion", json={"prompt": {"prompt_string": a + b}, **GREEDY, "return_tokens": True}).json()
+    assert obj["tokens"] == ids["tokens"] and obj["tokens_evaluated"] == len(a) + len(b)
+    two = http.post("/completion", json={"prompt": [{"prompt_string": "far away"}, a + b], **GREEDY}).json()
+    assert [r["content"] for r in two] == [alone["content"], ids["content"]] and two[0]["prompt"] == "far away"
+    error(http.post("/completion", json={"prompt": {"prompt_string": "x", "multimodal_data": ["aGk="]}}), 400)
+    error(http.post("/completion", json={"prompt": {"text": "x"}}), 400)
+
     ev = stream_post(http, "/completion", {"prompt": ["my fox ran", "far away"], **GREEDY})
     for i, want in enumerate((text_alone, alone)):
         mine = [e for e in ev if e["index"] == i]
@@ -105,6 +113,20 @@ def test_logit_bias_forms(http):
         assert first not in gen(bias) if "q" not in json.dumps(bias) else tq not in gen(bias), bias
     for bad in ({"7": "x"}, [[7]], [["", 1]], {"99999": 1}, 5, {"x" * 300: 1}, [[7, 1]] * 1025):
         error(http.post("/completion", json={"prompt": "abc", "logit_bias": bad}), 400)
+
+
+def test_post_sampling_probs_give_each_sampled_token_its_probability(http):
+    """As llama-server: a sampled token's prob is its probability in the kept set, never 0, even when it is
+    not among the n_probs shown; generation_settings show n_probs as asked."""
+    body = {"prompt": "my fox", "n_probs": 1, "post_sampling_probs": True, "temperature": 1.5, "n_predict": 16,
+            "seed": 5}
+    r = http.post("/completion", json=body).json()
+    probs = r["completion_probabilities"]
+    assert len(probs) == 16 and all(0 < p["prob"] <= 1 and len(p["top_probs"]) == 1 for p in probs), probs
+    assert any(p["id"] != p["top_probs"][0]["id"] for p in probs)          # sampled outside the one shown
+    assert r["generation_settings"]["n_probs"] == 1
+    streamed = [p for e in stream_post(http, "/completion", body) for p in e.get("completion_probabilities", [])]
+    assert [(p["id"], p["prob"]) for p in streamed] == [(p["id"], p["prob"]) for p in probs]
 
 
 def test_stream_equals_non_stream_for_a_seed(http):
@@ -221,8 +243,10 @@ def test_exceed_context_size_error(http):
     """The slot holds 256 tokens: llama-server's error type, with n_prompt_tokens and n_ctx, streamed or not."""
     long_ids = [5] * 300
     long_chat = [{"role": "user", "content": "word " * 200}]
+    longer_chat = [{"role": "user", "content": "word " * 1000}]         # more than 16 characters a slot token
     for path, body in (("/completion", {"prompt": long_ids}), ("/completion", {"prompt": [[1, 2], long_ids]}),
-                       ("/v1/completions", {"prompt": long_ids}), ("/v1/chat/completions", {"messages": long_chat})):
+                       ("/v1/completions", {"prompt": long_ids}), ("/v1/chat/completions", {"messages": long_chat}),
+                       ("/v1/chat/completions", {"messages": longer_chat}), ("/completion", {"prompt": "word " * 1000})):
         for stream in (False, True):
             err = error(http.post(path, json={**body, "stream": stream}), 400, "exceed_context_size_error")
             assert err["n_ctx"] == 256 and err["n_prompt_tokens"] > 256, err
@@ -261,10 +285,47 @@ def test_chat_n_choices_and_first_delta(oai, http):
     ([{"role": "user"}], "content"),
     ([{"role": "user", "content": "q"}, {"role": "tool", "content": "42"}], "tool_call_id"),
     ([{"role": "user", "content": [{"type": "text"}]}], "content"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant"}], "tool_calls"),      # llama-server's 400s too
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}],
+     "2 or more assistant messages"),
 ])
 def test_malformed_messages_are_400(http, messages, needle):
     err = error(http.post("/v1/chat/completions", json={"messages": messages}), 400)
     assert needle in err["message"], err
+
+
+def test_chat_prefill_and_timings_in_the_last_chunk(http):
+    """An assistant message last is continued (the prompt ends with its text); streamed with timings_per_token
+    every chunk carries timings, the last one (the usage chunk) too, as llama-server's."""
+    msgs = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Sure, the"}]
+    chat = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0}).json()
+    prompt = "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\nSure, the"      # the tiny model's ChatML
+    plain = http.post("/completion", json={"prompt": prompt, "n_predict": 6, "temperature": 0}).json()
+    assert chat["choices"][0]["message"]["content"] == plain["content"]
+    assert chat["usage"]["prompt_tokens"] == plain["tokens_evaluated"]
+
+    chunks = stream_post(http, "/v1/chat/completions", {"messages": msgs[:1], "max_tokens": 4, "temperature": 0,
+                                                        "timings_per_token": True,
+                                                        "stream_options": {"include_usage": True}})
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert chunks[-1]["timings"]["predicted_n"] == 4
+    content = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert content and all("timings" in c for c in content)
+    plain = stream_post(http, "/v1/chat/completions", {"messages": msgs[:1], "max_tokens": 4, "temperature": 0})
+    assert not any("timings" in c for c in plain if c["choices"] and c["choices"][0]["delta"].get("content"))
+
+
+def test_apply_template(http):
+    """The chat's prompt as its template renders it, prefill included; the same checks as the chat."""
+    msgs = [{"role": "user", "content": "hello"}]
+    r = http.post("/apply-template", json={"messages": msgs})
+    assert r.json() == {"prompt": "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"}
+    more = http.post("/apply-template", json={"messages": [*msgs, {"role": "assistant", "content": "Hi"}]}).json()
+    assert more["prompt"] == r.json()["prompt"] + "Hi"
+    chat = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1}).json()
+    assert chat["usage"]["prompt_tokens"] == len(tokens(http, r.json()["prompt"], add_special=True))
+    error(http.post("/apply-template", json={"messages": [{"role": "robot", "content": "x"}]}), 400)
+    error(http.post("/apply-template", json={}), 400)
 
 
 # -- /metrics, /props, /slots --------------------------------------------------------------------------
@@ -298,6 +359,23 @@ def test_metrics_names_header_and_finite_values(http):
     # the rates are over the window since the last scrape (as llama-server): nothing ran since
     again = {s.name: s.value for fam in text_string_to_metric_families(http.get("/metrics").text) for s in fam.samples}
     assert again["llamacpp:predicted_tokens_seconds"] == 0
+    # a request of one token (or none) counts in neither rate, as llama-server's
+    for n in (0, 1):
+        http.post("/completion", json={"prompt": "metrics please", "temperature": 0, "n_predict": n})
+    after = {s.name: s.value for fam in text_string_to_metric_families(http.get("/metrics").text) for s in fam.samples}
+    assert after["llamacpp:prompt_tokens_seconds"] == after["llamacpp:predicted_tokens_seconds"] == 0
+    assert after["llamacpp:prompt_tokens_total"] > samples["llamacpp:prompt_tokens_total"]     # the totals count them
+
+
+def test_metrics_header_keeps_llama_servers_case(server):
+    """Process-Start-Time-Unix as llama-server writes it: clients that read it by its exact name find it."""
+    import socket
+    with socket.create_connection((server.host, server.port), timeout=10) as s:
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += s.recv(4096)
+    assert b"\r\nProcess-Start-Time-Unix: " in head
 
 
 def test_props_fields(http, server):
@@ -440,6 +518,7 @@ def test_flags_server_wide_defaults_and_endpoints(make_server, tmp_path):
     (["--host", "/tmp/fastserve.sock"], "UNIX socket"),
     (["-c", "0"], "give a size"),
     (["-ub", "0"], "--ubatch-size"),
+    (["--cors-origins", "ftp://x.example"], "--cors-origins"),
     (["--chat-template-file", "/nonexistent/t.jinja"], "--chat-template-file"),     # the tiny model has 2 layers: all or nothing on a GPU
 ])
 def test_refused_flags_exit_with_the_reason(tiny_model_path, flags, needle):

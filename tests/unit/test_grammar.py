@@ -150,3 +150,25 @@ def test_a_compiled_constraint_is_submitted_as_is_and_copies_are_independent(eng
         engine.submit("the", constraint=engine.constraint(grammar=g), grammar=g)
     with pytest.raises(RequestError, match="invalid grammar"):
         engine.constraint(grammar='root ::= "a')
+
+
+def test_a_missing_additional_properties_closes_the_object(tiny_model):
+    """As llama.cpp's schema converter: an object that lists its properties takes no others unless it says so
+    (a small model otherwise adds keys until n_predict runs out); nested ones too, allOf's members not."""
+    tok = tiny_model.tokenizer
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "inner": {"properties": {"n": {"type": "integer"}}}}}
+
+    def accepts(schema, text: str) -> bool:
+        return G.Constraint(tok, G.compile_grammar(json_schema=schema)).accepts(
+            tok.encode(text, add_special=False), prefix=True)
+    assert accepts(schema, '{"ok": true, "inner": {"n": 1}}')
+    assert not accepts(schema, '{"ok": true, "name"')
+    assert not accepts(schema, '{"inner": {"n": 1, "m"')
+    assert accepts({**schema, "additionalProperties": True}, '{"ok": true, "name": 1}')
+    assert accepts({"type": "object"}, '{"anything": [1]}')         # no properties listed: any object
+    assert G.closed_objects({"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}) == \
+        {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]}
+    assert G.closed_objects({"$defs": {"x": {"properties": {}}}, "items": [{"properties": {}}]}) == \
+        {"$defs": {"x": {"properties": {}, "additionalProperties": False}},
+         "items": [{"properties": {}, "additionalProperties": False}]}

@@ -18,7 +18,7 @@ from fastserve.server.errors import LLAMA, OPENAI, HttpError, refused
 from fastserve.server.fields import Body
 from fastserve.server.generation import Generation
 from fastserve.server.metrics import LlamaTotals
-from fastserve.server.params import (LOGPROB_POOL, MAX_CHOICES, MAX_PROMPTS, PROMPT_CHARS_PER_TOKEN, SAMPLING,
+from fastserve.server.params import (EXACT_CHARS, LOGPROB_POOL, MAX_CHOICES, MAX_PROMPTS, POST_PROB_POOL, SAMPLING,
                                      Parser)
 
 N_CTX = 64
@@ -107,7 +107,11 @@ def test_choices_seed_each_choice_of_each_prompt(tok):
 
 
 def test_probabilities_fields_of_each_api(tok):
-    assert _completion(tok, {"n_probs": 3, "post_sampling_probs": True}).sampling.n_probs == 3
+    # post-sampling: the engine reports the whole top_k (the kept set), 3 are shown
+    post = _completion(tok, {"n_probs": 3, "post_sampling_probs": True, "top_k": 20})
+    assert (post.sampling.n_probs, post.shown_probs, post.settings()["n_probs"]) == (20, 3, 3)
+    assert _completion(tok, {"n_probs": 3, "post_sampling_probs": True, "top_k": 0}).sampling.n_probs == POST_PROB_POOL
+    assert _completion(tok, {"n_probs": 3}).sampling.n_probs == 3
     parser = _parser(tok)
     legacy = parser.completions(_json({"prompt": "a", "logprobs": 2}))
     assert (legacy.logprobs, legacy.sampling.n_probs) == (2, LOGPROB_POOL)
@@ -132,6 +136,22 @@ def test_a_chat_prompt_is_made_after_the_rest(tok):
     assert p.prompts == [] and p.n == 2
     text = tok.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
     assert parser.conversation(p).prompts == [tok.encode(text, add_special=True)]
+
+
+def test_an_assistant_message_last_is_continued(tok):
+    """llama-server's prefill: the template renders the messages before it, then its text follows; two
+    assistant messages at the end are a 400; --no-prefill-assistant renders it as any other."""
+    ask = [{"role": "user", "content": "hello"}]
+    body = {"messages": [*ask, {"role": "assistant", "content": "Hi, I am"}]}
+    text = tok.apply_chat_template(ask, add_generation_prompt=True) + "Hi, I am"
+    parser = _parser(tok)
+    assert parser.conversation(parser.chat(_json(body))).prompts == [tok.encode(text, add_special=True)]
+    twice = {"messages": [*body["messages"], {"role": "assistant", "content": "x"}]}
+    _refused(lambda: parser.conversation(parser.chat(_json(twice))), "2 or more assistant messages")
+    plain = _parser(tok, prefill_assistant=False)
+    whole = tok.apply_chat_template(body["messages"], add_generation_prompt=True)
+    assert plain.conversation(plain.chat(_json(body))).prompts == [tok.encode(whole, add_special=True)]
+    assert plain.conversation(plain.chat(_json(twice))).prompts        # not a prefill: allowed
 
 
 # -- checks --------------------------------------------------------------------------------------------
@@ -179,13 +199,13 @@ def test_neutral_values_of_unsupported_fields_pass(tok):
 
 @pytest.mark.parametrize("prompt, needle", [
     (None, "'prompt' is required"),
-    (5, "'prompt' must be a string or an array"),
+    (5, "'prompt' must be a string, an array"),
     ("", "'prompt' is empty"),
     ([], "'prompt' is empty"),
     ([1, 2.5], "got float at [1]"),
     ([[1], [2, "x", {}]], "'prompt[1]'"),
     (["a"] * (MAX_PROMPTS + 1), f"at most {MAX_PROMPTS}"),
-    ("x" * (N_CTX * PROMPT_CHARS_PER_TOKEN + 1), "characters"),
+    ("x" * (EXACT_CHARS + 1), "exceeds the available context size"),
 ])
 def test_prompt_checks(tok, prompt, needle):
     _refused(lambda: _parser(tok).completion(_json({"prompt": prompt})), needle)
@@ -194,7 +214,7 @@ def test_prompt_checks(tok, prompt, needle):
 def test_prompt_limits_of_the_parse(tok):
     parser = _parser(tok)
     longer = parser.chat(_json({"messages": [{"role": "user", "content": "word " * 250}]}))
-    _refused(lambda: parser.conversation(longer), "the conversation has")          # refused untokenized
+    assert len(parser.conversation(longer).prompts[0]) > N_CTX     # tokenized whole: the engine refuses it, exactly
     assert parser.completion(_json({"prompt": list(range(1000))})).prompts == [list(range(N_CTX + 1))]  # read no further
     assert parser.prompt(list(range(200)), "content", limit=200) == list(range(200))       # /tokenize's limit
     _refused(lambda: parser.prompt(list(range(201)), "content", limit=200), "more than 200 tokens")
@@ -261,6 +281,20 @@ def test_a_prompt_must_leave_its_slot_a_token(tok, engine):
     assert (exc.value.n_prompt, exc.value.n_ctx) == (len(long_chat.prompts[0]), N_CTX)
 
 
+def test_a_text_too_long_to_tokenize_whole_is_llama_servers_context_error(tok):
+    """Past EXACT_CHARS (and 16 characters a slot token) a text is not tokenized whole on the loop: still
+    llama-server's exceed_context_size_error, its n_prompt_tokens estimated from the first EXACT_CHARS."""
+    parser = _parser(tok)
+    text = "word " * (EXACT_CHARS // 5 * 3)
+    per_char = len(tok.encode(text[:EXACT_CHARS], add_special=False)) / EXACT_CHARS
+    for fn in (lambda: parser.conversation(parser.chat(_json({"messages": [{"role": "user", "content": text}]}))),
+               lambda: parser.completion(_json({"prompt": [1, 2, text]}))):
+        err = _refused(fn, "exceeds the available context size")
+        assert err.type == "exceed_context_size_error" and err.fields["n_ctx"] == N_CTX
+        assert abs(err.fields["n_prompt_tokens"] - per_char * len(text)) < 0.01 * per_char * len(text)
+        assert "(about " in err.message
+
+
 def test_refused_keeps_llama_servers_context_error_in_both_families():
     err = refused(ContextExceeded(300, 256))
     for family in (LLAMA, OPENAI):
@@ -292,6 +326,8 @@ def test_openai_completions_checks(tok, body, needle):
     ({"logprobs": True, "top_logprobs": 50}, "'top_logprobs'"),
     ({"response_format": {"type": "json_object"}, "grammar": "root ::= \"a\""}, "one constraint"),
     ({"tool_choice": "required"}, "needs 'tools'"),
+    # as llama-server: an assistant message needs the 'content' key (null will do) or tool_calls
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant"}]}, "neither 'content' nor 'tool_calls'"),
 ])
 def test_chat_checks(tok, body, needle):
     _refused(lambda: _parser(tok).chat(_json({"messages": [{"role": "user", "content": "a"}], **body})), needle)

@@ -85,13 +85,16 @@ def test_slot_action_erases_through_the_engine():
 def test_routes_give_each_route_the_services_it_names():
     services = {name: SimpleNamespace(name=name) for name in (
         "engine", "info", "tokenizer", "config", "parser", "compile", "start", "inflight", "metrics", "unhealthy",
-        "alias", "started")}
+        "alias", "started", "responses")}
     table = routes.Routes(services)
     methods, args = table.lookup("/health")
     assert args == () and methods["GET"].keywords == {"unhealthy": services["unhealthy"]}
     methods, args = table.lookup("/slots/3")
     assert args == (3,) and set(methods["POST"].keywords) == {"engine", "config", "unhealthy"}
     assert table.lookup("/slots/x") == (None, ()) and table.lookup("/nope") == (None, ())
+    methods, args = table.lookup("/v1/responses/resp_1")
+    assert args == ("resp_1",) and set(methods) == {"GET", "DELETE"}
+    assert table.lookup("/v1/responses/a/b") == (None, ()) and table.lookup("/v1/responses/") == (None, ())
     with pytest.raises(KeyError):
         routes.Routes({k: v for k, v in services.items() if k != "parser"})     # found missing at start
 
