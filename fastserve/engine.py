@@ -484,7 +484,9 @@ class Engine:
         else:
             self._slots.commit(self._batch, ids, self._finish)     # rows after a rejected draft: REJECTED
         if self._batch.n_drafted:
-            self._spec.observe(self._slots)
+            for s in self._spec.observe(self._slots).tolist():      # the request's timings, kept current
+                buf = self._jobs[s].buffer
+                buf.draft_n, buf.draft_n_accepted = int(self._slots.n_drafted[s]), int(self._slots.n_accepted[s])
 
     def _commit_constrained(self, ids) -> None:
         """The commit with grammar masks: a row whose constraint allowed no token (-1) ends with FINISH_GRAMMAR,
@@ -590,9 +592,6 @@ class Engine:
         job = self._jobs[slot]
         if job is None:
             return
-        if self._spec is not None:          # the request's timings say what speculation did (llama-server's)
-            job.buffer.draft_n = int(self._slots.n_drafted[slot])
-            job.buffer.draft_n_accepted = int(self._slots.n_accepted[slot])
         self._delivery.finish(slot, code, error)
         self._delivery.detach(slot)
         self._release(slot)

@@ -127,14 +127,15 @@ class Speculation:
         self._k[:] = k
         return self.drafter.propose(slots.tokens, slots.n_tokens, self._k, self.k_min, self.drafts, self.n_draft)
 
-    def observe(self, slots) -> None:
-        """After commit: each slot's drafted and accepted tokens of this step (SlotTable's counters)."""
+    def observe(self, slots) -> np.ndarray:
+        """After commit: each slot's drafted and accepted tokens of this step (SlotTable's counters). Returns
+        the slots that drafted."""
         drafted = slots.n_drafted - self.seen[0]
         accepted = slots.n_accepted - self.seen[1]
         self.seen[0], self.seen[1] = slots.n_drafted, slots.n_accepted
         ran = np.flatnonzero(drafted > 0)
         if not len(ran):
-            return
+            return ran
         d, a = drafted[ran], accepted[ran]
         self.hits[ran] = self.hits[ran] * DECAY + a
         self.misses[ran] = self.misses[ran] * DECAY + (a < d)
@@ -143,6 +144,7 @@ class Speculation:
         self.n_verified += len(ran)
         for n in np.searchsorted(ACCEPT_BUCKETS, a).tolist():
             self.histogram[n] += 1
+        return ran
 
     def acceptance(self) -> float:
         """Accepted / drafted tokens since start (0 before any draft)."""

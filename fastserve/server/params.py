@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from ..config import SamplingParams
+from ..config import DraftLimits, SamplingParams
+from ..errors import RequestError
 from .errors import HttpError
 from .fields import Body, kind, parse_object
 from .tools import ToolPlan, chat_messages, response_format, tool_plan, with_tools
@@ -27,6 +28,8 @@ from .tools import ToolPlan, chat_messages, response_format, tool_plan, with_too
 SAMPLING = {"temperature": Body.number, "top_k": Body.int, "top_p": Body.number, "min_p": Body.number,
             "repeat_penalty": Body.number, "repeat_last_n": Body.int, "presence_penalty": Body.number,
             "frequency_penalty": Body.number}
+# A request's speculative decoding limits (llama-server's "speculative.n_max", ...: flat names with a dot).
+SPECULATIVE = {"n_max": Body.int, "n_min": Body.int, "p_min": Body.number}
 SAMPLER_CHAIN = ["penalties", "top_k", "top_p", "min_p", "temperature"]      # fastserve's, in llama.cpp's names
 OFF_SAMPLERS = ("dry", "top_n_sigma", "typ_p", "xtc", "adaptive_p")          # llama.cpp's, all off in fastserve
 
@@ -95,6 +98,7 @@ class Params:
     ignore_eos: bool = False
     cache_prompt: bool = True
     id_slot: int = -1
+    speculative: object = None      # config.DraftLimits of the request's speculative.* fields (None: the server's)
     # the answer's shape
     texts: tuple = ()               # /completion: each prompt's text, None for ids (llama_api decodes them once
                                     # the engine took them): its answer's "prompt"
@@ -141,6 +145,7 @@ class Parser:
         self.n_vocab = info.n_vocab                 # the model's: the sampler's rows
         self.n_ctx = info.n_ctx_slot
         self.max_chars = self.n_ctx * PROMPT_CHARS_PER_TOKEN
+        self.spec = info.speculative                # config.SpecConfig (type "none": off)
 
     # -- the three routes ----------------------------------------------------------------------------
 
@@ -213,7 +218,8 @@ class Parser:
                 max_tokens = body.int(name)         # its range: Engine.submit's
                 break
         return Params(prompts, sampling, seed, min(max_tokens, self.n_ctx), stop(body), limits(body, cfg),
-                      stream=body.bool("stream"), ignore_eos=ignore_eos, **fields)
+                      stream=body.bool("stream"), ignore_eos=ignore_eos, speculative=self.speculative(body),
+                      **fields)
 
     # -- the parts -----------------------------------------------------------------------------------
 
@@ -238,6 +244,27 @@ class Parser:
         if ignore_eos:              # as llama-server: the end-of-generation tokens are never sampled
             bias.update({tok: -math.inf for tok in self.tokenizer.eog_ids})
         return SamplingParams.make(self.n_vocab, **{**defaults, **given, "logit_bias": bias})
+
+    def speculative(self, body: Body):
+        """llama-server's speculative.n_max / n_min / p_min (and speculative.type: the server's, or "none" to
+        draft nothing) over the server's limits, checked: a DraftLimits, or None when the request gives none.
+        They change the speed only; a server without speculation takes them and drafts nothing."""
+        given = {name: read(body, f"speculative.{name}") for name, read in SPECULATIVE.items()}
+        given = {name: v for name, v in given.items() if v is not None}
+        server = self.spec.type if self.spec is not None else "none"
+        kind = body.str("speculative.type")
+        if kind is not None:
+            if kind not in ("none", server):
+                raise HttpError(400, f"'speculative.type' {kind!r}: this server drafts with {server!r} "
+                                     f"(--spec-type); a request may give that or 'none'")
+            if kind == "none":
+                given["n_max"], given["n_min"] = 0, 0
+        if not given:
+            return None
+        try:
+            return (self.spec.limits if self.spec is not None else DraftLimits()).merged(given)
+        except RequestError as exc:
+            raise HttpError(400, str(exc)) from None
 
     def logit_bias(self, body: Body) -> dict:
         """{token_id: bias} from every form llama-server takes: [[id, bias], ...], [["text", bias], ...],
