@@ -484,9 +484,18 @@ class Engine:
         else:
             self._slots.commit(self._batch, ids, self._finish)     # rows after a rejected draft: REJECTED
         if self._batch.n_drafted:
-            for s in self._spec.observe(self._slots).tolist():      # the request's timings, kept current
-                buf = self._jobs[s].buffer
-                buf.draft_n, buf.draft_n_accepted = int(self._slots.n_drafted[s]), int(self._slots.n_accepted[s])
+            self._observe_drafts()
+
+    def _observe_drafts(self) -> None:
+        """After a step that verified drafts: the policy's estimates, the requests' timings (kept current, so a
+        request ended by a stop string has them too), the tracer's counts."""
+        spec, slots = self._spec, self._slots
+        drafted, accepted = spec.n_drafted, spec.n_accepted
+        for s in spec.observe(slots).tolist():
+            buf = self._jobs[s].buffer
+            buf.draft_n, buf.draft_n_accepted = int(slots.n_drafted[s]), int(slots.n_accepted[s])
+        if self._tracer is not None:
+            self._tracer.drafts(spec.n_drafted - drafted, spec.n_accepted - accepted)
 
     def _commit_constrained(self, ids) -> None:
         """The commit with grammar masks: a row whose constraint allowed no token (-1) ends with FINISH_GRAMMAR,
