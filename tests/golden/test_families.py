@@ -166,7 +166,7 @@ def test_greedy_with_speculative_decoding_is_plain_greedy(family):
     repeats itself; on a random-weight family, whose text does not, drafts right for a while and then wrong
     (tests/unit/test_speculation.py's Oracle)."""
     from fastserve.config import SpecConfig
-    from tests.unit.test_speculation import ORACLE, Oracle
+    from tests.oracle_drafter import ORACLE, Oracle
     name, model, _, prompts = family
     if name not in BATCH_CHECKED:
         pytest.skip(f"checked on {' and '.join(BATCH_CHECKED)} (one synthetic family, Gemma 3), to keep the suite short")

@@ -10,37 +10,10 @@ from fastserve._slots import DECODE
 from fastserve.config import DraftLimits, SpecConfig
 from fastserve.errors import ConfigError, RequestError
 from fastserve.speculation import FORGET, Speculation, StepCost, worth_drafting
+from fastserve.tracer import Tracer, delta, summarize
+from tests.oracle_drafter import ORACLE, Oracle
 
-ORACLE = SpecConfig(type="ngram-simple", simple_size_m=6)
 PROMPTS = [f"request number {i} says the" + " at" * (i % 5) for i in range(8)]
-
-
-class Oracle:
-    """A drafter that knows the plain continuations: each draft is right for its first `good` tokens (0..k,
-    in turn) and wrong after (the right token + 1)."""
-
-    def __init__(self, seqs, n_vocab):
-        self.seqs, self.n_vocab, self.calls, self.drafted = [np.asarray(q) for q in seqs], n_vocab, 0, 0
-
-    def reset(self, slot):
-        pass
-
-    def propose(self, tokens, n_tokens, k_max, k_min, drafts, n_draft):
-        total = 0
-        for s in range(len(n_tokens)):
-            k, n = int(min(k_max[s], drafts.shape[1])), int(n_tokens[s])
-            n_draft[s] = 0
-            if k <= 0:
-                continue
-            seq = next((q for q in self.seqs if len(q) > n and (q[:n] == tokens[s, :n]).all()), None)
-            self.calls += 1
-            good = self.calls % (k + 1)
-            for j in range(k):
-                t = int(seq[n + j]) if seq is not None and n + j < len(seq) else 0
-                drafts[s, j] = t if j < good else (t + 1) % self.n_vocab
-            n_draft[s], total = k, total + k
-        self.drafted += total
-        return total
 
 
 def _plain(model, prompts, n, **kw):
@@ -270,3 +243,14 @@ def test_a_backend_that_cannot_verify_is_refused(tiny_model):
         forward = step
     with pytest.raises(ConfigError, match="verifies drafts"):
         fastserve.Engine(tiny_model, backend=NoVerify, speculative=SpecConfig(type="ngram-simple"))
+
+
+def test_the_tracer_counts_drafts_for_the_bench_table():
+    t = Tracer()
+    before = t.totals()
+    t.drafts(10, 7)
+    t.drafts(6, 1)
+    s = summarize(delta(t.totals(), before))
+    assert (s["drafted"], s["acceptance"]) == (16, 0.5)
+    old = {k: v for k, v in before.items() if k not in ("drafted", "accepted")}      # a server from before
+    assert summarize(delta(old, old))["acceptance"] is None
