@@ -89,8 +89,9 @@ def one_client(systems: dict, prompts: dict, max_tokens: int, repeat: int, logdi
     return out
 
 
-def under_load(model: str, threads: int, levels: list, seconds: float, logdir: Path) -> dict:
-    """clients -> {"off": tok/s, "on": tok/s}: fastserve -np 32, speculation off then on (ngram-mod)."""
+def under_load(model: str, threads: int, levels: list, seconds: float, logdir: Path, temperature: float = 0.0) -> dict:
+    """clients -> {"off": tok/s, "on": tok/s}: fastserve -np 32, speculation off then on (ngram-mod); temperature
+    > 0 samples (seed 1), where far fewer drafts are accepted."""
     from fastserve.bench import make_prompts
     from fastserve.models.model import load_model
     tok = load_model(model).tokenizer
@@ -104,7 +105,8 @@ def under_load(model: str, threads: int, levels: list, seconds: float, logdir: P
                                                   "600", *extra), port,
                                 logdir / f"load-{mode}-{clients}.log")
             try:
-                w = asyncio.run(closed_loop(port, prompts, clients, seconds, min(10.0, seconds / 3)))
+                w = asyncio.run(closed_loop(port, prompts, clients, seconds, min(10.0, seconds / 3),
+                                            extra={"temperature": temperature, "seed": 1}))
                 row[mode] = w.result.tokens / w.result.seconds
             finally:
                 srv.stop()
@@ -156,6 +158,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="requests per task and system; the best is reported")
     ap.add_argument("--load-clients", default="8,32")
     ap.add_argument("--load-seconds", type=float, default=30.0)
+    ap.add_argument("--load-temperature", type=float, default=0.0, help="the load's sampling (default 0: greedy)")
     ap.add_argument("--drafters", default="ngram-mod,ngram-simple")
     ap.add_argument("--systems", help="comma-separated names of the systems to run (default: all; plain fastserve, "
                                       "the ratios' base, always runs)")
@@ -193,7 +196,7 @@ def main(argv=None) -> int:
     one = one_client(systems, prompts, args.max_tokens, args.repeat, logdir)
     print("under load:", flush=True)
     levels = [int(x) for x in args.load_clients.split(",") if x]
-    load = under_load(model, args.threads, levels, args.load_seconds, logdir) if levels else {}
+    load = under_load(model, args.threads, levels, args.load_seconds, logdir, args.load_temperature) if levels else {}
     text = report(one, load, llama_note)
     print(text)
     if args.json:
