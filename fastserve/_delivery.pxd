@@ -61,6 +61,8 @@ cdef class ResultBuffer:
     cdef public object waiter   # what the waker wakes: None, a Future, or a lock
     cdef readonly Py_ssize_t slot       # where the request runs (-1 until attach(); GIL held both sides)
     cdef readonly Py_ssize_t n_cached   # its prompt tokens whose KV was reused (set by attach())
+    cdef public int64_t draft_n         # speculative decoding: its drafted tokens, and those accepted
+    cdef public int64_t draft_n_accepted    # (written by the decode thread before it finishes the buffer)
     cdef object __weakref__
 
     cdef tuple _probs(self, int64_t start, int64_t stop)

@@ -319,7 +319,8 @@ cdef class Delivery:
     def send_step(self, const int32_t[::1] slots not None, const int32_t[::1] tokens not None,
                   const int32_t[:, ::1] probs_ids=None, const float[:, ::1] probs=None):
         """Deliver tokens[i] (and row i of probs_ids/probs, [n, N]) to slots[i].
-        Slots with no reader attached, or already finished, are skipped."""
+        Slots with no reader attached, or already finished, are skipped; so are tokens < 0 (rows after a
+        rejected draft: fastserve/_slots.pyx REJECTED)."""
         cdef Py_ssize_t n = slots.shape[0], i, n_cols = 0, sent = 0
         cdef int32_t s
         cdef fs_buf *b
@@ -340,7 +341,7 @@ cdef class Delivery:
         with nogil:
             for i in range(n):
                 b = self.table[slots[i]]
-                if b == NULL:
+                if b == NULL or tokens[i] < 0:
                     continue
                 if n_cols:
                     row_ids = &probs_ids[i, 0]

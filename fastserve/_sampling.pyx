@@ -119,6 +119,7 @@ cdef extern from "<stdlib.h>" nogil:
                          int (*cmp)(const void *, const void *) noexcept nogil)
 
 cdef enum:
+    REJECTED = -2       # a row after a rejected draft (fastserve/_slots.pyx REJECTED)
     BLOCK = 64          # logits per block of the block-max pass
     N_BUCKETS = 4096    # top-p mass buckets over [0, _qrange] of distance from the max
 
@@ -382,7 +383,8 @@ cdef class Sampler:
                 out_ids[r] = self._first_max(&logits[r, 0], m)
 
     def sample(self, float[:, ::1] logits not None, const int32_t[::1] row_slot not None,
-               int32_t[::1] out_ids not None, int32_t[:, ::1] probs_ids=None, float[:, ::1] probs=None):
+               int32_t[::1] out_ids not None, int32_t[:, ::1] probs_ids=None, float[:, ::1] probs=None,
+               const int32_t[::1] drafts=None):
         """Sample one token per row r for slot row_slot[r] into out_ids[r] and append it
         to that slot's penalty history.
 
@@ -390,11 +392,21 @@ cdef class Sampler:
         int32, out_ids [>= n_rows] int32. Only rows whose slot has n_probs = n > 0 write
         probs_ids[r, :n] (int32 ids, -1 past the candidates) and probs[r, :n] (float32);
         both may be None when no slot in the call asked for probabilities.
+        drafts [>= n_rows] int32 (speculative decoding; the batch's row_draft), or None: drafts[r] >= 0 is
+        the token the next row (same slot) was fed; when row r's sample differs from it, the rows after r
+        up to the slot's last one (drafts == -1) are not sampled (out_ids REJECTED, -2): no draw, no
+        history, exactly as if they had never been computed.
         """
         cdef Py_ssize_t n_rows = row_slot.shape[0], r, s
         cdef SlotParams *sp
         cdef int32_t *pids
         cdef float *pp
+        cdef const int32_t *dr = NULL
+        cdef bint skip = False
+        if drafts is not None and n_rows > 0:
+            if drafts.shape[0] < n_rows:
+                raise ValueError(f"drafts needs at least {n_rows} entries")
+            dr = &drafts[0]
         if logits.shape[1] != self.n_vocab:
             raise ValueError(f"logits must be [n_rows, {self.n_vocab}], got {logits.shape[1]} columns")
         if logits.shape[0] < n_rows or out_ids.shape[0] < n_rows:
@@ -413,6 +425,10 @@ cdef class Sampler:
                                  f"probs must be at least [{r + 1}, {sp.n_probs}]")
         with nogil:
             for r in range(n_rows):
+                if skip:                # after a rejected draft: up to the slot's last row
+                    out_ids[r] = REJECTED
+                    skip = dr[r] >= 0
+                    continue
                 s = row_slot[r]
                 sp = &self._params[s]
                 pids = NULL
@@ -421,6 +437,7 @@ cdef class Sampler:
                     pids = &probs_ids[r, 0]
                     pp = &probs[r, 0]
                 out_ids[r] = self._sample_row(sp, s, &logits[r, 0], pids, pp)
+                skip = dr != NULL and dr[r] >= 0 and out_ids[r] != dr[r]
 
     # -- one row (nogil) ---------------------------------------------------------
 

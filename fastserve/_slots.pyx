@@ -5,11 +5,20 @@ A slot holds one sequence: tokens[s, :n_tokens] (prompt, then generated), of
 which the first n_past have KV written in the backend's cache.
 States: IDLE (free; its tokens[:n_tokens] are still a reusable KV prefix),
 PREFILL (prompt tokens n_past..n_prompt still to run), DECODE (feeds its
-last token each step).
+last token each step, and with speculative decoding the tokens drafted after it).
+
+Speculative decoding: a DECODE slot with a draft d1..dk adds 1 + k output rows
+(its last token, then d1..dk at the following positions). commit() keeps the
+longest prefix the sampler agreed with: row j's sample counts only while every
+earlier row's sample equalled the next row's draft; the first one that differs is
+the slot's last new token (the sampler's own pick there), and every row after it
+is REJECTED (-2 in sampled: nothing is appended or delivered). n_past is then
+n_tokens - 1, so the KV of rejected positions is past the slot's length: stale,
+never read, overwritten by the next step.
 
 Invariants:
 - n_past <= n_tokens <= n_ctx_slot; n_past only grows in commit(), after a
-  forward pass really wrote the KV rows.
+  forward pass really wrote the KV rows (and only over accepted tokens).
 - the decode thread is the only caller (contract 1 of DESIGN.md).
 """
 import numpy as np
@@ -25,15 +34,18 @@ cdef enum:
     F_NONE = 0
     F_STOP = 1
     F_LENGTH = 2
+    T_REJECTED = -2
 
 IDLE, PREFILL, DECODE = S_IDLE, S_PREFILL, S_DECODE
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = F_NONE, F_STOP, F_LENGTH
+REJECTED = T_REJECTED      # a sampled id of a row after a rejected draft: not a token
 
 
 cdef class SlotTable:
     cdef readonly int n_slots, n_ctx_slot
     cdef readonly object state, tokens, n_tokens, n_past, n_prompt, n_gen, max_gen, admit_seq, eog
-    cdef int[::1] state_v, n_tokens_v, n_past_v, n_prompt_v, n_gen_v, max_gen_v
+    cdef readonly object n_drafted, n_accepted
+    cdef int[::1] state_v, n_tokens_v, n_past_v, n_prompt_v, n_gen_v, max_gen_v, n_drafted_v, n_accepted_v
     cdef int64_t[::1] admit_seq_v
     cdef int[:, ::1] tokens_v
     cdef unsigned char[::1] eog_v
@@ -48,6 +60,9 @@ cdef class SlotTable:
         self.n_gen = np.zeros(n_slots, np.int32)
         self.max_gen = np.zeros(n_slots, np.int32)
         self.admit_seq = np.zeros(n_slots, np.int64)
+        self.n_drafted = np.zeros(n_slots, np.int32)              # [n_slots] this request's drafted tokens
+        self.n_accepted = np.zeros(n_slots, np.int32)             # [n_slots] ... of which accepted
+        self.n_drafted_v, self.n_accepted_v = self.n_drafted, self.n_accepted
         self.eog = np.ascontiguousarray(eog_mask, dtype=np.uint8)  # [n_vocab] 1 = ends generation
         self.state_v, self.tokens_v, self.n_tokens_v = self.state, self.tokens, self.n_tokens
         self.n_past_v, self.n_prompt_v, self.n_gen_v = self.n_past, self.n_prompt, self.n_gen
@@ -67,6 +82,8 @@ cdef class SlotTable:
         self.n_gen_v[slot] = 0
         self.max_gen_v[slot] = max_gen
         self.admit_seq_v[slot] = seq
+        self.n_drafted_v[slot] = 0
+        self.n_accepted_v[slot] = 0
         self.state_v[slot] = S_PREFILL
 
     def release(self, int slot):
@@ -80,15 +97,28 @@ cdef class SlotTable:
         self.n_tokens_v[slot] = 0
         self.n_past_v[slot] = 0
 
-    def add_decode(self, Batch batch):
-        """Add the last token of every DECODE slot (one output row each). Returns the count."""
-        cdef int s, added = 0, n
+    def add_decode(self, Batch batch, drafts=None, n_draft=None):
+        """Add the last token of every DECODE slot (one output row each) and, when drafts (int32 [n_slots, K])
+        and n_draft (int32 [n_slots]) are given, the first n_draft[s] drafted tokens after it (output rows
+        too). A draft that does not fit the batch whole is dropped (n_draft[s] = 0). Returns the slots added."""
+        cdef int s, added = 0, n, j, k
+        cdef int[:, ::1] dv
+        cdef int[::1] nv
+        cdef bint drafting = drafts is not None
+        if drafting:
+            dv, nv = drafts, n_draft
         with nogil:
             for s in range(self.n_slots):
                 if self.state_v[s] == S_DECODE:
                     n = self.n_tokens_v[s]
+                    k = nv[s] if drafting else 0
+                    if k > 0 and (batch.n + 1 + k > batch.capacity or n + k > self.n_ctx_slot):
+                        k = 0
+                        nv[s] = 0
                     if not batch.push(self.tokens_v[s, n - 1], n - 1, s, True):
                         break
+                    for j in range(k):
+                        batch.push_draft(dv[s, j], n + j, s)
                     added += 1
         return added
 
@@ -107,23 +137,33 @@ cdef class SlotTable:
                 batch.push(self.tokens_v[slot, i], i, slot, i == end - 1)
         return k
 
-    def commit(self, Batch batch, const int[::1] sampled, signed char[::1] finish):
+    def commit(self, Batch batch, int[::1] sampled, signed char[::1] finish):
         """After forward + sampling: KV of every batch row is written; append each sampled token.
 
         sampled[r], finish[r] belong to output row r (batch.row_slot[r]). finish gets
-        FINISH_STOP (end-of-generation token), FINISH_LENGTH (max tokens or slot full) or FINISH_NONE."""
+        FINISH_STOP (end-of-generation token), FINISH_LENGTH (max tokens or slot full) or FINISH_NONE.
+        A slot's rows after its first sample that differs from the next row's draft (batch.row_draft), or
+        after the row that ends it, become REJECTED in sampled (finish NONE); n_drafted / n_accepted count."""
         cdef Py_ssize_t i, r
-        cdef int s, t, n
+        cdef int s, t, n, d, cut = -1
         with nogil:
             for i in range(batch.n):
                 self.n_past_v[batch.slots_v[i]] = batch.positions_v[i] + 1
             for r in range(batch.n_out):
                 s = batch.row_slot_v[r]
                 t = sampled[r]
+                d = batch.row_draft_v[r]
+                if d >= 0:
+                    self.n_drafted_v[s] += 1
+                if s == cut or t < 0:
+                    sampled[r] = T_REJECTED
+                    finish[r] = F_NONE
+                    continue
                 n = self.n_tokens_v[s]
                 self.tokens_v[s, n] = t
                 n += 1
                 self.n_tokens_v[s] = n
+                self.n_past_v[s] = n - 1
                 self.n_gen_v[s] += 1
                 self.state_v[s] = S_DECODE
                 if self.eog_v[t]:
@@ -132,3 +172,8 @@ cdef class SlotTable:
                     finish[r] = F_LENGTH
                 else:
                     finish[r] = F_NONE
+                if d >= 0:
+                    if t == d:
+                        self.n_accepted_v[s] += 1
+                    if t != d or finish[r] != F_NONE:
+                        cut = s

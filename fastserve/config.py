@@ -95,6 +95,87 @@ SAMPLING_DEFAULTS = {k: v for k, v in asdict(SamplingParams()).items() if k != "
 SAMPLING_DEFAULTS["logit_bias"] = None
 
 
+SPEC_TYPES = ("none", "ngram-simple", "ngram-mod")     # speculative decoding's drafters (--spec-type)
+
+
+@dataclass(frozen=True)
+class DraftLimits:
+    """How much a slot drafts per step (speculative decoding; llama-server's --spec-draft-n-max / -n-min /
+    -p-min and a request's speculative.n_max / n_min / p_min): at most n_max tokens (None: the drafter's own
+    most), none when fewer than n_min would be drafted, and only positions whose estimated chance of being
+    accepted is at least p_min (fastserve/speculation.py)."""
+    n_max: Optional[int] = None
+    n_min: int = 0
+    p_min: float = 0.0
+
+    def __post_init__(self):
+        for name in ("n_max", "n_min"):
+            v = getattr(self, name)
+            if v is None and name == "n_max":
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise RequestError(f"speculative.{name} must be an integer >= 0, got {v!r}")
+        if self.n_max is not None and self.n_max < self.n_min:
+            raise RequestError(f"speculative.n_max ({self.n_max}) must be >= speculative.n_min ({self.n_min})")
+        if isinstance(self.p_min, bool) or not isinstance(self.p_min, (int, float)) \
+                or not 0.0 <= self.p_min <= 1.0:
+            raise RequestError(f"speculative.p_min must be a number in [0, 1], got {self.p_min!r}")
+
+    def merged(self, given: Mapping) -> "DraftLimits":
+        """These limits with a request's speculative.* fields (n_max, n_min, p_min) over them, checked."""
+        unknown = set(given) - {"n_max", "n_min", "p_min"}
+        if unknown:
+            raise RequestError(f"unknown speculative field(s): {', '.join(sorted(unknown))}; known: n_max, "
+                               f"n_min, p_min")
+        return replace(self, **given)
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding of one engine (llama-server's --spec-* flags; "none": off). ngram-simple looks
+    up the last simple_size_n tokens and drafts up to simple_size_m of what followed them
+    (simple_min_hits is llama-server's, which its ngram-simple does not read either); ngram-mod chains
+    mod_n_match-token lookups, proposing mod_n_min..mod_n_max tokens. limits: the server's DraftLimits."""
+    type: str = "none"
+    limits: DraftLimits = DraftLimits()
+    simple_size_n: int = 12
+    simple_size_m: int = 48
+    simple_min_hits: int = 1
+    mod_n_match: int = 24
+    mod_n_min: int = 48
+    mod_n_max: int = 64
+
+    def __post_init__(self):
+        if self.type not in SPEC_TYPES:
+            raise ValueError(f"--spec-type {self.type!r}: fastserve has {', '.join(SPEC_TYPES)}")
+        for name, lo, hi in (("simple_size_n", 1, 1024), ("simple_size_m", 1, 1024), ("simple_min_hits", 1, None),
+                             ("mod_n_match", 1, 1024), ("mod_n_min", 0, 1024), ("mod_n_max", 0, 1024)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+                flag = "--spec-ngram-" + name.replace("simple_", "simple-").replace("mod_", "mod-").replace("_", "-")
+                raise ValueError(f"{flag} must be an integer in [{lo}, {hi if hi is not None else 'inf'}], "
+                                 f"got {v!r}")
+        if self.mod_n_max < self.mod_n_min:
+            raise ValueError(f"--spec-ngram-mod-n-max ({self.mod_n_max}) must be >= --spec-ngram-mod-n-min "
+                             f"({self.mod_n_min})")
+
+    @property
+    def on(self) -> bool:
+        return self.type != "none"
+
+    def drafter(self) -> dict:
+        """The drafter's arguments (fastserve._drafts.Drafter's, after n_slots and n_ctx_slot)."""
+        if self.type == "ngram-simple":
+            return dict(kind=self.type, size_n=self.simple_size_n, size_m=self.simple_size_m, n_min=0)
+        return dict(kind=self.type, size_n=self.mod_n_match, size_m=0, n_min=self.mod_n_min)
+
+    @property
+    def most(self) -> int:
+        """The most tokens the drafter proposes in one step."""
+        top = self.simple_size_m if self.type == "ngram-simple" else self.mod_n_max
+        return top if self.limits.n_max is None else min(top, self.limits.n_max)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """One engine's settings (llama-server's flags in brackets).
@@ -106,6 +187,7 @@ class EngineConfig:
     keeping reused slots' prefixes [--cache-ram] (0: off); slot_prompt_similarity: the share of a prompt
     a free slot's cached prefix must exceed for that slot to be picked [-sps]. cache_type_k/v: the CPU
     backend's KV types [-ctk/-ctv]; the CUDA backend keeps f16. trace: time every phase of a step.
+    speculative: speculative decoding (SpecConfig; [--spec-type], off by default).
     """
     n_parallel: int = 8
     n_ctx: int = 8192
@@ -119,6 +201,7 @@ class EngineConfig:
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     trace: bool = False
+    speculative: SpecConfig = SpecConfig()
 
     def __post_init__(self):
         if self.n_parallel < 1 or self.n_batch < 1 or self.max_queue < 0:

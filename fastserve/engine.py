@@ -24,10 +24,10 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-from . import _batch, _delivery, _faults, _sampling, _slots
+from . import _batch, _delivery, _drafts, _faults, _sampling, _slots
 from ._slots import IDLE
 from .backends.host_sampling import HostSampled
-from .config import EngineConfig, SamplingParams, check_context, check_max_tokens, check_token_ids
+from .config import DraftLimits, EngineConfig, SamplingParams, check_context, check_max_tokens, check_token_ids
 from .errors import ConfigError, EngineClosed, RequestError, ServerBusy
 from .grammar import Constraint, compile_grammar
 from .inbox import Cancel, Erase, Inbox, Submit
@@ -35,6 +35,7 @@ from .masks import MaskTable
 from .prompt_cache import MIB, PromptCache
 from .reader import Reader, Waker
 from .request import Completion, Request, request_ids
+from .speculation import Speculation
 from .scheduler import STEP_COST_WEIGHT, STEP_TARGET_S, StepPlan, pick_slot, prefill_budget, slot_prefix
 from .text_reader import TextReader
 from .tracer import Tracer, delta, summarize
@@ -47,9 +48,9 @@ FINISH_CANCELLED, FINISH_ERROR, FINISH_CLOSED = (_delivery.FINISH_CANCELLED, _de
 FINISH_GRAMMAR = _delivery.FINISH_GRAMMAR
 IDLE_WAIT_S = 0.05          # an idle decode thread still wakes this often (heartbeat, close)
 # The Cython modules the engine runs, by name, and their pure-Python twins (Engine(twins=...)).
-NATIVE = {"batch": _batch, "slots": _slots, "delivery": _delivery, "sampling": _sampling}
+NATIVE = {"batch": _batch, "slots": _slots, "delivery": _delivery, "sampling": _sampling, "drafts": _drafts}
 TWINS = {"batch": "fastserve.ref.batch", "slots": "fastserve.ref.slots", "delivery": "fastserve.ref.delivery",
-         "sampling": "fastserve.ref.sampling"}
+         "sampling": "fastserve.ref.sampling", "drafts": "fastserve.ref.drafts"}
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,11 @@ class Snapshot:
     slot_erased: tuple = ()     # per slot: (times its cached prefix was erased, tokens the last erase dropped)
     slot_reuse_from: tuple = () # per slot: the shortest prefix of its cached tokens a prompt can reuse (0: any;
                                 # a sliding-window ring holds only the last positions), as of its last request
+    slot_drafts: tuple = ()     # per slot: (tokens drafted, accepted) for its current or last request
+    n_drafted: int = 0          # speculative decoding since start: tokens drafted, accepted, verifications
+    n_drafted_accepted: int = 0
+    n_draft_verified: int = 0
+    draft_histogram: tuple = () # verifications by accepted tokens (speculation.ACCEPT_BUCKETS' upper bounds)
 
 
 
@@ -92,6 +98,7 @@ class EngineInfo:
     model_path: str
     model_summary: str          # what the load says of itself (time, phases)
     isa: str = ""               # the CPU kernels' instruction set ("avx512vnni", "avx2", "scalar", ...; "" off the CPU)
+    speculative: object = None  # config.SpecConfig (its type "none": off)
 
 
 class EngineStats(NamedTuple):
@@ -173,6 +180,7 @@ class Engine:
                               if config.cache_ram_mib > 0 else None)
         self._finish = np.zeros(n_batch, np.int8)      # [n_batch] per output row: FINISH_* of its request
         self._masks = MaskTable(self._backend.masks)   # constrained slots (grammar / JSON schema): their masks
+        self._spec = self._make_speculation(config)     # speculative decoding (None: off)
         self._eog_id = min(self.tokenizer.eog_ids) if self.tokenizer.eog_ids else 0
         self._jobs: list[Request | None] = [None] * self._n_slots    # slot -> running job
         # erase() of a busy slot: its prefix is dropped when its request ends, before the slot can take
@@ -201,6 +209,16 @@ class Engine:
         if "slots" in names and "batch" not in names:
             raise ValueError("the slots twin fills the batch twin: ask for both")
         return {n: importlib.import_module(TWINS[n]) if n in names else NATIVE[n] for n in NATIVE}
+
+    def _make_speculation(self, config: EngineConfig) -> Speculation | None:
+        """Speculative decoding's drafts and policy (fastserve/speculation.py), or None when it is off."""
+        spec = config.speculative
+        if not spec.on:
+            return None
+        if not getattr(self._backend, "verifies_drafts", False):
+            raise ConfigError(f"speculative decoding (--spec-type {spec.type}) needs a sampler that verifies "
+                              f"drafts, which the {self._device} backend does not have yet; use --device cpu")
+        return Speculation(spec, self._n_slots, self._n_ctx_slot, self._n_batch, impl=self._impl["drafts"])
 
     def _make_backend(self, backend) -> tuple:
         """(its device: "cpu", "cuda" or "custom" for one handed in, the backend)."""
@@ -232,7 +250,7 @@ class Engine:
                add_special: bool = True, cache_prompt: bool = True, id_slot: int = -1,
                truncate: bool = False, grammar: str | None = None, json_schema=None,
                constraint: Constraint | None = None, sampling: SamplingParams | None = None,
-               **fields) -> TextReader:
+               speculative=None, **fields) -> TextReader:
         """Queue a request; returns its TextReader at once (text pieces, result(), cancel(); its .reader: the
         token ids). prompt: text or a list of token ids.
 
@@ -241,6 +259,8 @@ class Engine:
         grammar (GBNF text) or json_schema (a dict or its JSON text): only output it accepts is
         sampled (fastserve/grammar.py); it is compiled here, in the caller's thread. constraint: one
         compiled beforehand (Engine.constraint(), e.g. in a worker thread), for this request alone.
+        speculative: its drafting limits, a DraftLimits or a dict of n_max / n_min / p_min over the engine's
+        (llama-server's speculative.* fields); they change the speed only, never the output.
         The prompt's token ids, its room in a slot and max_tokens are checked here only (the server leaves
         them to this call). Raises RequestError (bad request; ContextExceeded: a prompt its slot cannot
         hold), ServerBusy (queue full), EngineClosed."""
@@ -260,6 +280,7 @@ class Engine:
         if isinstance(stop, str):
             stop = [stop]
         check_max_tokens(max_tokens)
+        draft = self._draft_limits(speculative)
         if not -1 <= id_slot < self._n_slots:
             raise RequestError(f"id_slot must be -1 or in [0, {self._n_slots})")
         if len(self._waiting) + len(self._inbox) >= self._max_queue + self._free_slots_hint():
@@ -269,7 +290,7 @@ class Engine:
         reader = Reader(self._n_ctx_slot, params.n_probs, on_cancel=partial(self.cancel, job_id),
                         impl=self._impl["delivery"])
         job = Request(job_id, ids, params, max_tokens, reader.buffer, cache_prompt=bool(cache_prompt),
-                      id_slot=id_slot, constraint=constraint)
+                      id_slot=id_slot, constraint=constraint, draft=draft)
         text = TextReader(reader, self.tokenizer, list(stop), id=job_id, n_prompt=len(ids))
         self._inbox.put(Submit(job))
         if self._closed:                    # the decode thread is gone: nobody else will end it
@@ -347,6 +368,14 @@ class Engine:
     def __exit__(self, *exc):
         self.close()
 
+    def _draft_limits(self, speculative) -> DraftLimits | None:
+        """A request's speculative.* limits, checked (RequestError), or None for the engine's."""
+        if speculative is None or isinstance(speculative, DraftLimits):
+            return speculative
+        if not isinstance(speculative, dict):
+            raise RequestError(f"speculative must be an object of n_max / n_min / p_min, got {speculative!r}")
+        return self._config.speculative.limits.merged(speculative)
+
     def _free_slots_hint(self) -> int:
         return self._n_slots - self.snapshot.n_running
 
@@ -409,8 +438,11 @@ class Engine:
     def _measure_step(self) -> None:
         """The moving average of a step's seconds per token (its build to its delivery), which sizes the next
         prompt chunks."""
-        cost, prev = (time.perf_counter() - self._t_build) / self._batch.n, self._s_per_token
+        seconds = time.perf_counter() - self._t_build
+        cost, prev = seconds / self._batch.n, self._s_per_token
         self._s_per_token = cost if not prev else prev + STEP_COST_WEIGHT * (cost - prev)
+        if self._spec is not None:
+            self._spec.cost.observe(self._batch.n, seconds)
 
     def _build(self) -> StepPlan | None:
         """Decode tokens first, then prompt chunks into the batch; a failed fill is rolled back and fails
@@ -418,9 +450,13 @@ class Engine:
         self._t_build = time.perf_counter()
         batch = self._batch
         batch.clear()
-        n_decode = self._slots.add_decode(batch)
+        spec = self._spec
+        if spec is not None and spec.propose(self._slots, batch.capacity):
+            n_decode = self._slots.add_decode(batch, spec.drafts, spec.n_draft)    # + each slot's draft rows
+        else:
+            n_decode = self._slots.add_decode(batch)
         chunks = []
-        budget = prefill_budget(batch.free, n_decode, self._prefill_chunk, self._s_per_token, self._step_target_s)
+        budget = prefill_budget(batch.free, batch.n, self._prefill_chunk, self._s_per_token, self._step_target_s)
         for slot in self._slots.prefill_order():
             if budget <= 0:
                 break
@@ -447,7 +483,20 @@ class Engine:
         if self._masks.n_active:
             self._commit_constrained(ids)
         else:
-            self._slots.commit(self._batch, ids, self._finish)
+            self._slots.commit(self._batch, ids, self._finish)     # rows after a rejected draft: REJECTED
+        if self._batch.n_drafted:
+            self._observe_drafts()
+
+    def _observe_drafts(self) -> None:
+        """After a step that verified drafts: the policy's estimates, the requests' timings (kept current, so a
+        request ended by a stop string has them too), the tracer's counts."""
+        spec, slots = self._spec, self._slots
+        drafted, accepted = spec.n_drafted, spec.n_accepted
+        for s in spec.observe(slots).tolist():
+            buf = self._jobs[s].buffer
+            buf.draft_n, buf.draft_n_accepted = int(slots.n_drafted[s]), int(slots.n_accepted[s])
+        if self._tracer is not None:
+            self._tracer.drafts(spec.n_drafted - drafted, spec.n_accepted - accepted)
 
     def _commit_constrained(self, ids) -> None:
         """The commit with grammar masks: a row whose constraint allowed no token (-1) ends with FINISH_GRAMMAR,
@@ -455,7 +504,7 @@ class Engine:
         end-of-generation id for the slot table; the other constrained rows' next masks are then computed
         while the next step's forward pass runs (masks.py)."""
         row_slot = self._batch.row_slot[:self._batch.n_out]
-        refused = np.flatnonzero(ids < 0)
+        refused = np.flatnonzero(ids == -1)        # (-2: a row after a rejected draft, never a constrained one)
         for r in refused.tolist():
             slot = int(row_slot[r])
             self._delivery.finish(slot, FINISH_GRAMMAR, self._masks.error(slot))
@@ -475,7 +524,7 @@ class Engine:
         if self._tracer is not None:
             self._tracer.sends(n_out, time.perf_counter_ns() - t0)
         self._tokens_prompt += plan.n_prompt
-        self._tokens_generated += n_out
+        self._tokens_generated += n_out - (int(np.count_nonzero(out.ids < 0)) if self._batch.n_drafted else 0)
         finish = self._finish[:n_out]
         for r in np.flatnonzero(finish):
             self._end(int(row_slot[r]), int(finish[r]))
@@ -521,6 +570,8 @@ class Engine:
             n_cached = self._swap_prefix(slot, job, n_cached)
         self._seq += 1
         self._slots.start(slot, job.prompt, n_cached, max_gen, self._seq)
+        if self._spec is not None:
+            self._spec.start(slot, job.draft, constrained=job.constraint is not None)
         self._delivery.attach(slot, job.buffer, n_cached)      # the reader learns its slot and n_cached
         self._jobs[slot] = job
 
@@ -620,6 +671,7 @@ class Engine:
             cache_type_k=self._config.cache_type_k, cache_type_v=self._config.cache_type_v,
             window=m.config.sliding_window, ring=getattr(be, "kv_ring", 0),
             kv_bytes=kv_bytes, kv_resident=kv_resident, isa=getattr(be, "isa", ""),
+            speculative=self._config.speculative,
             model_name=getattr(m, "name", "model"), model_path=str(getattr(m, "path", "")),
             model_summary=m.load_summary() if hasattr(m, "load_summary") else "")
 
@@ -632,7 +684,16 @@ class Engine:
                         slot_past=tuple(self._slots.n_past.tolist()),
                         slot_job=tuple(0 if j is None else j.id for j in self._jobs),
                         tokens_generated=self._tokens_generated, tokens_prompt=self._tokens_prompt,
-                        slot_erased=tuple(self._erased), slot_reuse_from=tuple(self._reuse_from))
+                        slot_erased=tuple(self._erased), slot_reuse_from=tuple(self._reuse_from),
+                        **self._draft_snapshot())
+
+    def _draft_snapshot(self) -> dict:
+        spec = self._spec
+        if spec is None:
+            return {}
+        return dict(slot_drafts=tuple(zip(self._slots.n_drafted.tolist(), self._slots.n_accepted.tolist())),
+                    n_drafted=spec.n_drafted, n_drafted_accepted=spec.n_accepted, n_draft_verified=spec.n_verified,
+                    draft_histogram=tuple(spec.histogram))
 
     def _shutdown(self) -> None:
         """Decode thread exit: every reader, running, waiting or still in the inbox, ends 'closed'."""

@@ -31,6 +31,7 @@ class Request:
     cache_prompt: bool = True
     id_slot: int = -1           # -1: any slot
     constraint: Any = None      # grammar.Constraint of a constrained request (grammar / JSON schema)
+    draft: Any = None           # config.DraftLimits of its speculative decoding (None: the engine's)
 
 
 @dataclass

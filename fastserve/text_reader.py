@@ -149,6 +149,9 @@ class TextReader:
         if slot >= 0:
             timings["cache_n"] = reader.n_cached
             timings["prompt_n"] = self.n_prompt - reader.n_cached
+            if reader.buffer.draft_n:               # speculative decoding, as llama-server's timings say it
+                timings["draft_n"] = reader.buffer.draft_n
+                timings["draft_n_accepted"] = reader.buffer.draft_n_accepted
         return Completion(text=self._text.text, token_ids=list(self._tokens), finish_reason=reason,
                           prompt_tokens=self.n_prompt, stopping_word=self._text.stopping_word,
                           error=reader.error, probs=probs, timings=timings, id_slot=slot,

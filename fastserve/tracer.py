@@ -32,6 +32,7 @@ class Tracer:
         self.send_ns = 0
         self.step_counts = [0] * (len(STEP_SECONDS_BUCKETS) + 1)   # steps per bucket, the last one +Inf
         self.step_ns = 0                                            # sum of whole-step wall times
+        self.drafted = self.accepted = 0                            # speculative decoding's tokens
         self._t = self._t_step = time.perf_counter_ns()             # where the phase and the step began
 
     def lap(self, phase: str) -> None:
@@ -57,6 +58,11 @@ class Tracer:
         self.sent_tokens += n_tokens
         self.send_ns += ns
 
+    def drafts(self, drafted: int, accepted: int) -> None:
+        """A step verified drafted tokens (speculative decoding), of which accepted were kept."""
+        self.drafted += drafted
+        self.accepted += accepted
+
     def idle(self, ns: int) -> None:
         """The decode thread slept ns with nothing to do; the next step begins now."""
         self.idle_ns += ns
@@ -65,7 +71,8 @@ class Tracer:
     def totals(self) -> dict:
         """The raw running totals (ns, counts): what GET /trace serves; two of them give a window (delta)."""
         return {"steps": self.steps, "ns": dict(self.ns), "idle_ns": self.idle_ns, "sent_tokens": self.sent_tokens,
-                "send_ns": self.send_ns, "step_ns": self.step_ns, "step_counts": list(self.step_counts)}
+                "send_ns": self.send_ns, "step_ns": self.step_ns, "step_counts": list(self.step_counts),
+                "drafted": self.drafted, "accepted": self.accepted}
 
 
 def delta(later: dict, earlier: dict) -> dict:
@@ -73,6 +80,8 @@ def delta(later: dict, earlier: dict) -> dict:
     out = {k: later[k] - earlier[k] for k in ("steps", "idle_ns", "sent_tokens", "send_ns", "step_ns")}
     out["ns"] = {p: later["ns"][p] - earlier["ns"].get(p, 0) for p in later["ns"]}
     out["step_counts"] = [a - b for a, b in zip(later["step_counts"], earlier["step_counts"])]
+    for k in ("drafted", "accepted"):          # (a server from before speculative decoding has none)
+        out[k] = later.get(k, 0) - earlier.get(k, 0)
     return out
 
 
@@ -92,6 +101,8 @@ def summarize(t: dict) -> dict:
         "tokens_sent": t["sent_tokens"],
         "idle_s": t["idle_ns"] / 1e9,
         "busy_s": total / 1e9,
+        "drafted": t.get("drafted", 0),
+        "acceptance": t["accepted"] / t["drafted"] if t.get("drafted") else None,
     }
 
 

@@ -18,6 +18,7 @@ class HostSampling:
     """configure / step / sync / release over self.forward(); set up once by init_sampling()."""
 
     samples_on_device = False
+    verifies_drafts = True          # its sampler checks drafted rows in order (speculative decoding)
 
     def init_sampling(self, n_slots: int, n_vocab: int, max_rows: int, impl=None) -> None:
         """The sampler and the step's outputs, for steps of up to max_rows output rows (more: grown once).
@@ -55,11 +56,12 @@ class HostSampling:
         if m > len(self._ids):
             self._alloc_outputs(m)
         ids = self._ids[:m]
+        drafts = batch.row_draft[:m] if batch.n_drafted else None      # speculative rows: verified in order
         if self._n_asking:
-            self.sampler.sample(logits, row_slot, ids, self._probs_ids, self._probs)
+            self.sampler.sample(logits, row_slot, ids, self._probs_ids, self._probs, drafts)
             out = StepOutput(ids, self._probs_ids[:m], self._probs[:m])
         else:
-            self.sampler.sample(logits, row_slot, ids)
+            self.sampler.sample(logits, row_slot, ids, None, None, drafts)
             out = StepOutput(ids, None, None)
         if lap is not None:
             lap("sample")

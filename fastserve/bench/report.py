@@ -20,6 +20,7 @@ COLUMNS = (
     ("itl p99", ("itl_ms", "p99"), "{:.1f}ms"),
     ("itl max", ("itl_ms", "max"), "{:.0f}ms"),
     ("e2e p50", ("e2e_ms", "p50"), "{:.0f}ms"),
+    ("draft acc", ("phases", "acceptance"), "{:.0%}"),     # speculative decoding: accepted / drafted tokens
 )
 AB_FIGURES = COLUMNS + (("health p99", ("probes", "/health", "p99"), "{:.2f}ms"),
                         ("step ms", ("phases", "step_ms"), "{:.2f}"),

@@ -13,6 +13,7 @@ import shlex
 import sys
 import time
 
+from ..config import SPEC_TYPES, SpecConfig
 from .client import APIS, Params, Target
 from .load import Level, run_level
 from .prompts import builtin, load_jsonl, parse_lengths
@@ -63,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--probe-every", type=float, default=0.1, help="seconds between two probes of a path (default 0.1)")
     g.add_argument("-t", "--threads", type=int, default=0, help="in-process: threads of the decode step "
                                                                 "(0: every core)")
+    g.add_argument("--spec-type", choices=SPEC_TYPES, default="none",
+                   help="in-process: speculative decoding's drafter (the table's 'draft acc' column: accepted / "
+                        "drafted tokens; a server's comes from its /trace)")
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="FILE", help="write every figure, the command, versions and machine facts")
     g.add_argument("--plot", metavar="DIR", help="write itl_over_time.png, concurrency.png and phases.png here")
@@ -205,7 +209,7 @@ def _inprocess(args, levels):
     n_parallel = args.parallel or most
     engine = Engine(model, n_parallel=n_parallel, n_ctx=max(args.ctx_size, 512 * n_parallel), n_batch=args.batch_size,
                     trace=True, threads=args.threads or None, backend=args.device, cache_type_k=args.cache_type_k,
-                    cache_type_v=args.cache_type_v)
+                    cache_type_v=args.cache_type_v, speculative=SpecConfig(type=args.spec_type))
     return model, engine
 
 

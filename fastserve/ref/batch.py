@@ -12,12 +12,14 @@ class Batch:
         self.slots = np.zeros(capacity, np.int32)
         self.out_rows = np.zeros(capacity, np.int32)
         self.row_slot = np.zeros(capacity, np.int32)
+        self.row_draft = np.full(capacity, -1, np.int32)
         self.clear()
 
     def clear(self):
         self.n = 0
         self.n_out = 0
         self.owner = -1
+        self.n_drafted = 0
 
     def push(self, token, pos, slot, output) -> bool:
         if self.n >= self.capacity:
@@ -26,14 +28,28 @@ class Batch:
         if output:
             self.out_rows[self.n_out] = self.n
             self.row_slot[self.n_out] = slot
+            self.row_draft[self.n_out] = -1
             self.n_out += 1
         self.n += 1
         self.owner = slot
         return True
 
+    def push_draft(self, token, pos, slot) -> bool:
+        if self.n >= self.capacity or self.n_out == 0 or self.row_slot[self.n_out - 1] != slot:
+            return False
+        self.row_draft[self.n_out - 1] = token
+        self.n_drafted += 1
+        return self.push(token, pos, slot, True)
+
     def add(self, token, pos, slot, output=False):
         if not self.push(token, pos, slot, output):
             raise OverflowError(f"batch full ({self.capacity} tokens)")
+
+    def add_draft(self, token, pos, slot):
+        if self.n >= self.capacity:
+            raise OverflowError(f"batch full ({self.capacity} tokens)")
+        if not self.push_draft(token, pos, slot):
+            raise ValueError(f"a draft follows an output row of its own slot ({slot})")
 
     @property
     def free(self):

@@ -30,7 +30,8 @@ class ResultBuffer:
     [capacity, n_probs] only when n_probs > 0."""
 
     __slots__ = ("_capacity", "_n_probs", "_tokens", "_top_ids", "_top_probs", "_count", "_read_pos",
-                 "_finish_code", "_error", "_overflowed", "_waiting", "waiter", "_slot", "_n_cached", "__weakref__")
+                 "_finish_code", "_error", "_overflowed", "_waiting", "waiter", "_slot", "_n_cached", "draft_n",
+                 "draft_n_accepted", "__weakref__")
 
     def __init__(self, capacity: int, n_probs: int = 0):
         capacity, n_probs = _index(capacity), _index(n_probs)
@@ -51,6 +52,7 @@ class ResultBuffer:
         self._waiting = WAIT_NONE
         self.waiter = None
         self._slot, self._n_cached = -1, 0
+        self.draft_n = self.draft_n_accepted = 0       # speculative decoding: written before the finish
 
     capacity = property(lambda self: self._capacity)
     n_probs = property(lambda self: self._n_probs)
@@ -239,7 +241,7 @@ class Delivery:
         slot_list, token_list = slots.tolist(), tokens.tolist()
         for i, s in enumerate(slot_list):
             buf = self._bufs[s]
-            if buf is None:
+            if buf is None or token_list[i] < 0:
                 continue
             ids_row = probs_row = None
             if probs_ids is not None and probs_ids.shape[1]:

@@ -30,6 +30,12 @@ Rules both implementations follow exactly (they are what makes parity exact):
 - The draw: u = splitmix64 output, r = (u * total) >> 64; walk the kept tokens in
   ascending id order and pick the first whose running mass exceeds r. Exactly one
   u is consumed per non-greedy row.
+- Speculative decoding (drafts given): rows of one slot are sampled in order, each exactly as a
+  plain decode step would (its draw, its history), and stop at the first sample that differs
+  from the token the next row was fed. For a draft that is one token (an n-gram's, a greedy
+  draft model's: q one-hot), accepting draft d with probability min(1, p(d)/q(d)) = p(d) and
+  else drawing from the normalised max(0, p - q) is the same as drawing from p and keeping
+  d when the draw is d: so the output is the plain sampler's, draw for draw, seed for seed.
 - Probabilities reported: float32(q / total) (both as doubles). Pre-sampling:
   raw logits, whole vocab, temperature 1. Post-sampling: the kept set after
   temperature. Entries past the available candidates are id -1, prob 0.0.
@@ -42,6 +48,7 @@ from fastserve.config import SAMPLING_DEFAULTS, _integer, check_fits, check_samp
 from fastserve.errors import RequestError
 
 MASK64 = (1 << 64) - 1
+REJECTED = -2       # a row after a rejected draft (fastserve.ref.slots.REJECTED)
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
@@ -161,14 +168,24 @@ class Sampler:
         for r in range(logits.shape[0]):
             out_ids[r] = _argmax(logits[r])
 
-    def sample(self, logits, row_slot, out_ids, probs_ids=None, probs=None):
+    def sample(self, logits, row_slot, out_ids, probs_ids=None, probs=None, drafts=None):
         """Sample one token per row r for slot row_slot[r] into out_ids[r] and append it to
         that slot's penalty history. Slots with n_probs > 0 also get their top-n_probs
-        ids/probabilities in probs_ids[r, :n] / probs[r, :n]; other rows are left alone."""
+        ids/probabilities in probs_ids[r, :n] / probs[r, :n]; other rows are left alone.
+        drafts (speculative decoding): drafts[r] >= 0 is the token the next row was fed; a row whose
+        sample differs from it leaves the slot's following rows up to its last (drafts[r] == -1)
+        unsampled: REJECTED (-2), no draw, no history."""
         check_sample_args(self.n_vocab, [s is not None for s in self._slots],
                           [0 if s is None else s.n_probs for s in self._slots],
                           logits, row_slot, out_ids, probs_ids, probs)
+        if drafts is not None and len(drafts) < len(row_slot):
+            raise ValueError(f"drafts needs at least {len(row_slot)} entries")
+        skip = False
         for r in range(len(row_slot)):
+            if skip:
+                out_ids[r] = REJECTED
+                skip = drafts[r] >= 0
+                continue
             st = self._slots[int(row_slot[r])]
             pids = probs_ids[r] if st.n_probs else None
             pp = probs[r] if st.n_probs else None
@@ -180,6 +197,7 @@ class Sampler:
             if st.repeat_last_n and tok >= 0:
                 st.hist.append(tok)
                 del st.hist[:-st.repeat_last_n]
+            skip = drafts is not None and drafts[r] >= 0 and tok != drafts[r]
 
     # -- one row ---------------------------------------------------------------
 

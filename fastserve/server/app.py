@@ -294,7 +294,8 @@ def serve(args, backend=None) -> int:
     device = llama["device"]
     check_gpu_layers(llama["n_gpu_layers"], device, model.config.n_layer)
     engine = Engine(model, EngineConfig.from_flags(args, trace=True, n_batch=llama["n_batch"],
-                                                   device=device or EngineConfig.device), backend=backend)
+                                                   device=device or EngineConfig.device,
+                                                   speculative=llama["speculative"]), backend=backend)
     log_stream = open(llama["log_file"], "a", encoding="utf-8") if llama["log_file"] else None
     app = App(engine, cfg, log_stream=log_stream)
     server = Server(app)

@@ -45,7 +45,8 @@ class Generation:
         snap = engine.snapshot
         try:
             self.text = engine.submit(ids, sampling=sampling, max_tokens=params.max_tokens, stop=params.stop,
-                                      cache_prompt=params.cache_prompt, id_slot=params.id_slot, constraint=constraint)
+                                      cache_prompt=params.cache_prompt, id_slot=params.id_slot, constraint=constraint,
+                                      speculative=params.speculative)
         except ServerBusy as exc:
             metrics.rejected.inc(1, "queue_full")
             raise HttpError(503, str(exc)) from None
@@ -214,7 +215,13 @@ class Generation:
             "predicted_per_token_ms": predicted_ms / n_gen if n_gen else 0.0,
             "predicted_per_second": n_gen / predicted_ms * 1e3 if predicted_ms > 0 else 0.0,
             "queue_ms": max(0.0, (t0 - stream.t_submit) * 1e3),
+            **self._drafts(),
         }
+
+    def _drafts(self) -> dict:
+        """Speculative decoding's part of the timings, as llama-server's (only when the request drafted)."""
+        buf = self.reader.buffer
+        return {"draft_n": buf.draft_n, "draft_n_accepted": buf.draft_n_accepted} if buf.draft_n else {}
 
 
 def _valid(ids: list, probs: list) -> tuple:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..config import SAMPLING_DEFAULTS, SamplingParams
+from ..config import SAMPLING_DEFAULTS, SPEC_TYPES, DraftLimits, SamplingParams, SpecConfig
 from ..errors import RequestError
 from ..models.chat_template import CHATML
 
@@ -90,7 +90,8 @@ FLAGS: list[tuple[str, str, str]] = [
                                                      "it off"),
     ("--log-prefix, --no-log-prefix, --log-timestamps, --no-log-timestamps", REFUSED, "one log format: a time "
                                                                                       "stamp and the line"),
-    ("-ctkd, --cache-type-k-draft, -ctvd, --cache-type-v-draft", REFUSED, "no speculative decoding"),
+    ("-ctkd, --cache-type-k-draft, -ctvd, --cache-type-v-draft", REFUSED, "no draft model yet (n-gram drafts "
+                                                                          "need no cache of their own)"),
     # -- sampling ----------------------------------------------------------------------------------
     ("--samplers, --sampler-seq, --sampling-seq", REFUSED, "one sampler chain: penalties, top-k, top-p, min-p, "
                                                            "temperature"),
@@ -114,9 +115,30 @@ FLAGS: list[tuple[str, str, str]] = [
     ("-bs, --backend-sampling", REFUSED, "no switch: sampling always runs where the model runs (on the GPU with "
                                          "--device cuda)"),
     # -- speculative -------------------------------------------------------------------------------
-    ("speculative decoding (-md, --model-draft, --draft-*, --spec-*, ...)", REFUSED, "no speculative decoding"),
+    ("--spec-type TYPE", DIFFERS, "none (default), ngram-simple or ngram-mod, one of them (llama-server takes a list); "
+                                  "the output is plain decoding's, token for token (greedy and seeded sampling); "
+                                  "ngram-mod's table is per slot (llama-server's is shared by the slots); the other "
+                                  "types are refused"),
+    ("--spec-draft-n-max N, --draft-max, --draft-n, --draft N", DIFFERS, "the most tokens a slot drafts per step, for "
+                                                                        "every drafter (llama-server: for a draft "
+                                                                        "model only; the --draft* spellings are "
+                                                                        "its older ones); default: the drafter's own"),
+    ("--spec-draft-n-min N, --draft-min, --draft-n-min N", DIFFERS, "a draft shorter than N is not verified (every "
+                                                                   "drafter); default 0"),
+    ("--spec-draft-p-min P, --draft-p-min P", DIFFERS, "in [0, 1]: a drafted position is verified only while its "
+                                                       "estimated chance of acceptance (the slot's record, the "
+                                                       "position's depth) is at least P (llama-server: the draft "
+                                                       "model's own probability); default 0"),
+    ("--spec-ngram-simple-size-n N, --spec-ngram-simple-size-m N", SAME, "lookup length (12) and most tokens "
+                                                                          "drafted (48)"),
+    ("--spec-ngram-simple-min-hits N", SAME, "taken (N >= 1); llama-server's ngram-simple does not read it either"),
+    ("--spec-ngram-mod-n-match N, --spec-ngram-mod-n-min N, --spec-ngram-mod-n-max N", SAME,
+     "lookup length (24), shortest chain proposed (48), most tokens drafted (64)"),
+    ("--spec-ngram-map-k-*, --spec-ngram-map-k4v-*, -lcs, --lookup-cache-static, -lcd, --lookup-cache-dynamic",
+     REFUSED, "no ngram-map or ngram-cache drafters: use --spec-type ngram-simple or ngram-mod"),
+    ("-md, --model-draft, --spec-draft-model, -hfd, --spec-draft-hf, -td, --spec-draft-threads, --spec-draft-*", REFUSED,
+     "no draft model yet: use --spec-type ngram-simple or ngram-mod"),
     # -- server ------------------------------------------------------------------------------------
-    ("-lcs, --lookup-cache-static, -lcd, --lookup-cache-dynamic", REFUSED, "no lookup decoding"),
     ("-ctxcp, --ctx-checkpoints, --swa-checkpoints, -cms, --checkpoint-min-step", REFUSED,
      "no context checkpoints: a sliding-window slot's prefix is reused only where its ring still holds the "
      "window (`/slots` `swa_reusable`), else computed again"),
@@ -214,7 +236,7 @@ _REFUSED_OPTIONS: list[tuple[tuple[str, ...], int | str | None]] = [
     (("-j", "--json-schema"), None), (("-jf", "--json-schema-file"), None), (("--samplers",), None),
     (("--sampling-seq", "--sampler-seq"), None), (("--mirostat",), None), (("--typical", "--typical-p"), None),
     (("--dry-multiplier",), None), (("--xtc-probability",), None), (("--top-nsigma", "--top-n-sigma"), None),
-    (("--dynatemp-range",), None), (("-md", "--model-draft"), None), (("--api-key-file",), None),
+    (("--dynatemp-range",), None), (("-md", "--model-draft", "--spec-draft-model"), None), (("--api-key-file",), None),
     (("--ssl-key-file",), None), (("--ssl-cert-file",), None), (("--api-prefix",), None), (("--path",), None),
     (("--slot-save-path",), None), (("--threads-http",), None),
     (("--cache-reuse",), None), (("--no-cache-prompt",), 0), (("--sse-ping-interval",), None),
@@ -224,6 +246,9 @@ _REFUSED_OPTIONS: list[tuple[tuple[str, ...], int | str | None]] = [
     (("--models-dir",), None), (("--models-preset",), None), (("--sleep-idle-seconds",), None),
     (("-bs", "--backend-sampling"), 0), (("--log-colors",), "?"), (("-dt", "--defrag-thold"), None),
     (("--cpu-moe", "-cmoe"), 0), (("-ncmoe", "--n-cpu-moe"), None), (("--list-devices",), 0),
+    (("-hfd", "--spec-draft-hf"), None), (("-td", "--spec-draft-threads"), None), (("-ctkd", "--cache-type-k-draft"), None),
+    (("-ctvd", "--cache-type-v-draft"), None), (("--spec-ngram-map-k-size-n",), None), (("-lcs", "--lookup-cache-static"), None),
+    (("-lcd", "--lookup-cache-dynamic"), None),
 ]
 
 
@@ -302,6 +327,37 @@ def add_taken(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--frequency-penalty", dest="frequency_penalty", type=float)
     g.add_argument("--ignore-eos", dest="ignore_eos", action="store_true",
                    help="requests that do not say ignore_eos never sample the end-of-generation tokens")
+    s = parser.add_argument_group("speculative decoding (output identical to plain decoding; see docs/flags.md)")
+    s.add_argument("--spec-type", default="none", help=f"the drafter: {', '.join(SPEC_TYPES)}")
+    s.add_argument("--spec-draft-n-max", "--draft-max", "--draft-n", "--draft", dest="spec_n_max", type=int,
+                   help="most tokens a slot drafts per step (default: the drafter's own)")
+    s.add_argument("--spec-draft-n-min", "--draft-min", "--draft-n-min", dest="spec_n_min", type=int, default=0,
+                   help="drafts shorter than this are not verified")
+    s.add_argument("--spec-draft-p-min", "--draft-p-min", dest="spec_p_min", type=float, default=0.0,
+                   help="verify a drafted position only while its estimated chance of acceptance is at least this")
+    for flag, field in SPEC_NGRAM_FLAGS.items():
+        s.add_argument(flag, dest=f"spec_{field}", type=int, default=getattr(SpecConfig, field))
+
+
+# llama-server's n-gram drafter flags -> SpecConfig's fields.
+SPEC_NGRAM_FLAGS = {"--spec-ngram-simple-size-n": "simple_size_n", "--spec-ngram-simple-size-m": "simple_size_m",
+                    "--spec-ngram-simple-min-hits": "simple_min_hits", "--spec-ngram-mod-n-match": "mod_n_match",
+                    "--spec-ngram-mod-n-min": "mod_n_min", "--spec-ngram-mod-n-max": "mod_n_max"}
+
+
+def speculative(args) -> SpecConfig:
+    """The --spec-* flags, checked (ValueError naming the flag)."""
+    try:
+        limits = DraftLimits(n_max=args.spec_n_max, n_min=args.spec_n_min, p_min=args.spec_p_min)
+    except ValueError as exc:
+        flags = {"speculative.n_max": "--spec-draft-n-max", "speculative.n_min": "--spec-draft-n-min",
+                 "speculative.p_min": "--spec-draft-p-min"}
+        msg = str(exc)
+        for field, flag in flags.items():
+            msg = msg.replace(field, flag)
+        raise ValueError(msg) from None
+    return SpecConfig(type=args.spec_type, limits=limits,
+                      **{field: getattr(args, f"spec_{field}") for field in SPEC_NGRAM_FLAGS.values()})
 
 
 # llama-server's built-in chat template names that fastserve has (the ChatML format).
@@ -367,6 +423,7 @@ def resolve(args) -> dict:
     # the sampling flags' dests are SamplingParams' field names (those with no flag are absent)
     out["sampling"] = {name: getattr(args, name) for name in SAMPLING_DEFAULTS if getattr(args, name, None) is not None}
     out["ignore_eos"] = args.ignore_eos
+    out["speculative"] = speculative(args)
     out["seed"] = None
     if args.seed is not None and args.seed != -1:
         if not 0 <= args.seed < 2 ** 64:

@@ -15,14 +15,16 @@ llama-server's gauges prompt_tokens_seconds and predicted_tokens_seconds are ave
 window since the previous scrape (reset by each scrape, as llama-server does); the generation rate
 counts a request's tokens after its first (the first comes from the prompt's pass, not a decode step), and
 a request that generated one token or none counts in neither rate (llama-server's are 0 after such requests).
-Not shown, because fastserve has no such thing: the speculative-decoding counters and
-n_busy_slots_per_decode (the engine does not count busy slots per step).
+Speculative decoding's counters are shown under both of llama-server's names (n_drafted /
+n_drafted_accepted, and its later spec_decode_num_*), 0 when it is off. Not shown, because fastserve has no
+such thing: n_busy_slots_per_decode (the engine does not count busy slots per step).
 """
 from __future__ import annotations
 
 import time
 from bisect import bisect_left
 
+from ..speculation import ACCEPT_BUCKETS
 from ..tracer import STEP_SECONDS_BUCKETS
 
 # Bucket upper bounds, seconds.
@@ -200,6 +202,18 @@ class LlamaTotals:
         self.rates = (p_n / p_s if p_s > 0 else 0.0), (g_n / g_s if g_s > 0 else 0.0)
 
 
+# Speculative decoding's totals (Snapshot fields), under llama-server's names: its older ones and its later ones.
+SPEC_COUNTERS = (
+    ("llamacpp:n_drafted", "Number of speculative decoding tokens drafted", "n_drafted"),
+    ("llamacpp:n_drafted_accepted", "Number of speculative decoding tokens accepted", "n_drafted_accepted"),
+    ("llamacpp:spec_decode_num_draft_tokens", "Speculative: Total draft tokens generated", "n_drafted"),
+    ("llamacpp:spec_decode_num_accepted_tokens", "Speculative: Total draft tokens accepted by the target model",
+     "n_drafted_accepted"),
+    ("llamacpp:spec_decode_num_drafts", "Speculative: Total speculative decoding verification steps",
+     "n_draft_verified"),
+)
+
+
 def _decode_steps(engine) -> int:
     """Steps that did work (the tracer's count), or, with tracing off, the heartbeat's."""
     st = engine.stats()
@@ -226,6 +240,12 @@ class ServerMetrics:
                         lambda: ll.predicted_s))
         r.add(CounterFn("llamacpp:n_decode", "Total number of decode steps (llama_decode() calls in llama-server)",
                         lambda: _decode_steps(engine)))
+        for name, help, field in SPEC_COUNTERS:
+            r.add(CounterFn(name, help, lambda field=field: getattr(snap(), field)))
+        r.add(HistogramFn("fastserve_draft_accepted_tokens", "Speculative decoding: drafted tokens accepted per "
+                          "verification (a slot's draft checked in one step).", ACCEPT_BUCKETS,
+                          lambda: (snap().draft_histogram or (0,) * (len(ACCEPT_BUCKETS) + 1),
+                                   snap().n_drafted_accepted)))
         # a counter in llama-server, whose exposition then breaks the rule that counters end in _total
         r.gauge("llamacpp:n_tokens_max", "Largest observed sequence length (prompt + generation)",
                 lambda: max(ll.n_tokens_max, max(snap().slot_tokens, default=0)))

@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from ..config import SamplingParams
+from ..config import DraftLimits, SamplingParams
+from ..errors import RequestError
 from . import reasoning
 from .errors import HttpError, exceeded
 from .fields import Body, kind, parse_object
@@ -31,6 +32,8 @@ SAMPLING = {"temperature": Body.number, "top_k": Body.int, "top_p": Body.number,
 # the fields another API's request (anthropic_api, responses_api) hands the chat's parse as they are
 PASSED_TO_CHAT = (*SAMPLING, "seed", "logit_bias", "ignore_eos", "queue_timeout", "request_timeout", "token_timeout",
                   "stream", "thinking_budget_tokens", "reasoning_format", "chat_template_kwargs")
+# A request's speculative decoding limits (llama-server's "speculative.n_max", ...: flat names with a dot).
+SPECULATIVE = {"n_max": Body.int, "n_min": Body.int, "p_min": Body.number}
 SAMPLER_CHAIN = ["penalties", "top_k", "top_p", "min_p", "temperature"]      # fastserve's, in llama.cpp's names
 OFF_SAMPLERS = ("dry", "top_n_sigma", "typ_p", "xtc", "adaptive_p")          # llama.cpp's, all off in fastserve
 
@@ -107,6 +110,7 @@ class Params:
     ignore_eos: bool = False
     cache_prompt: bool = True
     id_slot: int = -1
+    speculative: object = None      # config.DraftLimits of the request's speculative.* fields (None: the server's)
     # the answer's shape
     texts: tuple = ()               # /completion: each prompt's text, None for ids (llama_api decodes them once
                                     # the engine took them): its answer's "prompt"
@@ -157,6 +161,7 @@ class Parser:
         self.n_vocab = info.n_vocab                 # the model's: the sampler's rows
         self.n_ctx = info.n_ctx_slot
         self.max_chars = max(self.n_ctx * PROMPT_CHARS_PER_TOKEN, EXACT_CHARS)
+        self.spec = info.speculative                # config.SpecConfig (type "none": off)
 
     # -- the three routes ----------------------------------------------------------------------------
 
@@ -260,7 +265,8 @@ class Parser:
                 max_tokens = body.int(name)         # its range: Engine.submit's
                 break
         return Params(prompts, sampling, seed, min(max_tokens, self.n_ctx), stop(body), limits(body, cfg),
-                      stream=body.bool("stream"), ignore_eos=ignore_eos, **fields)
+                      stream=body.bool("stream"), ignore_eos=ignore_eos, speculative=self.speculative(body),
+                      **fields)
 
     # -- the parts -----------------------------------------------------------------------------------
 
@@ -285,6 +291,27 @@ class Parser:
         if ignore_eos:              # as llama-server: the end-of-generation tokens are never sampled
             bias.update({tok: -math.inf for tok in self.tokenizer.eog_ids})
         return SamplingParams.make(self.n_vocab, **{**defaults, **given, "logit_bias": bias})
+
+    def speculative(self, body: Body):
+        """llama-server's speculative.n_max / n_min / p_min (and speculative.type: the server's, or "none" to
+        draft nothing) over the server's limits, checked: a DraftLimits, or None when the request gives none.
+        They change the speed only; a server without speculation takes them and drafts nothing."""
+        given = {name: read(body, f"speculative.{name}") for name, read in SPECULATIVE.items()}
+        given = {name: v for name, v in given.items() if v is not None}
+        server = self.spec.type if self.spec is not None else "none"
+        kind = body.str("speculative.type")
+        if kind is not None:
+            if kind not in ("none", server):
+                raise HttpError(400, f"'speculative.type' {kind!r}: this server drafts with {server!r} "
+                                     f"(--spec-type); a request may give that or 'none'")
+            if kind == "none":
+                given["n_max"], given["n_min"] = 0, 0
+        if not given:
+            return None
+        try:
+            return (self.spec.limits if self.spec is not None else DraftLimits()).merged(given)
+        except RequestError as exc:
+            raise HttpError(400, str(exc)) from None
 
     def logit_bias(self, body: Body) -> dict:
         """{token_id: bias} from every form llama-server takes: [[id, bias], ...], [["text", bias], ...],

@@ -42,13 +42,22 @@ def slots(req, ex, *, config, engine, info, inflight):
     # an idle slot's cached prefix is reused by a prompt sharing m tokens with it only for m in
     # swa_reusable = [lo, n_tokens] (null while the slot is busy); a shorter shared prefix reuses nothing.
     running = {g.text.id: g for g in inflight}
+    spec = info.speculative is not None and info.speculative.on
     return json_response([
         {"id": i, "id_task": job or -1, "n_ctx": info.n_ctx_slot, "is_processing": state != IDLE,
-         "state": SlotState(state).name.lower(), "n_tokens": n_tok, "speculative": False,
+         "state": SlotState(state).name.lower(), "n_tokens": n_tok, "speculative": spec,
          "n_swa": info.window, "swa_ring": info.ring, "swa_reusable": _reusable(lo, n_tok) if state == IDLE else None,
+         **(_draft_fields(snap.slot_drafts[i]) if spec else {}),
          **(_request_fields(running[job]) if job in running else {})}
         for i, (state, n_tok, job, lo) in enumerate(zip(snap.slot_state, snap.slot_tokens, snap.slot_job,
                                                          snap.slot_reuse_from))])
+
+
+def _draft_fields(drafts) -> dict:
+    """Speculative decoding on a slot, for its current (or last) request: tokens drafted and accepted (the
+    names of llama-server's timings), and their ratio."""
+    n, accepted = drafts
+    return {"draft_n": n, "draft_n_accepted": accepted, "draft_acceptance": accepted / n if n else 0.0}
 
 
 def _request_fields(gen) -> dict:

@@ -159,3 +159,25 @@ def test_greedy_alone_and_among_seven_others(family):
         alone = [engine.generate(p, max_tokens=16, temperature=0, cache_prompt=False).token_ids for p in prompts[:3]]
     for i, want in enumerate(alone):
         assert crowd[i] == want, f"prompt {i} differs in company"
+
+
+def test_greedy_with_speculative_decoding_is_plain_greedy(family):
+    """Speculative decoding among 8 requests gives plain greedy's tokens: n-gram drafts on Gemma 3, whose text
+    repeats itself; on a random-weight family, whose text does not, drafts right for a while and then wrong
+    (tests/unit/test_speculation.py's Oracle)."""
+    from fastserve.config import SpecConfig
+    from tests.oracle_drafter import ORACLE, Oracle
+    name, model, _, prompts = family
+    if name not in BATCH_CHECKED:
+        pytest.skip(f"checked on {' and '.join(BATCH_CHECKED)} (one synthetic family, Gemma 3), to keep the suite short")
+    with fastserve.Engine(model, n_parallel=1, n_ctx=512) as engine:
+        alone = [engine.generate(p, max_tokens=32, temperature=0, cache_prompt=False).token_ids for p in prompts[:8]]
+    spec = SpecConfig(type="ngram-simple", simple_size_n=1, simple_size_m=8) if name == "gemma3" else ORACLE
+    with fastserve.Engine(model, n_parallel=8, n_ctx=8 * 512, n_batch=128, speculative=spec) as engine:
+        if spec is ORACLE:
+            engine._spec.drafter = Oracle([list(p) + a for p, a in zip(prompts, alone)], model.config.n_vocab)
+            engine._spec.cost.bar = lambda n_rows: 0.0
+        crowd = [engine.submit(p, max_tokens=32, temperature=0, cache_prompt=False) for p in prompts[:8]]
+        crowd = [r.result().token_ids for r in crowd]
+        drafted = engine.snapshot.n_drafted
+    assert crowd == alone and drafted > 0

@@ -34,7 +34,7 @@ def _json(body: dict) -> bytes:
 
 
 def _parser(tok, **config) -> Parser:
-    return Parser(tok, SimpleNamespace(n_vocab=tok.n_vocab, n_ctx_slot=N_CTX), ServerConfig(**config))
+    return Parser(tok, SimpleNamespace(n_vocab=tok.n_vocab, n_ctx_slot=N_CTX, speculative=None), ServerConfig(**config))
 
 
 def _completion(tok, body: dict, **config):

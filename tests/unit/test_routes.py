@@ -28,7 +28,7 @@ def _snapshot(**slots) -> SimpleNamespace:
                            **slots)
 
 
-INFO = SimpleNamespace(n_slots=2, n_ctx_slot=128, window=16, ring=48)
+INFO = SimpleNamespace(n_slots=2, n_ctx_slot=128, window=16, ring=48, speculative=None)
 
 
 def test_slots_reads_the_snapshot_and_the_engines_shape():
@@ -101,7 +101,7 @@ def test_routes_give_each_route_the_services_it_names():
 
 def test_tokenize_and_detokenize_refuse_ids_outside_the_vocabulary(tiny_model):
     tok = tiny_model.tokenizer
-    parser = Parser(tok, SimpleNamespace(n_vocab=tok.n_vocab, n_ctx_slot=128), ServerConfig())
+    parser = Parser(tok, SimpleNamespace(n_vocab=tok.n_vocab, n_ctx_slot=128, speculative=None), ServerConfig())
 
     def tokenize(body: bytes):
         return routes.tokenize(_req("/tokenize", "POST", body), None, parser=parser, tokenizer=tok, info=INFO)

@@ -1,0 +1,256 @@
+"""Speculative decoding in the engine: the output is plain decoding's, token for token, whatever the drafts
+(an oracle that is right for a while and then wrong exercises every rollback: KV length, the sliding-window
+ring, the penalties' history, the RNG), alone and among busy slots; and the policy (fastserve/speculation.py)
+drafts long where drafts pay and backs off where they do not."""
+import numpy as np
+import pytest
+
+import fastserve
+from fastserve._slots import DECODE
+from fastserve.config import DraftLimits, SpecConfig
+from fastserve.errors import ConfigError, RequestError
+from fastserve.speculation import FORGET, Speculation, StepCost, worth_drafting
+from fastserve.tracer import Tracer, delta, summarize
+from tests.oracle_drafter import ORACLE, Oracle
+
+PROMPTS = [f"request number {i} says the" + " at" * (i % 5) for i in range(8)]
+
+
+def _plain(model, prompts, n, **kw):
+    with fastserve.Engine(model, n_parallel=1, n_ctx=512) as e:
+        return [e.generate(p, max_tokens=n, cache_prompt=False, **kw) for p in prompts]
+
+
+def _with_oracle(model, prompts, plain, n, n_parallel, **kw):
+    """The prompts at once on an engine that drafts with the Oracle (every draft worth trying)."""
+    with fastserve.Engine(model, n_parallel=n_parallel, n_ctx=n_parallel * 256, n_batch=64,
+                          speculative=ORACLE) as e:
+        oracle = Oracle([list(model.tokenizer.encode(p)) + c.token_ids for p, c in zip(prompts, plain)],
+                        model.config.n_vocab)
+        e._spec.drafter = oracle
+        e._spec.cost.bar = lambda n_rows: 0.0
+        readers = [e.submit(p, max_tokens=n, cache_prompt=False, **kw) for p in prompts]
+        out = [r.result() for r in readers]
+        return out, oracle.drafted, e.snapshot
+
+
+@pytest.fixture(scope="module")
+def gemma3_model(tmp_path_factory):
+    """A gemma3 model whose local layers keep a ring (window 5; ring 128 of a 256-token slot)."""
+    from fastserve.models.synthetic import write_llama_gguf
+    return fastserve.load_model(write_llama_gguf(tmp_path_factory.mktemp("g3") / "g3.gguf", architecture="gemma3",
+                                                 sliding_window=5, seed=3))
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_model", "gemma3_model"])
+def test_greedy_output_is_plain_decoding_alone_and_among_busy_slots(request, model_fixture):
+    model = request.getfixturevalue(model_fixture)
+    n = 150                                         # past the gemma3 ring: rejected rows there overwrite it
+    plain = _plain(model, PROMPTS, n, temperature=0)
+    alone, drafted, _ = _with_oracle(model, PROMPTS[:1], plain[:1], n, 1, temperature=0)
+    crowd, drafted8, snap = _with_oracle(model, PROMPTS, plain, n, 8, temperature=0)
+    assert alone[0].token_ids == plain[0].token_ids
+    assert [c.token_ids for c in crowd] == [c.token_ids for c in plain]
+    assert drafted > n and drafted8 > 4 * n
+    assert 0 < snap.n_drafted_accepted < snap.n_drafted and sum(snap.draft_histogram) == snap.n_draft_verified
+    assert crowd[0].timings["draft_n"] >= crowd[0].timings["draft_n_accepted"] > 0
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_model", "gemma3_model"])
+def test_a_reused_prefix_holds_no_rejected_position(request, model_fixture):
+    """After a speculative request, a longer prompt reuses its slot's KV (and the host-RAM prompt cache keeps
+    a copy of it): what follows is what a fresh computation gives, so no rejected row is in the prefix."""
+    model = request.getfixturevalue(model_fixture)
+    first = list(model.tokenizer.encode(PROMPTS[2]))
+    plain = _plain(model, [first], 140, temperature=0)[0].token_ids
+    follow = first + plain + plain[:12]
+    want = _plain(model, [follow, first + [7, 8, 9]], 30, temperature=0)
+    with fastserve.Engine(model, n_parallel=1, n_ctx=512, n_batch=64, cache_ram_mib=8, speculative=ORACLE) as e:
+        e._spec.drafter = Oracle([], model.config.n_vocab)              # it knows nothing: wrong drafts
+        e._spec.cost.bar = lambda n_rows: 0.0
+        first_out = e.generate(first, max_tokens=140, temperature=0)
+        assert first_out.token_ids == plain and first_out.timings["draft_n"] > 50
+        again = e.generate(follow, max_tokens=30, temperature=0)
+        assert again.timings["cache_n"] > len(first) + 100
+        other = e.generate(first + [7, 8, 9], max_tokens=30, temperature=0)    # saves `follow`'s prefix
+        back = e.generate(follow, max_tokens=30, temperature=0)        # ... and brings it back
+        assert [again.token_ids, other.token_ids] == [c.token_ids for c in want]
+        assert back.token_ids == want[0].token_ids and back.timings["cache_n"] > len(first) + 100
+
+
+def test_seeded_sampling_with_penalties_is_plain_sampling(tiny_model):
+    kw = dict(temperature=0.8, top_k=20, top_p=0.9, repeat_penalty=1.3, repeat_last_n=16, seed=42)
+    plain = _plain(tiny_model, PROMPTS[:4], 80, **kw)
+    crowd, drafted, _ = _with_oracle(tiny_model, PROMPTS[:4], plain, 80, 4, **kw)
+    assert [c.token_ids for c in crowd] == [c.token_ids for c in plain] and drafted > 0
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("spec", [ORACLE, SpecConfig(type="ngram-simple", simple_size_n=3),
+                                  SpecConfig(type="ngram-mod", mod_n_match=3, mod_n_min=2)],
+                         ids=["oracle", "ngram-simple", "ngram-mod"])
+def test_default_model_greedy_is_byte_identical(default_model, spec):
+    """Every drafter on the default model, one request alone and eight at once (one of them constrained by a
+    JSON schema, which does not draft), against plain decoding."""
+    prompts = ["List the numbers from one to twenty: one, two, three,", "def add(a, b):\n    return a + b\n\n"
+               "def add3(a, b, c):\n    return", "The quick brown fox jumps over the lazy dog. The quick brown",
+               *[f"Write a short poem about the number {i}." for i in range(5)]]
+    n = 48
+    plain = _plain(default_model, prompts, n, temperature=0)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    with fastserve.Engine(default_model, n_parallel=1, n_ctx=512) as e:
+        plain_json = e.generate("A JSON object:", max_tokens=24, temperature=0, json_schema=schema).token_ids
+    for n_parallel, some in ((1, prompts[:1]), (8, prompts)):
+        with fastserve.Engine(default_model, n_parallel=n_parallel, n_ctx=n_parallel * 256, n_batch=128,
+                              speculative=spec) as e:
+            if spec is ORACLE:
+                e._spec.drafter = Oracle([list(default_model.tokenizer.encode(p)) + c.token_ids
+                                          for p, c in zip(prompts, plain)], default_model.config.n_vocab)
+                e._spec.cost.bar = lambda n_rows: 0.0
+            readers = [e.submit(p, max_tokens=n, temperature=0, cache_prompt=False) for p in some]
+            js = e.submit("A JSON object:", max_tokens=24, temperature=0, json_schema=schema) if n_parallel > 1 else None
+            got = [r.result().token_ids for r in readers]
+            assert got == [c.token_ids for c in plain[:len(some)]], (spec.type, n_parallel)
+            if js is not None:
+                assert js.result().token_ids == plain_json
+                assert e.snapshot.n_drafted > 0
+
+
+# -- the policy ------------------------------------------------------------------------------------------
+
+def test_step_cost_fits_the_line_and_sets_the_bar():
+    cost = StepCost()
+    assert cost.bar(1) == pytest.approx(0.2 / 1.2)               # before any step: the prior share
+    for n in [1, 5, 1, 9, 1, 17, 3] * 10:
+        cost.observe(n, 0.006 + 0.0012 * n)
+    a, b = cost.line()
+    assert a == pytest.approx(0.006, rel=1e-6) and b == pytest.approx(0.0012, rel=1e-6)
+    assert cost.bar(1) < 0.2 < cost.bar(8) < cost.bar(32) < 1.0      # more slots busy: a draft must be surer
+    assert worth_drafting(0.95, cost.bar(1)) > 25 > worth_drafting(0.95, cost.bar(32)) >= 0
+    assert worth_drafting(0.3, cost.bar(1)) == 1 and worth_drafting(0.1, cost.bar(1)) == 0
+
+
+class _Slots:
+    """The SlotTable's fields propose() and observe() read."""
+
+    def __init__(self, n_slots, n_ctx_slot=256):
+        self.n_ctx_slot = n_ctx_slot
+        self.state = np.full(n_slots, DECODE, np.int32)
+        self.tokens = np.tile(np.arange(n_ctx_slot, dtype=np.int32) % 60, (n_slots, 1))   # drafts always found
+        self.n_tokens = np.full(n_slots, 200, np.int32)
+        self.n_gen = np.zeros(n_slots, np.int32)
+        self.max_gen = np.full(n_slots, 1000, np.int32)
+        self.n_drafted = np.zeros(n_slots, np.int32)
+        self.n_accepted = np.zeros(n_slots, np.int32)
+
+
+def _spec(n_slots, **limits):
+    spec = Speculation(SpecConfig(type="ngram-simple", simple_size_n=3), n_slots, 256, 512)
+    for s in range(n_slots):
+        spec.start(s, DraftLimits(**limits) if limits else None, constrained=False)
+    for _ in range(40):
+        spec.cost.observe(1, 0.0072)
+        spec.cost.observe(9, 0.0168)
+    return spec
+
+
+def test_drafts_grow_while_accepted_and_stop_when_they_fail():
+    spec, slots = _spec(1), _Slots(1)
+    sizes = []
+    for _ in range(6):                              # every draft accepted: 2, then longer, up to size_m
+        spec.propose(slots, 512)
+        sizes.append(int(spec.n_draft[0]))
+        slots.n_drafted[0] += sizes[-1]
+        slots.n_accepted[0] += sizes[-1]
+        spec.observe(slots)
+    assert sizes[0] == 2 and sizes == sorted(sizes) and sizes[-1] == 48
+    fails = 0
+    while spec.propose(slots, 512):                 # then every draft rejected at once: down to none
+        slots.n_drafted[0] += int(spec.n_draft[0])
+        spec.observe(slots)
+        fails += 1
+    assert 3 <= fails <= 12 and spec.n_draft[0] == 0
+    steps = 0
+    while spec.propose(slots, 512) == 0:            # not drafting, its misses fade: it tries again, briefly
+        steps += 1
+        assert steps < 200
+    assert spec.n_draft[0] == 1 and steps > 5
+
+
+def test_many_busy_slots_draft_less_and_the_batch_keeps_their_decode_rows():
+    one, eight = _spec(1), _spec(8)
+    for spec in (one, eight):
+        spec.hits[:] = 9.0                          # alpha 0.9 everywhere
+    one.propose(_Slots(1), 512)
+    eight.propose(_Slots(8), 512)
+    assert one.n_draft[0] > eight.n_draft[0] > 0
+    spec = _spec(8)
+    spec.hits[:] = 1e6
+    total = spec.propose(_Slots(8), 20)             # 8 decode rows first, drafts share the other 12
+    assert 0 < total <= 12
+
+
+def test_request_limits_and_constrained_slots():
+    spec, slots = _spec(3), _Slots(3)
+    spec.hits[:] = 1e6
+    spec.start(0, DraftLimits(n_max=3), constrained=False)
+    spec.start(1, DraftLimits(n_min=40, n_max=45), constrained=False)
+    spec.start(2, None, constrained=True)
+    spec.hits[:] = 1e6
+    spec.propose(slots, 512)
+    assert spec.n_draft.tolist() == [3, 45, 0]
+    spec.start(0, DraftLimits(p_min=1.0), constrained=False)     # no position is certain: none
+    spec.hits[:] = 9.0
+    spec.propose(slots, 512)
+    assert spec.n_draft[0] == 0 and 0 < FORGET < 1
+
+
+def test_bad_limits_and_configs_are_refused():
+    for bad, why in ((dict(n_max=2, n_min=3), "n_max .2. must be >= speculative.n_min"),
+                     (dict(p_min=-0.1), "p_min must be a number in"), (dict(n_min=-1), "n_min must be an integer"),
+                     (dict(p_min="x"), "p_min")):
+        with pytest.raises(RequestError, match=why):
+            DraftLimits(**bad)
+    with pytest.raises(RequestError, match="unknown speculative field"):
+        DraftLimits().merged({"n_maxx": 3})
+    with pytest.raises(ValueError, match="--spec-type"):
+        SpecConfig(type="draft-simple")
+    with pytest.raises(ValueError, match="--spec-ngram-mod-n-max .3. must be >="):
+        SpecConfig(type="ngram-mod", mod_n_max=3)
+    with pytest.raises(ValueError, match="--spec-ngram-simple-size-n"):
+        SpecConfig(type="ngram-simple", simple_size_n=0)
+
+
+def test_engine_requests_with_bad_speculative_fields(tiny_model):
+    with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=128, speculative=SpecConfig(type="ngram-mod")) as e:
+        with pytest.raises(RequestError, match="n_max"):
+            e.submit("hi", max_tokens=2, speculative={"n_max": 1, "n_min": 2})
+        with pytest.raises(RequestError, match="speculative must be an object"):
+            e.submit("hi", max_tokens=2, speculative=[3])
+        assert e.generate("hi", max_tokens=3, speculative={"n_max": 4}).finish_reason == "length"
+
+
+def test_a_backend_that_cannot_verify_is_refused(tiny_model):
+    class NoVerify:                                 # a backend with step() of its own and no verifying sampler
+        def __init__(self, cfg, weights, n_slots, n_ctx_slot):
+            self.n_slots, self.n_ctx_slot, self.n_vocab = n_slots, n_ctx_slot, cfg.n_vocab
+            self.masks = np.zeros((n_slots, (cfg.n_vocab + 31) // 32), np.uint32)
+            self.samples_on_device = True
+
+        def step(self, batch, lap=None, before_sample=None):
+            raise AssertionError("never run")
+
+        forward = step
+    with pytest.raises(ConfigError, match="verifies drafts"):
+        fastserve.Engine(tiny_model, backend=NoVerify, speculative=SpecConfig(type="ngram-simple"))
+
+
+def test_the_tracer_counts_drafts_for_the_bench_table():
+    t = Tracer()
+    before = t.totals()
+    t.drafts(10, 7)
+    t.drafts(6, 1)
+    s = summarize(delta(t.totals(), before))
+    assert (s["drafted"], s["acceptance"]) == (16, 0.5)
+    old = {k: v for k, v in before.items() if k not in ("drafted", "accepted")}      # a server from before
+    assert summarize(delta(old, old))["acceptance"] is None
