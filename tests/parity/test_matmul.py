@@ -190,8 +190,9 @@ def test_half_block_offsets_are_the_qsm_formula(mod):
 def fma_exact(a, b, c) -> np.float32:
     """float32 a * b + c rounded once, from exact rationals: the nearest float32, ties to even."""
     v = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
-    r = np.float32(float(v))
-    cands = [r, np.nextafter(r, np.float32(np.inf)), np.nextafter(r, np.float32(-np.inf))]
+    with np.errstate(over="ignore"):
+        r = np.float32(float(v))
+    cands = [f for f in (r, np.nextafter(r, np.float32(np.inf)), np.nextafter(r, np.float32(-np.inf))) if np.isfinite(f)]
     return min(cands, key=lambda f: (abs(Fraction(float(f)) - v), int(f.view(np.uint32)) & 1))
 
 
@@ -201,6 +202,10 @@ def test_twin_fma_rounds_once():
     a, b, c = np.float32(1 + 2 ** -23), np.float32(2 ** -24 * (1 - 2 ** -23)), np.float32(1 + 2 ** -23)
     assert np.float32(np.float64(a) * np.float64(b) + np.float64(c)) == np.float32(1 + 2 ** -22)
     assert twin().fma32(np.array([a]), np.array([b]), np.array([c]))[0] == fma_exact(a, b, c) == c
+    big = np.float32(18631 * 2.0 ** 60), np.float32(1801 * 2.0 ** 43)      # a * b = 2^128 - 2^103: the tie past FLT_MAX
+    below, above = (twin().fma32(np.array([big[0]]), np.array([big[1]]), np.array([c], np.float32))[0] for c in (-1, 1))
+    assert below == fma_exact(big[0], big[1], np.float32(-1)) == np.finfo(np.float32).max
+    assert above == np.inf          # just past the tie: rounds to 2^128, which overflows
     rng = np.random.default_rng(9)
     t = rand(rng, 3, 300)
     t[2, ::3] *= np.float32(-1e-3)
@@ -234,6 +239,18 @@ def test_float_product_sums_in_16_partial_sums(mod):
     for i in range(40):
         sequential = sequential + x[:, i, None] * w[None, :, i]
     assert (sequential != want).any()       # the order is seen
+
+
+def test_float_padding_turns_a_negative_zero_sum_positive(mod):
+    """17 inputs whose products all underflow to -0: the 15 partial sums the 17th input leaves alone still
+    take the zero padding's fma(0, 0, -0) = +0, on every isa, so the output is +0 (not -0) everywhere."""
+    w = np.full((3, 17), -2.0 ** -100, np.float32)
+    x = np.full((2, 17), 2.0 ** -100, np.float32)
+    m = mod.BlockMatrix.from_float(w)
+    runs = [{}] if mod.__name__ != IMPLS[0] else [dict(isa=i) for i in mod.isas()]
+    for kw in runs:
+        y = product(mod, x, m, **kw)
+        assert (y == 0).all() and not np.signbit(y).any(), kw
 
 
 @pytest.mark.parametrize("type_name", ["F32", "F16", "BF16"])
@@ -593,7 +610,9 @@ int main(void) {
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
         fs_type_info t;
         fs_type(types[ti], &t);
-        int64_t o = 37, in = t.block_inputs == 256 ? 512 : 96, nb = in / 32, rb = fs_row_bytes(&t, in);
+        /* floats: 1064 inputs, two input blocks (FS_FKB) and a partial 16 */
+        int64_t o = 37, in = t.kind == FS_KIND_F ? 1064 : t.block_inputs == 256 ? 512 : 96, nb = (in + 31) / 32;
+        int64_t rb = fs_row_bytes(&t, in);
         uint8_t *w = malloc(o * rb);
         for (int64_t i = 0; i < o * rb; i++) w[i] = (uint8_t)rnd();
         if (t.kind == FS_KIND_F)        /* finite floats: random bits would be mostly NaN for F32 */

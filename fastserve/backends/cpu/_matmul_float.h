@@ -5,8 +5,9 @@
  *
  * Numbers (the twin, ref/matmul.py, restates them): output (r, o) keeps 16 partial sums p_0 .. p_15,
  *     p_k = 0;   for i = 0, 1, ... IN THAT ORDER:   p_(i mod 16) = fma(w_i, x_i, p_(i mod 16))
- * (one rounding to float32: fmaf, vfmadd, vfma; inputs past n_in count as zeros: x is padded, w read as
- * 0, which leaves every p_k as it was), then one fixed tree of float32 sums:
+ * (one rounding to float32: fmaf, vfmadd, vfma; up to the next multiple of 16 the inputs past n_in count
+ * as zeros, x padded and w read as 0, and their fma(0, 0, p) are computed too: they turn a -0 sum into
+ * +0), then one fixed tree of float32 sums:
  *     p_k = p_k + p_(k+8) (k < 8);   p_k = p_k + p_(k+4) (k < 4);   p_k = p_k + p_(k+2) (k < 2);   y = p_0 + p_1.
  * Nothing depends on n, the ISA or the thread. The 16 sums are one AVX-512 register, two AVX2 ones, four
  * NEON ones; rows go a few at a time (independent chains, each weight converted once for up to 4
@@ -39,14 +40,14 @@ static inline float fs_fold16(float p[16])
 
 static void fs_float_panel_scalar(const fs_job *j, int type, const uint8_t *rows, int64_t row_bytes)
 {
-    const int64_t K = j->nb * FS_QK, n_in = fs_float_inputs(type, row_bytes);
+    const int64_t K = j->nb * FS_QK, n_in = fs_float_inputs(type, row_bytes), n16 = (n_in + 15) & ~(int64_t)15;
     for (int l = 0; l < j->valid; l++) {
         const uint8_t *row = rows + l * row_bytes;
         for (int64_t r = 0; r < j->n; r++) {
-            const float *x = j->xf + r * K;
+            const float *x = j->xf + r * K;         /* zero padded to K >= n16 */
             float p[16] = {0};
-            for (int64_t i = 0; i < n_in; i++) {
-                p[i & 15] = fmaf(fs_float_at(type, row, i), x[i], p[i & 15]);
+            for (int64_t i = 0; i < n16; i++) {
+                p[i & 15] = fmaf(i < n_in ? fs_float_at(type, row, i) : 0.0f, x[i], p[i & 15]);
             }
             j->y[r * j->ldy + l] = fs_fold16(p);
         }
@@ -335,6 +336,21 @@ static void fs_float_panel_neon(const fs_job *j, int type, const uint8_t *rows, 
 }
 #endif /* FS_ARM64 */
 
+/* Whether isa's float kernel can run here: FMA and F16C beside AVX2 (every AVX2 CPU known has them,
+ * but the integer kernels do not need them), AVX-512VL beside AVX-512 VNNI; else the portable one,
+ * whose fmaf gives the same bits. */
+static int fs_float_simd_ok(int isa)
+{
+#if defined(FS_X86)
+    __builtin_cpu_init();
+    if (isa == FS_ISA_AVX2)
+        return __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (isa == FS_ISA_AVX512VNNI)
+        return __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx512vl");
+#endif
+    return isa == FS_ISA_NEON || isa == FS_ISA_NEON_DOTPROD;
+}
+
 /* A float panel's product (valid rows at row_bytes apart) on isa; next: the next panel's rows
  * (16 * row_bytes bytes) to prefetch meanwhile, or NULL. */
 static void fs_float_panel(int isa, int type, const fs_job *j, const uint8_t *rows, int64_t row_bytes,
@@ -342,6 +358,11 @@ static void fs_float_panel(int isa, int type, const fs_job *j, const uint8_t *ro
 {
     const int64_t steps = (j->valid + 3) / 4 * ((fs_float_inputs(type, row_bytes) + 15) / 16);
     fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, steps);
+    static int simd[5] = {-1, -1, -1, -1, -1};
+    if (isa >= 0 && isa < 5 && simd[isa] < 0)
+        simd[isa] = fs_float_simd_ok(isa);
+    if (isa < 0 || isa >= 5 || !simd[isa])
+        isa = FS_ISA_SCALAR;
 #if defined(FS_X86)
 #if defined(FS_HAVE_AVX512VNNI)
     if (isa == FS_ISA_AVX512VNNI) {

@@ -660,8 +660,8 @@ static int fs_isa_supported(int isa)
         return 1;
 #if defined(FS_X86)
     __builtin_cpu_init();
-    if (isa == FS_ISA_AVX2)     /* every AVX2 CPU has FMA3 and F16C; the float products use them */
-        return (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 1 : 0;
+    if (isa == FS_ISA_AVX2)
+        return __builtin_cpu_supports("avx2") ? 1 : 0;
 #if defined(FS_HAVE_AVX512VNNI)
     if (isa == FS_ISA_AVX512VNNI)
         return (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -826,7 +826,7 @@ static void fs_stage_panel(int isa, int type, const uint8_t *rows, int64_t row_b
 static void fs_product_task(void *ctx, int64_t begin, int64_t end)
 {
     const fs_product *pr = (const fs_product *)ctx;
-    uint8_t *stage = pr->stage + begin / pr->chunk * pr->stage_bytes;
+    uint8_t *stage = pr->stage ? pr->stage + begin / pr->chunk * pr->stage_bytes : NULL;     /* float only: none */
     int pi = 0;
     for (int64_t g = begin; g < end; g++) {
         while (g >= pr->parts[pi].first_panel + fs_part_panels(&pr->parts[pi]))

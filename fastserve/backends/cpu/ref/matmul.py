@@ -129,10 +129,12 @@ def fma32(a, b, c) -> np.ndarray:
         v = s - t
         e = (t - (s - v)) + (c64 - v)
         r = s.astype(np.float32)
-        toward = np.nextafter(r, np.where(s > r, np.float32(np.inf), np.float32(-np.inf)).astype(np.float32))
-        halfway = np.isfinite(s) & (s != r) & (s == (r.astype(np.float64) + toward.astype(np.float64)) / 2)
+        # a sum that rounded to +-inf from 2^128 - 2^103 (the tie past FLT_MAX): inf counts as 2^128 there
+        r64 = np.where(np.isinf(r) & np.isfinite(s), np.copysign(2.0 ** 128, s), r.astype(np.float64))
+        toward = np.nextafter(r, np.where(s > r64, np.float32(np.inf), np.float32(-np.inf)).astype(np.float32))
+        halfway = np.isfinite(s) & (s != r64) & (s == (r64 + toward.astype(np.float64)) / 2)
         # at a tie s rounded to even (r); the true value lies past it (take toward) when e points away from r
-        fix = halfway & (e != 0) & ((e > 0) == (toward > r))
+        fix = halfway & (e != 0) & ((e > 0) == (toward > r64))
     return np.where(fix, toward, r).astype(np.float32)
 
 
