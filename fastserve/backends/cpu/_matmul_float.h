@@ -358,10 +358,7 @@ static void fs_float_panel(int isa, int type, const fs_job *j, const uint8_t *ro
 {
     const int64_t steps = (j->valid + 3) / 4 * ((fs_float_inputs(type, row_bytes) + 15) / 16);
     fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, steps);
-    static int simd[5] = {-1, -1, -1, -1, -1};
-    if (isa >= 0 && isa < 5 && simd[isa] < 0)
-        simd[isa] = fs_float_simd_ok(isa);
-    if (isa < 0 || isa >= 5 || !simd[isa])
+    if (!fs_float_simd_ok(isa))         /* a few loads per panel: no cache shared by the pool's threads */
         isa = FS_ISA_SCALAR;
 #if defined(FS_X86)
 #if defined(FS_HAVE_AVX512VNNI)
