@@ -110,6 +110,8 @@ class ServerConnection:
                 self._head = ev
                 self._head_only = ev.method == b"HEAD"
                 self._body.clear()
+                if ev.method == b"CONNECT":     # h11 takes a 2xx answer to it as a switch to a tunnel
+                    return self._fail(405, "CONNECT is not served here: fastserve is not a proxy")
                 length = _content_length(ev.headers)
                 if length is not None and length > self.body_limit:
                     return self._fail(413, f"request body of {length} bytes is over the limit of "

@@ -68,6 +68,14 @@ def test_head_gets_its_head():
     assert [o[1] for o in out] == ["HEAD", "GET"]
 
 
+def test_connect_is_refused_whatever_follows():
+    """CONNECT (a proxy's tunnel; h11 would take a 2xx to it as a switch of protocol) is a 405, and the
+    connection takes nothing more (the input atheris found: a CONNECT, then another request)."""
+    stream = (b"CONNECT x HTTP/1.1\r\nHost: x\r\n\r\nPOST /a HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert drive([stream], False) == [("failure", 405)]
+    assert drive([stream[:9], stream[9:]], True) == [("failure", 405)]
+
+
 def test_atheris_coverage_guided(tmp_path):
     """The same checks, inputs found by atheris (libFuzzer's coverage guidance) for a few seconds."""
     import subprocess
