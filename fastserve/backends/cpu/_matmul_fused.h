@@ -867,14 +867,107 @@ FS_FUSED256 FS_INLINE void fs_kq_half_avx2(const fs_job *j, const int type, cons
         fs_store_half_avx2(j, h, r, f[r]);
 }
 
+/* Q4_K, blocks 2c and 2c + 1 of 256-block `at` together: they are the low and high nibbles of one
+ * 32-byte chunk, so each pair of rows is loaded and interleaved by dwords once for both (nibbles and
+ * dword moves commute), and the pair's dots are fs_kq_dots_avx2's for jj = 2c and 2c + 1 (the same
+ * integers in the same lanes). xe, xo: the two blocks' activations as fs_kq_dots_avx2's xd. */
+FS_FUSED256 FS_INLINE void fs_q4k_pair_dots_avx2(const uint8_t *const *rp, int64_t at, const int c,
+                                                 const __m256i *xe, const __m256i *xo, const int R,
+                                                 __m256i *ise, __m256i *iso)
+{
+    const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(15);
+    __m256i ee[2][FS_FUSED_MAX_N], eo[2][FS_FUSED_MAX_N];
+#pragma GCC unroll 2
+    for (int u = 0; u < 2; u++) {
+        __m256i ce[2][FS_FUSED_MAX_N], co[2][FS_FUSED_MAX_N];
+#pragma GCC unroll 2
+        for (int t = 0; t < 2; t++) {
+            const __m256i q0 = _mm256_loadu_si256((const __m256i *)(rp[4 * u + 2 * t] + at + 16 + 32 * c));
+            const __m256i q1 = _mm256_loadu_si256((const __m256i *)(rp[4 * u + 2 * t + 1] + at + 16 + 32 * c));
+            const __m256i wl = _mm256_unpacklo_epi32(q0, q1), wh = _mm256_unpackhi_epi32(q0, q1);
+            const __m256i el = _mm256_and_si256(wl, lo4), eh = _mm256_and_si256(wh, lo4);
+            const __m256i ol = _mm256_and_si256(_mm256_srli_epi16(wl, 4), lo4);
+            const __m256i oh = _mm256_and_si256(_mm256_srli_epi16(wh, 4), lo4);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                ce[t][r] = _mm256_add_epi16(_mm256_maddubs_epi16(el, xe[r]), _mm256_maddubs_epi16(eh, xe[FS_FUSED_MAX_N + r]));
+                co[t][r] = _mm256_add_epi16(_mm256_maddubs_epi16(ol, xo[r]), _mm256_maddubs_epi16(oh, xo[FS_FUSED_MAX_N + r]));
+            }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            ee[u][r] = _mm256_add_epi16(_mm256_unpacklo_epi64(ce[0][r], ce[1][r]), _mm256_unpackhi_epi64(ce[0][r], ce[1][r]));
+            eo[u][r] = _mm256_add_epi16(_mm256_unpacklo_epi64(co[0][r], co[1][r]), _mm256_unpackhi_epi64(co[0][r], co[1][r]));
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++) {
+        ise[r] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_permute2x128_si256(ee[0][r], ee[1][r], 0x20),
+                                                    _mm256_permute2x128_si256(ee[0][r], ee[1][r], 0x31)), ones);
+        iso[r] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_permute2x128_si256(eo[0][r], eo[1][r], 0x20),
+                                                    _mm256_permute2x128_si256(eo[0][r], eo[1][r], 0x31)), ones);
+    }
+}
+
+/* Q4_K on AVX2: fs_kq_half_avx2's numbers (the same isums, the same float steps in block order), the
+ * blocks taken in pairs (fs_q4k_pair_dots_avx2) and the prefetch stepped once per pair. */
+FS_FUSED256 FS_INLINE void fs_q4k_half_avx2(const fs_job *j, const uint8_t *rows, int64_t row_bytes, int h,
+                                            fs_prefetcher *pf, const int R)
+{
+    const int64_t nb = j->nb, K = nb * FS_QK;
+    const uint8_t *r8 = rows + 8 * h * row_bytes, *rp[8];
+    for (int l = 0; l < 8; l++)
+        rp[l] = r8 + l * row_bytes;
+    __m256 f[FS_FUSED_MAX_N];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        f[r] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nb / 8; sb++) {
+        const int64_t at = sb * 144;
+        __m256i hs[8];
+        __m256 dsc[8], mneg[8];
+        fs_rows8_avx2(r8, row_bytes, at, 1, hs);       /* d | dmin, scales[0..3], [4..7], [8..11] */
+        fs_k45_scales_avx2(hs, _mm256_cvtph_ps(fs_low16x8_avx2(hs[0])),
+                           _mm256_cvtph_ps(fs_low16x8_avx2(_mm256_srli_epi32(hs[0], 16))), dsc, mneg);
+#pragma GCC unroll 1
+        for (int c = 0; c < 4; c++) {
+            const int64_t b = sb * 8 + 2 * c;
+            fs_prefetch_step(pf);
+            __m256i xe[2 * FS_FUSED_MAX_N], xo[2 * FS_FUSED_MAX_N], ise[FS_FUSED_MAX_N], iso[FS_FUSED_MAX_N];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(j->xq + r * K + b * FS_QK));
+                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(j->xq + r * K + b * FS_QK + FS_QK));
+                xe[r] = _mm256_unpacklo_epi32(x0, x0);
+                xe[FS_FUSED_MAX_N + r] = _mm256_unpackhi_epi32(x0, x0);
+                xo[r] = _mm256_unpacklo_epi32(x1, x1);
+                xo[FS_FUSED_MAX_N + r] = _mm256_unpackhi_epi32(x1, x1);
+            }
+            fs_q4k_pair_dots_avx2(rp, at, c, xe, xo, R, ise, iso);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const int64_t o = r * nb + b;
+                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_cvtepi32_ps(ise[r]), _mm256_mul_ps(dsc[2 * c], _mm256_set1_ps(j->dx[o]))));
+                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(mneg[2 * c], _mm256_set1_ps(j->sx[o])));
+                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_cvtepi32_ps(iso[r]), _mm256_mul_ps(dsc[2 * c + 1], _mm256_set1_ps(j->dx[o + 1]))));
+                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(mneg[2 * c + 1], _mm256_set1_ps(j->sx[o + 1])));
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        fs_store_half_avx2(j, h, r, f[r]);
+}
+
 FS_FUSED256 static void fs_fused_avx2(const fs_job *j, int type, const uint8_t *rows, int64_t row_bytes,
                                       const uint8_t *next)
 {
     const int kq = type == FS_T_Q4_K || type == FS_T_Q5_K || FS_KQ_SUB(type);
-    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, 2 * j->nb);     /* a few lines per block */
+    /* a few lines per block (per pair of blocks for Q4_K) */
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, type == FS_T_Q4_K ? j->nb : 2 * j->nb);
     if (kq) {
         for (int h = 0; h < 2; h++) {
-#define FS_Q4K(R) fs_kq_half_avx2(j, FS_T_Q4_K, rows, row_bytes, h, &pf, R)
+#define FS_Q4K(R) fs_q4k_half_avx2(j, rows, row_bytes, h, &pf, R)
 #define FS_Q5K(R) fs_kq_half_avx2(j, FS_T_Q5_K, rows, row_bytes, h, &pf, R)
 #define FS_Q6K(R) fs_kq_half_avx2(j, FS_T_Q6_K, rows, row_bytes, h, &pf, R)
 #define FS_Q3K(R) fs_kq_half_avx2(j, FS_T_Q3_K, rows, row_bytes, h, &pf, R)
