@@ -50,8 +50,9 @@
  *
  * Prefetch: the next panel's rows in even slices, one per step (fs_prefetcher: one division per
  * panel), a few lines at a time: a 256-block's share in one burst left Q6_K at ~60 % of the read
- * bandwidth (the loads wait behind the prefetches); the type is a constant in each kernel instance
- * (a switch outside the block loop).
+ * bandwidth (the loads wait behind the prefetches); on AVX2 the K-quants step once per pair of
+ * blocks (a step is ~15 scalar instructions: per block it was an eighth of Q4_K's loop); the type
+ * is a constant in each kernel instance (a switch outside the block loop).
  *
  * Scales: the 16 rows' first dword of each block (f16 d, and m for Q4_1 / Q5_1) copied by scalar loads, then
  * widened with vcvtph2ps (exact), as the staging decoders do.
@@ -675,12 +676,24 @@ FS_FUSED256 FS_INLINE void fs_fused_half_avx2(const fs_job *j, const int type, c
         fs_store_half_avx2(j, h, r, f[r]);
 }
 
+/* The start of a half panel: its 8 rows' pointers (from r8, row_bytes apart) and R zero sums. */
+FS_FUSED256 FS_INLINE void fs_half_start_avx2(const uint8_t *r8, int64_t row_bytes, const int R,
+                                              const uint8_t **rp, __m256 *f)
+{
+    for (int l = 0; l < 8; l++)
+        rp[l] = r8 + l * row_bytes;
+#pragma GCC unroll 4
+    for (int r = 0; r < R; r++)
+        f[r] = _mm256_setzero_ps();
+}
+
 /* Q4_K / Q5_K / Q6_K / Q3_K / Q2_K on AVX2, read straight from the file's 256-blocks (whole panels;
  *   half h = rows 8h..8h+7): block jj (32 inputs) of row l as 32 unsigned bytes in one register: Q4_K
  *   the low (jj even) or high nibbles of its 32-byte chunk jj / 2; Q5_K the same | bit jj of its qh
- *   bytes as 16; Q6_K q + 32 = the 4 low bits of ql (chunk, nibble as the decoder says) | the 2 bits
- *   of qh moved to bits 4..5 (0..63); Q3_K q + 4 = the 2 bits of its chunk jj / 4 at 2 * (jj % 4) | 4
- *   where hmask bit jj (0..7); Q2_K q = those 2 bits alone (0..3, no offset);
+ *   bytes as 16 (both: fs_k45_pair_dots_avx2, two blocks from one chunk); Q6_K q + 32 = the 4 low bits
+ *   of ql (chunk, nibble as the decoder says) | the 2 bits of qh moved to bits 4..5 (0..63); Q3_K
+ *   q + 4 = the 2 bits of its chunk jj / 4 at 2 * (jj % 4) | 4 where hmask bit jj (0..7); Q2_K q =
+ *   those 2 bits alone (0..3, no offset);
  *   maddubs (pairs <= 2 * 63 * 127 < 2^15) on two rows interleaved by dwords, a transpose-reduce
  *   (fs_kq_dots_avx2) that keeps the two 128-bit halves apart, so one lane swap gives per row the
  *   dots of inputs 0..15 (lo) and 16..31 (hi):
@@ -689,22 +702,12 @@ FS_FUSED256 FS_INLINE void fs_fused_half_avx2(const fs_job *j, const int type, c
  *           the block's first 16 quantized inputs, off = fs_q_offset (32, 4, 0: taken back per half,
  *           then the int8 sub-scales);
  *   exact integers, then the staged kernels' float steps in their order (d * sc_j, -(dmin * mn_j) for
- *   Q4_K, d for Q6_K / Q3_K / Q2_K, then for Q2_K its half blocks' offsets -(dmin * mn) times
+ *   Q4_K / Q5_K, d for Q6_K / Q3_K / Q2_K, then for Q2_K its half blocks' offsets -(dmin * mn) times
  *   d_x * h_x and d_x * (sum_x - h_x), from the 8 rows' scale bytes transposed as the staging decoder
- *   does). */
+ *   does). Q6_K / Q3_K / Q2_K here (fs_kq_half_avx2), Q4_K / Q5_K in pairs of blocks (fs_k45_half_avx2). */
 FS_FUSED256 FS_INLINE __m256i fs_kq_weights_avx2(const int type, const uint8_t *blk, const int jj)
 {
     const __m256i lo4 = _mm256_set1_epi8(15);
-    if (type == FS_T_Q4_K || type == FS_T_Q5_K) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + (type == FS_T_Q5_K ? 48 : 16) + 32 * (jj >> 1)));
-        const __m256i w = _mm256_and_si256(jj & 1 ? _mm256_srli_epi16(q, 4) : q, lo4);
-        if (type == FS_T_Q4_K)
-            return w;
-        /* Q5_K: bit jj of each of the 32 qh bytes to bit 4 (the bits shifted in from the neighbour byte are masked) */
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(blk + 16));
-        const __m256i b4 = jj <= 4 ? _mm256_slli_epi16(qh, 4 - jj) : _mm256_srli_epi16(qh, jj - 4);
-        return _mm256_or_si256(w, _mm256_and_si256(b4, _mm256_set1_epi8(0x10)));
-    }
     if (type == FS_T_Q2_K) {     /* q: 2 bits of chunk jj / 4 at 2 * (jj % 4) */
         const __m256i ql = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * (jj >> 2)));
         return _mm256_and_si256(_mm256_srli_epi16(ql, 2 * (jj & 3)), _mm256_set1_epi8(3));
@@ -725,13 +728,13 @@ FS_FUSED256 FS_INLINE __m256i fs_kq_weights_avx2(const int type, const uint8_t *
     return _mm256_or_si256(ql, _mm256_and_si256(qh, _mm256_set1_epi8(0x30)));
 }
 
-/* Rows rp[0..7]'s exact dots of block jj of 256-block sb with the R activation rows (xd: their 32
- * inputs' dwords doubled, xd[r] = 0, 0, 1, 1 | 4, 4, 5, 5 and xd[FS_FUSED_MAX_N + r] = 2, 2, 3, 3 |
- * 6, 6, 7, 7): two rows' weights interleaved by dwords, so that two maddubs and one 16-bit add leave
- * both rows' partials (one row per dword, as fs_fold32_avx2 would); the sums stay 16-bit while they
- * fit (Q4_K: |sum| <= 8 * 2 * 15 * 127 < 2^15 up to the whole block; Q6_K: 2 * 2 * 63 * 127 < 2^15,
- * Q3_K: 2 * 2 * 7 * 127, Q2_K: 2 * 2 * 3 * 127, then madd). Q4_K, Q5_K: lo[r] = the block's isum
- * (lane l: row l); Q6_K, Q3_K, Q2_K: lo[r], hi[r] = the dots of inputs 0..15 and 16..31. */
+/* Q6_K / Q3_K / Q2_K: rows rp[0..7]'s exact dots of block jj of 256-block sb with the R activation
+ * rows (xd: their 32 inputs' dwords doubled, xd[r] = 0, 0, 1, 1 | 4, 4, 5, 5 and xd[FS_FUSED_MAX_N + r]
+ * = 2, 2, 3, 3 | 6, 6, 7, 7): two rows' weights interleaved by dwords, so that two maddubs and one
+ * 16-bit add leave both rows' partials (one row per dword, as fs_fold32_avx2 would), 16-bit while
+ * they fit (Q6_K: 2 * 2 * 63 * 127 < 2^15, Q3_K: 2 * 2 * 7 * 127, Q2_K: 2 * 2 * 3 * 127), then madd;
+ * lo[r], hi[r] = the dots of inputs 0..15 and 16..31 (lane l: row l). Q4_K and Q5_K do the same in
+ * fs_k45_pair_dots_avx2, summing 16-bit up to the whole block (Q4_K: 8 * 2 * 15 * 127 < 2^15). */
 FS_FUSED256 FS_INLINE void fs_kq_dots_avx2(const int type, const uint8_t *const *rp, int64_t at, const int jj,
                                            const __m256i *xd, const int R, __m256i *lo, __m256i *hi)
 {
@@ -747,25 +750,18 @@ FS_FUSED256 FS_INLINE void fs_kq_dots_avx2(const int type, const uint8_t *const 
             const __m256i wl = _mm256_unpacklo_epi32(w0, w1), wh = _mm256_unpackhi_epi32(w0, w1);
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
-                c[t][r] = _mm256_add_epi16(_mm256_maddubs_epi16(wl, xd[r]), _mm256_maddubs_epi16(wh, xd[FS_FUSED_MAX_N + r]));
-                if (FS_KQ_SUB(type))
-                    c[t][r] = _mm256_madd_epi16(c[t][r], ones);
+                c[t][r] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(wl, xd[r]),
+                                                             _mm256_maddubs_epi16(wh, xd[FS_FUSED_MAX_N + r])), ones);
             }
         }
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
-            e[u][r] = FS_KQ_SUB(type) ? fs_fold64_avx2(c[0][r], c[1][r])
-                                        : _mm256_add_epi16(_mm256_unpacklo_epi64(c[0][r], c[1][r]),
-                                                           _mm256_unpackhi_epi64(c[0][r], c[1][r]));
+            e[u][r] = fs_fold64_avx2(c[0][r], c[1][r]);
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
         lo[r] = _mm256_permute2x128_si256(e[0][r], e[1][r], 0x20);
         hi[r] = _mm256_permute2x128_si256(e[0][r], e[1][r], 0x31);
-        if (type == FS_T_Q4_K)
-            lo[r] = _mm256_madd_epi16(_mm256_add_epi16(lo[r], hi[r]), ones);
-        if (type == FS_T_Q5_K)      /* 16 products of up to 31 * 127 no longer fit 16 bits: widen first */
-            lo[r] = _mm256_add_epi32(_mm256_madd_epi16(lo[r], ones), _mm256_madd_epi16(hi[r], ones));
     }
 }
 
@@ -776,51 +772,42 @@ FS_FUSED256 FS_INLINE void fs_kq_half_avx2(const fs_job *j, const int type, cons
     const int64_t bb = fs_fused_block_bytes(type);
     const int32_t off = fs_q_offset(type);
     const uint8_t *r8 = rows + 8 * h * row_bytes, *rp[8];
-    for (int l = 0; l < 8; l++)
-        rp[l] = r8 + l * row_bytes;
     __m256 f[FS_FUSED_MAX_N];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-        f[r] = _mm256_setzero_ps();
+    fs_half_start_avx2(r8, row_bytes, R, rp, f);
     for (int64_t sb = 0; sb < nb / 8; sb++) {
         const int64_t at = sb * bb;
         __m256i hs[8];
-        __m256 dsc[8], mneg[8], d6 = _mm256_setzero_ps(), dmin = d6;
+        __m256 d6 = _mm256_setzero_ps(), dmin = d6;
         __m256i mns[4];
-        if (!FS_KQ_SUB(type)) {
-            fs_rows8_avx2(r8, row_bytes, at, 1, hs);       /* d | dmin, scales[0..3], [4..7], [8..11] */
-            fs_k45_scales_avx2(hs, _mm256_cvtph_ps(fs_low16x8_avx2(hs[0])),
-                               _mm256_cvtph_ps(fs_low16x8_avx2(_mm256_srli_epi32(hs[0], 16))), dsc, mneg);
+        if (type == FS_T_Q6_K) {
+            fs_rows8_avx2(r8, row_bytes, at + 192, 1, hs);  /* the 16 int8 sub-scales, 4 per dword */
+        } else if (type == FS_T_Q2_K) {                     /* scales (low nibbles) and mins (high) */
+            fs_rows8_avx2(r8, row_bytes, at, 1, hs);
+            for (int k = 0; k < 4; k++) {
+                mns[k] = _mm256_and_si256(_mm256_srli_epi32(hs[k], 4), _mm256_set1_epi8(15));
+                hs[k] = _mm256_and_si256(hs[k], _mm256_set1_epi8(15));
+            }
+        } else {                                            /* Q3_K's, as fs_fused_subscales makes them */
+            __m256i sc[8];
+            fs_rows8_avx2(r8, row_bytes, at + 92, 1, sc);
+            for (int k = 0; k < 4; k++) {
+                const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(sc[1 + (k & 1)], 4 * (k >> 1)), _mm256_set1_epi8(15));
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(sc[3], 2 * k), _mm256_set1_epi8(3));
+                hs[k] = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi8(32));
+            }
+        }
+        if (type == FS_T_Q2_K) {
+            const __m256i g = fs_dword8_avx2(rp, at + 80);       /* d | dmin << 16 */
+            d6 = _mm256_cvtph_ps(fs_low16x8_avx2(g));
+            dmin = _mm256_cvtph_ps(fs_low16x8_avx2(_mm256_srli_epi32(g, 16)));
         } else {
-            if (type == FS_T_Q6_K) {
-                fs_rows8_avx2(r8, row_bytes, at + 192, 1, hs);  /* the 16 int8 sub-scales, 4 per dword */
-            } else if (type == FS_T_Q2_K) {                     /* scales (low nibbles) and mins (high) */
-                fs_rows8_avx2(r8, row_bytes, at, 1, hs);
-                for (int k = 0; k < 4; k++) {
-                    mns[k] = _mm256_and_si256(_mm256_srli_epi32(hs[k], 4), _mm256_set1_epi8(15));
-                    hs[k] = _mm256_and_si256(hs[k], _mm256_set1_epi8(15));
-                }
-            } else {                                            /* Q3_K's, as fs_fused_subscales makes them */
-                __m256i sc[8];
-                fs_rows8_avx2(r8, row_bytes, at + 92, 1, sc);
-                for (int k = 0; k < 4; k++) {
-                    const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(sc[1 + (k & 1)], 4 * (k >> 1)), _mm256_set1_epi8(15));
-                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(sc[3], 2 * k), _mm256_set1_epi8(3));
-                    hs[k] = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi8(32));
-                }
-            }
-            if (type == FS_T_Q2_K) {
-                const __m256i g = fs_dword8_avx2(rp, at + 80);       /* d | dmin << 16 */
-                d6 = _mm256_cvtph_ps(fs_low16x8_avx2(g));
-                dmin = _mm256_cvtph_ps(fs_low16x8_avx2(_mm256_srli_epi32(g, 16)));
-            } else {
-                d6 = _mm256_cvtph_ps(fs_low16x8_avx2(_mm256_srli_epi32(fs_dword8_avx2(rp, at + bb - 4), 16)));
-            }
+            d6 = _mm256_cvtph_ps(fs_low16x8_avx2(_mm256_srli_epi32(fs_dword8_avx2(rp, at + bb - 4), 16)));
         }
 #pragma GCC unroll 8
         for (int jj = 0; jj < 8; jj++) {
             const int64_t b = sb * 8 + jj;
-            fs_prefetch_step(pf);
+            if ((jj & 1) == 0)
+                fs_prefetch_step(pf);
             __m256i xd[2 * FS_FUSED_MAX_N], lo[FS_FUSED_MAX_N], hi[FS_FUSED_MAX_N];
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
@@ -828,14 +815,16 @@ FS_FUSED256 FS_INLINE void fs_kq_half_avx2(const fs_job *j, const int type, cons
                 xd[r] = _mm256_unpacklo_epi32(x, x);
                 xd[FS_FUSED_MAX_N + r] = _mm256_unpackhi_epi32(x, x);
             }
-            fs_kq_dots_avx2(type, rp, at, jj, xd, R, lo, hi);
-            __m256i s0 = lo[0], s1 = lo[0];
+            /* the rows' bytes loaded again for each block, not kept from the block before (a chunk
+             * serves two to four blocks): held across the unrolled blocks they spilled 182 registers
+             * a 256-block; the offset, opaque to the compiler, keeps it from reusing them */
+            int64_t at_b = at;
+            __asm__("" : "+r"(at_b));
+            fs_kq_dots_avx2(type, rp, at_b, jj, xd, R, lo, hi);
+            const int i0 = 2 * jj, i1 = 2 * jj + 1;     /* the half blocks' int8 sub-scales */
+            const __m256i s0 = _mm256_srai_epi32(_mm256_slli_epi32(hs[i0 >> 2], 24 - 8 * (i0 & 3)), 24);
+            const __m256i s1 = _mm256_srai_epi32(_mm256_slli_epi32(hs[i1 >> 2], 24 - 8 * (i1 & 3)), 24);
             __m256 m0 = d6, m1 = d6;
-            if (FS_KQ_SUB(type)) {
-                const int i0 = 2 * jj, i1 = 2 * jj + 1;
-                s0 = _mm256_srai_epi32(_mm256_slli_epi32(hs[i0 >> 2], 24 - 8 * (i0 & 3)), 24);
-                s1 = _mm256_srai_epi32(_mm256_slli_epi32(hs[i1 >> 2], 24 - 8 * (i1 & 3)), 24);
-            }
             if (type == FS_T_Q2_K) {     /* the halves' offsets -(dmin * min) */
                 m0 = fs_neg_dmin_mn256(dmin, fs_byte256(mns[jj >> 1], (2 * jj) & 3));
                 m1 = fs_neg_dmin_mn256(dmin, fs_byte256(mns[jj >> 1], (2 * jj + 1) & 3));
@@ -843,21 +832,14 @@ FS_FUSED256 FS_INLINE void fs_kq_half_avx2(const fs_job *j, const int type, cons
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 const int64_t o = r * nb + b;
-                __m256i is;
-                if (FS_KQ_SUB(type)) {
-                    const int32_t xh = j->xh[o], xs = j->xs[o];
-                    is = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_sub_epi32(lo[r], _mm256_set1_epi32(off * xh)), s0),
-                                          _mm256_mullo_epi32(_mm256_sub_epi32(hi[r], _mm256_set1_epi32(off * (xs - xh))), s1));
-                    f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(d6, _mm256_set1_ps(j->dx[o]))));
-                    if (type == FS_T_Q2_K) {
-                        const float dx = j->dx[o], sl = dx * (float)xh, sh = dx * (float)(xs - xh);
-                        f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(m0, _mm256_set1_ps(sl)));
-                        f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(m1, _mm256_set1_ps(sh)));
-                    }
-                } else {
-                    is = lo[r];
-                    f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(dsc[jj], _mm256_set1_ps(j->dx[o]))));
-                    f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(mneg[jj], _mm256_set1_ps(j->sx[o])));
+                const int32_t xh = j->xh[o], xs = j->xs[o];
+                const __m256i is = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_sub_epi32(lo[r], _mm256_set1_epi32(off * xh)), s0),
+                                                    _mm256_mullo_epi32(_mm256_sub_epi32(hi[r], _mm256_set1_epi32(off * (xs - xh))), s1));
+                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(d6, _mm256_set1_ps(j->dx[o]))));
+                if (type == FS_T_Q2_K) {
+                    const float dx = j->dx[o], sl = dx * (float)xh, sh = dx * (float)(xs - xh);
+                    f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(m0, _mm256_set1_ps(sl)));
+                    f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(m1, _mm256_set1_ps(sh)));
                 }
             }
         }
@@ -867,27 +849,41 @@ FS_FUSED256 FS_INLINE void fs_kq_half_avx2(const fs_job *j, const int type, cons
         fs_store_half_avx2(j, h, r, f[r]);
 }
 
-/* Q4_K, blocks 2c and 2c + 1 of 256-block `at` together: they are the low and high nibbles of one
- * 32-byte chunk, so each pair of rows is loaded and interleaved by dwords once for both (nibbles and
- * dword moves commute), and the pair's dots are fs_kq_dots_avx2's for jj = 2c and 2c + 1 (the same
- * integers in the same lanes). xe, xo: the two blocks' activations as fs_kq_dots_avx2's xd. */
-FS_FUSED256 FS_INLINE void fs_q4k_pair_dots_avx2(const uint8_t *const *rp, int64_t at, const int c,
+/* Q4_K / Q5_K, blocks 2c and 2c + 1 of 256-block `at` together: they are the low and high nibbles
+ * of one 32-byte chunk (Q5_K: | bits 2c and 2c + 1 of its 32 qh bytes as 16), so each pair of rows
+ * is loaded and interleaved by dwords once for both blocks (nibble and bit moves commute with dword
+ * moves); then, per block, fs_kq_dots_avx2's maddubs and transpose-reduce: lane l of ise / iso is row
+ * l's exact isum of block 2c / 2c + 1. xe, xo: the two blocks' activations, dwords doubled (xd). */
+FS_FUSED256 FS_INLINE void fs_k45_pair_dots_avx2(const int type, const uint8_t *const *rp, int64_t at, const int c,
                                                  const __m256i *xe, const __m256i *xo, const int R,
                                                  __m256i *ise, __m256i *iso)
 {
-    const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(15);
+    const int five = type == FS_T_Q5_K;
+    const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(15), b4 = _mm256_set1_epi8(0x10);
     __m256i ee[2][FS_FUSED_MAX_N], eo[2][FS_FUSED_MAX_N];
 #pragma GCC unroll 2
     for (int u = 0; u < 2; u++) {
         __m256i ce[2][FS_FUSED_MAX_N], co[2][FS_FUSED_MAX_N];
 #pragma GCC unroll 2
         for (int t = 0; t < 2; t++) {
-            const __m256i q0 = _mm256_loadu_si256((const __m256i *)(rp[4 * u + 2 * t] + at + 16 + 32 * c));
-            const __m256i q1 = _mm256_loadu_si256((const __m256i *)(rp[4 * u + 2 * t + 1] + at + 16 + 32 * c));
+            const uint8_t *p0 = rp[4 * u + 2 * t] + at, *p1 = rp[4 * u + 2 * t + 1] + at;
+            const int qs = (five ? 48 : 16) + 32 * c;
+            const __m256i q0 = _mm256_loadu_si256((const __m256i *)(p0 + qs)), q1 = _mm256_loadu_si256((const __m256i *)(p1 + qs));
             const __m256i wl = _mm256_unpacklo_epi32(q0, q1), wh = _mm256_unpackhi_epi32(q0, q1);
-            const __m256i el = _mm256_and_si256(wl, lo4), eh = _mm256_and_si256(wh, lo4);
-            const __m256i ol = _mm256_and_si256(_mm256_srli_epi16(wl, 4), lo4);
-            const __m256i oh = _mm256_and_si256(_mm256_srli_epi16(wh, 4), lo4);
+            __m256i el = _mm256_and_si256(wl, lo4), eh = _mm256_and_si256(wh, lo4);
+            __m256i ol = _mm256_and_si256(_mm256_srli_epi16(wl, 4), lo4), oh = _mm256_and_si256(_mm256_srli_epi16(wh, 4), lo4);
+            if (five) {     /* bit 2c of each qh byte to bit 4 (even block), bit 2c + 1 (odd) */
+                const __m256i h0 = _mm256_loadu_si256((const __m256i *)(p0 + 16)), h1 = _mm256_loadu_si256((const __m256i *)(p1 + 16));
+                const __m256i hl = _mm256_unpacklo_epi32(h0, h1), hh = _mm256_unpackhi_epi32(h0, h1);
+                const __m256i hle = c <= 2 ? _mm256_slli_epi16(hl, 4 - 2 * c) : _mm256_srli_epi16(hl, 2 * c - 4);
+                const __m256i hhe = c <= 2 ? _mm256_slli_epi16(hh, 4 - 2 * c) : _mm256_srli_epi16(hh, 2 * c - 4);
+                const __m256i hlo = c <= 1 ? _mm256_slli_epi16(hl, 3 - 2 * c) : _mm256_srli_epi16(hl, 2 * c - 3);
+                const __m256i hho = c <= 1 ? _mm256_slli_epi16(hh, 3 - 2 * c) : _mm256_srli_epi16(hh, 2 * c - 3);
+                el = _mm256_or_si256(el, _mm256_and_si256(hle, b4));
+                eh = _mm256_or_si256(eh, _mm256_and_si256(hhe, b4));
+                ol = _mm256_or_si256(ol, _mm256_and_si256(hlo, b4));
+                oh = _mm256_or_si256(oh, _mm256_and_si256(hho, b4));
+            }
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 ce[t][r] = _mm256_add_epi16(_mm256_maddubs_epi16(el, xe[r]), _mm256_maddubs_epi16(eh, xe[FS_FUSED_MAX_N + r]));
@@ -902,28 +898,29 @@ FS_FUSED256 FS_INLINE void fs_q4k_pair_dots_avx2(const uint8_t *const *rp, int64
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
-        ise[r] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_permute2x128_si256(ee[0][r], ee[1][r], 0x20),
-                                                    _mm256_permute2x128_si256(ee[0][r], ee[1][r], 0x31)), ones);
-        iso[r] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_permute2x128_si256(eo[0][r], eo[1][r], 0x20),
-                                                    _mm256_permute2x128_si256(eo[0][r], eo[1][r], 0x31)), ones);
+        const __m256i el = _mm256_permute2x128_si256(ee[0][r], ee[1][r], 0x20), eh = _mm256_permute2x128_si256(ee[0][r], ee[1][r], 0x31);
+        const __m256i ol = _mm256_permute2x128_si256(eo[0][r], eo[1][r], 0x20), oh = _mm256_permute2x128_si256(eo[0][r], eo[1][r], 0x31);
+        if (five) {     /* 16 products of up to 31 * 127 no longer fit 16 bits: widen first */
+            ise[r] = _mm256_add_epi32(_mm256_madd_epi16(el, ones), _mm256_madd_epi16(eh, ones));
+            iso[r] = _mm256_add_epi32(_mm256_madd_epi16(ol, ones), _mm256_madd_epi16(oh, ones));
+        } else {
+            ise[r] = _mm256_madd_epi16(_mm256_add_epi16(el, eh), ones);
+            iso[r] = _mm256_madd_epi16(_mm256_add_epi16(ol, oh), ones);
+        }
     }
 }
 
-/* Q4_K on AVX2: fs_kq_half_avx2's numbers (the same isums, the same float steps in block order), the
- * blocks taken in pairs (fs_q4k_pair_dots_avx2) and the prefetch stepped once per pair. */
-FS_FUSED256 FS_INLINE void fs_q4k_half_avx2(const fs_job *j, const uint8_t *rows, int64_t row_bytes, int h,
-                                            fs_prefetcher *pf, const int R)
+/* Q4_K / Q5_K on AVX2: isum of each block (fs_k45_pair_dots_avx2), then the staged kernels' float steps
+ * in block order (d * sc_j, -(dmin * mn_j)); the prefetch steps once per pair of blocks. */
+FS_FUSED256 FS_INLINE void fs_k45_half_avx2(const fs_job *j, const int type, const uint8_t *rows, int64_t row_bytes,
+                                            int h, fs_prefetcher *pf, const int R)
 {
-    const int64_t nb = j->nb, K = nb * FS_QK;
+    const int64_t nb = j->nb, K = nb * FS_QK, bb = fs_fused_block_bytes(type);
     const uint8_t *r8 = rows + 8 * h * row_bytes, *rp[8];
-    for (int l = 0; l < 8; l++)
-        rp[l] = r8 + l * row_bytes;
     __m256 f[FS_FUSED_MAX_N];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++)
-        f[r] = _mm256_setzero_ps();
+    fs_half_start_avx2(r8, row_bytes, R, rp, f);
     for (int64_t sb = 0; sb < nb / 8; sb++) {
-        const int64_t at = sb * 144;
+        const int64_t at = sb * bb;
         __m256i hs[8];
         __m256 dsc[8], mneg[8];
         fs_rows8_avx2(r8, row_bytes, at, 1, hs);       /* d | dmin, scales[0..3], [4..7], [8..11] */
@@ -943,7 +940,7 @@ FS_FUSED256 FS_INLINE void fs_q4k_half_avx2(const fs_job *j, const uint8_t *rows
                 xo[r] = _mm256_unpacklo_epi32(x1, x1);
                 xo[FS_FUSED_MAX_N + r] = _mm256_unpackhi_epi32(x1, x1);
             }
-            fs_q4k_pair_dots_avx2(rp, at, c, xe, xo, R, ise, iso);
+            fs_k45_pair_dots_avx2(type, rp, at, c, xe, xo, R, ise, iso);
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 const int64_t o = r * nb + b;
@@ -963,12 +960,12 @@ FS_FUSED256 static void fs_fused_avx2(const fs_job *j, int type, const uint8_t *
                                       const uint8_t *next)
 {
     const int kq = type == FS_T_Q4_K || type == FS_T_Q5_K || FS_KQ_SUB(type);
-    /* a few lines per block (per pair of blocks for Q4_K) */
-    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, type == FS_T_Q4_K ? j->nb : 2 * j->nb);
+    /* a few lines per pair of blocks of each half panel (K-quants), per block (the others) */
+    fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, kq ? j->nb : 2 * j->nb);
     if (kq) {
         for (int h = 0; h < 2; h++) {
-#define FS_Q4K(R) fs_q4k_half_avx2(j, rows, row_bytes, h, &pf, R)
-#define FS_Q5K(R) fs_kq_half_avx2(j, FS_T_Q5_K, rows, row_bytes, h, &pf, R)
+#define FS_Q4K(R) fs_k45_half_avx2(j, FS_T_Q4_K, rows, row_bytes, h, &pf, R)
+#define FS_Q5K(R) fs_k45_half_avx2(j, FS_T_Q5_K, rows, row_bytes, h, &pf, R)
 #define FS_Q6K(R) fs_kq_half_avx2(j, FS_T_Q6_K, rows, row_bytes, h, &pf, R)
 #define FS_Q3K(R) fs_kq_half_avx2(j, FS_T_Q3_K, rows, row_bytes, h, &pf, R)
 #define FS_Q2K(R) fs_kq_half_avx2(j, FS_T_Q2_K, rows, row_bytes, h, &pf, R)

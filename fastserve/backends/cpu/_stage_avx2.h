@@ -139,22 +139,28 @@ FS_STAGE256 static inline __m256i fs_bytes_srl256(__m256i v, int s, int mask)
     return _mm256_and_si256(_mm256_srli_epi16(v, s), _mm256_set1_epi8((char)mask));
 }
 
+/* Byte k (0..3) of each dword of v, as a dword (one vpshufb instead of a shift and a mask). */
+FS_STAGE256 static inline __m256i fs_dword_byte256(__m256i v, int k)
+{
+    const int z = (int)0x80808000;      /* the dword's other three bytes: zero */
+    return _mm256_shuffle_epi8(v, _mm256_setr_epi32(z | k, z | (4 + k), z | (8 + k), z | (12 + k),
+                                                    z | k, z | (4 + k), z | (8 + k), z | (12 + k)));
+}
+
 /* Q4_K / Q5_K: the 8 scales d * sc_j and offsets -(dmin * mn_j) of a 256-block of 8 rows from hs
- * (fs_rows8_avx2 of its first 16 bytes: d | dmin, scales[0..3], [4..7], [8..11]) and d, dmin. */
+ * (fs_rows8_avx2 of its first 16 bytes: d | dmin, scales[0..3], [4..7], [8..11]) and d, dmin. The
+ * 6-bit values of all four j of a dword are unpacked at once, byte-wise (the bits 6, 7 of scales[0..7]
+ * are the high bits of j = 4..7), then each byte widened by one vpshufb. */
 FS_STAGE256 static inline void fs_k45_scales_avx2(const __m256i hs[4], __m256 d, __m256 dmin, __m256 dsc[8],
                                                   __m256 mneg[8])
 {
-    const __m256i m63 = _mm256_set1_epi32(63), m15 = _mm256_set1_epi32(15);
+    const __m256i m63 = _mm256_set1_epi8(63), m15 = _mm256_set1_epi8(15), m48 = _mm256_set1_epi8(48);
+    const __m256i sc03 = _mm256_and_si256(hs[1], m63), mn03 = _mm256_and_si256(hs[2], m63);
+    const __m256i sc47 = _mm256_or_si256(_mm256_and_si256(hs[3], m15), _mm256_and_si256(_mm256_srli_epi32(hs[1], 2), m48));
+    const __m256i mn47 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(hs[3], 4), m15),
+                                         _mm256_and_si256(_mm256_srli_epi32(hs[2], 2), m48));
     for (int j = 0; j < 8; j++) {
-        __m256i sc, mn;
-        if (j < 4) {
-            sc = _mm256_and_si256(fs_byte256(hs[1], j), m63);
-            mn = _mm256_and_si256(fs_byte256(hs[2], j), m63);
-        } else {
-            __m256i lo = fs_byte256(hs[3], j - 4);
-            sc = _mm256_or_si256(_mm256_and_si256(lo, m15), _mm256_slli_epi32(_mm256_srli_epi32(fs_byte256(hs[1], j - 4), 6), 4));
-            mn = _mm256_or_si256(_mm256_srli_epi32(lo, 4), _mm256_slli_epi32(_mm256_srli_epi32(fs_byte256(hs[2], j - 4), 6), 4));
-        }
+        const __m256i sc = fs_dword_byte256(j < 4 ? sc03 : sc47, j & 3), mn = fs_dword_byte256(j < 4 ? mn03 : mn47, j & 3);
         dsc[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
         mneg[j] = fs_neg_dmin_mn256(dmin, mn);
     }
