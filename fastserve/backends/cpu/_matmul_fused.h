@@ -849,65 +849,71 @@ FS_FUSED256 FS_INLINE void fs_kq_half_avx2(const fs_job *j, const int type, cons
         fs_store_half_avx2(j, h, r, f[r]);
 }
 
+/* Bit `bit` (0..7) of each byte of v moved to bit 4 (16), the other bits cleared: 16-bit shifts, so
+ * the bits that cross from the neighbour byte are masked away. */
+FS_FUSED256 FS_INLINE __m256i fs_bit_to16_avx2(__m256i v, const int bit)
+{
+    const __m256i m = bit <= 4 ? _mm256_slli_epi16(v, 4 - bit) : _mm256_srli_epi16(v, bit - 4);
+    return _mm256_and_si256(m, _mm256_set1_epi8(0x10));
+}
+
 /* Q4_K / Q5_K, blocks 2c and 2c + 1 of 256-block `at` together: they are the low and high nibbles
  * of one 32-byte chunk (Q5_K: | bits 2c and 2c + 1 of its 32 qh bytes as 16), so each pair of rows
  * is loaded and interleaved by dwords once for both blocks (nibble and bit moves commute with dword
- * moves); then, per block, fs_kq_dots_avx2's maddubs and transpose-reduce: lane l of ise / iso is row
- * l's exact isum of block 2c / 2c + 1. xe, xo: the two blocks' activations, dwords doubled (xd). */
+ * moves); then, per block, fs_kq_dots_avx2's maddubs and transpose-reduce: lane l of is[k] is row
+ * l's exact isum of block 2c + k. x[k]: block 2c + k's activations, dwords doubled (xd). */
 FS_FUSED256 FS_INLINE void fs_k45_pair_dots_avx2(const int type, const uint8_t *const *rp, int64_t at, const int c,
-                                                 const __m256i *xe, const __m256i *xo, const int R,
-                                                 __m256i *ise, __m256i *iso)
+                                                 const __m256i *const x[2], const int R, __m256i *const is[2])
 {
     const int five = type == FS_T_Q5_K;
-    const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(15), b4 = _mm256_set1_epi8(0x10);
-    __m256i ee[2][FS_FUSED_MAX_N], eo[2][FS_FUSED_MAX_N];
+    const __m256i ones = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(15);
+    __m256i e[2][2][FS_FUSED_MAX_N];        /* [block k][rows 0..3 | 4..7][activation row] */
 #pragma GCC unroll 2
     for (int u = 0; u < 2; u++) {
-        __m256i ce[2][FS_FUSED_MAX_N], co[2][FS_FUSED_MAX_N];
+        __m256i cs[2][2][FS_FUSED_MAX_N];   /* [block k][row pair t][activation row] */
 #pragma GCC unroll 2
         for (int t = 0; t < 2; t++) {
             const uint8_t *p0 = rp[4 * u + 2 * t] + at, *p1 = rp[4 * u + 2 * t + 1] + at;
             const int qs = (five ? 48 : 16) + 32 * c;
             const __m256i q0 = _mm256_loadu_si256((const __m256i *)(p0 + qs)), q1 = _mm256_loadu_si256((const __m256i *)(p1 + qs));
             const __m256i wl = _mm256_unpacklo_epi32(q0, q1), wh = _mm256_unpackhi_epi32(q0, q1);
-            __m256i el = _mm256_and_si256(wl, lo4), eh = _mm256_and_si256(wh, lo4);
-            __m256i ol = _mm256_and_si256(_mm256_srli_epi16(wl, 4), lo4), oh = _mm256_and_si256(_mm256_srli_epi16(wh, 4), lo4);
-            if (five) {     /* bit 2c of each qh byte to bit 4 (even block), bit 2c + 1 (odd) */
+            __m256i hl = wl, hh = wh;
+            if (five) {
                 const __m256i h0 = _mm256_loadu_si256((const __m256i *)(p0 + 16)), h1 = _mm256_loadu_si256((const __m256i *)(p1 + 16));
-                const __m256i hl = _mm256_unpacklo_epi32(h0, h1), hh = _mm256_unpackhi_epi32(h0, h1);
-                const __m256i hle = c <= 2 ? _mm256_slli_epi16(hl, 4 - 2 * c) : _mm256_srli_epi16(hl, 2 * c - 4);
-                const __m256i hhe = c <= 2 ? _mm256_slli_epi16(hh, 4 - 2 * c) : _mm256_srli_epi16(hh, 2 * c - 4);
-                const __m256i hlo = c <= 1 ? _mm256_slli_epi16(hl, 3 - 2 * c) : _mm256_srli_epi16(hl, 2 * c - 3);
-                const __m256i hho = c <= 1 ? _mm256_slli_epi16(hh, 3 - 2 * c) : _mm256_srli_epi16(hh, 2 * c - 3);
-                el = _mm256_or_si256(el, _mm256_and_si256(hle, b4));
-                eh = _mm256_or_si256(eh, _mm256_and_si256(hhe, b4));
-                ol = _mm256_or_si256(ol, _mm256_and_si256(hlo, b4));
-                oh = _mm256_or_si256(oh, _mm256_and_si256(hho, b4));
+                hl = _mm256_unpacklo_epi32(h0, h1);
+                hh = _mm256_unpackhi_epi32(h0, h1);
             }
+#pragma GCC unroll 2
+            for (int k = 0; k < 2; k++) {   /* block 2c + k: the low (k = 0) or high nibbles, Q5_K's bit 2c + k */
+                __m256i w0 = _mm256_and_si256(k ? _mm256_srli_epi16(wl, 4) : wl, lo4);
+                __m256i w1 = _mm256_and_si256(k ? _mm256_srli_epi16(wh, 4) : wh, lo4);
+                if (five) {
+                    w0 = _mm256_or_si256(w0, fs_bit_to16_avx2(hl, 2 * c + k));
+                    w1 = _mm256_or_si256(w1, fs_bit_to16_avx2(hh, 2 * c + k));
+                }
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                ce[t][r] = _mm256_add_epi16(_mm256_maddubs_epi16(el, xe[r]), _mm256_maddubs_epi16(eh, xe[FS_FUSED_MAX_N + r]));
-                co[t][r] = _mm256_add_epi16(_mm256_maddubs_epi16(ol, xo[r]), _mm256_maddubs_epi16(oh, xo[FS_FUSED_MAX_N + r]));
+                for (int r = 0; r < R; r++)
+                    cs[k][t][r] = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x[k][r]),
+                                                   _mm256_maddubs_epi16(w1, x[k][FS_FUSED_MAX_N + r]));
             }
         }
+#pragma GCC unroll 2
+        for (int k = 0; k < 2; k++)
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                e[k][u][r] = _mm256_add_epi16(_mm256_unpacklo_epi64(cs[k][0][r], cs[k][1][r]),
+                                              _mm256_unpackhi_epi64(cs[k][0][r], cs[k][1][r]));
+    }
+#pragma GCC unroll 2
+    for (int k = 0; k < 2; k++)
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
-            ee[u][r] = _mm256_add_epi16(_mm256_unpacklo_epi64(ce[0][r], ce[1][r]), _mm256_unpackhi_epi64(ce[0][r], ce[1][r]));
-            eo[u][r] = _mm256_add_epi16(_mm256_unpacklo_epi64(co[0][r], co[1][r]), _mm256_unpackhi_epi64(co[0][r], co[1][r]));
+            const __m256i lo = _mm256_permute2x128_si256(e[k][0][r], e[k][1][r], 0x20);
+            const __m256i hi = _mm256_permute2x128_si256(e[k][0][r], e[k][1][r], 0x31);
+            /* Q5_K: 16 products of up to 31 * 127 no longer fit 16 bits: widen first */
+            is[k][r] = five ? _mm256_add_epi32(_mm256_madd_epi16(lo, ones), _mm256_madd_epi16(hi, ones))
+                            : _mm256_madd_epi16(_mm256_add_epi16(lo, hi), ones);
         }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) {
-        const __m256i el = _mm256_permute2x128_si256(ee[0][r], ee[1][r], 0x20), eh = _mm256_permute2x128_si256(ee[0][r], ee[1][r], 0x31);
-        const __m256i ol = _mm256_permute2x128_si256(eo[0][r], eo[1][r], 0x20), oh = _mm256_permute2x128_si256(eo[0][r], eo[1][r], 0x31);
-        if (five) {     /* 16 products of up to 31 * 127 no longer fit 16 bits: widen first */
-            ise[r] = _mm256_add_epi32(_mm256_madd_epi16(el, ones), _mm256_madd_epi16(eh, ones));
-            iso[r] = _mm256_add_epi32(_mm256_madd_epi16(ol, ones), _mm256_madd_epi16(oh, ones));
-        } else {
-            ise[r] = _mm256_madd_epi16(_mm256_add_epi16(el, eh), ones);
-            iso[r] = _mm256_madd_epi16(_mm256_add_epi16(ol, oh), ones);
-        }
-    }
 }
 
 /* Q4_K / Q5_K on AVX2: isum of each block (fs_k45_pair_dots_avx2), then the staged kernels' float steps
@@ -930,25 +936,26 @@ FS_FUSED256 FS_INLINE void fs_k45_half_avx2(const fs_job *j, const int type, con
         for (int c = 0; c < 4; c++) {
             const int64_t b = sb * 8 + 2 * c;
             fs_prefetch_step(pf);
-            __m256i xe[2 * FS_FUSED_MAX_N], xo[2 * FS_FUSED_MAX_N], ise[FS_FUSED_MAX_N], iso[FS_FUSED_MAX_N];
+            __m256i xd[2][2 * FS_FUSED_MAX_N], is[2][FS_FUSED_MAX_N];
+#pragma GCC unroll 2
+            for (int k = 0; k < 2; k++)
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(j->xq + r * K + b * FS_QK));
-                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(j->xq + r * K + b * FS_QK + FS_QK));
-                xe[r] = _mm256_unpacklo_epi32(x0, x0);
-                xe[FS_FUSED_MAX_N + r] = _mm256_unpackhi_epi32(x0, x0);
-                xo[r] = _mm256_unpacklo_epi32(x1, x1);
-                xo[FS_FUSED_MAX_N + r] = _mm256_unpackhi_epi32(x1, x1);
-            }
-            fs_k45_pair_dots_avx2(type, rp, at, c, xe, xo, R, ise, iso);
+                for (int r = 0; r < R; r++) {
+                    const __m256i x = _mm256_loadu_si256((const __m256i *)(j->xq + r * K + (b + k) * FS_QK));
+                    xd[k][r] = _mm256_unpacklo_epi32(x, x);
+                    xd[k][FS_FUSED_MAX_N + r] = _mm256_unpackhi_epi32(x, x);
+                }
+            fs_k45_pair_dots_avx2(type, rp, at, c, (const __m256i *const[2]){xd[0], xd[1]}, R,
+                                  (__m256i *const[2]){is[0], is[1]});
+#pragma GCC unroll 2
+            for (int k = 0; k < 2; k++)     /* blocks b, b + 1 in order */
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++) {
-                const int64_t o = r * nb + b;
-                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_cvtepi32_ps(ise[r]), _mm256_mul_ps(dsc[2 * c], _mm256_set1_ps(j->dx[o]))));
-                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(mneg[2 * c], _mm256_set1_ps(j->sx[o])));
-                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_cvtepi32_ps(iso[r]), _mm256_mul_ps(dsc[2 * c + 1], _mm256_set1_ps(j->dx[o + 1]))));
-                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(mneg[2 * c + 1], _mm256_set1_ps(j->sx[o + 1])));
-            }
+                for (int r = 0; r < R; r++) {
+                    const int64_t o = r * nb + b + k;
+                    f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_cvtepi32_ps(is[k][r]),
+                                                             _mm256_mul_ps(dsc[2 * c + k], _mm256_set1_ps(j->dx[o]))));
+                    f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(mneg[2 * c + k], _mm256_set1_ps(j->sx[o])));
+                }
         }
     }
 #pragma GCC unroll 4
