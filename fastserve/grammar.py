@@ -29,9 +29,10 @@ from .errors import RequestError
 
 _SPECIAL_MARKER = b"\xff"      # llguidance: a token whose bytes start with 0xFF is special, never text
 _lock = threading.Lock()
-# Whitespace between JSON tokens as llama.cpp's schema converter allows it (a space, or a newline and an
-# indent of at most 20): enough for pretty-printed output, never an endless run of blanks.
-_JSON_OPTIONS = {"whitespace_pattern": r"(?: |\n[ \t]{0,20})?"}
+# Whitespace between JSON tokens as llama.cpp's schema converter allows it (space ::= | " " | "\n"{1,2} [ \t]{0,20}:
+# nothing, a space, or one or two newlines and an indent of at most 20): enough for pretty-printed output, never an
+# endless run of blanks.
+_JSON_OPTIONS = {"whitespace_pattern": r"(?: |\n{1,2}[ \t]{0,20})?"}
 
 
 # JSON schema keywords whose value is a subschema, or a list / a map of subschemas (allOf is apart: closed_objects)

@@ -172,3 +172,18 @@ def test_a_missing_additional_properties_closes_the_object(tiny_model):
     assert G.closed_objects({"$defs": {"x": {"properties": {}}}, "items": [{"properties": {}}]}) == \
         {"$defs": {"x": {"properties": {}, "additionalProperties": False}},
          "items": [{"properties": {}, "additionalProperties": False}]}
+
+
+def test_json_whitespace_is_bounded_as_llama_cpps(tiny_model):
+    """Between JSON tokens: nothing, one space, or one or two newlines and an indent of at most 20 (llama.cpp's
+    space rule); a model cannot fill n_predict with blanks."""
+    tok = tiny_model.tokenizer
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
+
+    def accepts(text: str) -> bool:
+        return G.Constraint(tok, G.compile_grammar(json_schema=schema)).accepts(
+            tok.encode(text, add_special=False), prefix=True)
+    for fine in ('{"ok":true}', '{ "ok": true }', '{\n  "ok": true\n}', '{\n\n' + " " * 20 + '"ok"', '{\n\t"ok"'):
+        assert accepts(fine), fine
+    for endless in ('{  "ok"', '{\n' + " " * 21, '{\n\n\n', '{ \n', '{"ok":  '):
+        assert not accepts(endless), endless
