@@ -64,17 +64,18 @@ class Counter:
 
 
 class Gauge:
-    """A gauge whose value is read at scrape time from `fn()` (or set())."""
+    """A gauge whose value is read at scrape time from `fn()` (or set()); labels: fixed, the one series'."""
 
-    def __init__(self, name: str, help: str, fn=None):
+    def __init__(self, name: str, help: str, fn=None, labels: dict | None = None):
         self.name, self.help, self.fn, self.value = name, help, fn, 0.0
+        self.labels = _labels(labels or {})
 
     def set(self, v: float) -> None:
         self.value = v
 
     def render(self, out: list) -> None:
         v = self.fn() if self.fn is not None else self.value
-        out.append(f"# HELP {self.name} {self.help}\n# TYPE {self.name} gauge\n{self.name} {_fmt(v)}\n")
+        out.append(f"# HELP {self.name} {self.help}\n# TYPE {self.name} gauge\n{self.name}{self.labels} {_fmt(v)}\n")
 
 
 class Histogram:
@@ -121,8 +122,8 @@ class Registry:
     def counter(self, name, help, labelnames=()):
         return self.add(Counter(name, help, labelnames))
 
-    def gauge(self, name, help, fn=None):
-        return self.add(Gauge(name, help, fn))
+    def gauge(self, name, help, fn=None, labels=None):
+        return self.add(Gauge(name, help, fn, labels))
 
     def histogram(self, name, help, buckets, labelnames=()):
         return self.add(Histogram(name, help, buckets, labelnames))
@@ -214,6 +215,14 @@ SPEC_COUNTERS = (
 )
 
 
+def kv_in_use(snap, info) -> float:
+    """vLLM's kv_cache_usage_perc (0..1): the KV written for requests that run, over the whole cache. An idle
+    slot's cached prefix counts as free, as vLLM counts a finished request's cached blocks (they can be evicted);
+    fastserve_kv_usage_ratio counts it."""
+    held = sum(past for past, state in zip(snap.slot_past, snap.slot_state) if state)
+    return held / (info.n_slots * info.n_ctx_slot)
+
+
 def _decode_steps(engine) -> int:
     """Steps that did work (the tracer's count), or, with tracing off, the heartbeat's."""
     st = engine.stats()
@@ -255,6 +264,15 @@ class ServerMetrics:
         r.gauge("llamacpp:requests_processing", "Number of requests processing",
                 lambda: sum(1 for s in snap().slot_state if s))
         r.gauge("llamacpp:requests_deferred", "Number of requests deferred", lambda: snap().n_waiting + engine.stats().n_inbox)
+        # vLLM's scheduler gauges (vllm/v1/metrics/loggers.py: names, help texts, labels), which routers outside
+        # fastserve read to spread load over a pool of servers (llm-d, vLLM's router, SGLang's gateway)
+        vllm = {"model_name": app.config.alias or info.model_name, "engine": "0"}
+        r.gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                lambda: snap().n_running, vllm)
+        r.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                lambda: snap().n_waiting + engine.stats().n_inbox, vllm)
+        r.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                lambda: kv_in_use(snap(), info), vllm)
         r.gauge("fastserve_requests_running", "Requests holding a slot.", lambda: snap().n_running)
         r.gauge("fastserve_requests_waiting", "Requests waiting for a slot (queued or not yet seen by the decode "
                 "thread).", lambda: snap().n_waiting + engine.stats().n_inbox)
