@@ -197,3 +197,22 @@ def test_a_stream_cut_short_ends_with_an_error_event(raw):
     assert names[:3] == ["message_start", "ping", "content_block_start"] and names[-1] == "error"
     last = orjson.loads(lines[-1][6:])
     assert last["type"] == "error" and last["error"]["type"] == "timeout_error" and "time limit" in last["error"]["message"]
+
+
+def test_tool_results_as_text_or_error(raw, client):
+    """A tool_result's content (a string or text blocks) is the tool message of the chat's prompt; is_error marks
+    it 'Error: ': count_tokens equals the chat's template, given the same conversation, tokenized."""
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Atlantis"}}
+    call = {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Atlantis"}'}}
+    for content, is_error, text in (("no such city", True, "Error: no such city"),
+                                    ([{"type": "text", "text": "no such"}, {"type": "text", "text": "city"}], False,
+                                     "no such\n\ncity")):
+        result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": content, "is_error": is_error}
+        counted = client.messages.count_tokens(model="m", messages=[*ASK, {"role": "assistant", "content": [use]},
+                                                                     {"role": "user", "content": [result]}])
+        chat = [*ASK, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "toolu_1", "content": text}]
+        prompt = raw.post("/apply-template", json={"messages": chat}).json()["prompt"]
+        assert text in prompt
+        ids = raw.post("/tokenize", json={"content": prompt, "add_special": True}).json()["tokens"]
+        assert counted.input_tokens == len(ids), (content, is_error)

@@ -37,3 +37,18 @@ def test_default_model_over_http(default_model, default_model_file, tmp_path):
         assert rc == 0 and dt < 3
     finally:
         srv.kill()
+
+
+@pytest.mark.model
+def test_a_schema_without_additional_properties_ends_with_its_keys(default_model_file, tmp_path):
+    """As llama.cpp's schema converter: an object listing its properties takes no others when the schema says
+    nothing of additionalProperties. Read as the JSON Schema standard has it, the default model adds keys ('id',
+    'name', ...) or writes one key until n_predict cuts the JSON."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "score": {"type": "integer"}}}
+    with ServerProc(default_model_file, tmp_path / "server.log", "-c", "1024", "-np", "1") as srv, \
+            httpx.Client(base_url=srv.url, timeout=60) as c:
+        for prompt in ("{", "A person record as JSON:", "Reply in JSON: is the sky blue? Give ok and score."):
+            r = c.post("/completion", json={"prompt": prompt, "json_schema": schema, "n_predict": 64,
+                                            "temperature": 0}).json()
+            assert r["stop_type"] == "eos", (prompt, r["content"])
+            assert set(json.loads(r["content"])) <= {"ok", "score"}, (prompt, r["content"])

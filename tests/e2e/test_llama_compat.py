@@ -311,8 +311,12 @@ def test_chat_prefill_and_timings_in_the_last_chunk(http):
     assert chunks[-1]["timings"]["predicted_n"] == 4
     content = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
     assert content and all("timings" in c for c in content)
+    no_usage = stream_post(http, "/v1/chat/completions", {"messages": msgs[:1], "max_tokens": 4, "temperature": 0,
+                                                          "timings_per_token": True})
+    assert no_usage[-1]["choices"][0]["finish_reason"] and no_usage[-1]["timings"]["predicted_n"] == 4
     plain = stream_post(http, "/v1/chat/completions", {"messages": msgs[:1], "max_tokens": 4, "temperature": 0})
     assert not any("timings" in c for c in plain if c["choices"] and c["choices"][0]["delta"].get("content"))
+    assert plain[-1]["timings"]["predicted_n"] == 4                     # the last chunk always has them
 
 
 def test_apply_template(http):
@@ -519,6 +523,8 @@ def test_flags_server_wide_defaults_and_endpoints(make_server, tmp_path):
     (["-c", "0"], "give a size"),
     (["-ub", "0"], "--ubatch-size"),
     (["--cors-origins", "ftp://x.example"], "--cors-origins"),
+    (["--reasoning-format", "deepseek-legacy"], "--reasoning-format"),
+    (["--reasoning-budget", "-2"], "--reasoning-budget"),
     (["--chat-template-file", "/nonexistent/t.jinja"], "--chat-template-file"),     # the tiny model has 2 layers: all or nothing on a GPU
 ])
 def test_refused_flags_exit_with_the_reason(tiny_model_path, flags, needle):

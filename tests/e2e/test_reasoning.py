@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 
 from .conftest import ServerProc
@@ -149,3 +150,18 @@ def test_responses_reasoning_items(oai, http):
                                                            {"role": "user", "content": "and?"}]}).json()["prompt"]
     assert follow.usage.input_tokens == len(http.post("/tokenize", json={"content": said, "add_special": True})
                                             .json()["tokens"])
+
+
+def test_the_servers_reasoning_format_none(make_server):
+    """--reasoning-format none: the reply's text as it came, markers and all, in content; a request's
+    reasoning_format deepseek splits it again. A budget still cuts the thinking."""
+    srv = make_server("-c", "512", "-np", "1", "--chat-template-file", str(TEMPLATE), "--reasoning-format", "none",
+                      "--reasoning-budget", "4")
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        raw, tokens = _chat(c, max_tokens=20)
+        assert "reasoning_content" not in raw and b"".join(tokens[4:]).startswith(b"</think>")
+        assert "</think>" in raw["content"]
+        split, _ = _chat(c, max_tokens=20, reasoning_format="deepseek")
+        assert split["reasoning_content"] == b"".join(tokens[:4]).decode("utf-8", "replace")
+        assert raw["content"].startswith(split["reasoning_content"]) and raw["content"].endswith(split["content"])
+        assert _streamed(c, max_tokens=20) == ("", raw["content"])
