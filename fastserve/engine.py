@@ -28,9 +28,10 @@ from . import _batch, _delivery, _drafts, _faults, _sampling, _slots
 from ._slots import IDLE
 from .backends.host_sampling import HostSampled
 from .config import DraftLimits, EngineConfig, SamplingParams, check_context, check_max_tokens, check_token_ids
-from .errors import ConfigError, EngineClosed, RequestError, ServerBusy
+from .embedding import EMBED_SLOTS, Embedder, EmbedJob, check_options
+from .errors import ConfigError, ContextExceeded, EngineClosed, RequestError, ServerBusy
 from .grammar import Constraint, compile_grammar
-from .inbox import Cancel, Erase, Inbox, Submit
+from .inbox import Cancel, Embed, Erase, Inbox, Submit
 from .masks import MaskTable
 from .prompt_cache import MIB, PromptCache
 from .reader import Reader, Waker
@@ -99,6 +100,7 @@ class EngineInfo:
     model_summary: str          # what the load says of itself (time, phases)
     isa: str = ""               # the CPU kernels' instruction set ("avx512vnni", "avx2", "scalar", ...; "" off the CPU)
     speculative: object = None  # config.SpecConfig (its type "none": off)
+    n_embd: int = 0             # the width of the model's hidden states (its embeddings)
 
 
 class EngineStats(NamedTuple):
@@ -132,7 +134,7 @@ class Engine:
     Prefix reuse: a request reuses the longest prefix of its prompt already in a slot's KV (cache_prompt);
     the host-RAM prompt cache (cache_ram_mib, fastserve/prompt_cache.py) keeps the prefixes of reused slots.
 
-    Its public surface is the door the server uses: submit, cancel, erase, snapshot, stats(), constraint,
+    Its public surface is the door the server uses: submit, embed, cancel, erase, snapshot, stats(), constraint,
     tokenizer, describe(), trace_totals(); and generate, stream, trace_summary, close for in-process use.
     """
 
@@ -189,6 +191,7 @@ class Engine:
         self._erased = [(0, 0)] * self._n_slots                  # slot -> (erasures, tokens the last one dropped)
         self._reuse_from = [0] * self._n_slots                   # slot -> backend.kv_reuse_from at its last release
         self._waiting: deque[Request] = deque()
+        self._embedder: Embedder | None = None      # made by the decode thread at the first embedding job
         self._closing = False
         self._closed = False
         self._seq = 0
@@ -297,6 +300,39 @@ class Engine:
             self._delivery.reject(job.buffer, FINISH_CLOSED)
             self._delivery.wake()
         return text
+
+    def embed(self, inputs, *, pooling: str = "mean", normalize: int = 2, add_special: bool = True) -> EmbedJob:
+        """Queue an embedding job; returns its EmbedJob at once (.result(): per input, float32 [n_embd], or
+        [n_tokens, n_embd] with pooling "none"; .future for an event loop). inputs: a list of texts or token
+        id lists, each at most a slot's context. pooling: embedding.POOLINGS; normalize: llama.cpp's
+        embd_normalize (-1 none, 2 Euclidean, ...; pooled vectors only). Tokenized here, in the caller's
+        thread; computed on the decode thread beside the running requests (embedding.py). Raises
+        RequestError (ContextExceeded: an input longer than a slot), EngineClosed."""
+        if self._closing:
+            raise EngineClosed("the engine is closed")
+        check_options(pooling, normalize)
+        if not isinstance(inputs, (list, tuple)) or not inputs:
+            raise RequestError("embedding inputs must be a non-empty list of texts or token id lists")
+        job = EmbedJob([self._input_ids(x, i, add_special) for i, x in enumerate(inputs)], pooling, normalize)
+        self._inbox.put(Embed(job))
+        if self._closed:                    # the decode thread is gone: nobody else will answer it
+            job._done(error=EngineClosed("the engine is closed"))
+        return job
+
+    def _input_ids(self, value, index: int, add_special: bool) -> np.ndarray:
+        """One embedding input's token ids: checked, non-empty, within a slot."""
+        if isinstance(value, str):
+            ids = self.tokenizer.encode(value, add_special=add_special)
+        elif isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            ids = list(value)
+            check_token_ids(ids, self._model.config.n_vocab, what=f"input {index}")
+        else:
+            raise RequestError(f"input {index} must be a string or a list of token ids")
+        if not ids:
+            raise RequestError(f"input {index} is empty (no tokens)")
+        if len(ids) > self._n_ctx_slot:
+            raise ContextExceeded(len(ids), self._n_ctx_slot)
+        return np.asarray(ids, dtype=np.int32)
 
     def generate(self, prompt, **kwargs) -> Completion:
         """Submit and wait: the whole completion (callable from many threads at once)."""
@@ -420,10 +456,18 @@ class Engine:
             self._commit(out.ids)           # each id into its slot; self._finish: the requests that end
             self._deliver(plan, out)        # each id into its reader; the requests that ended end
             self._measure_step()
+        embedded = self._embedder is not None and self._embedder.busy and self._embed() > 0
         self._publish()                     # the one wake-up of the readers, then the snapshot
         if plan is not None and self._tracer is not None:
             self._tracer.end_step()         # the publish phase ends: the step is counted
-        return plan is not None
+        return plan is not None or embedded
+
+    def _embed(self) -> int:
+        """The embedding jobs' pass of this step: at most the prompt budget a step of this size leaves
+        (the whole batch when nothing else runs), never fewer than a prompt chunk."""
+        batch = self._batch
+        budget = prefill_budget(batch.free, batch.n, self._prefill_chunk, self._s_per_token, self._step_target_s)
+        return self._embedder.run(max(budget, self._prefill_chunk))
 
     def _backend_step(self):
         """The backend's step over the batch; None when it failed (only the batch's requests fail then)."""
@@ -634,13 +678,28 @@ class Engine:
     def _on_cancel(self, msg: Cancel) -> None:
         self._cancel(msg.job_id)
 
+    def _on_embed(self, msg: Embed) -> None:
+        if self._embedder is None:
+            self._embedder = self._make_embedder()
+        self._embedder.add(msg.job)
+
+    def _make_embedder(self) -> Embedder:
+        """The embedding pass: the CPU forward on the model's weights with a KV cache of its own (on any device:
+        the CUDA backend has no hidden-state pass yet)."""
+        from .backends.cpu.backend import CpuBackend
+        cfg = self._config
+        backend = CpuBackend(self._model.config, self._model.weights, EMBED_SLOTS, self._n_ctx_slot,
+                             threads=self._threads, cache_type_k=cfg.cache_type_k, cache_type_v=cfg.cache_type_v,
+                             max_tokens=self._n_batch)
+        return Embedder(backend, self._n_batch)
+
     def _on_erase(self, msg: Erase) -> None:
         if self._jobs[msg.slot] is None:
             self._forget(msg.slot, [msg.reply])
         else:
             self._erase_on_end.setdefault(msg.slot, []).append(msg.reply)
 
-    _on_message = {Submit: _on_submit, Cancel: _on_cancel, Erase: _on_erase}
+    _on_message = {Submit: _on_submit, Cancel: _on_cancel, Erase: _on_erase, Embed: _on_embed}
 
     def _forget(self, slot: int, replies) -> None:
         """Drop an idle slot's cached prefix; counted in snapshot.slot_erased; each reply gets the tokens dropped."""
@@ -667,6 +726,7 @@ class Engine:
         kv_bytes, kv_resident = (be.kv_bytes(), be.kv_resident()) if hasattr(be, "kv_bytes") else (0, True)
         return EngineInfo(
             n_slots=self._n_slots, n_ctx_slot=self._n_ctx_slot, n_batch=self._n_batch, n_vocab=m.config.n_vocab,
+            n_embd=m.config.n_embd,
             threads=self._threads, device=self._device, samples_on_device=be.samples_on_device,
             cache_type_k=self._config.cache_type_k, cache_type_v=self._config.cache_type_v,
             window=m.config.sliding_window, ring=getattr(be, "kv_ring", 0),
@@ -678,7 +738,9 @@ class Engine:
     def _make_snapshot(self, step: int) -> Snapshot:
         n_running = sum(j is not None for j in self._jobs)
         n_waiting = len(self._waiting)
-        return Snapshot(step=step, t_step=time.monotonic(), busy=bool(n_running or n_waiting or len(self._inbox)),
+        embedding = self._embedder is not None and self._embedder.busy
+        return Snapshot(step=step, t_step=time.monotonic(),
+                        busy=bool(n_running or n_waiting or len(self._inbox) or embedding),
                         n_running=n_running, n_waiting=n_waiting,
                         slot_state=tuple(self._slots.state.tolist()), slot_tokens=tuple(self._slots.n_tokens.tolist()),
                         slot_past=tuple(self._slots.n_past.tolist()),
@@ -698,9 +760,14 @@ class Engine:
     def _shutdown(self) -> None:
         """Decode thread exit: every reader, running, waiting or still in the inbox, ends 'closed'."""
         self._closing = True
+        closed = EngineClosed("the engine is closed")
         for msg in self._inbox.drain():
             if type(msg) is Submit:
                 self._waiting.append(msg.job)
+            elif type(msg) is Embed:
+                msg.job._done(error=closed)
+        if self._embedder is not None:
+            self._embedder.close(closed)
         for job in self._waiting:
             self._delivery.reject(job.buffer, FINISH_CLOSED)
         self._waiting.clear()

@@ -32,7 +32,13 @@ class Erase:
     reply: Optional[Callable[[int], None]] = None
 
 
-Message = Submit | Cancel | Erase
+@dataclass(frozen=True)
+class Embed:
+    """An embedding job (embedding.EmbedJob): answered through its own future, once all its inputs are done."""
+    job: Any
+
+
+Message = Submit | Cancel | Erase | Embed
 
 
 class Inbox:

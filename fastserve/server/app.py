@@ -285,7 +285,8 @@ def serve(args, backend=None) -> int:
                        sampling=sampling_defaults(model.config.n_vocab, llama["sampling"]),
                        webui=not args.no_webui, prefill_assistant=args.prefill_assistant,
                        reasoning_format=args.reasoning_format, reasoning_budget=args.reasoning_budget,
-                       chat_template_kwargs=llama["chat_template_kwargs"])
+                       chat_template_kwargs=llama["chat_template_kwargs"], pooling=llama["pooling"],
+                       embd_normalize=llama["embd_normalize"])
     if llama["chat_template"] is not None:
         model.tokenizer.set_chat_template(llama["chat_template"])
     elif model.tokenizer.chat_template_is_fallback:

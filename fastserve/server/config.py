@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import DEFAULT_BODY_LIMIT, SamplingParams
+from ..embedding import POOLINGS
 
 BUILD_INFO = "fastserve-0.1.0"       # /props' build_info, OpenAI's system_fingerprint
 
@@ -44,6 +45,10 @@ class ServerConfig:
     reasoning_format: str = "auto"   # none | deepseek | auto
     reasoning_budget: int = -1       # -1: none; 0: thinking off; N: at most N tokens of thinking
     chat_template_kwargs: dict | None = None     # further template variables of every chat (enable_thinking, ...)
+    # embeddings (server/embeddings_api.py): llama-server's --pooling (none | mean | cls | last) and
+    # --embd-normalize (a request's embd_normalize when it gives none: -1 none, 2 Euclidean, p > 2 p-norm)
+    pooling: str = "mean"
+    embd_normalize: int = 2
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -62,5 +67,9 @@ class ServerConfig:
             raise ValueError("--api-key must not be empty")
         if self.reasoning_format not in ("none", "deepseek", "auto"):
             raise ValueError(f"--reasoning-format must be none, deepseek or auto, got {self.reasoning_format!r}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"--pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
+        if self.embd_normalize < -1:
+            raise ValueError(f"--embd-normalize must be >= -1, got {self.embd_normalize}")
         if self.reasoning_budget < -1:
             raise ValueError("--reasoning-budget must be -1 (no budget), 0 (no thinking) or a number of tokens")

@@ -152,8 +152,13 @@ FLAGS: list[tuple[str, str, str]] = [
                                                      "refused"),
     ("-r, --reverse-prompt, -sp, --special, --spm-infill", REFUSED, "interactive and infill options; not served"),
     ("--warmup, --no-warmup", DIFFERS, "taken; fastserve has no warm-up run to skip"),
-    ("--pooling, --embedding, --embeddings, --embd-normalize, --rerank, --reranking", REFUSED,
-     "no embeddings or reranking (those routes answer 501)"),
+    ("--embedding, --embeddings", DIFFERS, "taken; embeddings are served with or without it (/v1/embeddings, "
+                                           "/embedding, Ollama's /api/embed), beside completions"),
+    ("--pooling {none,mean,cls,last}", DIFFERS, "as llama-server; default mean where llama-server takes the model's "
+                                                "(none for a chat model, which its OpenAI route refuses); rank is "
+                                                "refused (no reranking)"),
+    ("--embd-normalize N", SAME, "a request's embd_normalize when it gives none (default 2: Euclidean)"),
+    ("--rerank, --reranking", REFUSED, "no reranking models (/rerank answers 404)"),
     ("-np, --parallel N", DIFFERS, "slots (default 8; llama-server's -1, auto, is not taken)"),
     ("-cb, --cont-batching, -nocb, --no-cont-batching", DIFFERS, "batching is always continuous: -cb is taken, "
                                                                  "-nocb refused"),
@@ -231,7 +236,7 @@ _REFUSED_OPTIONS: list[tuple[tuple[str, ...], int | str | None]] = [
     (("--rope-scaling",), None), (("--rope-scale",), None), (("--rope-freq-base",), None),
     (("--rope-freq-scale",), None), (("-kvu", "--kv-unified"), 0), (("-no-kvu", "--no-kv-unified"), 0),
     (("--context-shift",), 0), (("-nocb", "--no-cont-batching"), 0), (("--no-jinja",), 0),
-    (("--embedding", "--embeddings"), 0), (("--rerank", "--reranking"), 0), (("--mmproj", "-mm"), None),
+    (("--rerank", "--reranking"), 0), (("--mmproj", "-mm"), None),
     (("-l", "--logit-bias"), None), (("--grammar",), None), (("--grammar-file",), None),
     (("-j", "--json-schema"), None), (("-jf", "--json-schema-file"), None), (("--samplers",), None),
     (("--sampling-seq", "--sampler-seq"), None), (("--mirostat",), None), (("--typical", "--typical-p"), None),
@@ -311,6 +316,13 @@ def add_taken(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--offline", action="store_true", help="taken: nothing is downloaded at start")
     g.add_argument("--warmup", "--no-warmup", dest="warmup", action="store_true", help="taken: there is no warm-up")
     g.add_argument("-cb", "--cont-batching", action="store_true", help="taken: batching is always continuous")
+    g.add_argument("--embedding", "--embeddings", action="store_true",
+                   help="taken: embeddings are always served (/v1/embeddings, /embedding, /api/embed)")
+    g.add_argument("--pooling", default="mean", choices=("none", "mean", "cls", "last"),
+                   help="how an input's token vectors make its embedding (default mean; none: every token's)")
+    g.add_argument("--embd-normalize", dest="embd_normalize", type=int, default=2,
+                   help="embeddings' normalisation when a request does not say (-1 none, 0 max absolute, "
+                        "1 taxicab, 2 Euclidean, p > 2 p-norm)")
     g.add_argument("--metrics", action="store_true", help="serve /metrics (501 without it, as llama-server)")
     g.add_argument("--props", action="store_true", help="take POST /props (501 without it)")
     g.add_argument("--slots", dest="slots", action="store_true", default=True, help="serve /slots (the default)")
@@ -369,6 +381,7 @@ def resolve(args) -> dict:
     n_batch, device, sampling (ServerConfig.sampling), ignore_eos, log_requests, log_file, chat_template (source or
     None), n_gpu_layers (None, "all" or an int: check_gpu_layers() needs the model's depth)."""
     out = {"n_batch": args.batch_size, "device": getattr(args, "device", None), "log_file": args.log_file,
+           "pooling": args.pooling, "embd_normalize": args.embd_normalize,
            "log_requests": not args.log_disable, "chat_template": None, "n_gpu_layers": None,
            "chat_template_kwargs": _template_kwargs(args.chat_template_kwargs)}
     if args.host.endswith(".sock"):
@@ -381,6 +394,8 @@ def resolve(args) -> dict:
         if args.ubatch_size < 1:
             raise ValueError(f"--ubatch-size must be >= 1, got {args.ubatch_size}")
         out["n_batch"] = min(args.batch_size, args.ubatch_size)
+    if args.embd_normalize < -1:
+        raise ValueError(f"--embd-normalize must be >= -1, got {args.embd_normalize}")
     if args.keep < -1:
         raise ValueError(f"--keep must be >= -1, got {args.keep}")
     if args.flash_attn == "off":

@@ -15,7 +15,7 @@ from functools import partial
 
 from ..config import check_token_ids
 from ..request import SlotState
-from . import anthropic_api, llama_api, openai_api, responses_api, webui
+from . import anthropic_api, embeddings_api, llama_api, openai_api, responses_api, webui
 from .config import BUILD_INFO
 from .errors import ANTHROPIC, LLAMA, OPENAI, HttpError, error_json
 from .fields import parse_object
@@ -243,9 +243,9 @@ ROUTES = {
     "/v1/messages": {"POST": anthropic_api.messages},
     "/v1/messages/count_tokens": {"POST": anthropic_api.count_tokens},
     "/v1/responses": {"POST": responses_api.create},
-    "/embedding": {"POST": not_supported},
-    "/embeddings": {"POST": not_supported},
-    "/v1/embeddings": {"POST": not_supported},
+    "/embedding": {"POST": embeddings_api.embedding},
+    "/embeddings": {"POST": embeddings_api.embedding},
+    "/v1/embeddings": {"POST": embeddings_api.create},
     "/infill": {"POST": not_supported},
 }
 # routes of a path that ends in an id, the route's third argument: prefix -> (methods, the id's test, its type)

@@ -360,11 +360,13 @@ PRIMITIVES = {f"threading.{n}" for n in ("Thread", "Lock", "RLock", "Event", "Co
                                           "BoundedSemaphore", "Barrier", "Timer")}
 PRIMITIVES |= {"_thread.allocate_lock", "_thread.start_new_thread", "queue.Queue", "queue.SimpleQueue",
                "queue.LifoQueue", "queue.PriorityQueue", "concurrent.futures.ThreadPoolExecutor",
-               "concurrent.futures.ProcessPoolExecutor", "multiprocessing.Process"}
+               "concurrent.futures.ProcessPoolExecutor", "multiprocessing.Process", "concurrent.futures.Future"}
 CROSSINGS = {
     ("fastserve.inbox", "threading.Event"): "the loop -> engine crossing: wakes the idle decode thread",
     ("fastserve.reader", "_thread.allocate_lock"): "the engine -> reader crossing: a blocking reader parks on it",
     ("fastserve.reader", "call_soon_threadsafe"): "the engine -> reader crossing: one wake-up per loop per step",
+    ("fastserve.embedding", "concurrent.futures.Future"): "the engine -> reader crossing of an embedding job: set "
+                                                          "once, when its last input is done (one wake-up per job)",
 }
 # Threads and locks below the server that are not crossings, each with its reason.
 OTHER_THREADS = {

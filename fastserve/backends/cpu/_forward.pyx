@@ -1,7 +1,8 @@
 # cython: language_level=3
 """The CPU forward pass of a batch in one call, in C without the GIL: embedding rows, every layer
 (norms, products, biases, q/k norms, RoPE, KV store, attention, GLU, sandwich norms, residual adds),
-the final norm of the out rows, the output product and the logit softcap.
+the final norm of the out rows, the output product and the logit softcap; or, for embeddings, the out
+rows' final hidden states (after the output norm) instead of their logits (hidden=True: no output product).
 
 The products are fastserve.backends.cpu._matmul's (Matmul.run), attention and the KV store fastserve.backends.cpu._attention's
 (Attention.run, store_rows), the element-wise operations _layer_ops.h's: the same implementations the
@@ -15,6 +16,7 @@ threads, as for the products and attention. The activations live in buffers size
 
     fwd = Forward(cfg, weights, kv, (cos, sin), (cos_local, sin_local), mm, attn, rows)
     fwd(tokens, positions, slots, out_rows, logits)      # int64 [n] x3, int64 [m], float32 [>= m, vocab]
+    fwd(tokens, positions, slots, out_rows, states, hidden=True)    # states float32 [>= m, n_embd]
 
 With fwd.profile set, each call adds its time per phase to fwd.phase_seconds() (two clock reads per
 stage: for a breakdown of a step that runs as one call, bench/bench_matmul.py; off by default).
@@ -88,6 +90,7 @@ cdef struct fs_fwd:
     const int64_t *out_rows
     float *logits
     int64_t ld_logits
+    bint hidden                     # the out rows' normed states go to logits (ld n_embd); no output product
     const fs_layer *layer           # the stage's layer, and the next one (or NULL)
     const fs_layer *next
 
@@ -153,11 +156,12 @@ cdef void _ffn_out(void *ctx, int64_t b, int64_t e) noexcept nogil:
 
 
 cdef void _out_norm(void *ctx, int64_t b, int64_t e) noexcept nogil:
-    """h[j] = out_norm(x[out_rows[j]]) for out rows j."""
+    """h[j] = out_norm(x[out_rows[j]]) for out rows j (into the caller's states when hidden)."""
     cdef fs_fwd *f = <fs_fwd *>ctx
     cdef int64_t j
+    cdef float *out = f.logits if f.hidden else f.h
     for j in range(b, e):
-        fs_rms_norm(f.x + f.out_rows[j] * f.d, f.d, f.out_norm, f.eps, f.h + j * f.d)
+        fs_rms_norm(f.x + f.out_rows[j] * f.d, f.d, f.out_norm, f.eps, out + j * f.d)
 
 
 cdef void _softcap(void *ctx, int64_t b, int64_t e) noexcept nogil:
@@ -287,17 +291,19 @@ cdef class Forward:
         self._bufs = bufs
         self.rows = rows
 
-    def __call__(self, tokens, positions, slots, out_rows, logits):
+    def __call__(self, tokens, positions, slots, out_rows, logits, bint hidden=False):
         """tokens, positions, slots int64 [n]; out_rows int64 [m] (in [0, n)); logits float32 [>= m,
-        n_vocab] (C-contiguous): rows < m written. Returns logits[:m]."""
+        n_vocab] (C-contiguous): rows < m written. Returns logits[:m]. hidden: logits is float32 [>= m,
+        n_embd] and gets the out rows' final hidden states (after the output norm) instead."""
         cdef const int64_t[::1] tv = tokens, pv = positions, sv = slots, ov = out_rows
         cdef float[:, ::1] lv = logits
         cdef int64_t n = tv.shape[0], m = ov.shape[0], i
         cdef fs_fwd *f = &self.f
         if pv.shape[0] != n or sv.shape[0] != n:
             raise ValueError(f"forward: {n} tokens, {pv.shape[0]} positions, {sv.shape[0]} slots")
-        if lv.shape[0] < m or lv.shape[1] != self.n_vocab:
-            raise ValueError(f"forward: logits {np.shape(logits)} do not fit {m} rows of {self.n_vocab}")
+        cdef int64_t width = self.f.d if hidden else self.n_vocab
+        if lv.shape[0] < m or lv.shape[1] != width:
+            raise ValueError(f"forward: logits {np.shape(logits)} do not fit {m} rows of {width}")
         for i in range(n):
             if not 0 <= tv[i] < self.n_vocab:
                 raise IndexError(f"token {tv[i]} is outside the vocabulary [0, {self.n_vocab})")
@@ -313,7 +319,7 @@ cdef class Forward:
         if n > self.rows:
             self._grow(n)
         f.tokens, f.pos, f.slots, f.out_rows = &tv[0], &pv[0], &sv[0], &ov[0] if m else NULL
-        f.logits, f.ld_logits = &lv[0, 0] if m else NULL, lv.shape[1]
+        f.logits, f.ld_logits, f.hidden = &lv[0, 0] if m else NULL, lv.shape[1], hidden
         cdef int rc
         with nogil:
             rc = self._run(n, m)
@@ -385,6 +391,8 @@ cdef class Forward:
         if m == 0:
             return 0
         self._stage(_out_norm, m)
+        if f.hidden:
+            return 0
         if self._product(f.h, f.d, m, &f.output, f.logits, f.ld_logits, 3) < 0:
             return -1
         if f.softcap > 0:

@@ -115,13 +115,25 @@ class CpuBackend(HostSampling):
             logits = np.empty((m, self.cfg.n_vocab), np.float32)
         else:
             logits = self._logits
+        return self._pass(tokens, positions, slots, out_rows, logits, False)
+
+    def hidden(self, tokens, positions, slots, out_rows, out: np.ndarray | None = None) -> np.ndarray:
+        """The same pass, with the final hidden states float32 [m, n_embd] of the out rows (after the output
+        norm: what llama.cpp's embeddings pool) instead of their logits; no output product. out: float32
+        [>= m, n_embd] to write them into (C-contiguous), else a fresh array."""
+        m = len(out_rows)
+        if out is None:
+            out = np.empty((m, self.cfg.n_embd), np.float32)
+        return self._pass(tokens, positions, slots, out_rows, out, True)
+
+    def _pass(self, tokens, positions, slots, out_rows, out: np.ndarray, hidden: bool) -> np.ndarray:
         tokens, positions, slots, out_rows = _int64(tokens), _int64(positions), _int64(slots), _int64(out_rows)
         self.kv.begin_step(slots, positions)        # what the local layers' rings hold after this step
         if len(positions):
             self.rope.cover(int(positions.max()))   # the RoPE rows this step reads
         if self.reference:
-            return ref_forward.forward(self, tokens, positions, slots, out_rows, logits)
-        return self._forward(tokens, positions, slots, out_rows, logits)
+            return ref_forward.forward(self, tokens, positions, slots, out_rows, out, hidden)
+        return self._forward(tokens, positions, slots, out_rows, out, hidden)
 
 
 def _int64(a) -> np.ndarray:

@@ -31,10 +31,11 @@ class Activations:
         self.act = np.zeros((rows, cfg.n_ff), np.float32)
 
 
-def forward(be, tokens, positions, slots, out_rows, logits: np.ndarray) -> np.ndarray:
+def forward(be, tokens, positions, slots, out_rows, logits: np.ndarray, hidden: bool = False) -> np.ndarray:
     """be: a backends.cpu.backend.CpuBackend (its weights, KV cache, RoPE tables, products _mm,
     attention _attn and reference activations act). tokens, positions, slots [n]; out_rows [m]:
-    logits[:m] float32 [m, n_vocab] of those rows, written into logits."""
+    logits[:m] float32 [m, n_vocab] of those rows, written into logits; hidden: logits[:m] float32
+    [m, n_embd] gets those rows' final hidden states (after the output norm) instead."""
     cfg, w = be.cfg, be.w
     positions = np.asarray(positions, dtype=np.int64)
     slots = np.asarray(slots, dtype=np.int64)
@@ -84,6 +85,8 @@ def forward(be, tokens, positions, slots, out_rows, logits: np.ndarray) -> np.nd
     m = len(rows)
     if m and (rows.min() < 0 or rows.max() >= n):
         raise ValueError(f"out_rows must be in [0, {n}), got {rows.min()}..{rows.max()}")
+    if hidden:
+        return rms_norm(x[rows], w.out_norm, cfg.norm_eps, out=logits[:m])
     rms_norm(x[rows], w.out_norm, cfg.norm_eps, out=h[:m])
     out = be._mm(h[:m], w.output, logits[:m])
     if cfg.logit_softcap > 0:
