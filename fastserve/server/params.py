@@ -38,6 +38,14 @@ SAMPLER_CHAIN = ["penalties", "top_k", "top_p", "min_p", "temperature"]      # f
 OFF_SAMPLERS = ("dry", "top_n_sigma", "typ_p", "xtc", "adaptive_p")          # llama.cpp's, all off in fastserve
 
 
+def prob_pool(shown: int, sampling: SamplingParams) -> int:
+    """How many probabilities the engine reports per token so that the sampled token's own is among them."""
+    if sampling.temperature <= 0:
+        return shown
+    k = sampling.top_k
+    return max(shown, k if 0 < k <= PROB_POOL else PROB_POOL)
+
+
 def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -72,13 +80,11 @@ EXACT_CHARS = 65536
 MAX_PROMPTS = 16                # prompts in one request (each takes a slot)
 MAX_CHOICES = 16                # OpenAI's n x prompts per request (each takes a slot)
 MAX_TOP_LOGPROBS = 20           # OpenAI's cap
-# OpenAI logprobs: the engine reports the top-N probabilities of each step; the sampled token's own
-# logprob is found among them (-9999.0 when it lies outside, which needs sampling far from the top).
-LOGPROB_POOL = 10
-# /completion's post_sampling_probs: the engine reports the top max(n_probs, top_k) of the kept set (at most
-# POST_PROB_POOL; 64 when top_k is off), so the sampled token's own probability is found there (llama-server's
-# is never 0 for a sampled token) while n_probs are shown
-POST_PROB_POOL = 64
+# Probabilities (n_probs, logprobs): the engine reports the top-N of each step and the sampled token's own is
+# looked up among them (llama-server's is never missing). N covers what sampling can pick: top_k tokens, PROB_POOL
+# when top_k is off or larger (a token sampled beyond those reads 0 / -9999.0), and at least the n shown; greedy
+# picks the first.
+PROB_POOL = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_TIMEOUT_S = 86400.0
@@ -119,7 +125,7 @@ class Params:
     response_fields: tuple = ()     # /completion: the paths its answer keeps ("a/b" reaches into objects)
     include_usage: bool = False     # OpenAI streams: a last chunk with the usage
     logprobs: int | None = None     # OpenAI: alternatives shown per token (None: no logprobs)
-    shown_probs: int | None = None  # /completion: n_probs as asked (sampling.n_probs may be more: POST_PROB_POOL)
+    shown_probs: int | None = None  # /completion: n_probs as asked (sampling.n_probs may be more: prob_pool)
     tools: ToolPlan | None = None
     messages: tuple = ()            # a chat's, for its template (Parser.conversation makes its prompt)
     reasoning: "reasoning.Reasoning | None" = None      # a reasoning chat's plan (server/reasoning.py)
@@ -180,10 +186,6 @@ class Parser:
                               id_slot=body.int("id_slot", -1, lo=-1), return_tokens=body.bool("return_tokens"),
                               timings_per_token=body.bool("timings_per_token"), response_fields=tuple(fields),
                               texts=tuple(t if isinstance(t, str) else None for t in texts), shown_probs=n_probs)
-        if post and n_probs:
-            top_k = params.sampling.top_k
-            pool = max(n_probs, top_k if 0 < top_k <= POST_PROB_POOL else POST_PROB_POOL)
-            params = replace(params, sampling=replace(params.sampling, n_probs=pool))
         return params
 
     def completions(self, data: bytes) -> Params:
@@ -199,7 +201,7 @@ class Parser:
         n = self._choices(body, len(prompts))
         logprobs = body.int("logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
         return self._params(body, prompts, "openai", n=n, logprobs=logprobs,
-                            n_probs=0 if logprobs is None else max(LOGPROB_POOL, logprobs),
+                            n_probs=0 if logprobs is None else max(1, logprobs),
                             constraint=self.constraint(body), include_usage=_include_usage(body))
 
     def chat(self, data: bytes) -> Params:
@@ -231,7 +233,7 @@ class Parser:
         elif think is not None and think.budget > 0:
             constraint = {"lark": reasoning.budget_grammar(think, self.tokenizer)}
         return self._params(body, [], "openai", n=n, logprobs=(top or 0) if want else None,
-                            n_probs=max(LOGPROB_POOL, top or 0) if want else 0, constraint=constraint,
+                            n_probs=max(1, top or 0) if want else 0, constraint=constraint,
                             include_usage=_include_usage(body), tools=plan, messages=tuple(messages),
                             timings_per_token=body.bool("timings_per_token"), reasoning=think,
                             template_kwargs=kwargs)
@@ -253,12 +255,15 @@ class Parser:
 
     def _params(self, body: Body, prompts: list, api: str, *, n_probs: int, post_sampling_probs: bool = False,
                 **fields) -> Params:
-        """What the three routes read alike: sampling, seed, max tokens, stop strings, limits."""
+        """What the three routes read alike: sampling, seed, max tokens, stop strings, limits. n_probs: the
+        probabilities shown per token (the engine reports prob_pool of them)."""
         cfg = self.config
         seed = body.int("seed", cfg.seed)
         seed = None if seed == -1 else seed
         ignore_eos = body.bool("ignore_eos", cfg.ignore_eos)
         sampling = self.sampling(body, ignore_eos, seed=seed, n_probs=n_probs, post_sampling_probs=post_sampling_probs)
+        if n_probs:
+            sampling = replace(sampling, n_probs=prob_pool(n_probs, sampling))
         max_tokens = cfg.n_predict
         for name in MAX_TOKENS[api]:
             if body.has(name):

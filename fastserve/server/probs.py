@@ -1,7 +1,7 @@
 """Token probabilities as each API writes them: llama-server's completion_probabilities, OpenAI's
 legacy logprobs and its chat logprobs. Each takes a generation's ids and, per id, the engine's top-N
-(ids, probabilities) of that step; the sampled token's own probability is found among them (0 when it
-lies outside, which needs sampling far from the top)."""
+(ids, probabilities) of that step; the sampled token's own probability is found among them (params.prob_pool
+makes N cover what sampling can pick; 0 when it lies outside, which needs top_k off or above 64)."""
 from __future__ import annotations
 
 import math
@@ -21,7 +21,7 @@ def _text(tok, tid: int) -> str:
 
 def completion_probabilities(tok, ids: list, probs: list, post: bool, k: int) -> list:
     """llama-server's entries of k alternatives: probabilities after sampling (post_sampling_probs), else
-    logprobs; the sampled token's own is looked for among all the engine reported (params.POST_PROB_POOL)."""
+    logprobs; the sampled token's own is looked for among all the engine reported (params.prob_pool)."""
     key, top_key = ("prob", "top_probs") if post else ("logprob", "top_logprobs")
     value = (lambda p: p) if post else logprob
 

@@ -129,6 +129,26 @@ def test_post_sampling_probs_give_each_sampled_token_its_probability(http):
     assert [(p["id"], p["prob"]) for p in streamed] == [(p["id"], p["prob"]) for p in probs]
 
 
+def test_each_sampled_token_has_its_logprob_on_every_api(http, oai):
+    """As llama-server: a sampled token's own logprob (before sampling) is never missing (-9999), also when it
+    is not among the n_probs / top_logprobs shown, and it is the same however many are shown."""
+    body = {"prompt": "my fox", "n_probs": 1, "temperature": 1.5, "n_predict": 16, "seed": 5}
+    probs = http.post("/completion", json=body).json()["completion_probabilities"]
+    assert any(p["id"] != p["top_logprobs"][0]["id"] for p in probs)          # sampled outside the one shown
+    assert all(-30 < p["logprob"] <= 0 for p in probs), probs
+    many = http.post("/completion", json={**body, "n_probs": 40}).json()["completion_probabilities"]
+    assert [(p["id"], p["logprob"]) for p in many] == [(p["id"], p["logprob"]) for p in probs]
+    assert all(p["logprob"] == next(t["logprob"] for t in p["top_logprobs"] if t["id"] == p["id"]) for p in many)
+
+    legacy = oai.completions.create(model="x", prompt="my fox", max_tokens=16, temperature=1.5, seed=5, logprobs=0)
+    assert all(-30 < lp <= 0 for lp in legacy.choices[0].logprobs.token_logprobs)
+    chat = oai.chat.completions.create(model="x", messages=[{"role": "user", "content": "my fox"}], max_tokens=16,
+                                       temperature=1.5, seed=5, logprobs=True, top_logprobs=1)
+    content = chat.choices[0].logprobs.content
+    assert any(c.token != c.top_logprobs[0].token for c in content)
+    assert all(-30 < c.logprob <= 0 for c in content)
+
+
 def test_stream_equals_non_stream_for_a_seed(http):
     body = {"prompt": "zebra song", "n_predict": 24, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
             "seed": 1234, "return_tokens": True, "n_probs": 2}

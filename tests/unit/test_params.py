@@ -18,7 +18,7 @@ from fastserve.server.errors import LLAMA, OPENAI, HttpError, refused
 from fastserve.server.fields import Body
 from fastserve.server.generation import Generation
 from fastserve.server.metrics import LlamaTotals
-from fastserve.server.params import (EXACT_CHARS, LOGPROB_POOL, MAX_CHOICES, MAX_PROMPTS, POST_PROB_POOL, SAMPLING,
+from fastserve.server.params import (EXACT_CHARS, MAX_CHOICES, MAX_PROMPTS, PROB_POOL, SAMPLING,
                                      Parser)
 
 N_CTX = 64
@@ -107,18 +107,25 @@ def test_choices_seed_each_choice_of_each_prompt(tok):
 
 
 def test_probabilities_fields_of_each_api(tok):
-    # post-sampling: the engine reports the whole top_k (the kept set), 3 are shown
-    post = _completion(tok, {"n_probs": 3, "post_sampling_probs": True, "top_k": 20})
-    assert (post.sampling.n_probs, post.shown_probs, post.settings()["n_probs"]) == (20, 3, 3)
-    assert _completion(tok, {"n_probs": 3, "post_sampling_probs": True, "top_k": 0}).sampling.n_probs == POST_PROB_POOL
-    assert _completion(tok, {"n_probs": 3}).sampling.n_probs == 3
+    # the engine reports what sampling can pick (top_k; PROB_POOL when off), before or after sampling; 3 are shown
+    for post in (True, False):
+        p = _completion(tok, {"n_probs": 3, "post_sampling_probs": post, "top_k": 20, "temperature": 0.8})
+        assert (p.sampling.n_probs, p.shown_probs, p.settings()["n_probs"]) == (20, 3, 3)
+        p = _completion(tok, {"n_probs": 3, "post_sampling_probs": post, "top_k": 0, "temperature": 0.8})
+        assert p.sampling.n_probs == PROB_POOL
+    assert _completion(tok, {"n_probs": 3, "temperature": 0}).sampling.n_probs == 3         # greedy: the first
+    assert _completion(tok, {"n_probs": 80, "top_k": 20, "temperature": 1}).sampling.n_probs == 80
     parser = _parser(tok)
-    legacy = parser.completions(_json({"prompt": "a", "logprobs": 2}))
-    assert (legacy.logprobs, legacy.sampling.n_probs) == (2, LOGPROB_POOL)
+    legacy = parser.completions(_json({"prompt": "a", "logprobs": 2, "top_k": 30, "temperature": 1}))
+    assert (legacy.logprobs, legacy.sampling.n_probs) == (2, 30)
+    legacy = parser.completions(_json({"prompt": "a", "logprobs": 0, "temperature": 0}))
+    assert (legacy.logprobs, legacy.sampling.n_probs) == (0, 1)
     chat = {"messages": [{"role": "user", "content": "a"}]}
     assert parser.chat(_json(chat)).logprobs is None and parser.chat(_json(chat)).sampling.n_probs == 0
-    lp = parser.chat(_json({**chat, "logprobs": True, "top_logprobs": 15}))
-    assert (lp.logprobs, lp.sampling.n_probs) == (15, 15)
+    lp = parser.chat(_json({**chat, "logprobs": True, "top_logprobs": 15, "top_k": 0, "temperature": 1}))
+    assert (lp.logprobs, lp.sampling.n_probs) == (15, PROB_POOL)
+    lp = parser.chat(_json({**chat, "logprobs": True, "temperature": 0}))
+    assert (lp.logprobs, lp.sampling.n_probs) == (0, 1)
     assert parser.completions(_json({"prompt": "a", "n_probs": 5})).sampling.n_probs == 0    # llama's field
 
 
