@@ -172,8 +172,11 @@ def test_bad_input_is_a_4xx_in_anthropic_shape(raw, client):
     assert "JSON" in _refused(raw.post("/v1/messages", content=b"{nope"))
     assert "no route" in _refused(raw.post("/v1/messages/batches", json=ok), 404, "not_found_error")
     too_long = {**ok, "messages": [{"role": "user", "content": "hello " * 3000}]}
-    r = raw.post("/v1/messages", json=too_long)
-    assert r.status_code == 400 and r.json()["type"] == "error"
+    for stream in (False, True):        # llama-server's n_prompt_tokens and n_ctx, in Anthropic's shape
+        r = raw.post("/v1/messages", json={**too_long, "stream": stream})
+        err = r.json()["error"]
+        assert r.status_code == 400 and r.json()["type"] == "error" and err["type"] == "invalid_request_error"
+        assert err["n_ctx"] == 2048 and err["n_prompt_tokens"] > 2048 and "context size" in err["message"]
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": [image]}])
     # the key: x-api-key or a bearer token; a wrong one is Anthropic's authentication_error

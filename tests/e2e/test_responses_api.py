@@ -155,6 +155,11 @@ def test_bad_input_is_a_4xx_in_openai_shape(http, oai):
     ]
     for change, named in bad:
         assert named in _refused(http.post("/v1/responses", json={**ok, **change})), change
+    for stream in (False, True):        # a prompt its slot cannot hold: llama-server's error, in OpenAI's shape
+        r = http.post("/v1/responses", json={**ok, "input": "hello " * 3000, "stream": stream})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["type"] == "exceed_context_size_error" and err["n_ctx"] == 2048
+        assert err["n_prompt_tokens"] > 2048
     assert "no stored response" in _refused(http.get("/v1/responses/resp_nope"), 404)
     assert "no stored response" in _refused(http.delete("/v1/responses/resp_nope"), 404)
     with pytest.raises(openai.BadRequestError, match="input_image"):
