@@ -232,6 +232,14 @@ def test_cors(make_server, server):
         assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
         r = c.get("/health", headers={"Origin": "http://localhost:3000"})
         assert r.status_code == 200 and r.headers["vary"] == "origin"
+        # the chat page reached by another name (a server on the LAN): its own origin, whatever the name
+        lan = {"Origin": "http://box.lan:8080", **preflight}
+        r = c.options("/v1/chat/completions", headers={**lan, "Host": "box.lan:8080"})
+        assert r.status_code == 204 and r.headers["access-control-allow-origin"] == "http://box.lan:8080"
+        assert c.options("/v1/chat/completions", headers=lan).status_code == 403        # another server's page
+        r = c.post("/v1/messages", headers={"Origin": "http://evil.example"},           # in the route's own shape
+                   json={"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "a"}]})
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error" and r.json()["type"] == "error"
     star = make_server("-c", "512", "-np", "2", "--cors-origins", "*")
     r = httpx.options(star.url + LLAMA, headers={"Origin": "http://anywhere.example", **preflight})
     assert r.status_code == 204 and r.headers["access-control-allow-origin"] == "*"
