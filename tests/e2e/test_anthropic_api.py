@@ -219,3 +219,17 @@ def test_tool_results_as_text_or_error(raw, client):
         assert text in prompt
         ids = raw.post("/tokenize", json={"content": prompt, "add_special": True}).json()["tokens"]
         assert counted.input_tokens == len(ids), (content, is_error)
+
+
+def test_an_assistant_message_last_is_continued(raw, client):
+    """Anthropic's prefill: the reply continues a last assistant message, as the chat's does (llama-server's
+    prefill), streamed or not."""
+    msgs = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "The fruit is"}]
+    chat = raw.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 8, "temperature": 0}).json()
+    kw = dict(model="m", max_tokens=8, messages=msgs, extra_body=GREEDY)
+    m = client.messages.create(**kw)
+    assert m.content[0].text == chat["choices"][0]["message"]["content"]
+    assert m.usage.input_tokens == chat["usage"]["prompt_tokens"] == client.messages.count_tokens(
+        model="m", messages=msgs).input_tokens
+    with client.messages.stream(**kw) as s:
+        assert s.get_final_message().content[0].text == m.content[0].text
