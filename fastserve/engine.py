@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import NamedTuple, Optional
 
@@ -101,6 +101,7 @@ class EngineInfo:
     isa: str = ""               # the CPU kernels' instruction set ("avx512vnni", "avx2", "scalar", ...; "" off the CPU)
     speculative: object = None  # config.SpecConfig (its type "none": off)
     n_embd: int = 0             # the width of the model's hidden states (its embeddings)
+    model_info: dict = field(default_factory=dict)  # the model's scalar GGUF metadata (general.*, <arch>.*: /api/show)
 
 
 class EngineStats(NamedTuple):
@@ -115,6 +116,11 @@ class EngineStats(NamedTuple):
     mask_waits: int = 0
     mask_wait_ns: int = 0
     prompt_cache: Optional[dict] = None
+
+
+def _scalars(metadata: dict) -> dict:
+    """The model's metadata but its arrays and long texts (the vocabulary, merges, chat template)."""
+    return {k: v for k, v in metadata.items() if isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 256)}
 
 
 def default_threads() -> int:
@@ -726,7 +732,7 @@ class Engine:
         kv_bytes, kv_resident = (be.kv_bytes(), be.kv_resident()) if hasattr(be, "kv_bytes") else (0, True)
         return EngineInfo(
             n_slots=self._n_slots, n_ctx_slot=self._n_ctx_slot, n_batch=self._n_batch, n_vocab=m.config.n_vocab,
-            n_embd=m.config.n_embd,
+            n_embd=m.config.n_embd, model_info=_scalars(getattr(m, "metadata", {})),
             threads=self._threads, device=self._device, samples_on_device=be.samples_on_device,
             cache_type_k=self._config.cache_type_k, cache_type_v=self._config.cache_type_v,
             window=m.config.sliding_window, ring=getattr(be, "kv_ring", 0),

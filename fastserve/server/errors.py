@@ -3,6 +3,7 @@
 llama.cpp:  {"error": {"code": 400, "message": "...", "type": "invalid_request_error"}}
 OpenAI:     {"error": {"message": "...", "type": "invalid_request_error", "param": null, "code": 400}}
 Anthropic:  {"type": "error", "error": {"type": "invalid_request_error", "message": "..."}}
+Ollama:     {"error": "..."}
 The OpenAI format is used for routes under /v1/ (and their unprefixed aliases), Anthropic's for
 /v1/messages; an Anthropic error's type is the one its API gives that status (its SDK reads the status).
 """
@@ -39,7 +40,7 @@ ANTHROPIC_TYPES = {
     504: "timeout_error",
 }
 
-LLAMA, OPENAI, ANTHROPIC = "llama", "openai", "anthropic"
+LLAMA, OPENAI, ANTHROPIC, OLLAMA = "llama", "openai", "anthropic", "ollama"
 
 
 class HttpError(Exception):
@@ -82,6 +83,8 @@ def error_payload(family: str, status: int, message: str, type: str | None = Non
         err = {"type": ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error"),
                "message": message, **(fields or {})}
         return {"type": "error", "error": err}
+    if family == OLLAMA:
+        return {"error": message}
     type = type or ERROR_TYPES.get(status, "server_error")
     if family == OPENAI:
         err = {"message": message, "type": type, "param": None, "code": status}

@@ -15,9 +15,9 @@ from functools import partial
 
 from ..config import check_token_ids
 from ..request import SlotState
-from . import anthropic_api, embeddings_api, llama_api, openai_api, responses_api, webui
+from . import anthropic_api, embeddings_api, llama_api, ollama_api, openai_api, responses_api, webui
 from .config import BUILD_INFO
-from .errors import ANTHROPIC, LLAMA, OPENAI, HttpError, error_json
+from .errors import ANTHROPIC, LLAMA, OLLAMA, OPENAI, HttpError, error_json
 from .fields import parse_object
 from .params import PROMPT_CHARS_PER_TOKEN, settings_json
 from .response import PROMETHEUS, Response, json_response
@@ -247,6 +247,7 @@ ROUTES = {
     "/embeddings": {"POST": embeddings_api.embedding},
     "/v1/embeddings": {"POST": embeddings_api.create},
     "/infill": {"POST": not_supported},
+    **ollama_api.ROUTES,
 }
 # routes of a path that ends in an id, the route's third argument: prefix -> (methods, the id's test, its type)
 ID_ROUTES = {
@@ -265,6 +266,8 @@ def family(path: str) -> str:
     """The error format of a path's answers (errors.py)."""
     if path in ANTHROPIC_PATHS or path.startswith("/v1/messages/"):
         return ANTHROPIC
+    if path.startswith("/api/"):
+        return OLLAMA
     return OPENAI if path in OPENAI_PATHS or path.startswith("/v1/") else LLAMA
 
 

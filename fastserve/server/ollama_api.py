@@ -1,0 +1,449 @@
+"""Ollama's API over the same engine: /api/chat, /api/generate, /api/embed (and the older /api/embeddings),
+/api/tags, /api/show, /api/ps, /api/version, as the `ollama` package and the desktop apps that speak Ollama
+call them.
+
+A chat or generate request is translated into the chat route's form (params.Parser.chat_body; raw generate:
+the completions route's) so that the template, tools, JSON formats and every field check are the chat's:
+
+    model                         required; this server's one model (its alias, with or without ":latest"),
+                                  else 404 "model ... not found"
+    messages (role, content,      the chat's messages; tool_calls' arguments kept as objects, a tool message
+      tool_calls, tool_name)      answering the last call of its tool_name; images: 400 (no vision); an
+                                  assistant's thinking is left out of the prompt (the templates drop it)
+    prompt, system, raw           generate: the prompt as the user's message after the system (raw: the prompt
+                                  as it is, no template); no prompt and no messages: the model "loads"
+                                  (done_reason "load")
+    format "" | "json" | schema   response_format: text, a JSON object, that schema
+    tools                         the chat's tools (OpenAI's shape, which Ollama's is)
+    think true | false            thinking on (no budget) | off (server/reasoning.py); levels: 400
+    stream (default true)         NDJSON, one object a line, the last with done true and the counts
+    keep_alive                    taken (a duration): the one model stays loaded whatever it says
+    options                       OPTIONS below: each taken, taken with no effect (and why), or refused
+
+Refused (400, never ignored): any other field, an option not in OPTIONS, suffix / template / context /
+images, logprobs (not yet on these routes). The answer carries Ollama's fields: done_reason (stop, length,
+load), total_duration, load_duration (0: the model is loaded at start), prompt_eval_count /
+prompt_eval_duration, eval_count / eval_duration (ns). Errors: {"error": "..."} (errors.OLLAMA) with 400,
+404 and 5xx as Ollama; in a stream, a last line {"error": "..."}.
+"""
+from __future__ import annotations
+
+import os
+import time
+from datetime import datetime, timezone
+
+import orjson
+
+from .embeddings_api import inputs, vectors
+from .errors import HttpError
+from .fanout import run_all
+from .fields import Body, kind, parse_object
+from .openai_api import start_chat
+from .reasoning import Splitter, split
+from .response import StreamResponse, json_response
+
+NDJSON = "application/x-ndjson"
+# The Ollama release whose API these routes follow: clients gate features on /api/version (fastserve's own
+# version: /props' build_info).
+OLLAMA_VERSION = "0.12.0"
+NEVER = "2318-01-01T00:00:00Z"          # /api/ps' expires_at: the model is never unloaded (Ollama's keep_alive -1)
+DONE_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop"}
+# general.file_type (llama.cpp's llama_ftype) -> the quantization name Ollama shows
+FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
+              12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
+              32: "BF16"}
+
+
+# -- options: name -> (what it becomes, its argument) ---------------------------------------------------
+#   field    the chat's field of that name (its checks: params.py, with the chat's message)
+#   tokens   max_tokens; -1 (no limit) and -2 (fill the context) both run until the slot is full
+#   context  at most this server's context per slot (-c / -np: fixed at start); more is refused
+#   moot     taken with no effect, for the reason given
+#   neutral  only its neutral value (the argument), for fastserve has no such sampler
+#   start    refused: a load-time setting of `fastserve serve` (the flag given)
+OPTIONS = {
+    "temperature": ("field", None), "top_k": ("field", None), "top_p": ("field", None), "min_p": ("field", None),
+    "seed": ("field", None), "stop": ("field", None), "repeat_penalty": ("field", None),
+    "repeat_last_n": ("field", None), "presence_penalty": ("field", None), "frequency_penalty": ("field", None),
+    "typical_p": ("field", None), "mirostat": ("field", None),
+    "num_predict": ("tokens", None),
+    "num_ctx": ("context", None),
+    "num_keep": ("moot", "nothing is ever discarded from the context"),
+    "mirostat_tau": ("moot", "Mirostat is off"), "mirostat_eta": ("moot", "Mirostat is off"),
+    "penalize_newline": ("moot", "Ollama itself no longer reads it"),
+    "tfs_z": ("neutral", 1.0),
+    "num_batch": ("start", "-b"), "num_thread": ("start", "-t"), "num_gpu": ("start", "--device / -ngl"),
+    "main_gpu": ("start", "--device"), "low_vram": ("start", "--device"), "f16_kv": ("start", "-ctk / -ctv"),
+    "use_mmap": ("start", "(always memory-mapped)"), "use_mlock": ("start", "(never locked)"),
+    "numa": ("start", "(no NUMA placement)"), "vocab_only": ("start", "(the whole model is loaded)"),
+    "logits_all": ("start", "(no logits output)"), "embedding_only": ("start", "(embeddings are always served)"),
+}
+COMMON = {"model", "stream", "options", "format", "keep_alive", "think"}
+CHAT_FIELDS = COMMON | {"messages", "tools"}
+GENERATE_FIELDS = COMMON | {"prompt", "system", "raw", "suffix", "template", "context", "images"}
+EMBED_FIELDS = {"model", "input", "truncate", "options", "keep_alive", "dimensions"}
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _known(body: Body, allowed: set, route: str) -> None:
+    unknown = sorted(set(body.data) - allowed)
+    if unknown:
+        raise HttpError(400, f"{route}: unknown field(s) {', '.join(map(repr, unknown))}; it takes "
+                             f"{', '.join(sorted(allowed))}")
+
+
+def _model(body: Body, alias: str, field: str = "model") -> str:
+    """The request's model: this server's one (its alias, with or without a tag ":latest"), else 404."""
+    name = body.str(field) or (body.str("name") if field == "model" else None)
+    if not name:
+        raise HttpError(400, "model is required")
+    if name not in (alias, f"{alias}:latest"):
+        raise HttpError(404, f"model '{name}' not found (this server has '{alias}')")
+    return name
+
+
+def _keep_alive(body: Body) -> None:
+    """keep_alive: a number of seconds or a duration ("5m", "-1"); checked, then moot (one model, never unloaded)."""
+    v = body.raw("keep_alive")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float, str))):
+        raise HttpError(400, f"'keep_alive' must be a duration (\"5m\") or a number of seconds, got {kind(v)}")
+
+
+def _options(body: Body, out: dict, n_ctx: int, allowed=None) -> None:
+    """Ollama's options into the chat body out (OPTIONS); allowed: the only names this route takes."""
+    opts = body.raw("options", {})
+    if not isinstance(opts, dict):
+        raise HttpError(400, f"'options' must be an object, got {kind(opts)}")
+    for name, value in opts.items():
+        if value is None:
+            continue
+        what, arg = OPTIONS.get(name, (None, None))
+        if what is None or (allowed is not None and name not in allowed):
+            raise HttpError(400, f"option '{name}' is not supported by fastserve"
+                                 + ("" if what is None else " on this route"))
+        if what == "field":
+            out[name] = value
+        elif what == "tokens":
+            n = Body({name: value}).int(name, lo=-2)
+            out["max_tokens"] = -1 if n < 0 else n
+        elif what == "context":
+            n = Body({name: value}).int(name, lo=1)
+            if n > n_ctx:
+                raise HttpError(400, f"option 'num_ctx' {n} exceeds this server's context per slot ({n_ctx} tokens, "
+                                     f"set at start by -c / -np)")
+        elif what == "neutral" and value != arg:
+            raise HttpError(400, f"option '{name}' = {value!r} is not supported by fastserve (no such sampler); "
+                                 f"leave it out or give {arg}")
+        elif what == "start":
+            raise HttpError(400, f"option '{name}' is a load-time setting: fastserve takes it when the server "
+                                 f"starts ({arg})")
+
+
+def _format(body: Body, out: dict) -> None:
+    fmt = body.raw("format")
+    if fmt in (None, ""):
+        return
+    if fmt == "json":
+        out["response_format"] = {"type": "json_object"}
+    elif isinstance(fmt, dict):
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+    else:
+        raise HttpError(400, "'format' must be \"json\" or a JSON schema object")
+
+
+def _think(body: Body, out: dict) -> None:
+    v = body.raw("think")
+    if v is None:
+        return
+    if not isinstance(v, bool):
+        raise HttpError(400, f"'think' must be true or false (levels such as {v!r} are not supported)")
+    out["thinking_budget_tokens"] = -1 if v else 0
+
+
+def _common(body: Body, n_ctx: int) -> dict:
+    """The chat body's fields every generating route reads alike (stream defaults to true, as Ollama's)."""
+    stream = body.bool("stream", True)
+    out = {"stream": stream}
+    _options(body, out, n_ctx)
+    _format(body, out)
+    _think(body, out)
+    _keep_alive(body)
+    return out
+
+
+def chat_messages(messages) -> list[dict]:
+    """Ollama's messages as the chat's (tools.chat_messages checks them next)."""
+    if not isinstance(messages, list):
+        raise HttpError(400, "'messages' must be an array of {\"role\": ..., \"content\": ...} objects")
+    out, calls = [], {}                  # tool name -> the id of its last call
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise HttpError(400, f"messages[{i}] must be an object")
+        if m.get("images"):
+            raise HttpError(400, f"messages[{i}]: images are not supported: this server's model has no vision")
+        msg = {k: m[k] for k in ("role", "content") if k in m}
+        if m.get("tool_calls") is not None:
+            msg["tool_calls"] = _calls(m["tool_calls"], i, calls)
+            msg.setdefault("content", "")
+        if m.get("role") == "tool":
+            name = m.get("tool_name") or m.get("name")
+            msg["tool_call_id"] = calls.get(name) or f"call_{i}"
+        out.append(msg)
+    return out
+
+
+def _calls(value, i: int, calls: dict) -> list[dict]:
+    if not isinstance(value, list):
+        raise HttpError(400, f"messages[{i}].tool_calls must be an array of {{\"function\": {{...}}}} objects")
+    out = []
+    for j, c in enumerate(value):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise HttpError(400, f"messages[{i}].tool_calls[{j}] needs function.name")
+        args = fn.get("arguments", {})
+        if not isinstance(args, (dict, str)):
+            raise HttpError(400, f"messages[{i}].tool_calls[{j}].function.arguments must be an object")
+        cid = f"call_{i}_{j}"
+        calls[fn["name"]] = cid
+        out.append({"id": cid, "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+# -- the answers ----------------------------------------------------------------------------------------
+
+def _counts(gen, t0: float) -> dict:
+    """done_reason and the counts of a finished generation (durations in ns)."""
+    t = gen.timings()
+    return {"done_reason": DONE_REASONS.get(gen.openai_finish_reason, "stop"),
+            "total_duration": int((time.monotonic() - t0) * 1e9), "load_duration": 0,
+            "prompt_eval_count": gen.n_prompt, "prompt_eval_duration": int(t["prompt_ms"] * 1e6),
+            "eval_count": len(gen.ids), "eval_duration": int(t["predicted_ms"] * 1e6)}
+
+
+def _line(obj: dict) -> bytes:
+    return orjson.dumps(obj) + b"\n"
+
+
+def _stream(events) -> StreamResponse:
+    return StreamResponse(events, on_error=lambda err: _line({"error": err.message}), content_type=NDJSON)
+
+
+def _loaded(model: str, field: str, empty) -> dict:
+    """The answer to a request with nothing to generate: the model is loaded (it always is)."""
+    return {"model": model, "created_at": _now(), field: empty, "done": True, "done_reason": "load"}
+
+
+async def chat(req, ex, *, parser, compile, start, alias):
+    t0 = time.monotonic()
+    body = parse_object(req.body)
+    _known(body, CHAT_FIELDS, "/api/chat")
+    model = _model(body, alias)
+    out = _common(body, parser.n_ctx)
+    messages = chat_messages(body.raw("messages", []))
+    if not messages:
+        return json_response(_loaded(model, "message", {"role": "assistant", "content": ""}))
+    out["messages"] = messages
+    if body.raw("tools"):
+        out["tools"] = body.raw("tools")
+    params, gens = await start_chat(ex, parser.chat_body(Body(out)), parser=parser, compile=compile, start=start)
+    gen, plan = gens[0], params.tools
+    think = params.reasoning if params.reasoning is not None and params.reasoning.split else None
+
+    def message(text: str, thought: str = "", calls=None) -> dict:
+        m = {"role": "assistant", "content": text}
+        if thought:
+            m["thinking"] = thought
+        if calls:
+            m["tool_calls"] = [{"function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]
+        return m
+
+    def final() -> dict:
+        """The whole reply: its content, thinking and tool calls."""
+        content, calls = plan.calls(gen.text.text) if plan is not None else (gen.text.text, None)
+        thought = ""
+        if think is not None and plan is None:
+            thought, content = split(think, content)
+        return message(content or "", thought, calls)
+
+    if not params.stream:
+        await run_all(gens)
+        return json_response({"model": model, "created_at": _now(), "message": final(), "done": True,
+                              **_counts(gen, t0)})
+
+    async def events():
+        splitter = Splitter(think) if think is not None else None
+        async for d in gen.deltas():
+            if plan is None and d.text:
+                thought, text = splitter.feed(d.text) if splitter is not None else ("", d.text)
+                if thought or text:
+                    yield _line({"model": model, "created_at": _now(), "message": message(text, thought), "done": False})
+        last = message("")
+        if plan is not None:            # a call is known to be one when its JSON is complete
+            last = final()
+        elif splitter is not None:
+            thought, text = splitter.flush()
+            last = message(text, thought)
+        yield _line({"model": model, "created_at": _now(), "message": last, "done": True, **_counts(gen, t0)})
+    return _stream(events())
+
+
+async def generate(req, ex, *, parser, compile, start, alias):
+    t0 = time.monotonic()
+    body = parse_object(req.body)
+    _known(body, GENERATE_FIELDS, "/api/generate")
+    model = _model(body, alias)
+    for name, why in (("suffix", "no fill-in-the-middle"), ("template", "the model's chat template is used (or the "
+                      "server's --chat-template)"), ("context", "send the conversation to /api/chat instead"),
+                      ("images", "this server's model has no vision")):
+        if body.raw(name):
+            raise HttpError(400, f"'{name}' is not supported: {why}")
+    out = _common(body, parser.n_ctx)
+    prompt, system = body.str("prompt", ""), body.str("system")
+    if not prompt:
+        return json_response(_loaded(model, "response", ""))
+    if body.bool("raw"):
+        if system is not None or body.raw("think") is not None:
+            raise HttpError(400, "'raw' takes the prompt as it is: no 'system' or 'think'")
+        out["prompt"] = prompt
+        fmt = out.pop("response_format", None)      # the completions route reads a schema as json_schema
+        if fmt is not None:
+            out["json_schema"] = fmt.get("json_schema", {}).get("schema", {"type": "object"})
+        params = parser.completions(orjson.dumps(out))
+        compiled = await compile(params.constraint, params.limits)
+        gen = start(ex, params.prompts[0], params.sampling, params, compiled)
+        think = None
+    else:
+        out["messages"] = ([{"role": "system", "content": system}] if system is not None else []) + \
+                          [{"role": "user", "content": prompt}]
+        params, gens = await start_chat(ex, parser.chat_body(Body(out)), parser=parser, compile=compile, start=start)
+        gen = gens[0]
+        think = params.reasoning if params.reasoning is not None and params.reasoning.split else None
+
+    def piece(text: str, thought: str = "") -> dict:
+        return {"model": model, "created_at": _now(), "response": text, **({"thinking": thought} if thought else {})}
+
+    if not params.stream:
+        await run_all([gen])
+        thought, text = split(think, gen.text.text) if think is not None else ("", gen.text.text)
+        return json_response({**piece(text, thought), "done": True, **_counts(gen, t0)})
+
+    async def events():
+        splitter = Splitter(think) if think is not None else None
+        async for d in gen.deltas():
+            if d.text:
+                thought, text = splitter.feed(d.text) if splitter is not None else ("", d.text)
+                if thought or text:
+                    yield _line({**piece(text, thought), "done": False})
+        thought, text = splitter.flush() if splitter is not None else ("", "")
+        yield _line({**piece(text, thought), "done": True, **_counts(gen, t0)})
+    return _stream(events())
+
+
+# -- embeddings ----------------------------------------------------------------------------------------
+
+async def embed(req, ex, *, engine, config, info, alias):
+    """Ollama's /api/embed: Euclidean-normalised vectors of the server's --pooling (none: refused); truncate
+    (default true) keeps an input's first tokens that fit a slot, false refuses a longer input."""
+    t0 = time.monotonic()
+    body = parse_object(req.body)
+    _known(body, EMBED_FIELDS, "/api/embed")
+    model = _model(body, alias)
+    _options(body, {}, info.n_ctx_slot, allowed={"num_ctx"})
+    _keep_alive(body)
+    dims = body.int("dimensions")
+    if dims is not None and dims != info.n_embd:
+        raise HttpError(400, f"'dimensions' {dims}: this model's embeddings have {info.n_embd} (no truncation)")
+    if config.pooling == "none":
+        raise HttpError(400, "the server's --pooling none gives every token's vector: /api/embed needs mean, cls "
+                             "or last")
+    texts = inputs(body.raw("input"), "input") if body.has("input") else []
+    if not texts:
+        return json_response({"model": model, "embeddings": [], "total_duration": 0, "load_duration": 0,
+                              "prompt_eval_count": 0})
+    if body.bool("truncate", True):
+        texts = [engine.tokenizer.encode(t, add_special=True)[:info.n_ctx_slot] if isinstance(t, str) else t
+                 for t in texts]
+    vecs, n_tokens = await vectors(engine, texts, config.pooling, 2)
+    return json_response({"model": model, "embeddings": vecs, "total_duration": int((time.monotonic() - t0) * 1e9),
+                          "load_duration": 0, "prompt_eval_count": n_tokens})
+
+
+async def embeddings(req, ex, *, engine, config, info, alias):
+    """Ollama's older /api/embeddings: one prompt, its vector not normalised (as Ollama's)."""
+    body = parse_object(req.body)
+    _known(body, {"model", "prompt", "options", "keep_alive"}, "/api/embeddings")
+    _model(body, alias)
+    _options(body, {}, info.n_ctx_slot, allowed={"num_ctx"})
+    _keep_alive(body)
+    prompt = body.str("prompt", "")
+    if not prompt:
+        return json_response({"embedding": []})
+    if config.pooling == "none":
+        raise HttpError(400, "the server's --pooling none gives every token's vector: /api/embeddings needs mean, "
+                             "cls or last")
+    vecs, _ = await vectors(engine, [prompt], config.pooling, -1)
+    return json_response({"embedding": vecs[0]})
+
+
+# -- the model -------------------------------------------------------------------------------------------
+
+def _details(info) -> dict:
+    md = info.model_info
+    arch = md.get("general.architecture", "")
+    return {"parent_model": "", "format": "gguf", "family": arch, "families": [arch] if arch else [],
+            "parameter_size": md.get("general.size_label", ""),
+            "quantization_level": FILE_TYPES.get(md.get("general.file_type"), "")}
+
+
+def _file(info) -> tuple[int, str]:
+    """(size in bytes, modified_at) of the model's file."""
+    try:
+        st = os.stat(info.model_path)
+    except OSError:
+        return 0, _now()
+    return st.st_size, datetime.fromtimestamp(st.st_mtime, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def tags(req, ex, *, info, alias):
+    size, modified = _file(info)
+    return json_response({"models": [{"name": alias, "model": alias, "modified_at": modified, "size": size,
+                                      "digest": "", "details": _details(info)}]})
+
+
+def show(req, ex, *, info, alias, tokenizer):
+    body = parse_object(req.body)
+    _known(body, {"model", "name", "verbose"}, "/api/show")
+    _model(body, alias)
+    _, modified = _file(info)
+    caps = ["completion", "embedding"] + (["tools"] if tokenizer.chat_template_takes_tools else [])
+    return json_response({"modelfile": "", "parameters": "", "template": tokenizer.chat_template,
+                          "details": _details(info), "model_info": info.model_info, "capabilities": caps,
+                          "modified_at": modified})
+
+
+def ps(req, ex, *, info, alias):
+    size, _ = _file(info)
+    size += info.kv_bytes
+    return json_response({"models": [{"name": alias, "model": alias, "size": size, "digest": "",
+                                      "details": _details(info), "expires_at": NEVER,
+                                      "size_vram": size if info.device == "cuda" else 0,
+                                      "context_length": info.n_ctx_slot}]})
+
+
+def version(req, ex):
+    return json_response({"version": OLLAMA_VERSION})
+
+
+ROUTES = {
+    "/api/chat": {"POST": chat},
+    "/api/generate": {"POST": generate},
+    "/api/embed": {"POST": embed},
+    "/api/embeddings": {"POST": embeddings},
+    "/api/tags": {"GET": tags},
+    "/api/show": {"POST": show},
+    "/api/ps": {"GET": ps},
+    "/api/version": {"GET": version},
+}
