@@ -3,8 +3,8 @@
     Engine.embed(inputs) ──Inbox(Embed)──▶ decode thread: Embedder.run(budget) once per step, after the step
     EmbedJob.result() / .future ◀── set once every input of the job is done (or failed)
 
-The Embedder owns a KV cache of its own (EMBED_SLOTS sequences of n_ctx_slot tokens, pages touched only as
-used) and runs CpuBackend.hidden on it: the forward pass with the out rows' normed states instead of their
+The Embedder owns a KV cache of its own (EMBED_SLOTS sequences of n_ctx_slot tokens; its pages come into
+memory only as inputs write them, not all at start as the engine's own cache's) and runs CpuBackend.hidden on it: the forward pass with the out rows' normed states instead of their
 logits (no output product). It computes at most the step's prompt budget of tokens per step, so an
 embedding shares the machine as a prompt does and never stops the streams; a decode step that has no
 embedding to do pays one attribute test.

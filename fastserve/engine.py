@@ -691,12 +691,13 @@ class Engine:
 
     def _make_embedder(self) -> Embedder:
         """The embedding pass: the CPU forward on the model's weights with a KV cache of its own (on any device:
-        the CUDA backend has no hidden-state pass yet)."""
+        the CUDA backend has no hidden-state pass yet), EMBED_SLOTS slots of a slot's context whose pages come in
+        only as inputs reach them (a short input costs its own rows, not the cache's size)."""
         from .backends.cpu.backend import CpuBackend
         cfg = self._config
         backend = CpuBackend(self._model.config, self._model.weights, EMBED_SLOTS, self._n_ctx_slot,
                              threads=self._threads, cache_type_k=cfg.cache_type_k, cache_type_v=cfg.cache_type_v,
-                             max_tokens=self._n_batch)
+                             max_tokens=self._n_batch, kv_resident=False)
         return Embedder(backend, self._n_batch)
 
     def _on_erase(self, msg: Erase) -> None:

@@ -136,6 +136,18 @@ def test_the_cache_is_zeros_resident_from_the_start():
     assert rss_bytes() - before < 0.5 * 32 * 2**20
 
 
+def test_a_cache_not_made_resident_costs_only_what_is_written():
+    """resident=False (the embeddings' cache): no page comes in at start; a write brings in its own rows only."""
+    from fastserve.resources import rss_bytes
+    before = rss_bytes()
+    kv = KVCache(4, 8, 4096, HKV, D, "f16", "f16", resident=False)      # 32 MiB
+    assert kv.resident.is_set()
+    kv.store(0, np.ones((16, HKV, D), np.float32), np.ones((16, HKV, D), np.float32), np.zeros(16, np.int64),
+             np.arange(16))
+    assert rss_bytes() - before < 0.1 * kv.nbytes(), (rss_bytes() - before, kv.nbytes())
+    assert kv.v[0][0, :16].any() and not kv.v[0][1:].any()
+
+
 def test_the_fill_thread_writes_what_the_kernel_refuses_and_stops_for_a_dropped_cache():
     """_populate: an advice refused (ENOMEM, EINTR, ...) has its chunk written instead; a cache dropped
     before its turn is not touched (weak references); done is set whatever happens, an error included."""

@@ -38,12 +38,13 @@ class CpuBackend(HostSampling):
     the batch or the threads. The element-wise operations compute each row on its own.
 
     reference: run fastserve.backends.cpu.ref.forward (NumPy, the same bits, slower) instead of the C forward.
+    kv_resident: the KV cache's pages all brought in at start (KVCache's resident; False: as written).
     """
 
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, n_slots: int, n_ctx_slot: int,
                  threads: int = 1, cache_type_k: str = DEFAULT_CACHE_TYPE,
                  cache_type_v: str = DEFAULT_CACHE_TYPE, max_tokens: int = 512, reuse_logits: bool = False,
-                 reference: bool = False):
+                 reference: bool = False, kv_resident: bool = True):
         self.cfg, self.w = cfg, weights
         self.reference = reference
         self.act = ref_forward.Activations(cfg, max(1, max_tokens) if reference else 1)
@@ -55,7 +56,8 @@ class CpuBackend(HostSampling):
         self._mm = Matmul(pool=self.pool)
         self.n_slots, self.n_ctx_slot, self.n_vocab = n_slots, n_ctx_slot, cfg.n_vocab
         self.kv = KVCache(cfg.n_layer, n_slots, n_ctx_slot, cfg.n_head_kv, cfg.head_dim, cache_type_k, cache_type_v,
-                          window=cfg.sliding_window, local_layers=cfg.local_layers, step_tokens=max(1, max_tokens))
+                          window=cfg.sliding_window, local_layers=cfg.local_layers, step_tokens=max(1, max_tokens),
+                          resident=kv_resident)
         self._attn = Attention(self.pool)
         # local layers' own RoPE base (gemma3: 10k beside the global layers' 1M); rows filled as reached
         self.rope = RopeTables(cfg, n_ctx_slot, weights.rope_freqs)

@@ -115,11 +115,13 @@ class KVCache:
 
     window, local_layers: the model's sliding window (keys a local layer's query sees) and which
     layers are local ([n_layer] bools; () for none); step_tokens: the most tokens one step writes
-    into one slot, which sizes the ring (ring_size); a step of more is refused (begin_step)."""
+    into one slot, which sizes the ring (ring_size); a step of more is refused (begin_step). resident: every
+    page brought in at start (_make_resident); False leaves them to the first writes (the embeddings' cache:
+    embedding.py, whose slots seldom fill)."""
 
     def __init__(self, n_layer: int, n_slots: int, n_ctx_slot: int, n_head_kv: int, head_dim: int,
                  type_k: str = DEFAULT_CACHE_TYPE, type_v: str = DEFAULT_CACHE_TYPE, kernels=_attention, *,
-                 window: int = 0, local_layers=(), step_tokens: int = 512):
+                 window: int = 0, local_layers=(), step_tokens: int = 512, resident: bool = True):
         for flag, t in (("--cache-type-k", type_k), ("--cache-type-v", type_v)):
             try:
                 kernels.kv_type_id(t, head_dim)
@@ -142,7 +144,10 @@ class KVCache:
                                         kernels.k_tile_bytes(type_k, head_dim))))
             self.v.append(mapped_zeros((n_slots, n_rows, n_head_kv, self.row_v)))
         self.resident = threading.Event()       # set once every page of the cache is in memory (or the fill stopped: the cache was dropped)
-        self._make_resident()
+        if resident:
+            self._make_resident()
+        else:
+            self.resident.set()                 # nothing to wait for: pages come in as they are written
 
     def _make_resident(self) -> None:
         """Every page of the cache in memory soon after the start, as llama.cpp clears its KV buffer at start:
