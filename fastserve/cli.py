@@ -6,6 +6,7 @@ import sys
 import time
 
 from .config import DEFAULT_BODY_LIMIT, DEVICES, EngineConfig, SamplingParams
+from .errors import FastserveError
 from .server.config import ServerConfig
 
 
@@ -70,6 +71,10 @@ def main(argv=None) -> int:
                     help="do not serve the chat page at / (404 there)")
     sp.add_argument("--webui", "--ui", dest="no_webui", action="store_false", help="serve the chat page at / (the default)")
     _device_arg(sp)
+    sp.add_argument("--replicas", type=int, help="serve with N replicas of this server on Ray Serve, routed by prompt "
+                                                 "prefix (pip install 'fastserve[ray]'; a local Ray cluster unless "
+                                                 "--ray-address)")
+    sp.add_argument("--ray-address", help="with --replicas: join this Ray cluster (host:port, ray://host:port, auto)")
     from .server.llama_flags import add_refused, add_taken
     add_taken(sp)           # llama-server's flags, for its scripts: honoured ...
     add_refused(sp)         # ... or refused with the reason (fastserve/server/llama_flags.py, docs/flags.md)
@@ -89,7 +94,7 @@ def main(argv=None) -> int:
         add_arguments(bp)
 
     args = p.parse_args(argv)
-    from .errors import FastserveError
+    args.argv = argv            # `serve --replicas`: each replica's server gets the same words
     try:
         return {"pull": _pull, "generate": _generate, "serve": _serve, "bench": _bench}[args.cmd](args)
     except FastserveError as exc:
@@ -188,6 +193,11 @@ def _bench(args) -> int:
 
 def _serve(args) -> int:
     from .server.app import serve
+    if args.replicas is not None or args.ray_address:
+        from .cluster import serve_cluster
+        if args.replicas is None:
+            raise FastserveError("--ray-address goes with --replicas N")
+        return serve_cluster(args, args.argv)
     try:
         return serve(args)
     except (ValueError, OSError) as exc:      # bad flag values, port in use

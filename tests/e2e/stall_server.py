@@ -1,6 +1,6 @@
 """`fastserve serve` whose forward pass hangs while a file exists: a stuck device on demand (tests only).
 
-    python -m tests.e2e.stall_server STALL_FILE serve -m MODEL ...
+    python -m tests.e2e.stall_server STALL_FILE serve -m MODEL ...     ({pid} in STALL_FILE: this process's id)
 
 The normal build's command line knows nothing of it: this launcher hands serve() a backend factory.
 The wait is bounded (MAX_STALL_S) so a forgotten file cannot hold a test machine forever.
@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
     from fastserve import cli
     from fastserve.server import app as server_app
 
-    stall_file, rest = argv[0], argv[1:]
+    stall_file, rest = argv[0].replace("{pid}", str(os.getpid())), argv[1:]     # one file per server of a cluster
 
     def factory(cfg, weights, n_slots, n_ctx_slot):
         from fastserve.backends.cpu.backend import CpuBackend

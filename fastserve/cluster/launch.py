@@ -1,0 +1,84 @@
+"""`fastserve serve --replicas N [--ray-address ADDR]`: the cluster's start, its wait, its stop.
+
+Bad input stops the start with the reason before anything runs: a replica count under 1, a Ray address that
+does not answer, Ray not installed."""
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import threading
+from urllib.parse import urlsplit
+
+from ..errors import FastserveError
+
+APP_NAME = "fastserve"
+CONNECT_TIMEOUT_S = 3.0
+# the flags that are the cluster's own, or each replica's server's business (it listens on loopback)
+OWN_FLAGS = frozenset({"--replicas", "--ray-address", "--host", "--port"})
+
+
+def replica_flags(argv: list) -> list:
+    """`fastserve serve`'s words less the command itself and the cluster's own flags (with their values)."""
+    out, skip = [], False
+    words = list(argv)
+    if words and words[0] == "serve":
+        words = words[1:]
+    for w in words:
+        if skip:
+            skip = False
+            continue
+        if w.split("=", 1)[0] in OWN_FLAGS:
+            skip = "=" not in w           # its value is the next word
+            continue
+        out.append(w)
+    return out
+
+
+def check_address(address: str) -> None:
+    """A Ray address (host:port, ray://host:port) must answer a TCP connect within CONNECT_TIMEOUT_S (ray.init on
+    an address nobody answers waits over 2 minutes); "auto" (the local node's cluster) is Ray's to find."""
+    if address == "auto":
+        return
+    parts = urlsplit(address if "://" in address else f"ray://{address}")
+    if not parts.hostname or not parts.port:
+        raise FastserveError(f"--ray-address {address!r}: expected host:port (or ray://host:port, or auto)")
+    try:
+        socket.create_connection((parts.hostname, parts.port), CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise FastserveError(f"--ray-address {address}: no Ray cluster answers there ({exc})") from None
+
+
+def serve_cluster(args, argv: list) -> int:
+    """Start Ray (local, or join --ray-address), Ray Serve's proxy on --host / --port, the application; serve
+    until SIGTERM / SIGINT; then delete the application (and stop the local Ray). Returns the exit code."""
+    if args.replicas < 1:
+        raise FastserveError(f"--replicas {args.replicas}: a cluster needs at least 1 replica")
+    if args.ray_address:
+        check_address(args.ray_address)
+    try:
+        import ray
+        from ray import serve
+    except ImportError as exc:
+        raise FastserveError(f"--replicas needs Ray Serve: pip install 'fastserve[ray]' ({exc})") from None
+    from . import build
+
+    gpu = args.device == "cuda"
+    ray.init(address=args.ray_address or None, include_dashboard=False, logging_level="WARNING")
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        app, _board = build(replica_flags(argv), replicas=args.replicas, num_cpus=1 if gpu else max(1, args.threads),
+                            num_gpus=1 if gpu else 0, api_key=args.api_key, metrics=args.metrics)
+        serve.run(app, name=APP_NAME, route_prefix="/")
+        print(f"fastserve: listening on http://{args.host}:{args.port} ({args.replicas} replicas on Ray Serve, "
+              f"PrefixCacheAffinityRouter)", file=sys.stderr, flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
+        serve.delete(APP_NAME)
+        if not args.ray_address:
+            serve.shutdown()
+    finally:
+        ray.shutdown()
+    return 0
