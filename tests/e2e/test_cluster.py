@@ -141,6 +141,21 @@ def test_chats_route_by_prefix_and_complete(cluster):
     assert len(running) == 2
 
 
+def test_a_client_that_goes_away_frees_its_slot(cluster):
+    url, board, _ = cluster
+    body = {"prompt": OPENINGS[11], "n_predict": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=url, timeout=60) as c, c.stream("POST", "/completion", json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        time.sleep(REPORT_WAIT_S)
+        assert sum(per_replica(url, "vllm:num_requests_running").values()) == 1
+    deadline = time.monotonic() + 10                # the ingress cancels the replica's stream, its server the slot
+    while sum(per_replica(url, "vllm:num_requests_running").values()) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert sum(per_replica(url, "vllm:num_requests_running").values()) == 0
+    assert sum(per_replica(url, "fastserve_client_disconnects_total").values()) >= 1
+
+
 def busiest(url: str, board) -> tuple:
     """(replica, its report) running the most requests now."""
     time.sleep(REPORT_WAIT_S)
