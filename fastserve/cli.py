@@ -25,13 +25,20 @@ def main(argv=None) -> int:
     _model_args(gp)
     gp.add_argument("prompt", nargs="?", help="the prompt (omit for an interactive session)")
     gp.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (-1: until the end)")
-    gp.add_argument("--temp", type=float, default=SamplingParams.temperature)
-    gp.add_argument("--top-k", type=int, default=SamplingParams.top_k)
-    gp.add_argument("--top-p", type=float, default=SamplingParams.top_p)
-    gp.add_argument("--min-p", type=float, default=SamplingParams.min_p)
-    gp.add_argument("--seed", type=int, default=-1)
+    _sampling_args(gp)
     gp.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _device_arg(gp)
+
+    rp = sub.add_parser("run", help="chat with a model in the terminal (pulled first if needed), as `ollama run`")
+    rp.add_argument("model_name", nargs="?", metavar="MODEL",
+                    help="a GGUF file or a name `fastserve pull --list` shows (default: the default model)")
+    rp.add_argument("-c", "--ctx-size", type=int, default=4096, help="tokens of context of the conversation")
+    rp.add_argument("-b", "--batch-size", type=int, default=EngineConfig.n_batch, help="most tokens in one step")
+    rp.add_argument("-t", "--threads", type=int, help="threads of the decode step (default: every core)")
+    rp.add_argument("-n", "--n-predict", type=int, default=-1, help="most tokens of a reply (-1: until the end)")
+    rp.add_argument("--system", help="a system prompt at the start of the conversation")
+    _sampling_args(rp)
+    _device_arg(rp)
 
     sp = sub.add_parser("serve", help="serve the model over HTTP")
     _model_args(sp)
@@ -96,7 +103,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.argv = argv            # `serve --replicas`: each replica's server gets the same words
     try:
-        return {"pull": _pull, "generate": _generate, "serve": _serve, "bench": _bench}[args.cmd](args)
+        return {"pull": _pull, "generate": _generate, "run": _run, "serve": _serve, "bench": _bench}[args.cmd](args)
     except FastserveError as exc:
         print(f"fastserve: error: {exc}", file=sys.stderr)
         return 1
@@ -114,6 +121,14 @@ def _model_args(p) -> None:
     for flag, short in (("--cache-type-k", "-ctk"), ("--cache-type-v", "-ctv")):
         p.add_argument(short, flag, choices=("f16", "f32", "q8_0"), default=EngineConfig.cache_type_k,
                        help=f"KV cache type for {'keys' if flag.endswith('k') else 'values'} on the CPU (default f16)")
+
+
+def _sampling_args(p) -> None:
+    p.add_argument("--temp", type=float, default=SamplingParams.temperature)
+    p.add_argument("--top-k", type=int, default=SamplingParams.top_k)
+    p.add_argument("--top-p", type=float, default=SamplingParams.top_p)
+    p.add_argument("--min-p", type=float, default=SamplingParams.min_p)
+    p.add_argument("--seed", type=int, default=-1)
 
 
 def _device_arg(p) -> None:
@@ -170,6 +185,11 @@ def _generate(args) -> int:
             dt = time.perf_counter() - t0
             print(f"\n[{n} tokens in {dt:.2f} s, {n / dt:.1f} tok/s]", file=sys.stderr)
     return 0
+
+
+def _run(args) -> int:
+    from .terminal_chat import main
+    return main(args)
 
 
 def _interactive():
