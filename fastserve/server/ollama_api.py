@@ -16,12 +16,13 @@ the completions route's) so that the template, tools, JSON formats and every fie
     format "" | "json" | schema   response_format: text, a JSON object, that schema
     tools                         the chat's tools (OpenAI's shape, which Ollama's is)
     think true | false            thinking on (no budget) | off (server/reasoning.py); levels: 400
+    logprobs, top_logprobs        each token's logprob and its top_logprobs alternatives (0-20), as OpenAI's chat
     stream (default true)         NDJSON, one object a line, the last with done true and the counts
     keep_alive                    taken (a duration): the one model stays loaded whatever it says
     options                       OPTIONS below: each taken, taken with no effect (and why), or refused
 
 Refused (400, never ignored): any other field, an option not in OPTIONS, suffix / template / context /
-images, logprobs (not yet on these routes). The answer carries Ollama's fields: done_reason (stop, length,
+images. The answer carries Ollama's fields: done_reason (stop, length,
 load), total_duration, load_duration (0: the model is loaded at start), prompt_eval_count /
 prompt_eval_duration, eval_count / eval_duration (ns). Errors: {"error": "..."} (errors.OLLAMA) with 400,
 404 and 5xx as Ollama; in a stream, a last line {"error": "..."}.
@@ -39,6 +40,7 @@ from .errors import HttpError
 from .fanout import run_all
 from .fields import Body, kind, parse_object
 from .openai_api import start_chat
+from .probs import chat_logprobs
 from .reasoning import Splitter, split
 from .response import StreamResponse, json_response
 
@@ -78,7 +80,7 @@ OPTIONS = {
     "numa": ("start", "(no NUMA placement)"), "vocab_only": ("start", "(the whole model is loaded)"),
     "logits_all": ("start", "(no logits output)"), "embedding_only": ("start", "(embeddings are always served)"),
 }
-COMMON = {"model", "stream", "options", "format", "keep_alive", "think"}
+COMMON = {"model", "stream", "options", "format", "keep_alive", "think", "logprobs", "top_logprobs"}
 CHAT_FIELDS = COMMON | {"messages", "tools"}
 GENERATE_FIELDS = COMMON | {"prompt", "system", "raw", "suffix", "template", "context", "images"}
 EMBED_FIELDS = {"model", "input", "truncate", "options", "keep_alive", "dimensions"}
@@ -167,6 +169,9 @@ def _common(body: Body, n_ctx: int) -> dict:
     """The chat body's fields every generating route reads alike (stream defaults to true, as Ollama's)."""
     stream = body.bool("stream", True)
     out = {"stream": stream}
+    for name in ("logprobs", "top_logprobs"):       # the chat's checks (top_logprobs needs logprobs: true)
+        if body.has(name):
+            out[name] = body.data[name]
     _options(body, out, n_ctx)
     _format(body, out)
     _think(body, out)
@@ -223,6 +228,20 @@ def _counts(gen, t0: float) -> dict:
             "eval_count": len(gen.ids), "eval_duration": int(t["predicted_ms"] * 1e6)}
 
 
+class Logprobs:
+    """A request's logprobs as Ollama writes them (OpenAI chat's entries: token, bytes, logprob, top_logprobs);
+    k: the alternatives shown, None when the request did not ask."""
+
+    def __init__(self, tokenizer, body: Body):
+        self.tokenizer = tokenizer
+        self.k = (body.int("top_logprobs", 0) or 0) if body.bool("logprobs") else None
+
+    def fields(self, ids: list, probs) -> dict:
+        if self.k is None:
+            return {}
+        return {"logprobs": chat_logprobs(self.tokenizer, ids, probs or [], self.k)}
+
+
 def _line(obj: dict) -> bytes:
     return orjson.dumps(obj) + b"\n"
 
@@ -236,12 +255,13 @@ def _loaded(model: str, field: str, empty) -> dict:
     return {"model": model, "created_at": _now(), field: empty, "done": True, "done_reason": "load"}
 
 
-async def chat(req, ex, *, parser, compile, start, alias):
+async def chat(req, ex, *, parser, compile, start, alias, tokenizer):
     t0 = time.monotonic()
     body = parse_object(req.body)
     _known(body, CHAT_FIELDS, "/api/chat")
     model = _model(body, alias)
     out = _common(body, parser.n_ctx)
+    lp = Logprobs(tokenizer, body)
     messages = chat_messages(body.raw("messages", []))
     if not messages:
         return json_response(_loaded(model, "message", {"role": "assistant", "content": ""}))
@@ -271,15 +291,16 @@ async def chat(req, ex, *, parser, compile, start, alias):
     if not params.stream:
         await run_all(gens)
         return json_response({"model": model, "created_at": _now(), "message": final(), "done": True,
-                              **_counts(gen, t0)})
+                              **_counts(gen, t0), **lp.fields(gen.ids, gen.probs)})
 
     async def events():
         splitter = Splitter(think) if think is not None else None
         async for d in gen.deltas():
-            if plan is None and d.text:
+            if plan is None and (d.text or (lp.k is not None and d.ids)):
                 thought, text = splitter.feed(d.text) if splitter is not None else ("", d.text)
-                if thought or text:
-                    yield _line({"model": model, "created_at": _now(), "message": message(text, thought), "done": False})
+                if thought or text or lp.k is not None:
+                    yield _line({"model": model, "created_at": _now(), "message": message(text, thought), "done": False,
+                                 **lp.fields(d.ids, d.probs)})
         last = message("")
         if plan is not None:            # a call is known to be one when its JSON is complete
             last = final()
@@ -290,11 +311,12 @@ async def chat(req, ex, *, parser, compile, start, alias):
     return _stream(events())
 
 
-async def generate(req, ex, *, parser, compile, start, alias):
+async def generate(req, ex, *, parser, compile, start, alias, tokenizer):
     t0 = time.monotonic()
     body = parse_object(req.body)
     _known(body, GENERATE_FIELDS, "/api/generate")
     model = _model(body, alias)
+    lp = Logprobs(tokenizer, body)
     for name, why in (("suffix", "no fill-in-the-middle"), ("template", "the model's chat template is used (or the "
                       "server's --chat-template)"), ("context", "send the conversation to /api/chat instead"),
                       ("images", "this server's model has no vision")):
@@ -308,6 +330,9 @@ async def generate(req, ex, *, parser, compile, start, alias):
         if system is not None or body.raw("think") is not None:
             raise HttpError(400, "'raw' takes the prompt as it is: no 'system' or 'think'")
         out["prompt"] = prompt
+        if out.pop("logprobs", None):                # the completions route's logprobs: the alternatives shown
+            out["logprobs"] = out.pop("top_logprobs", 0)
+        out.pop("top_logprobs", None)
         fmt = out.pop("response_format", None)      # the completions route reads a schema as json_schema
         if fmt is not None:
             out["json_schema"] = fmt.get("json_schema", {}).get("schema", {"type": "object"})
@@ -328,15 +353,16 @@ async def generate(req, ex, *, parser, compile, start, alias):
     if not params.stream:
         await run_all([gen])
         thought, text = split(think, gen.text.text) if think is not None else ("", gen.text.text)
-        return json_response({**piece(text, thought), "done": True, **_counts(gen, t0)})
+        return json_response({**piece(text, thought), "done": True, **_counts(gen, t0),
+                              **lp.fields(gen.ids, gen.probs)})
 
     async def events():
         splitter = Splitter(think) if think is not None else None
         async for d in gen.deltas():
-            if d.text:
+            if d.text or (lp.k is not None and d.ids):
                 thought, text = splitter.feed(d.text) if splitter is not None else ("", d.text)
-                if thought or text:
-                    yield _line({**piece(text, thought), "done": False})
+                if thought or text or lp.k is not None:
+                    yield _line({**piece(text, thought), "done": False, **lp.fields(d.ids, d.probs)})
         thought, text = splitter.flush() if splitter is not None else ("", "")
         yield _line({**piece(text, thought), "done": True, **_counts(gen, t0)})
     return _stream(events())

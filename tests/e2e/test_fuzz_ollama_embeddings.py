@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from .test_fuzz import FUZZ, _send, client, fuzz_server, values  # noqa: F401 (its server, this module's own)
 
 OLLAMA_KEYS = ["model", "messages", "prompt", "system", "raw", "stream", "format", "options", "think", "keep_alive",
-               "tools", "input", "truncate", "dimensions", "suffix"]
+               "tools", "input", "truncate", "dimensions", "suffix", "logprobs", "top_logprobs"]
 OPTION_KEYS = ["temperature", "top_k", "top_p", "seed", "num_predict", "num_ctx", "stop", "tfs_z", "mirostat",
                "num_thread", "typical_p", "repeat_penalty"]
 EMBED_KEYS = ["input", "content", "model", "encoding_format", "dimensions", "embd_normalize", "user"]

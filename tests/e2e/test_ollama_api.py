@@ -67,6 +67,22 @@ def test_generate_stream_and_not(client, http, model):
     assert whole.response == chat.message.content          # not raw: the chat template, one user message
 
 
+def test_logprobs_are_the_openai_chats(client, oai, model):
+    ours = client.chat(model=model, messages=HELLO, options=GREEDY, logprobs=True, top_logprobs=3)
+    theirs = oai.chat.completions.create(model=model, messages=HELLO, temperature=0, max_tokens=12, logprobs=True,
+                                         top_logprobs=3).choices[0].logprobs.content
+    assert len(ours.logprobs) == 12
+    assert [(x.token, x.logprob, [(t.token, t.logprob) for t in x.top_logprobs]) for x in ours.logprobs] == \
+        [(x.token, x.logprob, [(t.token, t.logprob) for t in x.top_logprobs]) for x in theirs]
+    parts = list(client.generate(model=model, prompt="the cat sat", raw=True, stream=True, options=GREEDY,
+                                 logprobs=True, top_logprobs=2))
+    streamed = [x for p in parts for x in (p.logprobs or [])]
+    whole = client.generate(model=model, prompt="the cat sat", raw=True, options=GREEDY, logprobs=True, top_logprobs=2)
+    assert [x.token for x in streamed] == [x.token for x in whole.logprobs] and len(streamed) == 12
+    assert all(len(x.top_logprobs) == 2 and x.logprob == x.top_logprobs[0].logprob for x in whole.logprobs)
+    assert client.chat(model=model, messages=HELLO, options=GREEDY).logprobs is None
+
+
 def test_options_are_honoured(client, model):
     short = client.chat(model=model, messages=HELLO, options={"temperature": 0, "num_predict": 3})
     assert short.eval_count == 3 and short.done_reason == "length"
@@ -113,6 +129,8 @@ def test_tool_history_and_json_format(client, model):
     ({"model": "M", "messages": HELLO, "think": "high"}, 400, "'think' must be true or false"),
     ({"model": "M", "messages": HELLO, "format": "xml"}, 400, "'format' must be"),
     ({"model": "M", "messages": HELLO, "keep_alive": [1]}, 400, "'keep_alive' must be a duration"),
+    ({"model": "M", "messages": HELLO, "top_logprobs": 2}, 400, "'top_logprobs' needs 'logprobs': true"),
+    ({"model": "M", "messages": HELLO, "logprobs": True, "top_logprobs": 21}, 400, "'top_logprobs' must be in"),
     ({"model": "M", "messages": "hi"}, 400, "'messages' must be an array"),
     ({"model": "M", "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}, 400, "no vision"),
     ({"model": "M", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role must be one of"),
