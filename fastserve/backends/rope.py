@@ -20,8 +20,8 @@ def rope_tables(cfg: ModelConfig, n_pos: int, freq_factors: np.ndarray | None, l
                 start: int = 0):
     """cos, sin [n_pos - start, rope_dim/2] in float32, rows of positions start .. n_pos - 1: angle
     (pos / scale) * base^(-2i/rope_dim) (/ factor i), the same for llama.cpp's adjacent-pair and NeoX
-    layouts. local: the local layers' table (their own base, and no position scaling: llama.cpp's
-    rope_freq_scale_train_swa is 1)."""
+    layouts, both times cfg.rope_attn_factor (ggml's mscale). local: the local layers' table (their own
+    base, and no position scaling: llama.cpp's rope_freq_scale_train_swa is 1)."""
     half = cfg.rope_dim // 2
     base, scale = (cfg.rope_base_local, 1.0) if local else (cfg.rope_base, cfg.rope_scale)
     inv_freq = base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rope_dim)
@@ -29,6 +29,9 @@ def rope_tables(cfg: ModelConfig, n_pos: int, freq_factors: np.ndarray | None, l
         inv_freq = inv_freq / freq_factors[:half].astype(np.float64)
     pos = np.arange(start, n_pos, dtype=np.float64) / scale
     theta = np.outer(pos, inv_freq)
+    if cfg.rope_attn_factor != 1.0:
+        return (np.cos(theta) * cfg.rope_attn_factor).astype(np.float32), (
+            np.sin(theta) * cfg.rope_attn_factor).astype(np.float32)
     return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
 
 

@@ -7,10 +7,13 @@ layers are local, the local layers' RoPE base, norms the file's tensor names imp
 llama.cpp's model code (src/llama-model.cpp, src/models/<arch>.cpp), read for facts only.
 
 Every layer is
-    h = norm(x) -> q, k, v = h W_qkv^T (+ bias) -> [per-head RMSNorm of q, k] -> RoPE(q, k)
-      -> attention (a sliding window on local layers) -> a = out W_o^T -> [norm(a)] -> x += a
-    h = norm(x) -> g, u = h W_gu^T -> s = act(g) * u -> f = s W_down^T -> [norm(f)] -> x += f
-with the bracketed steps present where the row says so (sandwich norms: the norm after each block).
+    h = norm(x) -> q, k, v = h W_qkv^T (+ bias) -> [per-head RMSNorm of q, k] -> [RoPE(q, k)]
+      -> attention (a sliding window on local layers) -> a = out W_o^T -> [norm(a)] -> x += [r *] a
+    h = norm(x) -> g, u = h W_gu^T -> s = act(g) * u -> f = s W_down^T -> [norm(f)] -> x += [r *] f
+with the bracketed steps present where the row says so (sandwich norms: the norm after each block;
+RoPE on every layer but SmolLM3's every 4th; r: Granite's residual multiplier), between
+x = [s *] the embedding rows and logits = [c tanh(. / c)] [1/l *] norm(x) W_out^T. W_qkv and W_gu are
+one matrix each whether the file stores Q, K, V (gate, up) as separate tensors or fused (Phi-3).
 """
 from __future__ import annotations
 
@@ -39,11 +42,20 @@ class Architecture:
                                     # no sliding_window_pattern)
     swa_rope_base: float = 10000.0  # the local layers' RoPE base (when the file has no freq_base_swa)
     logit_softcap: bool = False     # <arch>.final_logit_softcapping, when present
+    multipliers: bool = False       # Granite's <arch>.embedding_scale (s), .residual_scale (r), .attention.scale
+                                    # (the scores' scale), .logit_scale (l, logits / l); and its RoPE switch
+                                    # <arch>.rope.scaling.finetuned (false: no RoPE)
+    nope_period: int = 0            # of each nope_period layers the last has no RoPE (SmolLM3: 4, llama.cpp's
+                                    # n_no_rope_layer_step, not a key of the file)
+    fused_qkv: bool = False         # blk.N.attn_qkv.weight: the Q, K, V rows in one tensor
+    fused_gate_up: bool = False     # blk.N.ffn_up.weight [2 n_ff, n_embd]: the gate rows, then the up rows
+    longrope: bool = False          # rope_factors_long / _short.weight: frequency factors chosen by the slot's
+                                    # context against <arch>.rope.scaling.original_context_length (Phi-3)
 
     def layer_tensors(self) -> tuple[str, ...]:
         """The per-layer tensor names this row reads (without the blk.N. prefix)."""
-        names = ["attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
-                 "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"]
+        names = ["attn_norm.weight", *self.qkv_tensors(), "attn_output.weight",
+                 "ffn_norm.weight", *self.gate_up_tensors(), "ffn_down.weight"]
         if self.qkv_bias:
             names += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
         if self.qk_norm:
@@ -52,10 +64,19 @@ class Architecture:
             names += ["post_attention_norm.weight", "post_ffw_norm.weight"]
         return tuple(names)
 
+    def qkv_tensors(self) -> tuple[str, ...]:
+        """The tensors whose rows, in this order, are W_qkv."""
+        return ("attn_qkv.weight",) if self.fused_qkv else ("attn_q.weight", "attn_k.weight", "attn_v.weight")
+
+    def gate_up_tensors(self) -> tuple[str, ...]:
+        """The tensors whose rows, in this order, are W_gu (gate, then up)."""
+        return ("ffn_up.weight",) if self.fused_gate_up else ("ffn_gate.weight", "ffn_up.weight")
+
     def global_tensors(self) -> tuple[str, ...]:
-        """Tensor names outside the layers this row may read (output.weight and rope_freqs optional)."""
+        """Tensor names outside the layers this row may read (output.weight and the RoPE factors optional)."""
         return ("token_embd.weight", "output_norm.weight", "output.weight") + (
-            ("rope_freqs.weight",) if self.rope_freqs else ())
+            ("rope_freqs.weight",) if self.rope_freqs else ()) + (
+            ("rope_factors_long.weight", "rope_factors_short.weight") if self.longrope else ())
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
@@ -64,6 +85,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("qwen3", "Qwen 3", NEOX, SILU, qk_norm=True),
     Architecture("gemma3", "Gemma 3", NEOX, GELU, qk_norm=True, sandwich_norms=True, embd_scale_sqrt=True,
                  sliding_window=True, swa_period=6, swa_rope_base=10000.0, logit_softcap=True),
+    Architecture("granite", "IBM Granite 3", ADJACENT, SILU, multipliers=True),
+    Architecture("smollm3", "SmolLM3", ADJACENT, SILU, nope_period=4),
+    Architecture("phi3", "Phi-3, Phi-3.5, Phi-4", NEOX, SILU, fused_qkv=True, fused_gate_up=True, longrope=True),
 )}
 
 

@@ -78,18 +78,33 @@ def add_llama_header(w, *, n_layer: int, n_ctx: int, n_embd: int, n_ff: int, n_h
     w.add_vocab_size(n_vocab)
 
 
+# Granite 3's multipliers (granite-3.x config.json: embedding_multiplier, residual_multiplier,
+# attention_multiplier, logits_scaling), under their GGUF keys
+MULTIPLIERS = {"embedding_scale": 12.0, "residual_scale": 0.22, "attention.scale": 0.015625, "logit_scale": 8.0}
+# Phi-3's longrope keys (Phi-3-mini-128k: attn_factor sqrt(1 + ln(32) / ln(4096)), trained at 4096)
+LONGROPE = {"attn_factor": 1.1902380714238083, "original_context_length": 4096}
+
+
 def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int = 64, n_head: int = 4,
                      n_head_kv: int = 2, n_ff: int = 128, n_vocab: int = 512, n_ctx: int = 2048,
                      weight_type: str = "F32", tied: bool = False, seed: int = 0,
                      architecture: str = "llama", head_dim: int | None = None, sliding_window: int = 0,
                      extra_tensors: tuple[str, ...] = (), rope_scale: float = 1.0,
-                     chat_template: str | None = CHAT_TEMPLATE) -> str:
+                     chat_template: str | None = CHAT_TEMPLATE, tokenizer=None, output_scale: float = 1.0,
+                     zero_output_rows=(), rope_base: float = 10000.0, tensor_scales: dict | None = None) -> str:
     """Write a GGUF of one architecture of the table (models/architecture.py) with random weights: the
     llama tensors plus what the row adds (biases, q/k norms, sandwich norms); head_dim: when not
     n_embd / n_head (written as key_length); sliding_window: for a row with local layers;
     extra_tensors: names of further [n_embd] tensors (a tensor no row knows, for error tests);
     rope_scale: linear RoPE position scaling (rope.scaling.type linear) when not 1; chat_template: None
-    writes none (a model that chats in the fallback template).
+    writes none (a model that chats in the fallback template); tokenizer: a function that writes the
+    tokenizer keys into the gguf.GGUFWriter instead of tiny_vocab's (its vocabulary of n_vocab tokens);
+    output_scale: the output matrix's rows scaled by it; zero_output_rows: token ids whose output rows
+    are zero (never the argmax: e.g. byte tokens that are no text alone); tensor_scales: {kind: factor},
+    the matrices of a kind (a name without blk.N. and .weight, e.g. "attn_q", "token_embd") scaled by it.
+    What a row adds beyond the llama tensors is written with values of its real models': granite's
+    multipliers (MULTIPLIERS), phi3's fused Q, K, V and gate, up tensors and its longrope factors and
+    keys (LONGROPE).
     weight_type: F32, F16, a type gguf.quants can quantize,
     Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (fastserve.models.blocks' encoder; K-quants and IQ4_XS:
     rows of a multiple of 256 inputs), or "Q4_K_M"
@@ -98,6 +113,7 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
 
     from .architecture import ARCHITECTURES
 
+    row = ARCHITECTURES.get(architecture)
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(os.fspath(path), architecture)
     if head_dim is not None:
@@ -110,10 +126,21 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope_scale)
     add_llama_header(w, n_layer=n_layer, n_ctx=n_ctx, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
-                     head_dim=head_dim, n_vocab=n_vocab)
-    add_tiny_tokenizer(w, n_vocab, chat_template)
+                     head_dim=head_dim, n_vocab=n_vocab, rope_base=rope_base)
+    if row is not None and row.multipliers:
+        for key, value in MULTIPLIERS.items():
+            w.add_float32(f"{architecture}.{key}", value)
+    if row is not None and row.longrope:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+        w.add_float32(f"{architecture}.rope.scaling.attn_factor", LONGROPE["attn_factor"])
+        w.add_uint32(f"{architecture}.rope.scaling.original_context_length", LONGROPE["original_context_length"])
+    if tokenizer is None:
+        add_tiny_tokenizer(w, n_vocab, chat_template)
+    else:
+        tokenizer(w)
 
     def mat(name, rows, cols, scale):
+        scale *= (tensor_scales or {}).get(name.split(".")[-2], 1.0)
         t = weight_type
         if t == "Q4_K_M":
             t = "Q6_K" if ("attn_v" in name or "ffn_down" in name) else "Q4_K"
@@ -123,29 +150,42 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
         w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
 
     mat("token_embd.weight", n_vocab, n_embd, 1.0)
+    fused_qkv = row is not None and row.fused_qkv
+    fused_gate_up = row is not None and row.fused_gate_up
     for i in range(n_layer):
         b = f"blk.{i}."
         vec(b + "attn_norm.weight", n_embd)
-        mat(b + "attn_q.weight", n_head * head_dim, n_embd, n_embd ** -0.5)
-        mat(b + "attn_k.weight", n_head_kv * head_dim, n_embd, n_embd ** -0.5)
-        mat(b + "attn_v.weight", n_head_kv * head_dim, n_embd, n_embd ** -0.5)
+        if fused_qkv:
+            mat(b + "attn_qkv.weight", (n_head + 2 * n_head_kv) * head_dim, n_embd, n_embd ** -0.5)
+        else:
+            mat(b + "attn_q.weight", n_head * head_dim, n_embd, n_embd ** -0.5)
+            mat(b + "attn_k.weight", n_head_kv * head_dim, n_embd, n_embd ** -0.5)
+            mat(b + "attn_v.weight", n_head_kv * head_dim, n_embd, n_embd ** -0.5)
         mat(b + "attn_output.weight", n_embd, n_head * head_dim, (n_head * head_dim) ** -0.5)
         vec(b + "ffn_norm.weight", n_embd)
-        mat(b + "ffn_gate.weight", n_ff, n_embd, n_embd ** -0.5)
-        mat(b + "ffn_up.weight", n_ff, n_embd, n_embd ** -0.5)
+        if fused_gate_up:
+            mat(b + "ffn_up.weight", 2 * n_ff, n_embd, n_embd ** -0.5)
+        else:
+            mat(b + "ffn_gate.weight", n_ff, n_embd, n_embd ** -0.5)
+            mat(b + "ffn_up.weight", n_ff, n_embd, n_embd ** -0.5)
         mat(b + "ffn_down.weight", n_embd, n_ff, n_ff ** -0.5)
-        row = ARCHITECTURES.get(architecture)
         sizes = {"attn_q.bias": n_head * head_dim, "attn_k.bias": n_head_kv * head_dim,
                  "attn_v.bias": n_head_kv * head_dim, "attn_q_norm.weight": head_dim, "attn_k_norm.weight": head_dim,
                  "post_attention_norm.weight": n_embd, "post_ffw_norm.weight": n_embd}
         for name in (row.layer_tensors() if row else ()):
             if name in sizes:
                 vec(b + name, sizes[name])
+    if row is not None and row.longrope:       # longrope's factors: ~1 near the high frequencies, growing
+        grow = np.linspace(0.0, 1.0, head_dim // 2)
+        w.add_tensor("rope_factors_long.weight", (1.0 + 30.0 * grow ** 2).astype(np.float32))
+        w.add_tensor("rope_factors_short.weight", (1.0 + 2.0 * grow ** 2).astype(np.float32))
     for name in extra_tensors:
         vec(name, n_embd)
     vec("output_norm.weight", n_embd)
     if not tied:
-        mat("output.weight", n_vocab, n_embd, n_embd ** -0.5)
+        out = rng.standard_normal((n_vocab, n_embd)) * (output_scale * n_embd ** -0.5)
+        out[np.asarray(zero_output_rows, dtype=np.int64)] = 0.0
+        _add(w, "output.weight", out.astype(np.float32), "Q4_K" if weight_type == "Q4_K_M" else weight_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

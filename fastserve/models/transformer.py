@@ -1,5 +1,5 @@
 """Transformer hyperparameters and weights, read from a GGUF file, for every family of the
-architecture table (models/architecture.py: llama, qwen2, qwen3, gemma3): RMSNorm, RoPE,
+architecture table (models/architecture.py: llama, qwen2, qwen3, gemma3, granite, smollm3, phi3): RMSNorm, RoPE,
 grouped-query attention, a gated FFN, tied or separate output matrix, and what the row adds.
 
 The matrices stay as the file stores them (memory-mapped): fastserve.backends.cpu._matmul.BlockMatrix views of the
@@ -47,6 +47,9 @@ class ModelConfig:
     rope_dim: int
     rope_base: float
     rope_scale: float       # linear position scaling (1.0 = none)
+    rope_attn_factor: float # RoPE's cos and sin multiplied by it (<arch>.rope.scaling.attn_factor; 1.0 = none)
+    n_ctx_orig: int         # the context the model was trained at before its RoPE scaling (longrope's choice)
+    rope_layers: tuple[bool, ...]   # [n_layer]: True where the layer rotates q and k
     norm_eps: float
     attn_scale: float       # the query scale of attention's scores
     embd_scale: float       # the embedding rows' scale (1.0 = none)
@@ -54,6 +57,8 @@ class ModelConfig:
     local_layers: tuple[bool, ...]  # [n_layer]: True for a sliding-window layer
     rope_base_local: float  # the local layers' RoPE base
     logit_softcap: float    # logits = c * tanh(logits / c) when > 0
+    residual_scale: float   # each block's output multiplied by it before the residual add (1.0 = none)
+    logit_scale: float      # the logits multiplied by it (1.0 = none; Granite: 1 / <arch>.logit_scale)
 
     @property
     def rope_neox(self) -> bool:
@@ -104,6 +109,17 @@ class ModelConfig:
             local = tuple(bool(window) and i % period < period - 1 for i in range(n_layer))
         # gemma3's 27B scales queries by n_embd / n_head, the others by head_dim (llama.cpp's gemma3.cpp)
         q_size = n_embd // n_head if name == "gemma3" and n_layer == 62 else head_dim
+        attn_scale, embd_scale = float(1.0 / np.sqrt(q_size)), 1.0
+        if arch.embd_scale_sqrt:
+            embd_scale = float(np.sqrt(np.float32(n_embd)))
+        residual_scale, logit_scale, rope_on = 1.0, 1.0, True
+        if arch.multipliers:            # llama.cpp's granite.cpp: a scale of 0 (or none) is no scale
+            embd_scale = number("embedding_scale", 0.0) or 1.0
+            attn_scale = number("attention.scale", 0.0) or attn_scale
+            residual_scale = number("residual_scale", 0.0) or 1.0
+            logit_scale = float(np.float32(1.0) / np.float32(number("logit_scale", None)))
+            rope_on = bool(md.get(f"{name}.rope.scaling.finetuned", True))
+        n_ctx_train = count("context_length", 2048)
         return cls(
             arch=arch,
             n_layer=n_layer,
@@ -112,18 +128,25 @@ class ModelConfig:
             n_head_kv=n_head_kv,
             n_ff=count("feed_forward_length"),
             n_vocab=n_vocab,
-            n_ctx_train=count("context_length", 2048),
+            n_ctx_train=n_ctx_train,
             head_dim=head_dim,
             rope_dim=count("rope.dimension_count", head_dim),
             rope_base=number("rope.freq_base", 10000.0),
-            rope_scale=factor if scaling == "linear" else 1.0,
+            rope_scale=factor if scaling in ("linear", "longrope") else 1.0,
+            rope_attn_factor=number("rope.scaling.attn_factor", 1.0),
+            n_ctx_orig=count("rope.scaling.original_context_length", n_ctx_train),
+            # llama.cpp's smollm3.cpp: layer i rotates unless (i + 1) % n_no_rope_layer_step == 0
+            rope_layers=tuple(rope_on and not (arch.nope_period and (i + 1) % arch.nope_period == 0)
+                              for i in range(n_layer)),
             norm_eps=number("attention.layer_norm_rms_epsilon", 1e-5),
-            attn_scale=float(1.0 / np.sqrt(q_size)),
-            embd_scale=float(np.sqrt(np.float32(n_embd))) if arch.embd_scale_sqrt else 1.0,
+            attn_scale=attn_scale,
+            embd_scale=embd_scale,
             sliding_window=window,
             local_layers=local,
             rope_base_local=number("rope.freq_base_swa", arch.swa_rope_base) if window else 0.0,
             logit_softcap=number("final_logit_softcapping", 0.0) if arch.logit_softcap else 0.0,
+            residual_scale=residual_scale,
+            logit_scale=logit_scale,
         )
 
 
@@ -152,6 +175,15 @@ class ModelWeights:
     out_norm: np.ndarray            # [n_embd]
     output: object                  # BlockMatrix [n_vocab, n_embd]; the same object as tok_embd when tied
     rope_freqs: np.ndarray | None   # [rope_dim/2] llama3-style frequency factors, or None
+    rope_long: np.ndarray | None = None     # [rope_dim/2] longrope's factors past the original context, or None
+    rope_short: np.ndarray | None = None    # [rope_dim/2] and within it
+
+    def rope_factors(self, cfg: ModelConfig, n_ctx_slot: int) -> np.ndarray | None:
+        """The frequency factors of a slot of n_ctx_slot positions (llama.cpp's get_rope_factors: rope_freqs
+        when the file has them, else longrope's long ones when the slot's context passes the original one)."""
+        if self.rope_freqs is not None:
+            return self.rope_freqs
+        return self.rope_long if n_ctx_slot > cfg.n_ctx_orig else self.rope_short
 
 
 def dequantize(entry, path: str) -> np.ndarray:
@@ -240,12 +272,14 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig) -> ModelWeights:
     q_dim, kv_dim = cfg.n_head * D, cfg.n_head_kv * D
     per_layer = {"attn_norm.weight": (d,), "ffn_norm.weight": (d,), "attn_q.weight": (q_dim, d),
                  "attn_k.weight": (kv_dim, d), "attn_v.weight": (kv_dim, d), "attn_output.weight": (d, q_dim),
-                 "ffn_gate.weight": (cfg.n_ff, d), "ffn_up.weight": (cfg.n_ff, d), "ffn_down.weight": (d, cfg.n_ff),
+                 "attn_qkv.weight": (q_dim + 2 * kv_dim, d), "ffn_gate.weight": (cfg.n_ff, d),
+                 "ffn_up.weight": (2 * cfg.n_ff if arch.fused_gate_up else cfg.n_ff, d), "ffn_down.weight": (d, cfg.n_ff),
                  "attn_q.bias": (q_dim,), "attn_k.bias": (kv_dim,), "attn_v.bias": (kv_dim,),
                  "attn_q_norm.weight": (D,), "attn_k_norm.weight": (D,),
                  "post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,)}
     expected = {"token_embd.weight": (cfg.n_vocab, d), "output_norm.weight": (d,), "output.weight": (cfg.n_vocab, d),
-                "rope_freqs.weight": (cfg.rope_dim // 2,)}
+                "rope_freqs.weight": (cfg.rope_dim // 2,), "rope_factors_long.weight": (cfg.rope_dim // 2,),
+                "rope_factors_short.weight": (cfg.rope_dim // 2,)}
     for i in range(cfg.n_layer):
         expected.update({f"blk.{i}.{p}": shape for p, shape in per_layer.items()})
     for n in gf.tensors:
@@ -267,10 +301,10 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig) -> ModelWeights:
             bias = np.concatenate([vec(b + "attn_q.bias"), vec(b + "attn_k.bias"), vec(b + "attn_v.bias")])
         layers.append(LayerWeights(
             attn_norm=vec(b + "attn_norm.weight"),
-            wqkv=block_matrix([t[b + "attn_q.weight"], t[b + "attn_k.weight"], t[b + "attn_v.weight"]], gf.path),
+            wqkv=block_matrix([t[b + n] for n in arch.qkv_tensors()], gf.path),
             wo=block_matrix([t[b + "attn_output.weight"]], gf.path),
             ffn_norm=vec(b + "ffn_norm.weight"),
-            w_gate_up=block_matrix([t[b + "ffn_gate.weight"], t[b + "ffn_up.weight"]], gf.path),
+            w_gate_up=block_matrix([t[b + n] for n in arch.gate_up_tensors()], gf.path),
             w_down=block_matrix([t[b + "ffn_down.weight"]], gf.path),
             qkv_bias=bias, q_norm=vec(b + "attn_q_norm.weight"), k_norm=vec(b + "attn_k_norm.weight"),
             post_attn_norm=vec(b + "post_attention_norm.weight"), post_ffn_norm=vec(b + "post_ffw_norm.weight")))
@@ -279,4 +313,5 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig) -> ModelWeights:
     output = block_matrix([t["output.weight"]], gf.path) if has_output else tok
     progress.step()
     return ModelWeights(tok_embd=tok, layers=layers, out_norm=vec("output_norm.weight"),
-                        output=output, rope_freqs=vec("rope_freqs.weight"))
+                        output=output, rope_freqs=vec("rope_freqs.weight"),
+                        rope_long=vec("rope_factors_long.weight"), rope_short=vec("rope_factors_short.weight"))

@@ -2,6 +2,9 @@
 
     qwen2, qwen3, llama3   ../shared/reference/models/<family>-synth.gguf (random weights; not in the
                            repository: skipped without ../shared) and llama.cpp's outputs beside them
+    granite, smollm3, phi3 tests/golden/synthetic_families.py's models (random weights, SmolLM2's vocabulary:
+                           written at test time, byte for byte the file llama.cpp's outputs in tests/golden/data
+                           were recorded on by bench/record_family_references.py)
     gemma3                 Gemma 3 270M Q4_K_M (`fastserve pull gemma3-270m`, pulled on first use, as the
                            default model's tests do) and llama.cpp's outputs in tests/golden/data
 
@@ -17,10 +20,15 @@ import pytest
 
 import fastserve
 from fastserve.backends.cpu.backend import CpuBackend
+from tests.golden import synthetic_families
 from tests.reference_data import GOLDEN_DATA, SHARED_REFERENCE, load_reference, shared_model
 
 NEAR_TIE = 0.02
+# issue 30: the free-greedy bar of a family where llama.cpp's own -fa off / -t 1 runs flip its greedy text at gaps
+# past NEAR_TIE (measured by bench/record_family_references.py into the record's metadata.self_divergence)
+OWN_FLIPS_NEAR_TIE = 0.1
 SYNTHETIC = ("qwen2", "qwen3", "llama3")
+REGENERATED = tuple(synthetic_families.SPECS)
 BATCH_CHECKED = ("qwen3", "gemma3")
 # Gemma 3 270M's first divergences outside the bar (issue 13: not met on these 3 of 13 prompts), pinned so
 # that any other divergence, or these moving, fails. Measured, not a bug (bench/bench_rounding_sensitivity.py,
@@ -33,29 +41,43 @@ BATCH_CHECKED = ("qwen3", "gemma3")
 # AVX2/AVX-512 exp (without it: 3). The ops now use a ~1 ulp exp (fs_exp_neg), with which the default model's
 # greedy tests pass with no pin. llama.cpp's fp16 activation scales (q8_0/q8_1) trade these flips for others.
 KNOWN_FLIPS = {"gemma3": {"short_word": 8, "code_js": 1, "long_history_~300tok": 0}}
-FAMILIES = [*SYNTHETIC, pytest.param("gemma3", marks=pytest.mark.model)]
+FAMILIES = [*SYNTHETIC, *REGENERATED, pytest.param("gemma3", marks=pytest.mark.model)]
 
 
 def _reference(family: str) -> dict:
     if family == "gemma3":
         return load_reference(GOLDEN_DATA / "gemma3_270m_q4km_llamacpp_greedy.json")
+    if family in REGENERATED:
+        return load_reference(GOLDEN_DATA / f"{family}_synth_llamacpp_greedy.json")
     path = SHARED_REFERENCE / f"{family}_synth_llamacpp_greedy.json"
     if not path.is_file():
         pytest.skip(f"{path.name} is only in ../shared/reference (beside its model, which is never committed)")
     return load_reference(path)
 
 
+def _regenerated(name: str, ref: dict, request) -> str:
+    """The family's synthetic model written afresh; the file llama.cpp's outputs were recorded on, or a failure."""
+    vocab_model = request.getfixturevalue("default_model_file")
+    path = synthetic_families.write(name, request.getfixturevalue("tmp_path_factory").mktemp(name), vocab_model)
+    got, want = synthetic_families.sha256(path), ref["metadata"]["model_sha256"]
+    assert got == want, (f"{name}: the regenerated model (sha256 {got}) is not the one llama.cpp's outputs were "
+                         f"recorded on ({want}); record them again: python bench/record_family_references.py")
+    return path
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request):
     """(name, model, llama.cpp's outputs, the prompts llama.cpp evaluated)."""
     name = request.param
+    ref = _reference(name)
     if name == "gemma3":
         from fastserve.models.catalog import model_path
         path = model_path("gemma3-270m")
+    elif name in REGENERATED:
+        path = _regenerated(name, ref, request)
     else:
         path = shared_model(f"{name}-synth.gguf")
     model = fastserve.load_model(path)
-    ref = _reference(name)
     # /completion adds BOS when the file says so: the evaluated prompt is then the add_special one
     key = "prompt_token_ids_add_special_true" if model.tokenizer.add_bos else "prompt_token_ids"
     return name, model, ref, [c[key] for c in ref["completions"]]
@@ -132,18 +154,27 @@ def _first_divergence(case, got, n=16):
     return first, None if gap is None else round(gap, 4)
 
 
+def greedy_near_tie(ref: dict) -> float:
+    """NEAR_TIE, or OWN_FLIPS_NEAR_TIE where the record shows llama.cpp's own runs diverging past NEAR_TIE."""
+    own = ref["metadata"].get("self_divergence", {})
+    gaps = [gap for runs in own.values() for _, gap in runs.values()]
+    return OWN_FLIPS_NEAR_TIE if any(g is None or g > NEAR_TIE for g in gaps) else NEAR_TIE
+
+
 def test_free_greedy_matches(family):
     """Equal over 16 tokens, or a first divergence at a near-tie (our token one of llama.cpp's
-    candidates within NEAR_TIE of its top)."""
+    candidates within NEAR_TIE of its top; greedy_near_tie's wider bar where llama.cpp's own runs flip
+    at more)."""
     name, model, ref, prompts = family
+    near_tie = greedy_near_tie(ref)
     with fastserve.Engine(model, n_parallel=4, n_ctx=4 * 512) as engine:
         readers = [engine.submit(p, max_tokens=16, temperature=0, cache_prompt=False) for p in prompts]
         ours = [r.result().token_ids for r in readers]
     flips = {c["name"]: f for c, got in zip(ref["completions"], ours) if (f := _first_divergence(c, got)) is not None}
     print(f"{name}: {len(prompts) - len(flips)}/{len(prompts)} prompts equal over 16 tokens; first divergences "
-          f"(position, llama.cpp's top-two gap) {flips}")
+          f"(position, llama.cpp's top-two gap) {flips}; near-tie bar {near_tie}")
     known = KNOWN_FLIPS.get(name, {})
-    bad = {k: f for k, f in flips.items() if (f[1] is None or f[1] > NEAR_TIE) and known.get(k) != f[0]}
+    bad = {k: f for k, f in flips.items() if (f[1] is None or f[1] > near_tie) and known.get(k) != f[0]}
     assert not bad, f"{name}: divergences outside a near-tie: {bad}"
 
 

@@ -43,4 +43,4 @@ def rounded_weights(w: ModelWeights, dtype: str) -> ModelWeights:
               for lw in w.layers]
     tok = rounded(w.tok_embd)
     out = tok if w.output is w.tok_embd else rounded(w.output)
-    return ModelWeights(tok_embd=tok, layers=layers, out_norm=w.out_norm, output=out, rope_freqs=w.rope_freqs)
+    return dataclasses.replace(w, tok_embd=tok, layers=layers, output=out)

@@ -226,10 +226,11 @@ def _row_against_numpy(cfg, w, lengths) -> float:
     return max(rel_err(g, r) for g, r in zip(got, want))
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3"])
 def test_other_rows_match_cpu_backend(fake, tmp_path, arch):
     """The rows the kernels run besides llama's: NeoX RoPE (Q/K rows uploaded in neox_order), q/k/v biases
-    and per-head q/k RMSNorm (cuda/qk_prep.cu), head_dim decoupled from n_embd / n_head."""
+    and per-head q/k RMSNorm (cuda/qk_prep.cu), head_dim decoupled from n_embd / n_head; phi3's fused
+    tensors (one W_qkv, one W_gu as the others') and longrope (its factors and attn_factor in the tables)."""
     import fastserve
     from fastserve.models.synthetic import write_llama_gguf
     model = fastserve.load_model(write_llama_gguf(tmp_path / f"{arch}.gguf", architecture=arch, head_dim=24))

@@ -13,15 +13,18 @@ import fastserve
 from fastserve.backends.cpu.backend import CpuBackend
 from fastserve.models.synthetic import write_llama_gguf
 
-FAMILIES = {"llama": {}, "qwen2": {}, "qwen3": {}, "gemma3": {"sliding_window": 5}}
+FAMILIES = {"llama": {}, "qwen2": {}, "qwen3": {}, "gemma3": {"sliding_window": 5}, "granite": {},
+            "smollm3": {"n_layer": 4}, "phi3": {"head_dim": 16}}
+
+
+SHAPE = dict(n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=96, n_layer=3)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("fwd")
     return {arch: fastserve.load_model(write_llama_gguf(d / f"{arch}.gguf", architecture=arch, weight_type="Q8_0",
-                                                        n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=96,
-                                                        n_layer=3, seed=7, **kw))
+                                                        seed=7, **{**SHAPE, **kw}))
             for arch, kw in FAMILIES.items()}
 
 

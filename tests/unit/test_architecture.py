@@ -11,7 +11,9 @@ from fastserve.backends.cpu.ref.layer_ops import apply_rope, geglu
 from fastserve.backends.rope import rope_tables
 from fastserve.errors import ModelLoadError
 from fastserve.models.architecture import ARCHITECTURES
+from fastserve.models.gguf_file import GGUFFile
 from fastserve.models.synthetic import write_llama_gguf
+from fastserve.models.transformer import ModelConfig
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +23,7 @@ def models(tmp_path_factory):
     out = {}
     for name in ARCHITECTURES:
         out[name] = fastserve.load_model(write_llama_gguf(
-            d / f"{name}.gguf", architecture=name, n_layer=7 if name == "gemma3" else 2, head_dim=24,
+            d / f"{name}.gguf", architecture=name, n_layer={"gemma3": 7, "smollm3": 5}.get(name, 2), head_dim=24,
             sliding_window=8 if name == "gemma3" else 0, tied=name == "gemma3",
             rope_scale=4.0 if name == "gemma3" else 1.0))
     return out
@@ -29,7 +31,8 @@ def models(tmp_path_factory):
 
 def test_every_row_loads_and_reads_what_it_adds(models):
     llama, qwen2, qwen3, gemma3 = (models[n] for n in ("llama", "qwen2", "qwen3", "gemma3"))
-    assert all(m.config.head_dim == 24 and m.config.attn_scale == pytest.approx(24 ** -0.5) for m in models.values())
+    assert all(m.config.head_dim == 24 and m.config.attn_scale == pytest.approx(24 ** -0.5)
+               for n, m in models.items() if n != "granite")
     assert qwen2.weights.layers[0].qkv_bias.shape == ((4 + 2 * 2) * 24,)
     assert llama.weights.layers[0].qkv_bias is None and llama.weights.layers[0].q_norm is None
     assert qwen3.weights.layers[0].q_norm.shape == (24,) and qwen3.weights.layers[0].post_attn_norm is None
@@ -40,6 +43,48 @@ def test_every_row_loads_and_reads_what_it_adds(models):
     assert g.local_layers == (True, True, True, True, True, False, True)
     assert g.rope_base_local == 10000.0 and g.rope_scale == 4.0 and gemma3.weights.output is gemma3.weights.tok_embd
     assert gemma3.weights.layers[3].post_ffn_norm.shape == (64,)
+    assert all(m.config.residual_scale == 1.0 and m.config.logit_scale == 1.0 and all(m.config.rope_layers)
+               for n, m in models.items() if n not in ("granite", "smollm3"))
+
+
+def test_granite_reads_its_multipliers(models):
+    """granite.embedding_scale, .residual_scale, .attention.scale, .logit_scale (llama.cpp's granite.cpp:
+    logits / logit_scale), as float32 as the file stores them."""
+    c = models["granite"].config
+    assert (c.embd_scale, c.residual_scale, c.attn_scale) == (12.0, np.float32(0.22), 0.015625)
+    assert c.logit_scale == np.float32(1 / 8.0) and all(c.rope_layers)
+
+
+def test_granite_without_its_logit_scale_is_refused_and_its_rope_switch_is_read(tmp_path):
+    """llama.cpp requires granite.logit_scale; rope.scaling.finetuned false turns RoPE off on every layer."""
+    path = write_llama_gguf(tmp_path / "g.gguf", architecture="granite")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data.replace(b"granite.logit_scale", b"granite.logit_scalX"))
+    with pytest.raises(ModelLoadError, match="lacks 'granite.logit_scale'"):
+        fastserve.load_model(path)
+    md = dict(GGUFFile(write_llama_gguf(tmp_path / "h.gguf", architecture="granite")).metadata)
+    assert ModelConfig.from_metadata(md, 512).rope_layers == (True, True)
+    md["granite.rope.scaling.finetuned"] = False
+    assert ModelConfig.from_metadata(md, 512).rope_layers == (False, False)
+
+
+def test_smollm3_skips_rope_on_every_fourth_layer(models):
+    """llama.cpp's smollm3.cpp: layer il rotates unless (il + 1) % 4 == 0."""
+    assert models["smollm3"].config.rope_layers == (True, True, True, False, True)
+
+
+def test_phi3_reads_fused_tensors_and_longrope(models):
+    """attn_qkv is W_qkv, ffn_up [2 n_ff, d] is W_gu (gate rows first); rope_factors_short within the
+    original context (4096), long past it; RoPE's attn_factor from the file."""
+    p = models["phi3"]
+    lw, c = p.weights.layers[0], p.config
+    assert lw.wqkv.shape == ((4 + 2 * 2) * 24, 64) and lw.w_gate_up.shape == (2 * c.n_ff, 64)
+    assert c.rope_neox and c.n_ctx_orig == 4096 and c.rope_attn_factor == pytest.approx(1.1902381)
+    assert p.weights.rope_factors(c, 4096) is p.weights.rope_short
+    assert p.weights.rope_factors(c, 4097) is p.weights.rope_long
+    assert not np.array_equal(p.weights.rope_long, p.weights.rope_short)
+    cos, sin = rope_tables(c, 3, None)
+    assert np.allclose(cos ** 2 + sin ** 2, c.rope_attn_factor ** 2)
 
 
 def test_rows_change_the_logits(models):
@@ -113,7 +158,11 @@ def test_the_gpu_backend_reads_the_same_rows(models):
     import dataclasses
 
     from fastserve.backends.cuda.backend import CupyBackend, DeviceUnavailable
-    assert all(unsupported_features(m.config) == [] for m in models.values())
+    refused = {"granite": ["a residual multiplier (0.22)", "a logit multiplier (0.125)"],
+               "smollm3": ["layers without RoPE"]}
+    assert {n: unsupported_features(m.config) for n, m in models.items()} == {n: refused.get(n, []) for n in models}
+    with pytest.raises(DeviceUnavailable, match=r"does not run a residual multiplier.*'granite'.*--device cpu"):
+        CupyBackend(models["granite"].config, models["granite"].weights, 1, 16)
     g = models["gemma3"]
     for change, named in ((dict(head_dim=512), "head_dim 512"), (dict(head_dim=260), "head_dim 260"),
                           (dict(n_head=16, n_head_kv=1), "16 query heads per KV head")):
@@ -135,9 +184,10 @@ def _reference_logits(model, ids) -> np.ndarray:
     def rope(x, base, scale):
         half = cfg.rope_dim // 2
         theta = np.arange(n)[:, None] / scale * base ** (-np.arange(half) * 2.0 / cfg.rope_dim)
-        if w.rope_freqs is not None:
-            theta = theta / w.rope_freqs[:half]
-        c, s = np.cos(theta)[:, None], np.sin(theta)[:, None]
+        factors = w.rope_factors(cfg, n)        # model.logits' slot: the sequence's length
+        if factors is not None:
+            theta = theta / factors[:half]
+        c, s = (np.cos(theta) * cfg.rope_attn_factor)[:, None], (np.sin(theta) * cfg.rope_attn_factor)[:, None]
         i0, i1 = (np.arange(half), np.arange(half, 2 * half)) if cfg.rope_neox else (np.arange(0, 2 * half, 2),
                                                                                   np.arange(1, 2 * half, 2))
         out = x.copy()
@@ -145,6 +195,7 @@ def _reference_logits(model, ids) -> np.ndarray:
         return out
 
     x = w.tok_embd.to_float().astype(np.float64)[ids] * cfg.embd_scale
+    r = cfg.residual_scale
     qpos, kpos = np.arange(n)[:, None], np.arange(n)[None, :]
     for li, lw in enumerate(w.layers):
         qkv = norm(x, lw.attn_norm) @ lw.wqkv.to_float().T + (lw.qkv_bias if lw.qkv_bias is not None else 0)
@@ -155,7 +206,8 @@ def _reference_logits(model, ids) -> np.ndarray:
             q, k = norm(q, lw.q_norm), norm(k, lw.k_norm)
         # local layers: their own base, no position scaling (llama.cpp's rope_freq_scale_train_swa = 1)
         base, scale = (cfg.rope_base_local, 1.0) if cfg.local_layers[li] else (cfg.rope_base, cfg.rope_scale)
-        q, k = rope(q, base, scale), rope(k, base, scale)
+        if cfg.rope_layers[li]:
+            q, k = rope(q, base, scale), rope(k, base, scale)
         visible = kpos <= qpos
         if cfg.local_layers[li]:
             visible &= qpos - cfg.sliding_window < kpos
@@ -165,14 +217,14 @@ def _reference_logits(model, ids) -> np.ndarray:
         p = np.exp(s - s.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
         a = np.einsum("hqk,khd->qhd", p, v).reshape(n, H * D) @ lw.wo.to_float().T
-        x = x + (norm(a, lw.post_attn_norm) if lw.post_attn_norm is not None else a)
+        x = x + r * (norm(a, lw.post_attn_norm) if lw.post_attn_norm is not None else a)
         gu = norm(x, lw.ffn_norm) @ lw.w_gate_up.to_float().T
         g, u = gu[:, :cfg.n_ff], gu[:, cfg.n_ff:]
         act = (0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) if cfg.ffn_gelu
                else g / (1 + np.exp(-g)))
         f = (act * u) @ lw.w_down.to_float().T
-        x = x + (norm(f, lw.post_ffn_norm) if lw.post_ffn_norm is not None else f)
-    return norm(x, w.out_norm) @ w.output.to_float().T
+        x = x + r * (norm(f, lw.post_ffn_norm) if lw.post_ffn_norm is not None else f)
+    return norm(x, w.out_norm) @ w.output.to_float().T * cfg.logit_scale
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))

@@ -1,8 +1,9 @@
 # cython: language_level=3
 """The CPU forward pass of a batch in one call, in C without the GIL: embedding rows, every layer
-(norms, products, biases, q/k norms, RoPE, KV store, attention, GLU, sandwich norms, residual adds),
-the final norm of the out rows, the output product and the logit softcap; or, for embeddings, the out
-rows' final hidden states (after the output norm) instead of their logits (hidden=True: no output product).
+(norms, products, biases, q/k norms, RoPE where the layer has it, KV store, attention, GLU, sandwich
+norms, residual multiplier and adds), the final norm of the out rows, the output product, the logit
+multiplier and softcap; or, for embeddings, the out rows' final hidden states (after the output norm)
+instead of their logits (hidden=True: no output product).
 
 The products are fastserve.backends.cpu._matmul's (Matmul.run), attention and the KV store fastserve.backends.cpu._attention's
 (Attention.run, store_rows), the element-wise operations _layer_ops.h's: the same implementations the
@@ -63,6 +64,7 @@ cdef struct fs_layer:
     kv_layer kv
     const float *cos                # the layer's RoPE table [n_ctx, rope_dim / 2]
     const float *sin
+    int rope                        # 0: q and k are not rotated (SmolLM3's every 4th layer)
     int64_t window                  # 0: causal; else a local layer's window
 
 
@@ -70,7 +72,7 @@ cdef struct fs_fwd:
     # the model
     int64_t d, H, Hkv, D, q_dim, kv_dim, n_ff, rope_dim, n_layer
     int neox, gelu
-    float eps, embd_scale, softcap, attn_scale
+    float eps, embd_scale, softcap, attn_scale, residual_scale, logit_scale
     fs_layer *layers
     fs_matrix embd, output
     const float *out_norm
@@ -118,18 +120,22 @@ cdef void _qkv(void *ctx, int64_t b, int64_t e) noexcept nogil:
         if L.q_norm != NULL:
             fs_head_norm(r, f.H, f.D, L.q_norm, f.eps)
             fs_head_norm(r + f.q_dim, f.Hkv, f.D, L.k_norm, f.eps)
-        fs_rope(r, f.H, f.D, f.rope_dim, f.neox, L.cos + f.pos[i] * half, L.sin + f.pos[i] * half)
-        fs_rope(r + f.q_dim, f.Hkv, f.D, f.rope_dim, f.neox, L.cos + f.pos[i] * half, L.sin + f.pos[i] * half)
+        if L.rope:
+            fs_rope(r, f.H, f.D, f.rope_dim, f.neox, L.cos + f.pos[i] * half, L.sin + f.pos[i] * half)
+            fs_rope(r + f.q_dim, f.Hkv, f.D, f.rope_dim, f.neox, L.cos + f.pos[i] * half, L.sin + f.pos[i] * half)
         memcpy(f.q + i * f.q_dim, r, f.q_dim * sizeof(float))
     store_rows(&L.kv, f.qkv + b * w + f.q_dim, f.qkv + b * w + f.q_dim + f.kv_dim, w, f.slots + b, f.pos + b, e - b)
 
 
 cdef inline void _residual(fs_fwd *f, int64_t b, int64_t e, const float *post, const float *norm) noexcept nogil:
-    """x += post(y) (post: a sandwich norm, or NULL); h = norm(x) (norm: the next product's, or NULL)."""
+    """x += r * post(y) (post: a sandwich norm, or NULL; r: the residual multiplier); h = norm(x) (norm: the
+    next product's, or NULL)."""
     cdef int64_t i, d = f.d
     for i in range(b, e):
         if post != NULL:
             fs_rms_norm(f.y + i * d, d, post, f.eps, f.y + i * d)
+        if f.residual_scale != 1.0:
+            fs_scale(f.y + i * d, d, f.residual_scale)
         fs_add(f.x + i * d, f.y + i * d, d)
         if norm != NULL:
             fs_rms_norm(f.x + i * d, d, norm, f.eps, f.h + i * d)
@@ -164,11 +170,15 @@ cdef void _out_norm(void *ctx, int64_t b, int64_t e) noexcept nogil:
         fs_rms_norm(f.x + f.out_rows[j] * f.d, f.d, f.out_norm, f.eps, out + j * f.d)
 
 
-cdef void _softcap(void *ctx, int64_t b, int64_t e) noexcept nogil:
+cdef void _logits_out(void *ctx, int64_t b, int64_t e) noexcept nogil:
+    """The logit multiplier, then the softcap, where the model has them."""
     cdef fs_fwd *f = <fs_fwd *>ctx
     cdef int64_t j
     for j in range(b, e):
-        fs_softcap(f.logits + j * f.ld_logits, f.output.n_out, f.softcap)
+        if f.logit_scale != 1.0:
+            fs_scale(f.logits + j * f.ld_logits, f.output.n_out, f.logit_scale)
+        if f.softcap > 0:
+            fs_softcap(f.logits + j * f.ld_logits, f.output.n_out, f.softcap)
 
 
 PHASES = ("layer products", "attention", "element-wise ops and KV stores", "output product")
@@ -216,6 +226,7 @@ cdef class Forward:
         f.q_dim, f.kv_dim, f.n_ff, f.rope_dim = f.H * f.D, f.Hkv * f.D, cfg.n_ff, cfg.rope_dim
         f.n_layer, f.neox, f.gelu = cfg.n_layer, cfg.rope_neox, cfg.ffn_gelu
         f.eps, f.embd_scale, f.softcap, f.attn_scale = cfg.norm_eps, cfg.embd_scale, cfg.logit_softcap, cfg.attn_scale
+        f.residual_scale, f.logit_scale = cfg.residual_scale, cfg.logit_scale
         if f.n_layer < 1 or f.H % f.Hkv:
             raise ValueError(f"Forward: {f.n_layer} layers, {f.H} heads over {f.Hkv} KV heads")
         self.n_vocab, self.n_slots, self.n_ctx = cfg.n_vocab, kv.n_slots, kv.n_ctx_slot
@@ -243,6 +254,7 @@ cdef class Forward:
             L.kv.Hkv, L.kv.D, L.kv.type_k, L.kv.type_v, L.kv.ring = f.Hkv, f.D, tk, tv, kv.rings[li]
             local = 1 if cfg.local_layers[li] else 0
             L.cos, L.sin = tables[2 * local], tables[2 * local + 1]
+            L.rope = 1 if cfg.rope_layers[li] else 0
             L.window = cfg.sliding_window if local else 0
         f.embd = self._matrix(weights.tok_embd, cfg.n_vocab, f.d)
         f.output = self._matrix(weights.output, cfg.n_vocab, f.d)
@@ -395,8 +407,8 @@ cdef class Forward:
             return 0
         if self._product(f.h, f.d, m, &f.output, f.logits, f.ld_logits, 3) < 0:
             return -1
-        if f.softcap > 0:
-            self._stage(_softcap, m)
+        if f.softcap > 0 or f.logit_scale != 1.0:
+            self._stage(_logits_out, m)
         return 0
 
 

@@ -60,7 +60,7 @@ class CpuBackend(HostSampling):
                           resident=kv_resident)
         self._attn = Attention(self.pool)
         # local layers' own RoPE base (gemma3: 10k beside the global layers' 1M); rows filled as reached
-        self.rope = RopeTables(cfg, n_ctx_slot, weights.rope_freqs)
+        self.rope = RopeTables(cfg, n_ctx_slot, weights.rope_factors(cfg, n_ctx_slot))
         self.cos, self.sin, self.cos_local, self.sin_local = (self.rope.cos, self.rope.sin, self.rope.cos_local,
                                                               self.rope.sin_local)
         self.scale = cfg.attn_scale

@@ -43,9 +43,10 @@ asked-for probabilities with forward_sample: the host sampler's chain on the dev
 CuPy's stream synchronisation releases the GIL while it waits.
 
 It reads the same description as the CPU backend (ModelConfig and its architecture row,
-models/architecture.py): every row of the table runs (llama, qwen2, qwen3, gemma3). What a model asks
-for that these kernels do not run (unsupported_features: heads over 256 wide, more than 8 query heads
-per KV head) is refused at construction, naming it, and `auto` picks the CPU for such a model.
+models/architecture.py): llama, qwen2, qwen3, gemma3 and phi3 run. What a model asks for that these
+kernels do not run (unsupported_features: heads over 256 wide, more than 8 query heads per KV head,
+granite's residual and logit multipliers, smollm3's layers without RoPE) is refused at construction,
+naming it, and `auto` picks the CPU for such a model.
 
 Importing this module needs no CuPy; building a CupyBackend does.
 """
@@ -90,12 +91,16 @@ def cuda_status() -> tuple[bool, str]:
 
 
 def unsupported_features(cfg: ModelConfig) -> list[str]:
-    """What cfg asks for that the CUDA kernels do not run (empty: all of it runs). Every row's features
-    (GeGLU, sandwich norms, the embedding scale, sliding-window layers, soft-capping) run; what is left
-    are shapes the attention kernel has no instance for."""
+    """What cfg asks for that the CUDA kernels do not run (empty: all of it runs). The features of the
+    first rows (GeGLU, sandwich norms, the embedding scale, sliding-window layers, soft-capping, fused
+    tensors, RoPE factors) run; what is left are shapes the attention kernel has no instance for, and
+    granite's and smollm3's steps that no kernel has yet."""
     wanted = [(cfg.head_dim > K.ATTN_HEAD_DIMS[-1] or cfg.head_dim % 8,
                f"head_dim {cfg.head_dim} (cuda/attention.cu: multiples of 8 up to {K.ATTN_HEAD_DIMS[-1]})"),
-              (cfg.n_head // cfg.n_head_kv > 8, f"{cfg.n_head // cfg.n_head_kv} query heads per KV head (at most 8)")]
+              (cfg.n_head // cfg.n_head_kv > 8, f"{cfg.n_head // cfg.n_head_kv} query heads per KV head (at most 8)"),
+              (cfg.residual_scale != 1.0, f"a residual multiplier ({cfg.residual_scale:g})"),
+              (cfg.logit_scale != 1.0, f"a logit multiplier ({cfg.logit_scale:g})"),
+              (not all(cfg.rope_layers), "layers without RoPE")]
     return [name for needed, name in wanted if needed]
 
 
@@ -228,10 +233,11 @@ class CupyBackend:
             return None if v is None else self._to_device(np.ascontiguousarray(v[idx]), "f32")
 
         from ..rope import rope_tables
-        self.cos, self.sin = (self.cp.asarray(t) for t in rope_tables(c, self.n_ctx_slot, w.rope_freqs))
+        factors = w.rope_factors(c, self.n_ctx_slot)
+        self.cos, self.sin = (self.cp.asarray(t) for t in rope_tables(c, self.n_ctx_slot, factors))
         # the local layers' own RoPE base (gemma3: 10k beside the global layers' 1M)
         self.cos_local, self.sin_local = ((self.cp.asarray(t) for t in rope_tables(
-            c, self.n_ctx_slot, w.rope_freqs, local=True)) if any(c.local_layers) else (self.cos, self.sin))
+            c, self.n_ctx_slot, factors, local=True)) if any(c.local_layers) else (self.cos, self.sin))
         self.layers = []
         for li, lw in enumerate(w.layers):
             local = c.local_layers[li]

@@ -1,8 +1,9 @@
 """The forward pass written out in NumPy: the readable reference of fastserve.backends.cpu._forward (which runs it in
 one C call), composed of the element-wise twins (fastserve.backends.cpu.ref.layer_ops) and the backend's products
 and attention called from Python, so that the two agree bit for bit (tests/parity/test_forward.py).
-It reads what a family adds (biases, q/k norms, sandwich norms, GeGLU, NeoX RoPE, local layers) from
-cfg (models/architecture.py), never from the architecture's name.
+It reads what a family adds (biases, q/k norms, sandwich norms, GeGLU, NeoX RoPE, local layers, layers
+without RoPE, residual and logit multipliers) from cfg (models/architecture.py), never from the
+architecture's name.
 
 Shapes: n = tokens in the batch, d = n_embd, H = heads, Hkv = KV heads, D = head_dim.
 """
@@ -63,9 +64,10 @@ def forward(be, tokens, positions, slots, out_rows, logits: np.ndarray, hidden: 
         if lw.q_norm is not None:
             head_norm(q, lw.q_norm, cfg.norm_eps)
             head_norm(k, lw.k_norm, cfg.norm_eps)
-        cos, sin = ropes[local]
-        apply_rope(q, cos, sin, cfg.rope_dim, neox=cfg.rope_neox)
-        apply_rope(k, cos, sin, cfg.rope_dim, neox=cfg.rope_neox)
+        if cfg.rope_layers[li]:
+            cos, sin = ropes[local]
+            apply_rope(q, cos, sin, cfg.rope_dim, neox=cfg.rope_neox)
+            apply_rope(k, cos, sin, cfg.rope_dim, neox=cfg.rope_neox)
         be.kv.store(li, k, v, slots, positions)
         # a local layer's query at q sees keys q - window < p <= q (llama.cpp's is_masked_swa, standard)
         be._attn(q, be.kv.k[li], be.kv.v[li], be.kv.type_k, be.kv.type_v, slots, positions, attn,
@@ -73,6 +75,8 @@ def forward(be, tokens, positions, slots, out_rows, logits: np.ndarray, hidden: 
         be._mm(attn, lw.wo, y)
         if lw.post_attn_norm is not None:
             rms_norm(y, lw.post_attn_norm, cfg.norm_eps, out=y)
+        if cfg.residual_scale != 1.0:
+            y *= np.float32(cfg.residual_scale)
         x += y
         rms_norm(x, lw.ffn_norm, cfg.norm_eps, out=h)
         be._mm(h, lw.w_gate_up, gu)
@@ -80,6 +84,8 @@ def forward(be, tokens, positions, slots, out_rows, logits: np.ndarray, hidden: 
         be._mm(act, lw.w_down, y)
         if lw.post_ffn_norm is not None:
             rms_norm(y, lw.post_ffn_norm, cfg.norm_eps, out=y)
+        if cfg.residual_scale != 1.0:
+            y *= np.float32(cfg.residual_scale)
         x += y
     rows = np.asarray(out_rows, dtype=np.int64)
     m = len(rows)
@@ -89,6 +95,8 @@ def forward(be, tokens, positions, slots, out_rows, logits: np.ndarray, hidden: 
         return rms_norm(x[rows], w.out_norm, cfg.norm_eps, out=logits[:m])
     rms_norm(x[rows], w.out_norm, cfg.norm_eps, out=h[:m])
     out = be._mm(h[:m], w.output, logits[:m])
+    if cfg.logit_scale != 1.0:
+        out *= np.float32(cfg.logit_scale)
     if cfg.logit_softcap > 0:
         softcap(out, cfg.logit_softcap)
     return out
