@@ -95,7 +95,8 @@ SAMPLING_DEFAULTS = {k: v for k, v in asdict(SamplingParams()).items() if k != "
 SAMPLING_DEFAULTS["logit_bias"] = None
 
 
-SPEC_TYPES = ("none", "ngram-simple", "ngram-mod")     # speculative decoding's drafters (--spec-type)
+SPEC_TYPES = ("none", "ngram-simple", "ngram-mod", "draft-simple")     # speculative decoding's drafters (--spec-type)
+DRAFT_N_MAX = 16        # the most tokens a draft model proposes per step, --spec-draft-n-max unset (llama-server's)
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ class DraftLimits:
     """How much a slot drafts per step (speculative decoding; llama-server's --spec-draft-n-max / -n-min /
     -p-min and a request's speculative.n_max / n_min / p_min): at most n_max tokens (None: the drafter's own
     most), none when fewer than n_min would be drafted, and only positions whose estimated chance of being
-    accepted is at least p_min (fastserve/speculation.py)."""
+    accepted is at least p_min (fastserve/speculation.py; a draft model's: its own top probability)."""
     n_max: Optional[int] = None
     n_min: int = 0
     p_min: float = 0.0
@@ -135,9 +136,12 @@ class SpecConfig:
     """Speculative decoding of one engine (llama-server's --spec-* flags; "none": off). ngram-simple looks
     up the last simple_size_n tokens and drafts up to simple_size_m of what followed them
     (simple_min_hits is llama-server's, which its ngram-simple does not read either); ngram-mod chains
-    mod_n_match-token lookups, proposing mod_n_min..mod_n_max tokens. limits: the server's DraftLimits."""
+    mod_n_match-token lookups, proposing mod_n_min..mod_n_max tokens; draft-simple: draft_model, the path of a
+    GGUF model of the same vocabulary, proposes greedily (fastserve/draft_model.py). limits: the server's
+    DraftLimits."""
     type: str = "none"
     limits: DraftLimits = DraftLimits()
+    draft_model: str = ""
     simple_size_n: int = 12
     simple_size_m: int = 48
     simple_min_hits: int = 1
@@ -158,13 +162,17 @@ class SpecConfig:
         if self.mod_n_max < self.mod_n_min:
             raise ValueError(f"--spec-ngram-mod-n-max ({self.mod_n_max}) must be >= --spec-ngram-mod-n-min "
                              f"({self.mod_n_min})")
+        if (self.type == "draft-simple") != bool(self.draft_model):
+            raise ValueError(f"--spec-draft-model {self.draft_model} drafts with --spec-type draft-simple, not "
+                             f"{self.type}" if self.draft_model else
+                             "--spec-type draft-simple needs a draft model: --spec-draft-model FILE (-md)")
 
     @property
     def on(self) -> bool:
         return self.type != "none"
 
     def drafter(self) -> dict:
-        """The drafter's arguments (fastserve._drafts.Drafter's, after n_slots and n_ctx_slot)."""
+        """The n-gram drafter's arguments (fastserve._drafts.Drafter's, after n_slots and n_ctx_slot)."""
         if self.type == "ngram-simple":
             return dict(kind=self.type, size_n=self.simple_size_n, size_m=self.simple_size_m, n_min=0)
         return dict(kind=self.type, size_n=self.mod_n_match, size_m=0, n_min=self.mod_n_min)
@@ -172,7 +180,7 @@ class SpecConfig:
     @property
     def most(self) -> int:
         """The most tokens the drafter proposes in one step."""
-        top = self.simple_size_m if self.type == "ngram-simple" else self.mod_n_max
+        top = {"ngram-simple": self.simple_size_m, "draft-simple": DRAFT_N_MAX}.get(self.type, self.mod_n_max)
         return top if self.limits.n_max is None else min(top, self.limits.n_max)
 
 

@@ -28,6 +28,7 @@ from . import _batch, _delivery, _drafts, _faults, _sampling, _slots
 from ._slots import IDLE
 from .backends.host_sampling import HostSampled
 from .config import DraftLimits, EngineConfig, SamplingParams, check_context, check_max_tokens, check_token_ids
+from .draft_model import DraftModel, load_draft
 from .embedding import EMBED_SLOTS, Embedder, EmbedJob, check_options
 from .errors import ConfigError, ContextExceeded, EngineClosed, RequestError, ServerBusy
 from .grammar import Constraint, compile_grammar
@@ -227,7 +228,20 @@ class Engine:
         if not getattr(self._backend, "verifies_drafts", False):
             raise ConfigError(f"speculative decoding (--spec-type {spec.type}) needs a sampler that verifies "
                               f"drafts, which the {self._device} backend does not have yet; use --device cpu")
-        return Speculation(spec, self._n_slots, self._n_ctx_slot, self._n_batch, impl=self._impl["drafts"])
+        model = self._make_draft_model(spec.draft_model) if spec.draft_model else None
+        return Speculation(spec, self._n_slots, self._n_ctx_slot, self._n_batch, impl=self._impl["drafts"],
+                           model=model)
+
+    def _make_draft_model(self, path: str) -> DraftModel:
+        """draft-simple's drafter: the draft model loaded and its vocabulary checked (draft_model.py), the CPU
+        forward on its weights with a KV cache of its own, shaped as the engine's and in its cache types (a model
+        drafting for itself agrees bit for bit), its pages coming in as they are written."""
+        from .backends.cpu.backend import CpuBackend
+        draft, cfg = load_draft(path, self._model), self._config
+        backend = CpuBackend(draft.config, draft.weights, self._n_slots, self._n_ctx_slot, threads=self._threads,
+                             cache_type_k=cfg.cache_type_k, cache_type_v=cfg.cache_type_v, max_tokens=self._n_batch,
+                             reuse_logits=True, kv_resident=False)
+        return DraftModel(backend, self._n_batch, self._prefill_chunk, name=draft.name)
 
     def _make_backend(self, backend) -> tuple:
         """(its device: "cpu", "cuda" or "custom" for one handed in, the backend)."""

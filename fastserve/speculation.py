@@ -1,8 +1,10 @@
 """Speculative decoding's policy: how many tokens each decoding slot drafts this step, and what came of it.
 
-    propose(slots, capacity)  before the batch is built: the drafter (fastserve/_drafts.pyx) fills drafts[s,
-                              :n_draft[s]] for the slots worth drafting; SlotTable.add_decode puts them in
-    observe(slots)            after commit: each slot's drafted / accepted tokens move its estimate
+    propose(slots, capacity)  before the batch is built: the drafter (fastserve/_drafts.pyx's n-grams, or a draft
+                              model, fastserve/draft_model.py) fills drafts[s, :n_draft[s]] for the slots worth
+                              drafting; SlotTable.add_decode puts them in
+    observe(slots)            after commit: each slot's drafted / accepted tokens move its estimate (a draft
+                              model's KV is cut back to the accepted tokens)
 
 The output never depends on this module: the sampler verifies every draft row in order and keeps only
 what plain decoding would have produced (fastserve/ref/sampling.py), so a draft changes the speed only.
@@ -13,7 +15,8 @@ seconds, while the step's other rows yield N tokens for a + b N. Row j is added 
 b N / (a + b N) (and the slot's p_min): at one slot on a CPU that is about 0.15 (long drafts pay), with
 32 slots busy close to 1 (only near-certain ones do), so speculation backs off under load by itself.
 A slot whose drafts keep failing drafts nothing (alpha**1 below the bar); its evidence fades while it
-does not draft (FORGET), so it tries again, one token, now and then.
+does not draft (FORGET), so it tries again, one token, now and then. A draft model's passes run in the
+step too, so the fitted b carries their cost per drafted row; its p_min bars its own top probability.
 Decode thread only.
 """
 from __future__ import annotations
@@ -23,7 +26,7 @@ import math
 import numpy as np
 
 from . import _drafts
-from ._slots import DECODE
+from ._slots import DECODE, IDLE
 from .config import DraftLimits, SpecConfig
 
 PRIOR_HITS, PRIOR_MISSES = 1.0, 1.0     # the estimate of a slot that has not drafted yet: alpha = 1/2
@@ -72,9 +75,11 @@ class Speculation:
     """Per-slot drafting for one engine: limits of the slot's request, its acceptance estimate, and the
     step's drafts (drafts int32 [n_slots, most], n_draft int32 [n_slots]). Counters for /metrics."""
 
-    def __init__(self, cfg: SpecConfig, n_slots: int, n_ctx_slot: int, n_batch: int, impl=_drafts):
-        self.cfg = cfg
-        self.drafter = impl.Drafter(n_slots, n_ctx_slot, **cfg.drafter())
+    def __init__(self, cfg: SpecConfig, n_slots: int, n_ctx_slot: int, n_batch: int, impl=_drafts, model=None):
+        """model: the draft model's drafter (fastserve/draft_model.py) for draft-simple, else the n-gram one of
+        impl (fastserve._drafts or its twin)."""
+        self.cfg, self.model = cfg, model
+        self.drafter = model if model is not None else impl.Drafter(n_slots, n_ctx_slot, **cfg.drafter())
         self.most = max(0, min(cfg.most, n_batch - 1, n_ctx_slot - 1))
         self.drafts = np.zeros((n_slots, max(1, self.most)), np.int32)   # [n_slots, most] this step's drafts
         self.n_draft = np.zeros(n_slots, np.int32)                       # [n_slots] their lengths
@@ -105,12 +110,24 @@ class Speculation:
         row per DECODE slot kept free. Returns the tokens drafted."""
         decoding = slots.state == DECODE
         n_rows = int(np.count_nonzero(decoding))
-        active = decoding & (self.k_cap > 0)
+        self._k[:] = self._lengths(slots, capacity, decoding & (self.k_cap > 0), n_rows)
+        if self.model is not None:          # a model's KV also follows the prompts of the slots that will draft
+            follow = (slots.state != IDLE) & (self.k_cap > 0)
+            if follow.any():
+                return self.model.propose(slots.tokens, slots.n_tokens, self._k, self.k_min, self.drafts,
+                                          self.n_draft, follow=follow, p_min=self.p_min)
+        elif self._k.any():
+            return self.drafter.propose(slots.tokens, slots.n_tokens, self._k, self.k_min, self.drafts, self.n_draft)
+        self.n_draft[:] = 0
+        return 0
+
+    def _lengths(self, slots, capacity: int, active, n_rows: int) -> np.ndarray:
+        """Rows worth drafting per slot (0 where not active), within capacity. p_min bars a row of an n-gram
+        draft by its estimated acceptance; a draft model applies it to its own probabilities instead."""
         if not active.any():
-            self.n_draft[:] = 0
-            return 0
+            return np.zeros(len(active), np.int32)
         alpha = self.hits / (self.hits + self.misses)
-        bar = np.maximum(self.cost.bar(n_rows), self.p_min)
+        bar = self.cost.bar(n_rows) if self.model is not None else np.maximum(self.cost.bar(n_rows), self.p_min)
         with np.errstate(divide="ignore"):
             worth = np.floor(np.log(np.maximum(bar, 1e-9)) / np.log(np.minimum(alpha, 1.0 - 1e-9)))
         room = np.minimum(slots.n_ctx_slot - slots.n_tokens, slots.max_gen - slots.n_gen - 1)
@@ -121,11 +138,7 @@ class Speculation:
         total, free = int(k.sum()), capacity - n_rows
         if total > free:                                # the batch first holds every decode row
             k = (k * max(0, free) // total).astype(np.int32)
-        if not k.any():
-            self.n_draft[:] = 0
-            return 0
-        self._k[:] = k
-        return self.drafter.propose(slots.tokens, slots.n_tokens, self._k, self.k_min, self.drafts, self.n_draft)
+        return k
 
     def observe(self, slots) -> np.ndarray:
         """After commit: each slot's drafted and accepted tokens of this step (SlotTable's counters). Returns
@@ -136,6 +149,8 @@ class Speculation:
         ran = np.flatnonzero(drafted > 0)
         if not len(ran):
             return ran
+        if self.model is not None:
+            self.model.rollback(slots.tokens, slots.n_tokens, ran)
         d, a = drafted[ran], accepted[ran]
         self.hits[ran] = self.hits[ran] * DECAY + a
         self.misses[ran] = self.misses[ran] * DECAY + (a < d)

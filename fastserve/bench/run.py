@@ -67,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-type", choices=SPEC_TYPES, default="none",
                    help="in-process: speculative decoding's drafter (the table's 'draft acc' column: accepted / "
                         "drafted tokens; a server's comes from its /trace)")
+    g.add_argument("-md", "--spec-draft-model", default="", metavar="FILE",
+                   help="in-process: a draft model of the model's vocabulary (with --spec-type draft-simple)")
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="FILE", help="write every figure, the command, versions and machine facts")
     g.add_argument("--plot", metavar="DIR", help="write itl_over_time.png, concurrency.png and phases.png here")
@@ -207,9 +209,10 @@ def _inprocess(args, levels):
     print(f"fastserve: {model.load_summary()}", file=sys.stderr)
     most = max(int(lv.value) for lv in levels) if levels[0].kind == "clients" else 8
     n_parallel = args.parallel or most
+    spec = SpecConfig(type=args.spec_type, draft_model=args.spec_draft_model)
     engine = Engine(model, n_parallel=n_parallel, n_ctx=max(args.ctx_size, 512 * n_parallel), n_batch=args.batch_size,
                     trace=True, threads=args.threads or None, backend=args.device, cache_type_k=args.cache_type_k,
-                    cache_type_v=args.cache_type_v, speculative=SpecConfig(type=args.spec_type))
+                    cache_type_v=args.cache_type_v, speculative=spec)
     return model, engine
 
 

@@ -90,8 +90,8 @@ FLAGS: list[tuple[str, str, str]] = [
                                                      "it off"),
     ("--log-prefix, --no-log-prefix, --log-timestamps, --no-log-timestamps", REFUSED, "one log format: a time "
                                                                                       "stamp and the line"),
-    ("-ctkd, --cache-type-k-draft, -ctvd, --cache-type-v-draft", REFUSED, "no draft model yet (n-gram drafts "
-                                                                          "need no cache of their own)"),
+    ("-ctkd, --cache-type-k-draft, -ctvd, --cache-type-v-draft", REFUSED, "the draft model's KV cache takes the "
+                                                                          "model's types (-ctk / -ctv)"),
     # -- sampling ----------------------------------------------------------------------------------
     ("--samplers, --sampler-seq, --sampling-seq", REFUSED, "one sampler chain: penalties, top-k, top-p, min-p, "
                                                            "temperature"),
@@ -115,7 +115,8 @@ FLAGS: list[tuple[str, str, str]] = [
     ("-bs, --backend-sampling", REFUSED, "no switch: sampling always runs where the model runs (on the GPU with "
                                          "--device cuda)"),
     # -- speculative -------------------------------------------------------------------------------
-    ("--spec-type TYPE", DIFFERS, "none (default), ngram-simple or ngram-mod, one of them (llama-server takes a list); "
+    ("--spec-type TYPE", DIFFERS, "none (default), ngram-simple, ngram-mod or draft-simple (with -md), one of them "
+                                  "(llama-server takes a list); "
                                   "the output is plain decoding's, token for token (greedy and seeded sampling); "
                                   "ngram-mod's table is per slot (llama-server's is shared by the slots); the other "
                                   "types are refused"),
@@ -128,7 +129,8 @@ FLAGS: list[tuple[str, str, str]] = [
     ("--spec-draft-p-min P, --draft-p-min P", DIFFERS, "in [0, 1]: a drafted position is verified only while its "
                                                        "estimated chance of acceptance (the slot's record, the "
                                                        "position's depth) is at least P (llama-server: the draft "
-                                                       "model's own probability); default 0"),
+                                                       "model's own probability, as fastserve's draft-simple); "
+                                                       "default 0"),
     ("--spec-ngram-simple-size-n N, --spec-ngram-simple-size-m N", SAME, "lookup length (12) and most tokens "
                                                                           "drafted (48)"),
     ("--spec-ngram-simple-min-hits N", SAME, "taken (N >= 1); llama-server's ngram-simple does not read it either"),
@@ -136,8 +138,15 @@ FLAGS: list[tuple[str, str, str]] = [
      "lookup length (24), shortest chain proposed (48), most tokens drafted (64)"),
     ("--spec-ngram-map-k-*, --spec-ngram-map-k4v-*, -lcs, --lookup-cache-static, -lcd, --lookup-cache-dynamic",
      REFUSED, "no ngram-map or ngram-cache drafters: use --spec-type ngram-simple or ngram-mod"),
-    ("-md, --model-draft, --spec-draft-model, -hfd, --spec-draft-hf, -td, --spec-draft-threads, --spec-draft-*", REFUSED,
-     "no draft model yet: use --spec-type ngram-simple or ngram-mod"),
+    ("-md, --model-draft, --spec-draft-model FNAME", DIFFERS, "a GGUF draft model of the model's vocabulary (the "
+                                                              "token count and every piece are checked: else the "
+                                                              "start stops saying where they differ); it drafts "
+                                                              "greedily on the CPU, on the decode step's threads, "
+                                                              "with a KV cache of its own in the model's types; "
+                                                              "alone it means --spec-type draft-simple"),
+    ("-hfd, --spec-draft-hf, -td, --spec-draft-threads, --spec-draft-*", REFUSED,
+     "the draft model runs on the decode step's threads (-t), on the CPU, with the model's KV types; no "
+     "download at start (`fastserve pull`, then -md FILE)"),
     # -- server ------------------------------------------------------------------------------------
     ("-ctxcp, --ctx-checkpoints, --swa-checkpoints, -cms, --checkpoint-min-step", REFUSED,
      "no context checkpoints: a sliding-window slot's prefix is reused only where its ring still holds the "
@@ -241,7 +250,7 @@ _REFUSED_OPTIONS: list[tuple[tuple[str, ...], int | str | None]] = [
     (("-j", "--json-schema"), None), (("-jf", "--json-schema-file"), None), (("--samplers",), None),
     (("--sampling-seq", "--sampler-seq"), None), (("--mirostat",), None), (("--typical", "--typical-p"), None),
     (("--dry-multiplier",), None), (("--xtc-probability",), None), (("--top-nsigma", "--top-n-sigma"), None),
-    (("--dynatemp-range",), None), (("-md", "--model-draft", "--spec-draft-model"), None), (("--api-key-file",), None),
+    (("--dynatemp-range",), None), (("--api-key-file",), None),
     (("--ssl-key-file",), None), (("--ssl-cert-file",), None), (("--api-prefix",), None), (("--path",), None),
     (("--slot-save-path",), None), (("--threads-http",), None),
     (("--cache-reuse",), None), (("--no-cache-prompt",), 0), (("--sse-ping-interval",), None),
@@ -341,6 +350,8 @@ def add_taken(parser: argparse.ArgumentParser) -> None:
                    help="requests that do not say ignore_eos never sample the end-of-generation tokens")
     s = parser.add_argument_group("speculative decoding (output identical to plain decoding; see docs/flags.md)")
     s.add_argument("--spec-type", default="none", help=f"the drafter: {', '.join(SPEC_TYPES)}")
+    s.add_argument("-md", "--model-draft", "--spec-draft-model", dest="spec_draft_model",
+                   help="a draft model of the same vocabulary (GGUF file): --spec-type draft-simple")
     s.add_argument("--spec-draft-n-max", "--draft-max", "--draft-n", "--draft", dest="spec_n_max", type=int,
                    help="most tokens a slot drafts per step (default: the drafter's own)")
     s.add_argument("--spec-draft-n-min", "--draft-min", "--draft-n-min", dest="spec_n_min", type=int, default=0,
@@ -368,7 +379,9 @@ def speculative(args) -> SpecConfig:
         for field, flag in flags.items():
             msg = msg.replace(field, flag)
         raise ValueError(msg) from None
-    return SpecConfig(type=args.spec_type, limits=limits,
+    draft = args.spec_draft_model or ""
+    kind = "draft-simple" if draft and args.spec_type == "none" else args.spec_type    # -md alone: llama-server's
+    return SpecConfig(type=kind, limits=limits, draft_model=draft,
                       **{field: getattr(args, f"spec_{field}") for field in SPEC_NGRAM_FLAGS.values()})
 
 

@@ -1,6 +1,7 @@
-"""Speculative decoding on the server, as llama-server's (--spec-type, --spec-draft-*, --spec-ngram-*; a
-request's speculative.*; /slots, /metrics, timings): one server with ngram-simple, whose answers are the
-plain server's; bad flags stop the start with the reason; a bad speculative.* field is a 400."""
+"""Speculative decoding on the server, as llama-server's (--spec-type, --spec-draft-*, --spec-ngram-*, -md; a
+request's speculative.*; /slots, /metrics, timings): one server with ngram-simple and one with a draft model
+(the model itself), whose answers are the plain server's; bad flags (a draft model of another vocabulary
+among them) stop the start with the reason; a bad speculative.* field is a 400."""
 from __future__ import annotations
 
 import subprocess
@@ -8,6 +9,8 @@ import sys
 
 import httpx
 import pytest
+
+from fastserve.models.synthetic import write_llama_gguf
 
 from .conftest import REPO_ROOT, ServerProc
 
@@ -23,6 +26,19 @@ def servers(tiny_model_path, tmp_path_factory):
                     "--spec-ngram-simple-size-n", "1", "--spec-ngram-simple-size-m", "8") as spec, \
             ServerProc(tiny_model_path, d / "plain.log", *common) as plain:
         yield spec, plain
+
+
+def test_a_draft_model_answers_as_the_plain_server(servers, tiny_model_path, tmp_path):
+    """-md alone: --spec-type draft-simple; the model drafting for itself, greedy: every draft accepted."""
+    plain = servers[1]
+    with ServerProc(tiny_model_path, tmp_path / "md.log", "-c", "1024", "-np", "4", "-n", "48", "--timeout", "20",
+                    "-md", tiny_model_path) as md:
+        for body in ({}, {"temperature": 0.8, "seed": 4, "top_k": 10}, {"speculative.n_max": 3}):
+            assert _complete(md, **body).json()["content"] == _complete(plain, **body).json()["content"]
+        t = _complete(md).json()["timings"]
+        assert t["draft_n"] == t["draft_n_accepted"] > 0
+        assert all(s["speculative"] is True for s in httpx.get(md.url + "/slots").json())
+        assert _complete(md, **{"speculative.type": "ngram-mod"}).status_code == 400
 
 
 def _complete(server, **body):
@@ -77,12 +93,21 @@ def test_a_bad_speculative_field_is_a_400(servers, body, why):
     (("--spec-type", "ngram-mod", "--spec-draft-n-max", "2", "--spec-draft-n-min", "3"),
      "--spec-draft-n-max (2) must be >= --spec-draft-n-min (3)"),
     (("--spec-type", "ngram-simple", "--spec-draft-p-min", "-0.1"), "--spec-draft-p-min must be a number in [0, 1]"),
-    (("--spec-type", "draft-eagle3"), "--spec-type 'draft-eagle3': fastserve has none, ngram-simple, ngram-mod"),
+    (("--spec-type", "draft-eagle3"), "--spec-type 'draft-eagle3': fastserve has none, ngram-simple, ngram-mod, "
+                                      "draft-simple"),
     (("--spec-type", "ngram-mod", "--spec-ngram-mod-n-min", "9", "--spec-ngram-mod-n-max", "4"),
      "--spec-ngram-mod-n-max (4) must be >= --spec-ngram-mod-n-min (9)"),
-    (("-md", "draft.gguf"), "no draft model yet"),
+    (("-md", "draft.gguf"), "draft.gguf: no such file"),
+    (("--spec-type", "draft-simple"), "--spec-type draft-simple needs a draft model: --spec-draft-model FILE (-md)"),
+    (("--spec-type", "ngram-mod", "--spec-draft-model", "d.gguf"), "--spec-draft-model d.gguf drafts with "
+                                                                   "--spec-type draft-simple, not ngram-mod"),
+    (("-md", "OTHER_VOCAB"), "the draft model's vocabulary is not the model's: 600 tokens, the model has 512"),
+    (("-ctkd", "q8_0"), "the draft model's KV cache takes the model's types"),
 ])
-def test_bad_flags_stop_the_start_with_the_reason(tiny_model_path, flags, why):
+def test_bad_flags_stop_the_start_with_the_reason(tiny_model_path, tmp_path, flags, why):
+    if "OTHER_VOCAB" in flags:
+        other = write_llama_gguf(tmp_path / "v600.gguf", n_vocab=600)
+        flags = tuple(other if f == "OTHER_VOCAB" else f for f in flags)
     r = subprocess.run([sys.executable, "-m", "fastserve", "serve", "-m", tiny_model_path, "--port", "0", *flags],
                        capture_output=True, text=True, timeout=60, cwd=str(REPO_ROOT),
                        env={"PYTHONPATH": str(REPO_ROOT), "PATH": "/usr/bin:/bin"})

@@ -15,7 +15,7 @@ from fastserve.server.llama_flags import DIFFERS, FLAGS, REFUSED, SAME, covers
 ROOT = Path(__file__).resolve().parents[2]
 HELP_FLAGS = Path(__file__).parent / "data" / "llama_server_flags.txt"
 LLAMA_SERVER = Path("/work/llama-peer/build/bin/llama-server")     # present on the development machines only
-SPECULATIVE_ROW = covers("--spec-draft-model")      # the draft model's flags, and the rest of the section
+SPECULATIVE_ROW = covers("--spec-draft-threads")    # the draft model's settings, and the rest of the section
 
 
 def _help_options(text: str) -> list[tuple[str, str]]:
