@@ -117,7 +117,7 @@ def main() -> int:
     flags = ["-m", model, "-c", str(a.np * 512), "-np", str(a.np), "-t", str(a.t), "--log-disable"]
     log = Path("/tmp/bench_cluster_direct.log")
     direct, direct_url = start_direct([*flags, "--host", "127.0.0.1"], log)
-    ray.init(include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}})
     logging.getLogger("httpx").setLevel(logging.WARNING)     # ray.init sets the root logger to INFO
     port = free_port()

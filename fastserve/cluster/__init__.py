@@ -24,7 +24,8 @@ __all__ = ["build", "serve_cluster"]
 
 def build(flags: list, replicas: int = 2, num_cpus: float = 1, num_gpus: float = 0, api_key: str | None = None,
           metrics: bool = False, launcher: tuple = ("-m", "fastserve"), router_kwargs: dict | None = None):
-    """(the Ray Serve application, its Board actor). flags: `fastserve serve`'s flags for each replica's
+    """(the Ray Serve application, its Board actor: hold it while the application runs, as Ray ends an actor
+    whose handles are all gone). flags: `fastserve serve`'s flags for each replica's
     server (its model, slots, context, ...; not --host / --port); num_cpus / num_gpus: each replica's share
     of its Ray node; api_key, metrics: the server's --api-key and --metrics; launcher: how Python starts the
     server (tests: a server whose decode loop can be wedged); router_kwargs: PrefixCacheAffinityRouter's

@@ -64,21 +64,43 @@ def serve_cluster(args, argv: list) -> int:
     from . import build
 
     gpu = args.device == "cuda"
-    ray.init(address=args.ray_address or None, include_dashboard=False, logging_level="WARNING")
+    # "local": a Ray of our own, never one that happens to run on this machine already
+    ray.init(address=args.ray_address or "local", include_dashboard=False, logging_level="WARNING")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):     # ours from here on, over the handler ray.init installed (an abort)
+        signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        app, _board = build(replica_flags(argv), replicas=args.replicas, num_cpus=1 if gpu else max(1, args.threads),
-                            num_gpus=1 if gpu else 0, api_key=args.api_key, metrics=args.metrics)
+        app, board = build(replica_flags(argv), replicas=args.replicas, num_cpus=1 if gpu else max(1, args.threads),
+                           num_gpus=1 if gpu else 0, api_key=args.api_key, metrics=args.metrics)
         serve.run(app, name=APP_NAME, route_prefix="/")
-        print(f"fastserve: listening on http://{args.host}:{args.port} ({args.replicas} replicas on Ray Serve, "
-              f"PrefixCacheAffinityRouter)", file=sys.stderr, flush=True)
-        stop = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
-        stop.wait()
+        if _ready(f"http://{_local(args.host)}:{args.port}/health", stop):
+            print(f"fastserve: cluster listening on http://{args.host}:{args.port} ({args.replicas} replicas on Ray "
+                  f"Serve, PrefixCacheAffinityRouter)", file=sys.stderr, flush=True)
+        stop.wait()         # board is held until here: Ray ends an actor whose handles are all gone
+        print("fastserve: shutting down the cluster", file=sys.stderr, flush=True)
         serve.delete(APP_NAME)
         if not args.ray_address:
             serve.shutdown()
     finally:
         ray.shutdown()
     return 0
+
+
+def _local(host: str) -> str:
+    """Where this machine reaches a server bound to host."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def _ready(health_url: str, stop: threading.Event) -> bool:
+    """Wait until the cluster's /health says 200 through Ray Serve's proxy (a replica's server reported healthy,
+    the proxy has the route): the start line is printed when a client can be served. False if stopped first."""
+    import httpx
+    while not stop.is_set():
+        try:
+            if httpx.get(health_url, timeout=5).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        stop.wait(0.2)
+    return False

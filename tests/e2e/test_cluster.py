@@ -9,6 +9,8 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -40,12 +42,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_fastserve_serve_replicas_starts_serves_and_stops(default_model_file, tmp_path):
+    """The command line: its own local Ray, one replica, the API on --port, SIGTERM ends it all with 0. First in
+    the file: the module's own Ray (the fixture below) starts after it."""
+    port = free_port()
+    log = tmp_path / "cluster.log"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "fastserve", "serve", "-m", default_model_file, "--replicas", "1",
+                                 "-np", "2", "-c", "1024", "-t", "1", "--port", str(port), "--metrics"],
+                                stdout=subprocess.DEVNULL, stderr=f, env=env, cwd=REPO_ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while "fastserve: cluster listening on" not in log.read_text(errors="replace"):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.2)
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(url + "/health", timeout=10).status_code == 200      # healthy once it says it listens
+        r = httpx.post(url + "/completion", json={"prompt": "The capital of France is", "n_predict": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["tokens_predicted"] == 4
+        assert len(per_replica(url, "vllm:num_requests_waiting")) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text(errors="replace")[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 @pytest.fixture(scope="module")
 def cluster(default_model_file, tmp_path_factory):
     """(base url, board, stall file template): the app on a local Ray of 2 CPUs; each replica's server is
     tests/e2e/stall_server.py's, whose decode loop hangs while stall-<its pid> exists."""
     stall = str(tmp_path_factory.mktemp("stall") / "stall-{pid}")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}})
     port = free_port()
     try:
