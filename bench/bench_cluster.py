@@ -3,8 +3,9 @@
     python bench/bench_cluster.py [--requests 200] [--clients 8] [--duration 20] [-t 1] [-np 4]
 
 1. Overhead: a direct `fastserve serve` and the cluster with ONE replica (the same server behind the
-   ingress, PrefixCacheAffinityRouter and the replica's forwarding), both idle but for this client: the
-   same 1-token /completion sent to each in turn, one at a time; p50 / p99 of each and the difference.
+   ingress, the router and the replica's forwarding), both idle but for this client: the same 1-token
+   /completion sent to each in turn, one at a time; p50 / p99 of each and the difference; with
+   PrefixCacheAffinityRouter, then with Ray Serve's default router (power of two choices).
 2. Throughput: closed loop, `--clients` streams of `-n` tokens (greedy, ignore_eos, prompts with no shared
    prefix so the router spreads them): the direct server, the cluster with 1 replica, with 2 replicas.
 Each replica and the direct server run `-t` threads with `-np` slots; Ray gets every core of the machine.
@@ -17,7 +18,6 @@ import logging
 import os
 import re
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -111,7 +111,7 @@ def main() -> int:
     import ray
     from ray import serve
 
-    from fastserve.cluster import build
+    from fastserve.cluster import POW2, ROUTER, build
 
     model = fastserve.default_model_path()
     flags = ["-m", model, "-c", str(a.np * 512), "-np", str(a.np), "-t", str(a.t), "--log-disable"]
@@ -125,19 +125,19 @@ def main() -> int:
     cluster_url = f"http://127.0.0.1:{port}"
     results: dict = {"cpus": os.cpu_count(), "flags": flags}
     try:
-        app, _ = build(flags, replicas=1, num_cpus=0.5)
-        serve.run(app, name="fastserve", route_prefix="/")
-        lat = latencies({"direct": direct_url, "cluster": cluster_url}, a.requests)
-        for name, xs in lat.items():
-            results[f"latency_{name}_ms"] = {"p50": pct(xs, 0.5), "p99": pct(xs, 0.99), "mean": statistics.mean(xs)}
-        results["added_ms"] = {q: results["latency_cluster_ms"][q] - results["latency_direct_ms"][q]
-                               for q in ("p50", "p99")}
-        print(json.dumps({k: results[k] for k in ("latency_direct_ms", "latency_cluster_ms", "added_ms")}), flush=True)
+        for router_name, router in (("prefix", ROUTER), ("pow2", POW2)):
+            app, board = build(flags, replicas=1, num_cpus=0.5, router=router)
+            serve.run(app, name="fastserve", route_prefix="/")
+            lat = latencies({"direct": direct_url, "cluster": cluster_url}, a.requests)
+            d, c = ({"p50": pct(xs, 0.5), "p99": pct(xs, 0.99)} for xs in (lat["direct"], lat["cluster"]))
+            results[f"latency_ms_{router_name}"] = {"direct": d, "cluster": c,
+                                                    "added": {q: c[q] - d[q] for q in ("p50", "p99")}}
+            print(json.dumps({router_name: results[f"latency_ms_{router_name}"]}), flush=True)
         results["tok_s_direct"] = throughput(direct_url, a.clients, a.n, a.duration)
         direct.terminate()
         direct.wait(10)
         results["tok_s_1_replica"] = throughput(cluster_url, a.clients, a.n, a.duration)
-        app, _ = build(flags, replicas=2, num_cpus=0.5)
+        app, board = build(flags, replicas=2, num_cpus=0.5)
         serve.run(app, name="fastserve", route_prefix="/")
         results["tok_s_2_replicas"] = throughput(cluster_url, a.clients, a.n, a.duration)
     finally:

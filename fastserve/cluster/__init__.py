@@ -18,18 +18,21 @@ MAX_ONGOING = 256               # requests Ray sends one replica at a time: its 
 # Ray's PrefixCacheAffinityRouter where it is defined: its public name, ray.serve.llm.request_router, imports
 # ray.serve.llm, which refuses to load without vLLM or SGLang installed (ray 2.60); the class itself needs neither
 ROUTER = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router.PrefixCacheAffinityRouter"
+POW2 = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"     # Ray Serve's default
 
 __all__ = ["build", "serve_cluster"]
 
 
 def build(flags: list, replicas: int = 2, num_cpus: float = 1, num_gpus: float = 0, api_key: str | None = None,
-          metrics: bool = False, launcher: tuple = ("-m", "fastserve"), router_kwargs: dict | None = None):
+          metrics: bool = False, launcher: tuple = ("-m", "fastserve"), router: str = ROUTER,
+          router_kwargs: dict | None = None):
     """(the Ray Serve application, its Board actor: hold it while the application runs, as Ray ends an actor
     whose handles are all gone). flags: `fastserve serve`'s flags for each replica's
     server (its model, slots, context, ...; not --host / --port); num_cpus / num_gpus: each replica's share
     of its Ray node; api_key, metrics: the server's --api-key and --metrics; launcher: how Python starts the
-    server (tests: a server whose decode loop can be wedged); router_kwargs: PrefixCacheAffinityRouter's
-    (imbalanced_threshold, match_rate_threshold, ...)."""
+    server (tests: a server whose decode loop can be wedged); router: Ray's request router class (its import
+    path; bench/bench_cluster.py compares Ray's default, POW2); router_kwargs: its initialize_state's
+    (PrefixCacheAffinityRouter: imbalanced_threshold, match_rate_threshold, ...)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -42,7 +45,7 @@ def build(flags: list, replicas: int = 2, num_cpus: float = 1, num_gpus: float =
         Replica, name="FastserveReplica", num_replicas=replicas,
         ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
         max_ongoing_requests=MAX_ONGOING,
-        request_router_config=RequestRouterConfig(request_router_class=ROUTER,
+        request_router_config=RequestRouterConfig(request_router_class=router,
                                                   request_router_kwargs=router_kwargs or {}),
         health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
         graceful_shutdown_timeout_s=SHUTDOWN_S, graceful_shutdown_wait_loop_s=0.5,

@@ -7,6 +7,9 @@ When a replica goes away (its process killed, or Ray Serve replacing it after it
 - a request that has not had its answer's first bytes yet goes to another replica (within RETRY_S), and so
   does one that a replica's server refused with 503 (stalled, shutting down, its queue full);
 - a request whose answer had started ends with a 503 in its API's shape: an error event in a stream.
+A 503 is passed on the same way when every replica's queue is full, so such a request waits up to RETRY_S
+where one server would refuse it at once. Routes that read one server's state (/slots, /props, /trace)
+answer for the replica the router picks.
 """
 from __future__ import annotations
 
