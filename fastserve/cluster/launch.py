@@ -1,7 +1,7 @@
 """`fastserve serve --replicas N [--ray-address ADDR]`: the cluster's start, its wait, its stop.
 
-Bad input stops the start with the reason before anything runs: a replica count under 1, a Ray address that
-does not answer, Ray not installed."""
+Bad input stops the start with the reason before anything runs: a replica count under 1, --port 0, a Ray
+address that does not answer, Ray not installed."""
 from __future__ import annotations
 
 import signal
@@ -54,6 +54,8 @@ def serve_cluster(args, argv: list) -> int:
     until SIGTERM / SIGINT; then delete the application (and stop the local Ray). Returns the exit code."""
     if args.replicas < 1:
         raise FastserveError(f"--replicas {args.replicas}: a cluster needs at least 1 replica")
+    if args.port == 0:
+        raise FastserveError("--replicas needs a --port: Ray Serve's proxies (one per node) bind the one given")
     if args.ray_address:
         check_address(args.ray_address)
     try:

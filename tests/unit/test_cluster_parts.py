@@ -1,5 +1,5 @@
 """fastserve.cluster's parts that need no Ray cluster: the merged exposition, the replicas' flags, the routing
-text, and the start's refusals (--replicas 0, a Ray address nobody answers)."""
+text, and the start's refusals (--replicas 0, --port 0, a Ray address nobody answers)."""
 from __future__ import annotations
 
 import socket
@@ -67,6 +67,11 @@ def test_bad_replica_count_stops_the_start():
     for n in ("0", "-1"):
         r = _serve("--replicas", n)
         assert r.returncode == 1 and "a cluster needs at least 1 replica" in r.stderr, r.stderr
+
+
+def test_port_0_stops_the_start():
+    r = _serve("--replicas", "2", "--port", "0")
+    assert r.returncode == 1 and "--replicas needs a --port" in r.stderr, r.stderr
 
 
 def test_unreachable_ray_address_stops_the_start():
