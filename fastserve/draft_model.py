@@ -73,8 +73,9 @@ class DraftModel:
     def propose(self, tokens, n_tokens, k_max, k_min, drafts, n_draft, *, follow, p_min) -> int:
         """For every slot s with k_max[s] > 0 (and in follow): at most k_max[s] greedy drafts into drafts[s];
         n_draft[s]: how many (0: none, fewer than k_min[s], its KV still catching up, or the first draft's
-        probability below p_min[s]). follow: bool [n_slots], the slots whose draft KV keeps up with their
-        tokens (drafting ones and prompts that will draft). Returns the tokens drafted."""
+        probability below p_min[s]). follow: bool [n_slots], the slots whose draft KV catches up with their
+        tokens this step (the drafting ones and prompts that will draft; a slot that does not draft now
+        catches up when it drafts again). Returns the tokens drafted."""
         n_draft[:] = 0
         slots = np.flatnonzero(follow)
         if not len(slots):
@@ -122,10 +123,11 @@ class DraftModel:
         """The first pass: each following slot's unfed tokens, within a prompt budget; a drafting slot whose
         tokens are all in gets its output row (the last). Returns the slots that draft, in output row order."""
         tok, pos, slot = self._rows
-        drafting = slots[k_max[slots] > 0]
-        budget = prefill_budget(self.max_tokens, len(drafting), self.min_chunk, self._s_per_token, STEP_TARGET_S)
+        drafting = k_max[slots] > 0
+        free = self.max_tokens - int(np.count_nonzero(drafting))
+        budget = prefill_budget(free, self.max_tokens - free, self.min_chunk, self._s_per_token, STEP_TARGET_S)
         n, going = 0, []
-        for s in slots.tolist():       # decoding slots first (their rows are few), then prompts
+        for s in np.concatenate([slots[drafting], slots[~drafting]]).tolist():   # drafting slots first, then prompts
             lo, hi = int(self.n_fed[s]), int(n_tokens[s])
             c = hi - lo
             if k_max[s] > 0 and n + c <= self.max_tokens and (c <= 2 or c <= budget):

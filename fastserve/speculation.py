@@ -26,7 +26,7 @@ import math
 import numpy as np
 
 from . import _drafts
-from ._slots import DECODE, IDLE
+from ._slots import DECODE, PREFILL
 from .config import DraftLimits, SpecConfig
 
 PRIOR_HITS, PRIOR_MISSES = 1.0, 1.0     # the estimate of a slot that has not drafted yet: alpha = 1/2
@@ -112,7 +112,7 @@ class Speculation:
         n_rows = int(np.count_nonzero(decoding))
         self._k[:] = self._lengths(slots, capacity, decoding & (self.k_cap > 0), n_rows)
         if self.model is not None:          # a model's KV also follows the prompts of the slots that will draft
-            follow = (slots.state != IDLE) & (self.k_cap > 0)
+            follow = ((slots.state == PREFILL) & (self.k_cap > 0)) | (self._k > 0)
             if follow.any():
                 return self.model.propose(slots.tokens, slots.n_tokens, self._k, self.k_min, self.drafts,
                                           self.n_draft, follow=follow, p_min=self.p_min)
