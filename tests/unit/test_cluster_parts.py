@@ -69,6 +69,13 @@ def test_bad_replica_count_stops_the_start():
         assert r.returncode == 1 and "a cluster needs at least 1 replica" in r.stderr, r.stderr
 
 
+def test_without_ray_the_start_says_what_to_install():
+    blocked = ("import sys; sys.modules['ray'] = None; from fastserve.cli import main; "
+               "sys.exit(main(['serve', '--replicas', '2', '--port', '8999']))")
+    r = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "--replicas needs Ray Serve: pip install 'fastserve[ray]'" in r.stderr, r.stderr
+
+
 def test_port_0_stops_the_start():
     r = _serve("--replicas", "2", "--port", "0")
     assert r.returncode == 1 and "--replicas needs a --port" in r.stderr, r.stderr
