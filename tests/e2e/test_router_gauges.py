@@ -11,7 +11,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import ServerProc
+from .conftest import ServerProc, wait_until
 
 N_SLOTS, N_CTX = 2, 1024            # two slots of 512 tokens
 GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
@@ -63,6 +63,7 @@ def test_vllm_gauges_under_load(default_model_file, tmp_path):
             assert len(kv) >= 5, kv
             assert kv == sorted(kv) and kv[-1] > kv[0], kv
             assert all(n_prompt <= k <= n_prompt + 1 + 96 for k in kv), (n_prompt, kv)
+            assert wait_until(lambda: scrape(c)["vllm:num_requests_running"][0] == 0, 5)
             done = scrape(c)
             # the finished request's prefix stays cached in its slot: free for vLLM's gauge, held for ours
             assert done["vllm:kv_cache_usage_perc"][0] == 0 and done["fastserve_kv_usage_ratio"][0] > 0
@@ -84,7 +85,7 @@ def test_vllm_gauges_under_load(default_model_file, tmp_path):
             assert max(waiting) >= 3 and max(running) == N_SLOTS, seen
             assert all(0 <= r <= N_SLOTS for r in running) and all(0 <= u <= 1 for u in usage), seen
             assert max(usage) > 0
-            end = scrape(c)
-            assert [end[n][0] for n in GAUGES] == [0, 0, 0]
+            # the last step's snapshot may come a moment after the last bytes
+            assert wait_until(lambda: [scrape(c)[n][0] for n in GAUGES] == [0, 0, 0], 5), scrape(c)
     finally:
         srv.kill()
