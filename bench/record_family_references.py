@@ -16,6 +16,10 @@ Beside it, llama.cpp against itself (metadata.self_divergence): the same request
 token is not in the record's top 5). Where a gap passes 0.02, llama.cpp's own rounding flips greedy text
 at more than the near-tie bar, and the golden test allows 0.1 for the family (issue 30's acceptance).
 
+A family in LONG_CONTEXT is also recorded at that context (its completions only, into
+<family>_synth_ctx<N>_llamacpp_greedy.json): phi3's longrope factors switch from short to long when a
+slot's context passes the model's original one (4096), which the default -c 2048 does not.
+
 Run: python bench/record_family_references.py --llama-bin DIR [--families granite,smollm3,phi3]
      [--dir /tmp/fastserve-families] [--out tests/golden/data]      (DIR holds llama-server; or LLAMA_BIN=DIR)
 """
@@ -39,6 +43,7 @@ from tests.reference_data import DEFAULT_MODEL_REFERENCE, GOLDEN_DATA, load_refe
 
 COMMIT = "34af94cd9ab277632e27caeec2d41de2fd091b31"
 SERVER_ARGS = ["-c", "2048", "-t", "2", "--parallel", "1", "--no-webui"]
+LONG_CONTEXT = {"phi3": 8192}           # family -> a slot context past its original one
 VARIANTS = ("-fa off", "-t 1")         # llama.cpp against itself: other attention, other thread split
 REQUEST = {"n_predict": 48, "temperature": 0.0, "cache_prompt": False, "n_probs": 5, "return_tokens": True,
            "seed": 42, "stream": False}
@@ -153,11 +158,19 @@ def main() -> None:
     directory.mkdir(parents=True, exist_ok=True)
     for family in args.families.split(","):
         data = record(family, Path(args.llama_bin), directory, vocab_model, args.extra.split())
-        path = Path(args.out) / f"{family}_synth_llamacpp_greedy.json"
-        path.write_text(json.dumps(data, separators=(",", ":")) + "\n", encoding="utf-8")
-        gen = [len(c["generated_token_ids"]) for c in data["completions"]]
-        print(f"{family}: {path} ({path.stat().st_size} bytes), {len(gen)} completions of {gen} tokens; llama.cpp "
-              f"against itself: {data['metadata']['self_divergence']}")
+        write(Path(args.out) / f"{family}_synth_llamacpp_greedy.json", data)
+        if family in LONG_CONTEXT:
+            n_ctx = LONG_CONTEXT[family]
+            data = record(family, Path(args.llama_bin), directory, vocab_model, [*args.extra.split(), "-c", str(n_ctx)])
+            del data["tokenization_cases"]
+            write(Path(args.out) / f"{family}_synth_ctx{n_ctx}_llamacpp_greedy.json", data)
+
+
+def write(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, separators=(",", ":")) + "\n", encoding="utf-8")
+    gen = [len(c["generated_token_ids"]) for c in data["completions"]]
+    print(f"{path} ({path.stat().st_size} bytes): {len(gen)} completions of {gen} tokens; llama.cpp against itself: "
+          f"{data['metadata']['self_divergence']}")
 
 
 if __name__ == "__main__":

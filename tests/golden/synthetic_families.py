@@ -31,8 +31,10 @@ SPECS = {
                                    "ffn_down": 1 / MULTIPLIERS["residual_scale"]}),
     "smollm3": dict(pre="llama-bpe", n_layer=5, n_embd=128, n_head=4, n_head_kv=1, n_ff=384, weight_type="Q4_0",
                     seed=302, output_scale=2.8, rope_base=5e6),
+    # phi3 as Phi-3-mini-128k: trained to 131072 positions from an original 4096 (longrope's short factors
+    # within it, long ones past it: a slot context over 4096)
     "phi3": dict(pre="smollm", n_layer=3, n_embd=128, n_head=4, n_head_kv=4, n_ff=320, weight_type="Q8_0",
-                 seed=303, output_scale=2.8),
+                 seed=303, output_scale=2.8, n_ctx=131072),
 }
 
 
@@ -75,7 +77,8 @@ def write(family: str, directory: str | Path, vocab_model: str) -> str:
     spec = dict(SPECS[family])
     add, n_vocab, broken = _vocabulary(vocab_model)
     path = Path(directory) / filename(family)
-    return write_llama_gguf(path, architecture=family, n_vocab=n_vocab, n_ctx=4096, tokenizer=add(spec.pop("pre")),
+    spec.setdefault("n_ctx", 4096)
+    return write_llama_gguf(path, architecture=family, n_vocab=n_vocab, tokenizer=add(spec.pop("pre")),
                             zero_output_rows=broken, **spec)
 
 

@@ -113,15 +113,16 @@ def _probs(row):
     return p / p.sum()
 
 
-def teacher_forced_scores(model, ref, prompts, cache_type: str = "f16") -> tuple[float, float]:
+def teacher_forced_scores(model, ref, prompts, cache_type: str = "f16", n_ctx_slot: int = 0) -> tuple[float, float]:
     """Prompt + llama.cpp's tokens through the model: (top-1 agreement with near-ties forgiven, median over
-    positions of the largest |dp| over llama.cpp's top 5). Also bench/bench_layer_op_variants.py's measure."""
+    positions of the largest |dp| over llama.cpp's top 5). n_ctx_slot: the backend's slot context (0: the
+    sequence's length). Also bench/bench_layer_op_variants.py's measure."""
     agree, total, worst = 0, 0, []
     for case, prompt in zip(ref["completions"], prompts):
         ids = np.asarray(prompt + case["generated_token_ids"], np.int32)
         # model.logits, but only the rows compared (Gemma's 262k-wide output product of a prompt row costs)
-        backend = CpuBackend(model.config, model.weights, n_slots=1, n_ctx_slot=len(ids), cache_type_k=cache_type,
-                               cache_type_v=cache_type)
+        backend = CpuBackend(model.config, model.weights, n_slots=1, n_ctx_slot=n_ctx_slot or len(ids),
+                             cache_type_k=cache_type, cache_type_v=cache_type)
         rows = np.array([len(prompt) - 1 + e["pos"] for e in case["top5_per_position"]], np.int32)
         logits = backend.forward(ids, np.arange(len(ids), dtype=np.int32), np.zeros(len(ids), np.int32), rows)
         for row, entry in zip(logits, case["top5_per_position"]):
@@ -212,3 +213,21 @@ def test_greedy_with_speculative_decoding_is_plain_greedy(family):
         crowd = [r.result().token_ids for r in crowd]
         drafted = engine.snapshot.n_drafted
     assert crowd == alone and drafted > 0
+
+
+def test_phi3_longrope_past_its_original_context(request):
+    """phi3's long RoPE factors: a slot context past the model's original one (8192 > 4096) switches from the
+    short factors to the long ones (llama.cpp's get_rope_factors), against llama-server at -c 8192: the same
+    teacher-forced and greedy bars."""
+    n_ctx = 8192
+    ref = load_reference(GOLDEN_DATA / f"phi3_synth_ctx{n_ctx}_llamacpp_greedy.json")
+    model = fastserve.load_model(_regenerated("phi3", ref, request))
+    prompts = [c["prompt_token_ids"] for c in ref["completions"]]
+    agreement, median = teacher_forced_scores(model, ref, prompts, n_ctx_slot=n_ctx)
+    print(f"phi3 at a slot context of {n_ctx}: top-1 agreement {agreement:.4f}, median top-5 |dp| {median:.4f}")
+    assert agreement >= 0.98 and median <= 0.03
+    with fastserve.Engine(model, n_parallel=1, n_ctx=n_ctx) as engine:
+        ours = [engine.generate(p, max_tokens=16, temperature=0, cache_prompt=False).token_ids for p in prompts]
+    flips = {c["name"]: f for c, got in zip(ref["completions"], ours) if (f := _first_divergence(c, got)) is not None}
+    near_tie = greedy_near_tie(ref)
+    assert not {k: f for k, f in flips.items() if f[1] is None or f[1] > near_tie}, flips
