@@ -87,3 +87,21 @@ def test_pooling_follows_the_hidden_states(default_model, engine, recorded):
     assert _cosine(mean, rows.astype(np.float64).mean(axis=0)) > 0.999999
     assert engine.embed([text], pooling="cls").result(60)[0].tobytes() == normalize(rows[0], 2).tobytes()
     assert engine.embed([text], pooling="last").result(60)[0].tobytes() == normalize(rows[-1], 2).tobytes()
+
+
+def test_a_sliding_window_model_chunked_is_one_pass():
+    """Gemma 3 270M (local layers of a 512-token window, kept in a ring): an input of 752 tokens embedded in chunks of
+    64 beside other inputs, in a slot another input used first, gives every token's state bit for bit as one pass
+    of the whole sequence."""
+    from fastserve.backends.cpu.backend import CpuBackend
+    from fastserve.models.catalog import model_path
+    model = fastserve.load_model(model_path("gemma3-270m"))
+    text = "In the beginning there was a long story about many different things and people. " * 50
+    ids = model.tokenizer.encode(text, add_special=True)[:752]
+    assert model.config.sliding_window < len(ids)
+    with fastserve.Engine(model, n_parallel=2, n_ctx=4096, threads=2, n_batch=64) as eng:
+        rows = eng.embed([[5, 6, 7] * 100, ids], pooling="none").result(300)[1]
+    n = len(ids)
+    be = CpuBackend(model.config, model.weights, 1, n + 1, threads=2, max_tokens=n)
+    positions = np.arange(n)
+    assert rows.tobytes() == be.hidden(ids, positions, np.zeros(n), positions).tobytes()
