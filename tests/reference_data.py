@@ -5,6 +5,8 @@
                                            shared/reference/, whose README says how they were recorded)
     ../shared/reference/models/<file>      synthetic reference models: NOT in the repository (model files are
                                            never committed); a test that needs one skips, saying so
+    tests/golden/synthetic_families.py     the synthetic models of the other recorded families: written at test
+                                           time from the default model's vocabulary (skipped without it)
 """
 from __future__ import annotations
 
@@ -30,3 +32,16 @@ def shared_model(filename: str) -> str:
         pytest.skip(f"{filename} is only in ../shared/reference/models (not committed: model files never are), "
                     f"and {path} is absent")
     return str(path)
+
+
+def default_model_or_skip(needed_for: str) -> str:
+    """The default model's path (pulled on first use); skips, saying why, when it cannot be obtained."""
+    import pytest
+
+    import fastserve
+    from fastserve.errors import PullError
+
+    try:
+        return fastserve.default_model_path()
+    except PullError as exc:
+        pytest.skip(f"{needed_for} needs the default model (its vocabulary), which could not be obtained: {exc}")

@@ -3,6 +3,8 @@
     gemma3-tiny   the synthetic Gemma 3 of tests/golden/test_swa_ring.py (window 8), written here: needs nothing
     qwen2, qwen3, llama3
                   ../shared/reference/models/<family>-synth.gguf (skipped without ../shared)
+    granite, smollm3, phi3
+                  tests/golden/synthetic_families.py's models, written here (the default model's vocabulary)
     gemma3-270m   Gemma 3 270M Q4_K_M (`fastserve pull gemma3-270m`; marked `model`; window 512)
 
 Both Gemmas are served with -b 32, so that their local layers keep a ring smaller than a slot's context.
@@ -20,7 +22,8 @@ from typing import NamedTuple
 import httpx
 import pytest
 
-from tests.reference_data import shared_model
+from tests.golden import synthetic_families
+from tests.reference_data import default_model_or_skip, shared_model
 
 from .conftest import ServerProc
 
@@ -31,7 +34,8 @@ SHORT = "The quick brown fox"
 LONG = ("Once upon a time, in a small village by the sea, there lived an old fisherman who every morning "
         "walked to the harbour, checked his nets, mended the torn ones, and told the children stories "
         "about the storms he had seen and the fish that got away.")
-# The synthetic files and Gemma 3 270M's GGUF carry no chat template: chat goes through ChatML
+# The shared synthetic files and Gemma 3 270M's GGUF carry no chat template: chat goes through ChatML (the
+# regenerated ones carry ChatML's own)
 NO_TEMPLATE = ("--chat-template", "chatml")
 
 
@@ -45,9 +49,10 @@ class Family(NamedTuple):
 # -b 32: rings of window + 31 positions in whole K tiles, below the slot's context
 FAMILY = {"gemma3-tiny": Family(("-c", "1024", "-b", "32"), 8, 64),
           "qwen2": Family(("-c", "1024", *NO_TEMPLATE)), "qwen3": Family(("-c", "1024", *NO_TEMPLATE)),
-          "llama3": Family(("-c", "1024", *NO_TEMPLATE)),
+          "llama3": Family(("-c", "1024", *NO_TEMPLATE)), "granite": Family(("-c", "1024",)),
+          "smollm3": Family(("-c", "1024",)), "phi3": Family(("-c", "1024",)),
           "gemma3-270m": Family(("-c", "2048", "-b", "32", *NO_TEMPLATE), 512, 576, 14)}
-FAMILIES = ["gemma3-tiny", "qwen2", "qwen3", "llama3", pytest.param("gemma3-270m", marks=pytest.mark.model)]
+FAMILIES = ["gemma3-tiny", "qwen2", "qwen3", "llama3", "granite", "smollm3", "phi3", pytest.param("gemma3-270m", marks=pytest.mark.model)]
 
 
 def _story(name: str, title: str) -> str:
@@ -63,6 +68,8 @@ def _model_path(name: str, tmp_path_factory) -> str:
     if name == "gemma3-270m":
         from fastserve.models.catalog import model_path
         return model_path("gemma3-270m")
+    if name in synthetic_families.SPECS:
+        return synthetic_families.write(name, tmp_path_factory.mktemp(name), default_model_or_skip(name))
     return shared_model(f"{name}-synth.gguf")
 
 

@@ -21,7 +21,7 @@ import pytest
 import fastserve
 from fastserve.backends.cpu.backend import CpuBackend
 from tests.golden import synthetic_families
-from tests.reference_data import GOLDEN_DATA, SHARED_REFERENCE, load_reference, shared_model
+from tests.reference_data import GOLDEN_DATA, SHARED_REFERENCE, default_model_or_skip, load_reference, shared_model
 
 NEAR_TIE = 0.02
 # issue 30: the free-greedy bar of a family where llama.cpp's own -fa off / -t 1 runs flip its greedy text at gaps
@@ -57,7 +57,7 @@ def _reference(family: str) -> dict:
 
 def _regenerated(name: str, ref: dict, request) -> str:
     """The family's synthetic model written afresh; the file llama.cpp's outputs were recorded on, or a failure."""
-    vocab_model = request.getfixturevalue("default_model_file")
+    vocab_model = default_model_or_skip(f"{name}'s synthetic model")
     path = synthetic_families.write(name, request.getfixturevalue("tmp_path_factory").mktemp(name), vocab_model)
     got, want = synthetic_families.sha256(path), ref["metadata"]["model_sha256"]
     assert got == want, (f"{name}: the regenerated model (sha256 {got}) is not the one llama.cpp's outputs were "
