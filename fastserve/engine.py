@@ -478,16 +478,21 @@ class Engine:
             self._measure_step()
         embedded = self._embedder is not None and self._embedder.busy and self._embed() > 0
         self._publish()                     # the one wake-up of the readers, then the snapshot
-        if plan is not None and self._tracer is not None:
+        if (plan is not None or embedded) and self._tracer is not None:
             self._tracer.end_step()         # the publish phase ends: the step is counted
         return plan is not None or embedded
 
     def _embed(self) -> int:
         """The embedding jobs' pass of this step: at most the prompt budget a step of this size leaves
         (the whole batch when nothing else runs), never fewer than a prompt chunk."""
-        batch = self._batch
+        batch, tracer = self._batch, self._tracer
         budget = prefill_budget(batch.free, batch.n, self._prefill_chunk, self._s_per_token, self._step_target_s)
-        return self._embedder.run(max(budget, self._prefill_chunk))
+        if tracer is not None:
+            tracer.lap("publish")           # the step's commit and delivery, before the pass
+        n = self._embedder.run(max(budget, self._prefill_chunk))
+        if tracer is not None:
+            tracer.lap("forward")           # the embedding pass is a forward pass of the step
+        return n
 
     def _backend_step(self):
         """The backend's step over the batch; None when it failed (only the batch's requests fail then)."""

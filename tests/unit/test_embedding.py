@@ -73,3 +73,15 @@ def test_close_answers_every_job(tiny_model):
         assert job.future.done()
     with pytest.raises(EngineClosed):
         eng.embed(["late"])
+
+
+def test_the_tracer_counts_an_embedding_pass_as_forward(tiny_model):
+    """A step that only embeds is a step, its pass the forward phase (not the next step's admit)."""
+    with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=64, threads=1, trace=True) as eng:
+        eng.embed(["warm"]).result(30)
+        before = eng.trace_totals()
+        eng.embed([[5] * 30] * 12).result(30)
+        s = eng.trace_summary(since=before)
+    assert s["steps"] >= 3                              # 12 inputs, 4 side by side
+    ms = s["ms_per_step"]
+    assert ms["forward"] > ms["admit"] and ms["forward"] > ms["publish"], ms
