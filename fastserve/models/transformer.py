@@ -117,7 +117,8 @@ class ModelConfig:
             embd_scale = number("embedding_scale", 0.0) or 1.0
             attn_scale = number("attention.scale", 0.0) or attn_scale
             residual_scale = number("residual_scale", 0.0) or 1.0
-            logit_scale = float(np.float32(1.0) / np.float32(number("logit_scale", None)))
+            divisor = value("logit_scale", None, (int, float, np.number), lambda v: bool(np.isfinite(v)) and v != 0)
+            logit_scale = float(np.float32(1.0) / np.float32(divisor))
             rope_on = bool(md.get(f"{name}.rope.scaling.finetuned", True))
         n_ctx_train = count("context_length", 2048)
         return cls(
@@ -273,7 +274,7 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig) -> ModelWeights:
     per_layer = {"attn_norm.weight": (d,), "ffn_norm.weight": (d,), "attn_q.weight": (q_dim, d),
                  "attn_k.weight": (kv_dim, d), "attn_v.weight": (kv_dim, d), "attn_output.weight": (d, q_dim),
                  "attn_qkv.weight": (q_dim + 2 * kv_dim, d), "ffn_gate.weight": (cfg.n_ff, d),
-                 "ffn_up.weight": (2 * cfg.n_ff if arch.fused_gate_up else cfg.n_ff, d), "ffn_down.weight": (d, cfg.n_ff),
+                 "ffn_up.weight": ((2 if arch.fused_gate_up else 1) * cfg.n_ff, d), "ffn_down.weight": (d, cfg.n_ff),
                  "attn_q.bias": (q_dim,), "attn_k.bias": (kv_dim,), "attn_v.bias": (kv_dim,),
                  "attn_q_norm.weight": (D,), "attn_k_norm.weight": (D,),
                  "post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,)}

@@ -55,8 +55,9 @@ def test_granite_reads_its_multipliers(models):
     assert c.logit_scale == np.float32(1 / 8.0) and all(c.rope_layers)
 
 
-def test_granite_without_its_logit_scale_is_refused_and_its_rope_switch_is_read(tmp_path):
-    """llama.cpp requires granite.logit_scale; rope.scaling.finetuned false turns RoPE off on every layer."""
+def test_granite_refuses_a_missing_or_zero_logit_scale_and_reads_its_rope_switch(tmp_path):
+    """llama.cpp requires granite.logit_scale (a divisor: 0 is corrupt); rope.scaling.finetuned false turns
+    RoPE off on every layer."""
     path = write_llama_gguf(tmp_path / "g.gguf", architecture="granite")
     data = open(path, "rb").read()
     open(path, "wb").write(data.replace(b"granite.logit_scale", b"granite.logit_scalX"))
@@ -66,6 +67,9 @@ def test_granite_without_its_logit_scale_is_refused_and_its_rope_switch_is_read(
     assert ModelConfig.from_metadata(md, 512).rope_layers == (True, True)
     md["granite.rope.scaling.finetuned"] = False
     assert ModelConfig.from_metadata(md, 512).rope_layers == (False, False)
+    md["granite.logit_scale"] = 0.0
+    with pytest.raises(ModelLoadError, match="'granite.logit_scale' is 0.0, not a usable value"):
+        ModelConfig.from_metadata(md, 512)
 
 
 def test_smollm3_skips_rope_on_every_fourth_layer(models):
