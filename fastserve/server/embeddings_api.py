@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+from functools import partial
 
 from ..errors import EngineClosed
 from .errors import HttpError
@@ -46,11 +47,14 @@ def _is_id(t) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
 
 
-async def vectors(engine, texts: list, pooling: str, normalize: int) -> tuple[list, int]:
-    """(per input, its vector(s): float32 arrays; the tokens computed) of Engine.embed's job. A client that
-    goes away cancels the job (its remaining inputs are skipped)."""
+async def vectors(engine, parser, texts: list, pooling: str, normalize: int, truncate: bool = False) -> tuple[list, int]:
+    """(per input, its vector(s): float32 arrays; the tokens computed) of Engine.embed's job. The texts are
+    tokenized in a worker thread, not on the loop (a 2 MiB body is seconds of tokenizing); truncate: a text
+    keeps its first tokens that fit a slot, else one too long is refused (before it is tokenized whole). A
+    client that goes away cancels the job (its remaining inputs are skipped)."""
+    ids = await asyncio.get_running_loop().run_in_executor(None, partial(_token_ids, engine, parser, texts, truncate))
     try:
-        job = engine.embed(texts, pooling=pooling, normalize=normalize)
+        job = engine.embed(ids, pooling=pooling, normalize=normalize)
     except EngineClosed:
         raise HttpError(503, "the server is shutting down") from None
     try:
@@ -60,6 +64,21 @@ async def vectors(engine, texts: list, pooling: str, normalize: int) -> tuple[li
         raise
     except EngineClosed:
         raise HttpError(503, "the server is shutting down") from None
+
+
+def _token_ids(engine, parser, texts: list, truncate: bool) -> list:
+    """Each input as token ids, a text tokenized with the model's special tokens as Engine.embed would (in a worker
+    thread): cut to a slot (truncate), or first checked for a length no slot can hold (400)."""
+    out = []
+    for t in texts:
+        if isinstance(t, str):
+            if truncate:
+                t = engine.tokenizer.encode(t[:parser.max_chars], add_special=True)[:parser.n_ctx]
+            else:
+                parser.check_length(t)
+                t = engine.tokenizer.encode(t, add_special=True)
+        out.append(t)
+    return out
 
 
 def _read(req, config, info, oai: bool):
@@ -90,10 +109,10 @@ def _read(req, config, info, oai: bool):
     return texts, normalize, fmt == "base64"
 
 
-async def create(req, ex, *, engine, config, info, alias):
+async def create(req, ex, *, engine, config, info, alias, parser):
     """POST /v1/embeddings."""
     texts, normalize, b64 = _read(req, config, info, oai=True)
-    vecs, n_tokens = await vectors(engine, texts, config.pooling, normalize)
+    vecs, n_tokens = await vectors(engine, parser, texts, config.pooling, normalize)
 
     def item(i, v):
         if b64:
@@ -103,10 +122,10 @@ async def create(req, ex, *, engine, config, info, alias):
                           "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}})
 
 
-async def embedding(req, ex, *, engine, config, info):
+async def embedding(req, ex, *, engine, config, info, parser):
     """POST /embedding, /embeddings: llama-server's own shape (a list of vectors per input)."""
     texts, normalize, b64 = _read(req, config, info, oai=False)
     if b64:
         raise HttpError(400, "'encoding_format' base64 is OpenAI's (/v1/embeddings); /embedding answers floats")
-    vecs, _ = await vectors(engine, texts, config.pooling, normalize)
+    vecs, _ = await vectors(engine, parser, texts, config.pooling, normalize)
     return json_response([{"index": i, "embedding": v if v.ndim == 2 else [v]} for i, v in enumerate(vecs)])

@@ -370,7 +370,7 @@ async def generate(req, ex, *, parser, compile, start, alias, tokenizer):
 
 # -- embeddings ----------------------------------------------------------------------------------------
 
-async def embed(req, ex, *, engine, config, info, alias):
+async def embed(req, ex, *, engine, config, info, alias, parser):
     """Ollama's /api/embed: Euclidean-normalised vectors of the server's --pooling (none: refused); truncate
     (default true) keeps an input's first tokens that fit a slot, false refuses a longer input."""
     t0 = time.monotonic()
@@ -389,15 +389,12 @@ async def embed(req, ex, *, engine, config, info, alias):
     if not texts:
         return json_response({"model": model, "embeddings": [], "total_duration": 0, "load_duration": 0,
                               "prompt_eval_count": 0})
-    if body.bool("truncate", True):
-        texts = [engine.tokenizer.encode(t, add_special=True)[:info.n_ctx_slot] if isinstance(t, str) else t
-                 for t in texts]
-    vecs, n_tokens = await vectors(engine, texts, config.pooling, 2)
+    vecs, n_tokens = await vectors(engine, parser, texts, config.pooling, 2, truncate=body.bool("truncate", True))
     return json_response({"model": model, "embeddings": vecs, "total_duration": int((time.monotonic() - t0) * 1e9),
                           "load_duration": 0, "prompt_eval_count": n_tokens})
 
 
-async def embeddings(req, ex, *, engine, config, info, alias):
+async def embeddings(req, ex, *, engine, config, info, alias, parser):
     """Ollama's older /api/embeddings: one prompt, its vector not normalised (as Ollama's)."""
     body = parse_object(req.body)
     _known(body, {"model", "prompt", "options", "keep_alive"}, "/api/embeddings")
@@ -410,7 +407,7 @@ async def embeddings(req, ex, *, engine, config, info, alias):
     if config.pooling == "none":
         raise HttpError(400, "the server's --pooling none gives every token's vector: /api/embeddings needs mean, "
                              "cls or last")
-    vecs, _ = await vectors(engine, [prompt], config.pooling, -1)
+    vecs, _ = await vectors(engine, parser, [prompt], config.pooling, -1)
     return json_response({"embedding": vecs[0]})
 
 

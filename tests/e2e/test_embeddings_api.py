@@ -99,6 +99,7 @@ def test_llama_server_shape_and_embd_normalize(http):
     ({"input": "a", "embd_normalize": -2}, "'embd_normalize' must be in"),
     ({"input": [999999]}, "token ids must be in"),
     ({"input": "word " * 400}, "exceeds the available context size (256 tokens)"),
+    ({"input": ["ok", "x" * 70000]}, "request (about "),                  # refused before it is tokenized whole
 ])
 def test_bad_input_is_a_400_in_openais_shape(http, body, says):
     r = http.post("/v1/embeddings", json=body)

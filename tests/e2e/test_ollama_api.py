@@ -190,6 +190,8 @@ def test_embed_truncates_unless_told_not_to(client, http, model):
     long = "word " * 400
     cut = client.embed(model=model, input=long).embeddings[0]
     assert abs(np.linalg.norm(cut) - 1) < 1e-5
+    huge = client.embed(model=model, input=long * 40)          # cut before it is tokenized whole: the same start
+    assert huge.embeddings[0] == cut and huge.prompt_eval_count == 256
     r = http.post("/api/embed", json={"model": model, "input": long, "truncate": False})
     assert r.status_code == 400 and "exceeds the available context size (256 tokens)" in r.json()["error"]
 
