@@ -705,7 +705,12 @@ class Engine:
 
     def _on_embed(self, msg: Embed) -> None:
         if self._embedder is None:
-            self._embedder = self._make_embedder()
+            try:
+                self._embedder = self._make_embedder()
+            except Exception as exc:       # contained: this job fails (the next one tries again), the engine goes on
+                log.exception("the embedding pass could not be made")
+                msg.job._done(error=RequestError(f"embeddings are not available: {type(exc).__name__}: {exc}"))
+                return
         self._embedder.add(msg.job)
 
     def _make_embedder(self) -> Embedder:

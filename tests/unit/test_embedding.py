@@ -85,3 +85,13 @@ def test_the_tracer_counts_an_embedding_pass_as_forward(tiny_model):
     assert s["steps"] >= 3                              # 12 inputs, 4 side by side
     ms = s["ms_per_step"]
     assert ms["forward"] > ms["admit"] and ms["forward"] > ms["publish"], ms
+
+
+def test_an_embedder_that_cannot_be_made_fails_the_job_not_the_engine(tiny_model, monkeypatch):
+    with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=64, threads=1) as eng:
+        monkeypatch.setattr(type(eng), "_make_embedder", lambda self: (_ for _ in ()).throw(MemoryError("no room")))
+        with pytest.raises(RequestError, match="embeddings are not available: MemoryError: no room"):
+            eng.embed(["a"]).result(30)
+        assert len(eng.generate("hi", max_tokens=2, temperature=0).token_ids) == 2     # the decode thread lives
+        monkeypatch.undo()
+        assert eng.embed(["a"]).result(30)[0].shape == (eng.describe().n_embd,)
