@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 import numpy as np
 
@@ -75,13 +75,15 @@ class EmbedJob:
         self.cancelled = True
 
     def _done(self, vectors=None, error: BaseException | None = None) -> None:
-        """Decode thread: the answer, once (a future cancelled by its waiter takes none)."""
-        if self.future.done():
-            return
-        if error is not None:
-            self.future.set_exception(error)
-        else:
-            self.future.set_result(vectors)
+        """Decode thread: the answer, once. A future its waiter cancelled (asyncio.wrap_future does, when the
+        request goes away), even a moment ago, takes none."""
+        try:
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(vectors)
+        except InvalidStateError:
+            pass
 
 
 class _Sequence:

@@ -95,3 +95,15 @@ def test_an_embedder_that_cannot_be_made_fails_the_job_not_the_engine(tiny_model
         assert len(eng.generate("hi", max_tokens=2, temperature=0).token_ids) == 2     # the decode thread lives
         monkeypatch.undo()
         assert eng.embed(["a"]).result(30)[0].shape == (eng.describe().n_embd,)
+
+
+def test_a_future_cancelled_by_its_waiter_takes_no_answer_and_harms_nothing(engine):
+    job = engine.embed([[5] * 30] * 8)
+    assert job.future.cancel()                          # what asyncio.wrap_future does when the request goes away
+    job.cancel()
+    assert engine.embed(["after"]).result(30)[0].shape == (engine.describe().n_embd,)
+    from fastserve.embedding import EmbedJob
+    late = EmbedJob([np.array([1], np.int32)], "mean", 2)
+    late.future.cancel()
+    late._done([np.zeros(2)])                           # the decode thread answering a moment too late
+    late._done(error=RequestError("x"))
