@@ -81,10 +81,11 @@ def serve_cluster(args, argv: list) -> int:
                   f"Serve, PrefixCacheAffinityRouter)", file=sys.stderr, flush=True)
         stop.wait()         # board is held until here: Ray ends an actor whose handles are all gone
         print("fastserve: shutting down the cluster", file=sys.stderr, flush=True)
-        serve.delete(APP_NAME)
-        if not args.ray_address:
-            serve.shutdown()
+        if args.ray_address:
+            serve.delete(APP_NAME)      # ours only: the cluster is someone else's
     finally:
+        # a local Ray goes whole, the replicas and their servers with it (Serve's own stop would wait on its
+        # controller, which Ctrl-C's SIGINT to the terminal's process group has stopped already)
         ray.shutdown()
     return 0
 

@@ -27,6 +27,8 @@ START_TIMEOUT_S = 120.0     # the child loads the model (a few seconds for the d
 REPORT_S = 1.0              # how often a replica tells the board its health and metrics
 HEALTH_TIMEOUT_S = 5.0
 PR_SET_PDEATHSIG = 1
+# the report loop's own requests in the child's request log (clients' /health and /metrics are the ingress's)
+REPORT_LINE = re.compile(r'"GET /(health|metrics)" 200 ')
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade"})
 
 
@@ -74,7 +76,8 @@ class ServerProcess:
             return
         for raw in self.proc.stderr:
             line = raw.decode(errors="replace")
-            sys.stderr.write(line)
+            if not REPORT_LINE.search(line):        # two a second: noise in Ray's replica log
+                sys.stderr.write(line)
             if self.url is None:
                 self._lines.append(line)
                 m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install 'fastserve[ray]')")
@@ -43,7 +44,7 @@ def free_port() -> int:
 
 
 def test_fastserve_serve_replicas_starts_serves_and_stops(default_model_file, tmp_path):
-    """The command line: its own local Ray, one replica, the API on --port, SIGTERM ends it all with 0. First in
+    """The command line: its own local Ray, one replica, the API on --port; Ctrl-C ends it all with 0. First in
     the file: the module's own Ray (the fixture below) starts after it."""
     port = free_port()
     log = tmp_path / "cluster.log"
@@ -51,7 +52,7 @@ def test_fastserve_serve_replicas_starts_serves_and_stops(default_model_file, tm
     with open(log, "wb") as f:
         proc = subprocess.Popen([sys.executable, "-m", "fastserve", "serve", "-m", default_model_file, "--replicas", "1",
                                  "-np", "2", "-c", "1024", "-t", "1", "--port", str(port), "--metrics"],
-                                stdout=subprocess.DEVNULL, stderr=f, env=env, cwd=REPO_ROOT)
+                                stdout=subprocess.DEVNULL, stderr=f, env=env, cwd=REPO_ROOT, start_new_session=True)
     try:
         deadline = time.monotonic() + 120
         while "fastserve: cluster listening on" not in log.read_text(errors="replace"):
@@ -62,8 +63,11 @@ def test_fastserve_serve_replicas_starts_serves_and_stops(default_model_file, tm
         r = httpx.post(url + "/completion", json={"prompt": "The capital of France is", "n_predict": 4}, timeout=60)
         assert r.status_code == 200 and r.json()["tokens_predicted"] == 4
         assert len(per_replica(url, "vllm:num_requests_waiting")) == 1
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, log.read_text(errors="replace")[-3000:]
+        family = psutil.Process(proc.pid).children(recursive=True)     # Ray's processes, the replica, its server
+        assert any("fastserve" in " ".join(p.cmdline()) and "serve" in p.cmdline() for p in family)
+        os.killpg(proc.pid, signal.SIGINT)      # Ctrl-C: the whole process group, Ray's own processes too
+        assert proc.wait(30) == 0, log.read_text(errors="replace")[-3000:]
+        assert wait_gone(family, 10) == []
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -90,6 +94,16 @@ def cluster(default_model_file, tmp_path_factory):
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def wait_gone(procs: list, timeout: float) -> list:
+    """The processes of procs still running after timeout (zombies count as gone)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
 
 
 def reports(board) -> dict:
