@@ -267,24 +267,51 @@ typedef struct {
     /* set by fs_attn_plan: */
     int split;                    /* 1: an item is one segment of a (token tile, KV head), see fs_attn_plan */
     int64_t n_seg;                /* most segments a token tile's rows see (a window's: from its first) */
-    int64_t heads_per_item;       /* KV heads of an item: all (tiles of few tokens) or 1 */
+    int64_t heads_per_item;       /* KV heads of an item: all (tiles of few tokens), a run of them, or 1 */
     float *partial;               /* split: [n][H][n_seg][2 + Dp] a segment's m, l, acc, the row's first
                                      segment (fs_attn_lo(pos) / SEG) at 0; else unused */
     int64_t ring;                 /* 0: position p at row p; else at row p mod ring (see Rings above) */
 } fs_attn_job;
+
+/* The key tile an item takes next, read ahead while this tile's products run: qk's pass b over the
+ * dimensions d prefetches share b of the next K tile's row d, pv's group g over the keys j share g of
+ * the next tile's V row j, a line or two a step, so that the memory reads overlap the arithmetic. Without it each tile's first pass stalls on memory: V's rows lie Hkv row bytes apart, a
+ * stride the hardware prefetchers do not follow across pages (3B shape, 448 keys, 1 thread: 11.3 ms
+ * of a decode step's attention where it reads ahead, 7.8). Values are unaffected. */
+typedef struct {
+    const uint8_t *k;             /* the next K tile, k_row bytes per dimension d */
+    int64_t k_row;
+    const uint8_t *v;             /* the next tile's V rows: v_rows of v_run bytes, v_stride apart */
+    int64_t v_stride, v_run, v_rows;
+} fs_attn_next;
+
+/* Share `part` of `parts` of a run of n bytes: its bytes [*lo, *hi), whole cache lines. */
+static inline void fs_attn_share(int64_t n, int64_t part, int64_t parts, int64_t *lo, int64_t *hi)
+{
+    int64_t per = ((n + 63) / 64 + parts - 1) / parts * 64;
+    *lo = part * per;
+    *hi = *lo + per < n ? *lo + per : n;
+}
+
+static inline void fs_attn_prefetch(const uint8_t *p, int64_t lo, int64_t hi)
+{
+    for (int64_t b = lo; b < hi; b += 64)
+        __builtin_prefetch(p + b, 0, 3);
+}
 
 /* The kernel pieces an ISA provides (see _attention_simd.h): blocks of nr <= rb rows. */
 typedef struct fs_attn_isa {
     int rb;                                                                       /* most rows per block */
     const float *(*k_tile)(int type, const uint8_t *src, int64_t D, float *kt);   /* -> [D][KT] f32 */
     void (*v_tile)(int type, const uint8_t *src, int64_t stride, int64_t D, int64_t Dp, int64_t nk, float *vt);
-    void (*qk)(const float *const *q, const float *kt, int64_t D, float *const *s, int nr);
-    void (*qk_f16)(const float *const *q, const uint16_t *kt, int64_t D, float *const *s, int nr);   /* fp16 tile */
+    void (*qk)(const float *const *q, const float *kt, int64_t D, float *const *s, int nr, const fs_attn_next *nx);
+    void (*qk_f16)(const float *const *q, const uint16_t *kt, int64_t D, float *const *s, int nr,
+                   const fs_attn_next *nx);                                                    /* fp16 tile */
     void (*probs)(float *s, int64_t n, float *m, float *l, float *acc, int64_t Dp);
     void (*pv)(float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1,
-               const float *vt, int64_t Dp, int nr);
+               const float *vt, int64_t Dp, int nr, const fs_attn_next *nx);
     void (*pv_f16)(float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1,
-                   const uint16_t *v, int64_t ldv, int64_t D, int nr);                         /* fp16 rows */
+                   const uint16_t *v, int64_t ldv, int64_t D, int nr, const fs_attn_next *nx); /* fp16 rows */
     void (*finish)(const float *acc, float l, int64_t D, float *out);
 } fs_attn_isa;
 
@@ -330,20 +357,32 @@ static inline void fs_attn_merge_state(float *rm, float *rl, float *racc, float 
  * float32 tile vt; nothing when j1 <= j0. */
 static inline void fs_attn_pv(const fs_attn_isa *isa, float *const *a, const float *const *p, float *const *l,
                               int64_t j0, int64_t j1, const uint8_t *vdirect, int64_t ldv, const float *vt, int64_t Dp,
-                              int nr)
+                              int nr, const fs_attn_next *nx)
 {
     if (j1 <= j0)
         return;
     if (vdirect)
-        isa->pv_f16(a, p, l, j0, j1, (const uint16_t *)vdirect, ldv, Dp, nr);
+        isa->pv_f16(a, p, l, j0, j1, (const uint16_t *)vdirect, ldv, Dp, nr, nx);
     else
-        isa->pv(a, p, l, j0, j1, vt, Dp, nr);
+        isa->pv(a, p, l, j0, j1, vt, Dp, nr, nx);
+}
+
+/* Where key tile kt of KV head kvh lies in a slot's K and V caches. */
+static inline void fs_attn_tile_src(const fs_attn_job *jb, int64_t slot, int64_t kt, int64_t kvh, const uint8_t **ksrc,
+                                    const uint8_t **vsrc)
+{
+    int64_t krow = fs_k_tile_bytes(jb->type_k, jb->D), vrow = fs_kv_row_bytes(jb->type_v, jb->D);
+    int64_t kslot = jb->ring ? kt % jb->n_ktiles : kt, vrow0 = jb->ring ? kt * FS_KT % jb->ring : kt * FS_KT;
+    *ksrc = jb->k + ((slot * jb->n_ktiles + kslot) * jb->Hkv + kvh) * krow;
+    *vsrc = jb->v + ((slot * jb->n_ctx + vrow0) * jb->Hkv + kvh) * vrow;
 }
 
 /* The rows of one key tile: those of the token tile [b0, b0 + nt) that see one of its keys, in blocks of
- * at most rb rows, from the scores to acc and l. s, m, l, acc: the segment's state per row. */
+ * at most rb rows, from the scores to acc and l. s, m, l, acc: the segment's state per row. The tile the
+ * caller takes next (next_kt, next_kvh; next_kt < 0: none) is read ahead during the products. */
 static void fs_attn_key_tile(const fs_attn_job *jb, int64_t b0, int64_t nt, int64_t kvh, int64_t kt, int64_t maxpos,
-                             const float *qs, float *s, float *m, float *l, float *acc, float *ktbuf, float *vt)
+                             const float *qs, float *s, float *m, float *l, float *acc, float *ktbuf, float *vt,
+                             int64_t next_kt, int64_t next_kvh)
 {
     const fs_attn_isa *isa = jb->isa;
     int64_t D = jb->D, Dp = jb->Dp, G = jb->G, Hkv = jb->Hkv, k0 = kt * FS_KT;
@@ -375,9 +414,13 @@ static void fs_attn_key_tile(const fs_attn_job *jb, int64_t b0, int64_t nt, int6
     int64_t slot = jb->slots[b0];
     /* One block of rows (a decode step's G heads): the products read the fp16 cache as they go;
      * more rows share one conversion of the tile to float32. The values are the same. */
-    int64_t kslot = jb->ring ? kt % jb->n_ktiles : kt, vrow0 = jb->ring ? k0 % jb->ring : k0;
-    const uint8_t *ksrc = jb->k + ((slot * jb->n_ktiles + kslot) * Hkv + kvh) * krow;
-    const uint8_t *vsrc = jb->v + ((slot * jb->n_ctx + vrow0) * Hkv + kvh) * vrow;
+    const uint8_t *ksrc, *vsrc;
+    fs_attn_tile_src(jb, slot, kt, kvh, &ksrc, &vsrc);
+    fs_attn_next next = {NULL, krow / D, NULL, Hkv * vrow, vrow, 0}, *nx = next_kt >= 0 ? &next : NULL;
+    if (nx) {
+        fs_attn_tile_src(jb, slot, next_kt, next_kvh, &next.k, &next.v);
+        next.v_rows = maxpos - next_kt * FS_KT + 1 < FS_KT ? maxpos - next_kt * FS_KT + 1 : FS_KT;
+    }
     int k_direct = jb->type_k == FS_KV_F16 && na <= rb;
     int v_direct = jb->type_v == FS_KV_F16 && na <= rb && D == Dp;
     const float *ktile = k_direct ? NULL : isa->k_tile(jb->type_k, ksrc, D, ktbuf);
@@ -386,9 +429,9 @@ static void fs_attn_key_tile(const fs_attn_job *jb, int64_t b0, int64_t nt, int6
     for (int64_t i = 0; i < na; i += rb) {
         int nr = (int)(na - i < rb ? na - i : rb);
         if (k_direct)
-            isa->qk_f16(qp + i, (const uint16_t *)ksrc, D, sp + i, nr);
+            isa->qk_f16(qp + i, (const uint16_t *)ksrc, D, sp + i, nr, i == 0 ? nx : NULL);
         else
-            isa->qk(qp + i, ktile, D, sp + i, nr);
+            isa->qk(qp + i, ktile, D, sp + i, nr, i == 0 ? nx : NULL);
     }
     for (int64_t i = 0; i < na; i++) {
         for (int64_t j = 0; j < lo_row[i]; j++)     /* keys before the window: out of the max, p = 0 */
@@ -407,15 +450,15 @@ static void fs_attn_key_tile(const fs_attn_job *jb, int64_t b0, int64_t nt, int6
         if (lmax >= nmin) {                         /* no key common to the block: row by row */
             for (int k = 0; k < nr; k++)
                 fs_attn_pv(isa, ap + i + k, pp + i + k, lp + i + k, lo_row[i + k], nk_row[i + k], vd, Hkv * D, vt,
-                           Dp, 1);
+                           Dp, 1, i == 0 ? nx : NULL);
             continue;
         }
         /* keys in order: each row's own before the common ones, those of every row, each row's own after */
         for (int k = 0; k < nr; k++)
-            fs_attn_pv(isa, ap + i + k, pp + i + k, lp + i + k, lo_row[i + k], lmax, vd, Hkv * D, vt, Dp, 1);
-        fs_attn_pv(isa, ap + i, pp + i, lp + i, lmax, nmin, vd, Hkv * D, vt, Dp, nr);
+            fs_attn_pv(isa, ap + i + k, pp + i + k, lp + i + k, lo_row[i + k], lmax, vd, Hkv * D, vt, Dp, 1, i == 0 ? nx : NULL);
+        fs_attn_pv(isa, ap + i, pp + i, lp + i, lmax, nmin, vd, Hkv * D, vt, Dp, nr, i == 0 ? nx : NULL);
         for (int k = 0; k < nr; k++)
-            fs_attn_pv(isa, ap + i + k, pp + i + k, lp + i + k, nmin, nk_row[i + k], vd, Hkv * D, vt, Dp, 1);
+            fs_attn_pv(isa, ap + i + k, pp + i + k, lp + i + k, nmin, nk_row[i + k], vd, Hkv * D, vt, Dp, 1, i == 0 ? nx : NULL);
     }
 }
 
@@ -473,9 +516,11 @@ static void fs_attn_item(const fs_attn_job *jb, int64_t item, float *sc)
         k_last = k_last < maxpos ? k_last : maxpos;
         for (int64_t kt = k_first / FS_KT; kt * FS_KT <= k_last; kt++)
             for (int64_t hh = 0; hh < nh; hh++) {
-                int64_t r = hh * ng;
+                int64_t r = hh * ng, last = hh + 1 == nh, next_kt = last ? kt + 1 : kt;
+                if (next_kt * FS_KT > k_last)
+                    next_kt = -1;
                 fs_attn_key_tile(jb, b0, nt, h0 + hh, kt, maxpos, qs + r * D, s + r * FS_KT, m + r, l + r,
-                                 acc + r * Dp, ktbuf, vt);
+                                 acc + r * Dp, ktbuf, vt, next_kt, last ? h0 : h0 + hh + 1);
             }
         for (int64_t t = 0; t < nt; t++) {             /* the rows that see this segment */
             int64_t p = jb->pos[b0 + t], rs0 = fs_attn_lo(p, W) / FS_SEG;
@@ -525,8 +570,9 @@ static void fs_attn_task(void *ctx, int64_t begin, int64_t end)
  * those items are too few to keep n_scratch threads busy (a few long decode rows), one per (item,
  * key segment), split = 1, so that the threads share a row's keys: n_seg items per tile, counted from
  * the tile's first segment (a sliding window's, not position 0's: a local layer of window 512 at
- * position 32k has 1 or 2, not 64). Rows shorter than a segment have nothing to split, and their KV
- * heads go to separate items. Either way every row's numbers are the
+ * position 32k has 1 or 2, not 64). Rows shorter than a segment have nothing to split: their KV heads
+ * go to separate items in runs (Hkv / threads heads each where that divides, so that an item still
+ * reads ahead from one head's tiles into the next's). Either way every row's numbers are the
  * same: only who computes a segment changes. Sets split, n_seg and heads_per_item; returns the item
  * count. A split job needs partial (fs_attn_partial_floats) and, after its items ran, fs_attn_merge. */
 static int64_t fs_attn_plan(fs_attn_job *jb)
@@ -542,8 +588,10 @@ static int64_t fs_attn_plan(fs_attn_job *jb)
     }
     int threads = jb->n_scratch;
     jb->heads_per_item = longest * jb->H <= FS_ROWS ? jb->Hkv : 1;
-    if (jb->n_seg == 1 && jb->n_tiles_q < threads)
-        jb->heads_per_item = 1;
+    if (jb->n_seg == 1)             /* too few items otherwise: runs of KV heads, one per thread if they divide */
+        while (jb->heads_per_item > 1 && (jb->Hkv % jb->heads_per_item
+                                          || jb->n_tiles_q * (jb->Hkv / jb->heads_per_item) < threads))
+            jb->heads_per_item--;
     int64_t items = jb->n_tiles_q * (jb->Hkv / jb->heads_per_item);
     jb->split = threads > 1 && jb->n_seg > 1 && items < FS_SPLIT_BELOW * threads;
     return jb->split ? items * jb->n_seg : items;

@@ -191,14 +191,20 @@ FS_ATTR static void FS_S(fs_v_tile)(int type, const uint8_t *src, int64_t stride
 /* s[r][0..KT) = sum over d in order of q[r][d] * kt[d][j], for nr (<= RB) rows (vectorised over keys);
  * kt is float32, or (f16 = 1) the cache's own fp16 tile, converted as it is read (the same values). */
 FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_qk_any)(const float *const *q, const void *kt,
-                                                                         int f16, int64_t D, float *const *s, int nr)
+                                                                         int f16, int64_t D, float *const *s, int nr,
+                                                                         const fs_attn_next *nx)
 {
     for (int64_t j0 = 0; j0 < FS_KT; j0 += NV * VL) {
+        int64_t lo = 0, hi = 0;                        /* this pass's share of the next tile's rows */
+        if (nx)
+            fs_attn_share(nx->k_row, j0 / (NV * VL), FS_KT / (NV * VL), &lo, &hi);
         VF acc[RB][NV];
         for (int r = 0; r < nr; r++)
             for (int v = 0; v < NV; v++)
                 acc[r][v] = VSET1(0.0f);
         for (int64_t d = 0; d < D; d++) {
+            if (nx)
+                fs_attn_prefetch(nx->k + d * nx->k_row, lo, hi);
             VF kv[NV];
             for (int v = 0; v < NV; v++) {
                 int64_t i = d * FS_KT + j0 + v * VL;
@@ -216,20 +222,24 @@ FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_qk_any)(const 
     }
 }
 
-/* The row count as a constant in each case (the loops over rows unrolled, no padding row computed). */
+/* The row count as a constant in each case (the loops over rows unrolled, no padding row computed); the
+ * calls below also compile apart with and without a next tile to read ahead (nx NULL: no check left in
+ * the loops, which prefill's many-row blocks take). */
 #define FS_NR_CASES(nr, call) \
     switch (nr) { case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; default: call(RB); }
 
-FS_ATTR static void FS_S(fs_qk)(const float *const *q, const float *kt, int64_t D, float *const *s, int nr)
+FS_ATTR static void FS_S(fs_qk)(const float *const *q, const float *kt, int64_t D, float *const *s, int nr,
+                                const fs_attn_next *nx)
 {
-#define FS_CALL(k) FS_S(fs_qk_any)(q, kt, 0, D, s, k)
+#define FS_CALL(k) (nx ? FS_S(fs_qk_any)(q, kt, 0, D, s, k, nx) : FS_S(fs_qk_any)(q, kt, 0, D, s, k, NULL))
     FS_NR_CASES(nr, FS_CALL)
 #undef FS_CALL
 }
 
-FS_ATTR static void FS_S(fs_qk_f16)(const float *const *q, const uint16_t *kt, int64_t D, float *const *s, int nr)
+FS_ATTR static void FS_S(fs_qk_f16)(const float *const *q, const uint16_t *kt, int64_t D, float *const *s, int nr,
+                                    const fs_attn_next *nx)
 {
-#define FS_CALL(k) FS_S(fs_qk_any)(q, kt, 1, D, s, k)
+#define FS_CALL(k) (nx ? FS_S(fs_qk_any)(q, kt, 1, D, s, k, nx) : FS_S(fs_qk_any)(q, kt, 1, D, s, k, NULL))
     FS_NR_CASES(nr, FS_CALL)
 #undef FS_CALL
 }
@@ -265,13 +275,20 @@ FS_ATTR static void FS_S(fs_probs)(float *s, int64_t n, float *m, float *l, floa
  * independent scalar chains that run beside the vector work. */
 FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_pv_group)(
     float *const *acc, const float *const *p, float *ls, int sums, int64_t j0, int64_t j1, const void *vsrc,
-    int f16, int64_t ldv, int64_t d0, int nv, int nr)
+    int f16, int64_t ldv, int64_t d0, int nv, int nr, const fs_attn_next *nx, int64_t groups)
 {
     VF a[RB][NV];
     for (int r = 0; r < nr; r++)
         for (int v = 0; v < NV; v++)
             a[r][v] = v < nv ? VLOAD(acc[r] + d0 + v * VL) : VSET1(0.0f);
+    int64_t lo = 0, hi = 0, jn = 0;                /* this group's share of the next tile's rows */
+    if (nx) {
+        fs_attn_share(nx->v_run, d0 / (NV * VL), groups, &lo, &hi);
+        jn = nx->v_rows;
+    }
     for (int64_t j = j0; j < j1; j++) {
+        if (j < jn)
+            fs_attn_prefetch(nx->v + j * nx->v_stride, lo, hi);
         VF vv[NV];
         for (int v = 0; v < nv; v++) {
             int64_t i = j * ldv + d0 + v * VL;
@@ -295,33 +312,38 @@ FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_pv_group)(
  * [KT][ldv] (Dp dimensions), or (f16 = 1) the cache's own fp16 rows, ldv values apart (then D == Dp). */
 FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_pv_any)(
     float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1, const void *vsrc, int f16,
-    int64_t ldv, int64_t Dp, int nr)
+    int64_t ldv, int64_t Dp, int nr, const fs_attn_next *nx)
 {
     float ls[RB];
     for (int r = 0; r < nr; r++)
         ls[r] = *l[r];
+    int64_t groups = (Dp + NV * VL - 1) / (NV * VL);
     for (int64_t d0 = 0; d0 < Dp; d0 += NV * VL) {
         if (Dp - d0 >= NV * VL)
-            FS_S(fs_pv_group)(acc, p, ls, d0 == 0, j0, j1, vsrc, f16, ldv, d0, NV, nr);
+            FS_S(fs_pv_group)(acc, p, ls, d0 == 0, j0, j1, vsrc, f16, ldv, d0, NV, nr, nx, groups);
         else
-            FS_S(fs_pv_group)(acc, p, ls, d0 == 0, j0, j1, vsrc, f16, ldv, d0, (int)((Dp - d0) / VL), nr);
+            FS_S(fs_pv_group)(acc, p, ls, d0 == 0, j0, j1, vsrc, f16, ldv, d0, (int)((Dp - d0) / VL), nr, nx,
+                              groups);
     }
     for (int r = 0; r < nr; r++)
         *l[r] = ls[r];
 }
 
 FS_ATTR static void FS_S(fs_pv)(float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1,
-                                const float *vt, int64_t Dp, int nr)
+                                const float *vt, int64_t Dp, int nr, const fs_attn_next *nx)
 {
-#define FS_CALL(k) FS_S(fs_pv_any)(acc, p, l, j0, j1, vt, 0, Dp, Dp, k)
+#define FS_CALL(k) (nx ? FS_S(fs_pv_any)(acc, p, l, j0, j1, vt, 0, Dp, Dp, k, nx) \
+                      : FS_S(fs_pv_any)(acc, p, l, j0, j1, vt, 0, Dp, Dp, k, NULL))
     FS_NR_CASES(nr, FS_CALL)
 #undef FS_CALL
 }
 
 FS_ATTR static void FS_S(fs_pv_f16)(float *const *acc, const float *const *p, float *const *l, int64_t j0,
-                                    int64_t j1, const uint16_t *v, int64_t ldv, int64_t D, int nr)
+                                    int64_t j1, const uint16_t *v, int64_t ldv, int64_t D, int nr,
+                                    const fs_attn_next *nx)
 {
-#define FS_CALL(k) FS_S(fs_pv_any)(acc, p, l, j0, j1, v, 1, ldv, D, k)
+#define FS_CALL(k) (nx ? FS_S(fs_pv_any)(acc, p, l, j0, j1, v, 1, ldv, D, k, nx) \
+                      : FS_S(fs_pv_any)(acc, p, l, j0, j1, v, 1, ldv, D, k, NULL))
     FS_NR_CASES(nr, FS_CALL)
 #undef FS_CALL
 }
