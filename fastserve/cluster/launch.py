@@ -4,6 +4,7 @@ Bad input stops the start with the reason before anything runs: a replica count 
 address that does not answer, Ray not installed."""
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import sys
@@ -33,6 +34,17 @@ def replica_flags(argv: list) -> list:
             continue
         out.append(w)
     return out
+
+
+def replica_resources(threads: int, device: str, replicas: int, cpus: int) -> tuple[int, float, float]:
+    """(-t of each replica's server, its num_cpus, its num_gpus on its Ray node). -t 0 (every core) would have
+    each replica's threads fight the others' for the same cores (oversubscribed threads made a step 20x
+    slower here, DESIGN.md): this machine's cores are shared out instead. A GPU replica takes one GPU and a
+    CPU for its host side."""
+    if device == "cuda":
+        return max(1, threads), 1, 1
+    threads = threads or max(1, cpus // replicas)
+    return threads, threads, 0
 
 
 def check_address(address: str) -> None:
@@ -65,7 +77,6 @@ def serve_cluster(args, argv: list) -> int:
         raise FastserveError(f"--replicas needs Ray Serve: pip install 'fastserve[ray]' ({exc})") from None
     from . import build
 
-    gpu = args.device == "cuda"
     # "local": a Ray of our own, never one that happens to run on this machine already
     ray.init(address=args.ray_address or "local", include_dashboard=False, logging_level="WARNING")
     stop = threading.Event()
@@ -73,8 +84,9 @@ def serve_cluster(args, argv: list) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        app, board = build(replica_flags(argv), replicas=args.replicas, num_cpus=1 if gpu else max(1, args.threads),
-                           num_gpus=1 if gpu else 0, api_key=args.api_key, metrics=args.metrics)
+        threads, num_cpus, num_gpus = replica_resources(args.threads, args.device, args.replicas, os.cpu_count() or 1)
+        app, board = build([*replica_flags(argv), "-t", str(threads)], replicas=args.replicas, num_cpus=num_cpus,
+                           num_gpus=num_gpus, api_key=args.api_key, metrics=args.metrics)
         serve.run(app, name=APP_NAME, route_prefix="/")
         if _ready(f"http://{_local(args.host)}:{args.port}/health", stop):
             print(f"fastserve: cluster listening on http://{args.host}:{args.port} ({args.replicas} replicas on Ray "

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fastserve.cluster.exposition import merge
-from fastserve.cluster.launch import replica_flags
+from fastserve.cluster.launch import replica_flags, replica_resources
 
 ONE = """# HELP llamacpp:prompt_tokens_cached_total Number of prompt tokens reused from the cache
 # TYPE llamacpp:prompt_tokens_cached_total counter
@@ -43,6 +43,13 @@ def test_replica_flags_leave_out_the_clusters_own():
     argv = ["serve", "-m", "x.gguf", "--replicas", "2", "--ray-address=h:1", "--host", "0.0.0.0", "--port", "80",
             "-np", "4", "--metrics"]
     assert replica_flags(argv) == ["-m", "x.gguf", "-np", "4", "--metrics"]
+
+
+def test_replicas_share_the_cores_out_and_a_gpu_replica_takes_a_gpu():
+    assert replica_resources(0, "cpu", 2, 16) == (8, 8, 0)        # -t 0: the node's cores shared out
+    assert replica_resources(0, "cpu", 4, 2) == (1, 1, 0)         # at least one each
+    assert replica_resources(3, "cpu", 2, 16) == (3, 3, 0)        # -t as given, and as many CPUs reserved
+    assert replica_resources(0, "cuda", 2, 16) == (1, 1, 1)
 
 
 def test_routing_text_is_the_prompt_or_the_messages():
