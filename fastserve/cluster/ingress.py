@@ -92,7 +92,8 @@ class Ingress:
         if request.method == "GET" and path == "/metrics":
             return await self.metrics(request, fam)
         body = await request.body()
-        target = path + (f"?{request.url.query}" if request.url.query else "")
+        raw = request.scope.get("raw_path")          # as the client sent it: percent-encoding kept
+        target = (raw.decode("latin-1") if raw else path) + (f"?{request.url.query}" if request.url.query else "")
         headers = tuple((k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP)
         return await self.forward(Forward(request.method, target, headers, body, routing_text(request.method, path, body)),
                                   fam)

@@ -74,11 +74,13 @@ class Board:
         return fut
 
 
-def request(method: str, path: str, body: bytes = b"", headers=()) -> Request:
+def request(method: str, path: str, body: bytes = b"", headers=(), query: bytes = b"", raw_path=None) -> Request:
     async def receive():
         return {"type": "http.request", "body": body, "more_body": False}
-    scope = {"type": "http", "method": method, "path": path, "query_string": b"",
+    scope = {"type": "http", "method": method, "path": path, "query_string": query,
              "headers": [(k.encode(), v.encode()) for k, v in headers]}
+    if raw_path is not None:
+        scope["raw_path"] = raw_path
     return Request(scope, receive)
 
 
@@ -108,6 +110,14 @@ def test_a_replica_gone_before_the_first_bytes_passes_the_request_on():
     status, body = call(Ingress(reps, Board({})), request("POST", "/completion", BODY))
     assert status == 200 and body == TOKEN + b"data: [DONE]\n\n"
     assert len(reps.forwards) == 3 and reps.forwards[0].prompt == "The sky is"
+    assert reps.forwards[0].target == "/completion" and reps.forwards[0].body == BODY
+
+
+def test_the_target_goes_as_the_client_sent_it():
+    reps = Replicas([(200, JSONH), b"{}"])
+    req = request("GET", "/slots/0", query=b"fail_on_no_slot=1", raw_path=b"/slots/%30")
+    assert call(Ingress(reps, Board({})), req) == (200, b"{}")
+    assert reps.forwards[0].target == "/slots/%30?fail_on_no_slot=1" and reps.forwards[0].prompt == "GET /slots/0"
 
 
 def test_a_503_before_the_first_bytes_passes_the_request_on():
