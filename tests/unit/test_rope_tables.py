@@ -8,7 +8,7 @@ from fastserve.backends.rope import FILL, RopeTables, rope_tables
 
 
 def _cfg(local):
-    return SimpleNamespace(rope_dim=64, rope_base=1e6, rope_base_local=1e4, rope_scale=8.0,
+    return SimpleNamespace(rope_dim=64, rope_base=1e6, rope_base_local=1e4, rope_scale=8.0, rope_attn_factor=1.19,
                            local_layers=(True, True, False) if local else (False,))
 
 
