@@ -64,7 +64,7 @@ def test_logit_softcap_and_linear_rope_scaling(models):
         assert np.abs(g).max() < 3.0
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "granite", "smollm3", "phi3"])
 def test_a_tokens_logits_do_not_depend_on_its_batch_chunk_or_threads(models, arch):
     model = models[arch]
     cfg = model.config
