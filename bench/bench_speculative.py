@@ -10,9 +10,17 @@ llama-server with its own --spec-type ngram-mod (and without), on the same model
 2. Under load (fastserve only): --load-clients closed-loop streaming clients (8 and 32) of the bench's
    usual 60-100-token prompts and 128-token greedy answers, speculation off and on (ngram-mod): the
    aggregate tokens/s of each (the bar: on >= 0.97x off).
+3. A draft model (--draft-model FILE: the system "fastserve draft-model", -md FILE, in the one-client table; its
+   speed-up is reported, with no bar). The issue's case: the default model drafting for a larger model of its
+   vocabulary; none is at hand, so --write-1b PATH writes one once (Llama-3.2-1B's shape, random Q8_0 weights,
+   the draft model's vocabulary) and serves it as the model. Its random weights are no
+   language, so a real draft model agrees with it only where it repeats itself.
 
 Run: python bench/bench_speculative.py [--llama-server /work/llama-peer/build/bin/llama-server] [-m MODEL]
          [--threads 2] [--max-tokens 1024] [--load-seconds 30] [--json out.json]
+     python bench/bench_speculative.py --draft-model ~/.cache/fastserve/SmolLM2-135M-Instruct.Q4_1.gguf
+         --write-1b /tmp/fastserve-sizes/1b-smollm2-vocab-q8_0.gguf --drafters '' --load-clients ''
+         --tasks 'free chat,quoting summary' --max-tokens 64 --repeat 1
 Without a llama-server binary its columns are skipped, saying why. Machines shared with other work are
 noisy: only the ratios of one run mean anything.
 """
@@ -126,8 +134,14 @@ def report(one: dict, load: dict, llama_note: str) -> str:
         lines.append(f"| {task} | " + " | ".join(cells) + " |")
     plain = one["fastserve"]
     lines.append("")
+    for task in one.get("fastserve draft-model", {}):
+        r = one["fastserve draft-model"][task]
+        same = r["tokens"] == plain[task]["tokens"]
+        lines.append(f"- fastserve draft-model, {task}: {r['tok_s'] / plain[task]['tok_s']:.2f}x plain, "
+                     f"{r['draft_n_accepted']} of {r['draft_n']} drafts accepted; output "
+                     f"{'identical' if same else 'DIFFERENT'}")
     for name in one:
-        if name.startswith("fastserve "):
+        if name.startswith("fastserve ") and name != "fastserve draft-model":
             for task, bar in BARS.items():
                 if task not in plain:
                     continue
@@ -136,7 +150,7 @@ def report(one: dict, load: dict, llama_note: str) -> str:
                 lines.append(f"- {name}, {task}: {ratio:.2f}x plain (bar {bar}x: {'met' if ratio >= bar else 'NOT met'});"
                              f" output {'identical' if same else 'DIFFERENT'}")
     if "llama-server ngram-mod" in one and "code edit" in plain:
-        for name in [n for n in one if n.startswith("fastserve ")]:
+        for name in [n for n in one if n.startswith("fastserve ") and n != "fastserve draft-model"]:
             ratio = one[name]["code edit"]["tok_s"] / one["llama-server ngram-mod"]["code edit"]["tok_s"]
             lines.append(f"- {name}, code edit: {ratio:.2f}x llama-server ngram-mod (bar {LLAMA_BAR}x: "
                          f"{'met' if ratio >= LLAMA_BAR else 'NOT met'})")
@@ -147,6 +161,47 @@ def report(one: dict, load: dict, llama_note: str) -> str:
         lines.append(f"- {clients} clients: {row['on']:.1f} vs {row['off']:.1f} tok/s, {ratio:.2f}x with speculation "
                      f"(bar {LOAD_BAR}x: {'met' if ratio >= LOAD_BAR else 'NOT met'})")
     return "\n".join(lines)
+
+
+def target_1b(path: Path, vocab_model: str) -> str:
+    """The 1B-shaped random-weight model with vocab_model's vocabulary at path, written once (~1.1 GB): Llama-3.2-1B's
+    shape (bench_sizes.SHAPES) in Q8_0, whose products batch the verification's rows well on a CPU (F16's do not:
+    4 rows cost 3.3x one there, 1.4x in Q8_0)."""
+    if not path.exists():
+        from bench_sizes import SHAPES
+
+        from fastserve.models.gguf_file import GGUFFile
+        from fastserve.models.synthetic import write_llama_gguf
+        arch, n_layer, d, n_head, n_kv, n_ff, _, tied = SHAPES["1b"]
+        md = GGUFFile(vocab_model).metadata
+        path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"writing {path} (Llama-3.2-1B's shape, random Q8_0 weights, {vocab_model}'s vocabulary)", flush=True)
+        write_llama_gguf(path, architecture=arch, n_layer=n_layer, n_embd=d, n_head=n_head, n_head_kv=n_kv, n_ff=n_ff,
+                         n_vocab=len(md["tokenizer.ggml.tokens"]), n_ctx=N_CTX, weight_type="Q8_0", tied=tied,
+                         rope_base=500000.0, tokenizer=lambda w: add_tokenizer_of(w, md))
+    return str(path)
+
+
+def add_tokenizer_of(w, metadata: dict) -> None:
+    """A GGUF's tokenizer.* keys (its metadata, as fastserve's reader gives it) into a gguf.GGUFWriter."""
+    import gguf
+
+    T = gguf.GGUFValueType
+    for key, value in metadata.items():
+        if not key.startswith("tokenizer."):
+            continue
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            values = list(value.tolist() if hasattr(value, "tolist") else value)
+            w.add_key_value(key, values, T.ARRAY, T.STRING if isinstance(values[0], str) else
+                            T.FLOAT32 if isinstance(values[0], float) else T.INT32)
 
 
 def main(argv=None) -> int:
@@ -160,6 +215,9 @@ def main(argv=None) -> int:
     ap.add_argument("--load-seconds", type=float, default=30.0)
     ap.add_argument("--load-temperature", type=float, default=0.0, help="the load's sampling (default 0: greedy)")
     ap.add_argument("--drafters", default="ngram-mod,ngram-simple")
+    ap.add_argument("--draft-model", help="a draft model of the model's vocabulary: the 'fastserve draft-model' system")
+    ap.add_argument("--write-1b", metavar="PATH", help="serve as the model Llama-3.2-1B's shape with random Q8_0 "
+                                                      "weights and the draft model's vocabulary, written to PATH once")
     ap.add_argument("--systems", help="comma-separated names of the systems to run (default: all; plain fastserve, "
                                       "the ratios' base, always runs)")
     ap.add_argument("--tasks", help=f"comma-separated tasks (default: all: {', '.join(BARS)})")
@@ -168,6 +226,8 @@ def main(argv=None) -> int:
     from fastserve.models.default_model import default_model_path
     from fastserve.models.model import load_model
     model = args.model or default_model_path()
+    if args.write_1b:
+        model = target_1b(Path(args.write_1b), args.draft_model or default_model_path())
     tok = load_model(model).tokenizer
     prompts = {task: tok.encode(tok.apply_chat_template([{"role": "user", "content": msg}]), add_special=False)
                for task, msg in tasks().items()}
@@ -177,6 +237,9 @@ def main(argv=None) -> int:
     for d in filter(None, args.drafters.split(",")):
         systems[f"fastserve {d}"] = lambda port, d=d: fastserve_command(model, port, 1, N_CTX, args.threads,
                                                                         *common, *SPEC[d])
+    if args.draft_model:
+        systems["fastserve draft-model"] = lambda port: fastserve_command(model, port, 1, N_CTX, args.threads, *common,
+                                                                          "-md", args.draft_model)
     llama_note = "not measured: give --llama-server PATH (or LLAMA_SERVER)"
     if args.llama_server and not Path(args.llama_server).exists():
         llama_note = f"not measured: {args.llama_server} does not exist (build llama.cpp's llama-server there)"
