@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 from ..errors import FastserveError
 
 APP_NAME = "fastserve"
+PREFIX_TREE = "LlmPrefixTreeActor"      # ray.llm's PrefixCacheAffinityRouter.initialize_state names it so
 CONNECT_TIMEOUT_S = 3.0
 # the flags that are the cluster's own, or each replica's server's business (it listens on loopback)
 OWN_FLAGS = frozenset({"--replicas", "--ray-address", "--host", "--port"})
@@ -95,11 +96,23 @@ def serve_cluster(args, argv: list) -> int:
         print("fastserve: shutting down the cluster", file=sys.stderr, flush=True)
         if args.ray_address:
             serve.delete(APP_NAME)      # ours only: the cluster is someone else's
+            _forget_prefixes()
     finally:
         # a local Ray goes whole, the replicas and their servers with it (Serve's own stop would wait on its
         # controller, which Ctrl-C's SIGINT to the terminal's process group has stopped already)
         ray.shutdown()
     return 0
+
+
+def _forget_prefixes() -> None:
+    """PrefixCacheAffinityRouter keeps its prefix tree in a detached actor, named per application and
+    deployment, that only serve.shutdown() removes: on a cluster that lives on, the next start would reuse it,
+    with the replicas of this one in it."""
+    import ray
+    try:
+        ray.kill(ray.get_actor(PREFIX_TREE, namespace=f"serve::{APP_NAME}::FastserveReplica"))
+    except ValueError:      # none was made (no request came)
+        pass
 
 
 def _local(host: str) -> str:
