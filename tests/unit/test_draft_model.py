@@ -142,3 +142,45 @@ def test_the_vocabulary_check_names_the_first_piece_that_differs():
 def test_a_draft_model_goes_with_draft_simple(fields, why):
     with pytest.raises(ValueError, match=why):
         SpecConfig(**fields)
+
+
+def test_a_sliding_window_model_drafting_for_itself_past_its_ring(tmp_path):
+    """Gemma 3's local layers keep a ring (window 5; 128 rows of a 256-token slot) in the draft's KV too: drafts
+    and rejections past the ring's length leave greedy plain and every greedy draft right."""
+    path = write_llama_gguf(tmp_path / "g3.gguf", architecture="gemma3", sliding_window=5, seed=3)
+    model = fastserve.load_model(path)
+    with fastserve.Engine(model, n_parallel=1, n_ctx=256) as e:
+        plain = [e.generate(p, max_tokens=150, temperature=0, cache_prompt=False).token_ids for p in PROMPTS[:3]]
+    with fastserve.Engine(model, n_parallel=3, n_ctx=3 * 256, n_batch=64, speculative=_spec(path)) as e:
+        assert e._spec.model.backend.kv_ring == 128
+        hot = e.generate(PROMPTS[0], max_tokens=150, temperature=1.5, seed=2)      # rejections in the ring
+        crowd = [e.submit(p, max_tokens=150, temperature=0) for p in PROMPTS[:3]]
+        crowd = [r.result() for r in crowd]
+    assert hot.timings["draft_n"] > hot.timings["draft_n_accepted"]
+    assert [c.token_ids for c in crowd] == plain
+    assert all(c.timings["draft_n_accepted"] == c.timings["draft_n"] > 0 for c in crowd)
+
+
+def test_a_prefix_whose_window_the_ring_lost_is_computed_again():
+    """A new prompt sharing 6 tokens with what the slot's draft KV holds reuses them; when the ring no longer holds
+    the window before them (kv_reuse_from above the prefix), it starts from 0."""
+    from fastserve.draft_model import DraftModel
+
+    class Backend:                      # the CPU backend's surface that DraftModel reads before a pass
+        n_slots, n_ctx_slot, n_vocab, reuse_from = 1, 32, 8, 0
+
+        def kv_reuse_from(self, slot, n):
+            return self.reuse_from
+
+    be = Backend()
+    draft = DraftModel(be, max_tokens=16, min_chunk=4)
+    old, new = np.arange(1, 21, dtype=np.int32), np.r_[np.arange(1, 7), [9, 9, 9]].astype(np.int32)
+    draft.fed[0, :20], draft.n_fed[0], draft.agreed[0] = old, 20, 20
+    draft.reset(0)
+    draft.rollback(new[None, :], np.array([len(new)]), np.array([0]))
+    assert draft.n_fed[0] == 6
+    draft.fed[0, :20], draft.n_fed[0] = old, 20
+    be.reuse_from = 7
+    draft.reset(0)
+    draft.rollback(new[None, :], np.array([len(new)]), np.array([0]))
+    assert draft.n_fed[0] == 0
