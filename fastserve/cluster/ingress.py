@@ -107,6 +107,9 @@ class Ingress:
             try:
                 status, headers = await gen.__anext__()
                 first = await anext(gen, b"")
+            except asyncio.CancelledError:  # the client went away before its answer began (Ray Serve cancels us)
+                gen.cancel()
+                raise
             except Exception as exc:        # noqa: BLE001 (sorted below: gone, or a bug)
                 gen.cancel()
                 if not _gone(exc):

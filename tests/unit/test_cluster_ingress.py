@@ -146,6 +146,24 @@ def test_a_stream_cut_by_a_dying_replica_ends_with_a_503_event():
     assert b"event: error\ndata: " in body and b'"overloaded_error"' in body      # Anthropic's shape
 
 
+def test_a_client_gone_before_its_answer_began_cancels_the_replicas_work():
+    class Hangs(Stream):
+        async def __anext__(self):
+            await asyncio.sleep(3600)
+
+    reps = Replicas()
+    reps.remote = lambda fwd: reps.streams.append(Hangs([])) or reps.streams[-1]
+
+    async def go():
+        task = asyncio.ensure_future(Ingress(reps, Board({}))(request("POST", "/completion", b'{"prompt": "x"}')))
+        await asyncio.sleep(0.05)
+        task.cancel()               # what Ray Serve does when the HTTP client disconnects
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    asyncio.run(go())
+    assert reps.streams[0].cancelled
+
+
 def test_a_bug_in_a_replica_is_a_500_not_a_retry():
     reps = Replicas([ValueError("bug")])
     status, body = call(Ingress(reps, Board({})), request("POST", "/completion", BODY))
