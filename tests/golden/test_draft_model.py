@@ -1,7 +1,7 @@
 """The default model as a draft model (--spec-type draft-simple): drafting for itself, greedy output is plain
 greedy's, alone and among 7 other busy slots, and every draft is accepted (batch invariance: the draft model's
 logits for a position are the model's own, whatever its passes held); drafting for synthetic models of its
-vocabulary, greedy output is theirs."""
+vocabulary, greedy output is theirs. Gemma 3 270M drafting for itself likewise."""
 import pytest
 
 import fastserve
@@ -41,3 +41,18 @@ def test_the_default_model_drafting_for_a_synthetic_model_of_its_vocabulary_is_p
     assert alone.token_ids == plain[0]
     assert [c.token_ids for c in crowd] == plain
     assert snap.n_drafted > 0
+
+
+@pytest.mark.model
+def test_gemma3_drafting_for_itself_is_plain_greedy_and_always_right():
+    """Gemma 3 270M (`fastserve pull gemma3-270m`, pulled on first use): its sliding-window layers' rings in the
+    draft's KV too."""
+    from fastserve.models.catalog import model_path
+    from tests.reference_data import GOLDEN_DATA, load_reference
+    path = str(model_path("gemma3-270m"))
+    ref = load_reference(GOLDEN_DATA / "gemma3_270m_q4km_llamacpp_greedy.json")
+    prompts = [c["prompt_token_ids_add_special_true"] for c in ref["completions"]][:8]
+    plain, alone, crowd, snap = _plain_and_drafted(fastserve.load_model(path), path, prompts)
+    assert alone.token_ids == plain[0]
+    assert [c.token_ids for c in crowd] == plain
+    assert snap.n_drafted > 8 * 4 and snap.n_drafted_accepted == snap.n_drafted
