@@ -69,12 +69,21 @@ def pick_slot(slots, prompt: np.ndarray, *, id_slot: int, cache_prompt: bool, si
 STEP_TARGET_S = 0.5
 # Weight of the newest step in the measured seconds per token (an exponential moving average).
 STEP_COST_WEIGHT = 0.25
+# A prompt with nobody decoding takes the whole batch, but a step still ends within about this: the
+# watchdog counts a step longer than --stall-limit (30 s) as a stall, and 512 prompt tokens of a 7 B
+# model take ~36 s on 2 cores (more on a busy machine). Chunks of this size cost 1-5 % of such a
+# prompt's time (one more read of the weights a chunk); a small model's batch stays whole.
+LONE_STEP_S = 8.0
+# Before any step was measured (the server's first prompt, its weights perhaps still on disk): the
+# first step's prompt tokens, at most.
+FIRST_STEP_TOKENS = 128
 
 
 def prefill_budget(free: int, n_decode: int, min_chunk: int, s_per_token: float, target_s: float) -> int:
     """Prompt tokens the step may carry after its n_decode decode rows (free: room left in the batch).
 
-    Nobody decoding: the whole batch, so a lone long prompt runs in big chunks. Else as many as fit
+    Nobody decoding: the whole batch, so a lone long prompt runs in big chunks, but no more than fit in
+    LONE_STEP_S (at most FIRST_STEP_TOKENS before any step was measured). Else as many as fit
     in target_s at s_per_token (seconds of a whole step / its tokens, measured on recent steps),
     never fewer than min_chunk (a prompt always advances). That per-token figure carries the step's
     fixed cost, so it overestimates big steps: from below, the step grows towards target_s
@@ -82,7 +91,8 @@ def prefill_budget(free: int, n_decode: int, min_chunk: int, s_per_token: float,
     Before any step was measured: min_chunk, or one token per decode row if there are more rows.
     """
     if n_decode == 0:
-        return free
+        lone = FIRST_STEP_TOKENS if s_per_token <= 0.0 else int(LONE_STEP_S / s_per_token)
+        return min(free, max(min_chunk, lone))
     if s_per_token <= 0.0:
         return min(free, max(min_chunk, n_decode))
     return min(free, max(min_chunk, int(target_s / s_per_token) - n_decode))

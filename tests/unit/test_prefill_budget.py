@@ -1,6 +1,8 @@
 """Chunked prefill that scales (issue 19 item 3): beside decode rows a prompt's chunk is sized so the
 step stays near the engine's step target (the other streams' inter-token gap), larger than the old
-fixed chunk when the steps are cheap; with nobody decoding a prompt takes the whole batch.
+fixed chunk when the steps are cheap; with nobody decoding a prompt takes the whole batch, unless that
+step would run for more than LONE_STEP_S (the watchdog's stall limit is 30 s: a 7 B model's 512 prompt
+tokens take ~36 s on 2 cores), and before any step was measured at most FIRST_STEP_TOKENS.
 
 In-process, on the tiny model, with a backend whose forward costs a known time per token."""
 import time
@@ -9,7 +11,7 @@ import numpy as np
 
 import fastserve
 from fastserve.backends.cpu.backend import CpuBackend
-from fastserve.scheduler import prefill_budget
+from fastserve.scheduler import FIRST_STEP_TOKENS, LONE_STEP_S, prefill_budget
 
 FIXED_S, PER_TOKEN_S = 0.005, 0.0005      # each step's added cost: 5 ms + 0.5 ms a token
 TARGET_S = 0.1                             # -> about 190 tokens a step at the fixed point
@@ -48,6 +50,9 @@ def _prompt(n, seed):
 
 def test_the_budget_rule():
     assert prefill_budget(512, 0, 32, 0.01, 0.5) == 512             # alone: the whole batch
+    assert prefill_budget(512, 0, 32, 0.0, 0.5) == FIRST_STEP_TOKENS  # alone, nothing measured yet
+    assert prefill_budget(512, 0, 32, 0.07, 0.5) == int(LONE_STEP_S / 0.07)   # alone, a 7 B model's cost
+    assert prefill_budget(512, 0, 32, 1.0, 0.5) == 32               # alone and very slow: still a chunk
     assert prefill_budget(481, 31, 32, 0.0, 0.5) == 32              # nothing measured: the old rule
     assert prefill_budget(481, 31, 32, 0.002, 0.5) == 250 - 31      # 0.5 s at 2 ms a token, less the rows
     assert prefill_budget(100, 31, 32, 0.002, 0.5) == 100           # never past the batch
@@ -59,7 +64,7 @@ def test_a_lone_prompt_takes_the_whole_batch(tiny_model):
     with _engine(tiny_model, backends) as engine:
         engine.generate(_prompt(1200, 1), max_tokens=1, temperature=0, cache_prompt=False)
     chunks = [int(per_slot.max()) for per_slot, _ in backends[0].steps]
-    assert chunks[:3] == [512, 512, 176], chunks
+    assert chunks[:4] == [FIRST_STEP_TOKENS, 512, 512, 1200 - FIRST_STEP_TOKENS - 1024], chunks
 
 
 def test_beside_decode_rows_the_chunk_keeps_the_step_near_its_target(tiny_model):
