@@ -55,7 +55,7 @@ def _compile_limit(limits) -> tuple[str, float | None]:
 
 class App:
     def __init__(self, engine, config: ServerConfig | None = None, log_stream=None):
-        self._engine = engine
+        self._engine = self.engine = engine     # engine: what serve() and router.py close
         self.config = config = config or ServerConfig()
         info = engine.describe()                # fixed while the engine runs
         self.started_wall = time.time()
@@ -160,6 +160,11 @@ class App:
         if self._compiler is not None:
             self._compiler.shutdown(wait=False, cancel_futures=True)
 
+    def close(self) -> None:
+        """The end: the engine (its decode thread leaves within a step), then the log."""
+        self._engine.close(timeout=1.5)
+        self.log.close()
+
     def fail(self, ex, err: HttpError) -> None:
         """End ex's request with err (deadline, stall, disconnect, shutdown): its task writes the error."""
         if ex.failure is not None:
@@ -256,19 +261,41 @@ def _force_exit() -> None:
 
 
 def serve(args, backend=None) -> int:
-    """`fastserve serve`: load the model, start the engine, serve until SIGTERM/SIGINT; returns 0.
-    backend: a backend factory for the Engine (tests; None: the one args.device names)."""
-    from ..engine import Engine
+    """`fastserve serve`: load the model, start the engine, serve until SIGTERM/SIGINT; returns 0 (--models-dir:
+    several models, router.py). backend: a backend factory for the Engine (tests; None: the one args.device names)."""
     from ..models.default_model import default_model_path
-    from ..models.model import load_model
     from ..resources import rss_bytes, seconds_since_start
-
-    from ..config import EngineConfig
-    from .llama_flags import check_gpu_layers, resolve, sampling_defaults
+    from .llama_flags import resolve
 
     llama = resolve(args)                   # llama-server's flags, checked before anything loads
     cors_origins = parse_origins(args.cors_origins)
-    path = args.model or default_model_path()
+    log_stream = open(llama["log_file"], "a", encoding="utf-8") if llama["log_file"] else None
+    if args.models_dir is not None:
+        from .router import serve_models
+        return serve_models(args, llama, cors_origins, partial(build, args, llama, cors_origins, log_stream=log_stream),
+                            log_stream)
+    app = build(args, llama, cors_origins, args.model or default_model_path(), log_stream=log_stream, backend=backend)
+
+    def ready(port: int) -> None:
+        info = app.engine.describe()        # the CPU backend's KV cache comes in on a thread of its own
+        coming = "" if info.kv_resident else f" (the KV cache's {info.kv_bytes / 2**20:.0f} MiB being made resident)"
+        print(f"fastserve: {info.model_summary}; ready {seconds_since_start():.2f} s after the process started, "
+              f"RSS {rss_bytes() / 2**20:.0f} MiB{coming}", file=sys.stderr, flush=True)
+        print(f"fastserve: listening on http://{app.config.host}:{port} ({info.model_name}, {info.n_slots} slots x "
+              f"{info.n_ctx_slot} tokens, KV {info.cache_type_k}/{info.cache_type_v}, {args.loop} loop, "
+              f"{info.threads} thread(s){f', {info.isa} kernels' if info.isa else ''})", file=sys.stderr, flush=True)
+    return run(app, args.loop, ready, log_stream)
+
+
+def build(args, llama: dict, cors_origins, path: str, alias: str | None = None, log_stream=None,
+          backend=None) -> App:
+    """One model served: loaded from path, its settings from the flags (llama: llama_flags.resolve's), its Engine
+    (app.engine) and App. alias: its name in answers (default --alias, else the file name)."""
+    from ..config import EngineConfig
+    from ..engine import Engine
+    from ..models.model import load_model
+    from .llama_flags import check_gpu_layers, sampling_defaults
+
     # The load builds 10^5 containers (vocabulary, merges, tables) that all live as long as the process:
     # the cycle collector's passes over them while they are built find nothing and cost 10-20 ms.
     gc.disable()
@@ -280,7 +307,7 @@ def serve(args, backend=None) -> int:
                        stall_limit=args.stall_limit, queue_timeout=args.queue_timeout,
                        request_timeout=args.request_timeout, token_timeout=args.token_timeout,
                        n_predict=args.n_predict, cors_origins=cors_origins, body_limit=args.body_limit,
-                       alias=args.alias, log_requests=llama["log_requests"], metrics=args.metrics,
+                       alias=alias or args.alias, log_requests=llama["log_requests"], metrics=args.metrics,
                        slots=args.slots, props=args.props, seed=llama["seed"], ignore_eos=llama["ignore_eos"],
                        sampling=sampling_defaults(model.config.n_vocab, llama["sampling"]),
                        webui=not args.no_webui, prefill_assistant=args.prefill_assistant,
@@ -297,8 +324,11 @@ def serve(args, backend=None) -> int:
     engine = Engine(model, EngineConfig.from_flags(args, trace=True, n_batch=llama["n_batch"],
                                                    device=device or EngineConfig.device,
                                                    speculative=llama["speculative"]), backend=backend)
-    log_stream = open(llama["log_file"], "a", encoding="utf-8") if llama["log_file"] else None
-    app = App(engine, cfg, log_stream=log_stream)
+    return App(engine, cfg, log_stream=log_stream)
+
+
+def run(app, loop_name: str, ready, log_stream=None) -> int:
+    """Serve app (an App, or router.Router) until SIGTERM/SIGINT, then close it; ready(port) once it listens."""
     server = Server(app)
     timer: list = []
 
@@ -315,26 +345,18 @@ def serve(args, backend=None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal, sig.name)
-        port = await server.start()
-        info = engine.describe()            # the CPU backend's KV cache comes in on a thread of its own
-        coming = "" if info.kv_resident else f" (the KV cache's {info.kv_bytes / 2**20:.0f} MiB being made resident)"
-        print(f"fastserve: {info.model_summary}; ready {seconds_since_start():.2f} s after the process started, "
-              f"RSS {rss_bytes() / 2**20:.0f} MiB{coming}", file=sys.stderr, flush=True)
-        print(f"fastserve: listening on http://{cfg.host}:{port} ({info.model_name}, {info.n_slots} slots x "
-              f"{info.n_ctx_slot} tokens, KV {info.cache_type_k}/{info.cache_type_v}, {args.loop} loop, "
-              f"{info.threads} thread(s){f', {info.isa} kernels' if info.isa else ''})", file=sys.stderr, flush=True)
+        ready(await server.start())
         await server.wait()
 
     try:
-        if args.loop == "uvloop":
+        if loop_name == "uvloop":
             import uvloop
             with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
                 runner.run(main())
         else:
             asyncio.run(main())
     finally:
-        engine.close(timeout=1.5)
-        app.log.close()
+        app.close()
         if log_stream is not None:
             log_stream.close()
     return 0

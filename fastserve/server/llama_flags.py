@@ -207,8 +207,12 @@ FLAGS: list[tuple[str, str, str]] = [
                       "as llama-server, which changes nothing either"),
     ("--slots, --no-slots", SAME, "/slots answers 501 with --no-slots"),
     ("--slot-save-path PATH", REFUSED, "no slot save/restore (those actions answer 501)"),
-    ("--models-dir, --models-preset, --models-max, --models-autoload, --no-models-autoload", REFUSED,
-     "one model per server: no router mode"),
+    ("--models-dir PATH", DIFFERS, "router mode: every .gguf file there is a model, named by its file name, "
+                                   "loaded on its first request (fastserve/server/router.py); not with -m"),
+    ("--models-max N", DIFFERS, "models loaded at once (default 4): the least recently used one with no request in "
+                                "flight is unloaded first; 0 (llama-server: no limit) is refused"),
+    ("--models-preset, --models-autoload, --no-models-autoload", REFUSED, "no presets; a model loads on its "
+                                                                          "first request"),
     ("--jinja, --no-jinja", DIFFERS, "chat templates are always Jinja (sandboxed jinja2): --jinja is taken, "
                                      "--no-jinja refused"),
     ("--reasoning-format FORMAT", DIFFERS, "none, deepseek or auto (the default; as deepseek): a template's "
@@ -228,7 +232,9 @@ FLAGS: list[tuple[str, str, str]] = [
     ("-sps, --slot-prompt-similarity SIMILARITY", SAME, "default 0.1; a sliding-window model's slots and host-RAM "
      "cache entries count a shared prefix only where their rings still hold the window before it "
      "(`/slots` `swa_reusable`)"),
-    ("--sleep-idle-seconds SECONDS", REFUSED, "the server never sleeps"),
+    ("--sleep-idle-seconds SECONDS", DIFFERS, "with --models-dir: a model idle this long is unloaded (-1, the "
+                                              "default: never); one model (-m) is never unloaded, so it is "
+                                              "refused without --models-dir"),
     ("--log-prompts-dir PATH", REFUSED, "prompts are never logged"),
     ("--embd-gemma-default, --fim-qwen-*-default, --fim-qwen-*-spec, --gpt-oss-*-default, "
      "--vision-gemma-*-default, --spec-default", REFUSED, "no downloads at start: `fastserve pull`, then -m"),
@@ -257,7 +263,7 @@ _REFUSED_OPTIONS: list[tuple[tuple[str, ...], int | str | None]] = [
     (("-kvo", "--kv-offload"), 0),
     (("-nkvo", "--no-kv-offload"), 0), (("--override-kv",), None), (("-ot", "--override-tensor"), None),
     (("--check-tensors",), 0), (("-lm", "--load-mode"), None), (("-fit", "--fit"), "?"), (("--swa-full",), 0),
-    (("--models-dir",), None), (("--models-preset",), None), (("--sleep-idle-seconds",), None),
+    (("--models-preset",), None),
     (("-bs", "--backend-sampling"), 0), (("--log-colors",), "?"), (("-dt", "--defrag-thold"), None),
     (("--cpu-moe", "-cmoe"), 0), (("-ncmoe", "--n-cpu-moe"), None), (("--list-devices",), 0),
     (("-hfd", "--spec-draft-hf"), None), (("-td", "--spec-draft-threads"), None), (("-ctkd", "--cache-type-k-draft"), None),
@@ -332,6 +338,10 @@ def add_taken(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--embd-normalize", dest="embd_normalize", type=int, default=2,
                    help="embeddings' normalisation when a request does not say (-1 none, 0 max absolute, "
                         "1 taxicab, 2 Euclidean, p > 2 p-norm)")
+    g.add_argument("--models-dir", help="serve every .gguf file in this folder, each loaded on its first request")
+    g.add_argument("--models-max", type=int, default=4, help="with --models-dir: models loaded at once (default 4)")
+    g.add_argument("--sleep-idle-seconds", type=float, default=-1,
+                   help="with --models-dir: unload a model idle this long (-1: never)")
     g.add_argument("--metrics", action="store_true", help="serve /metrics (501 without it, as llama-server)")
     g.add_argument("--props", action="store_true", help="take POST /props (501 without it)")
     g.add_argument("--slots", dest="slots", action="store_true", default=True, help="serve /slots (the default)")
@@ -407,6 +417,12 @@ def resolve(args) -> dict:
         if args.ubatch_size < 1:
             raise ValueError(f"--ubatch-size must be >= 1, got {args.ubatch_size}")
         out["n_batch"] = min(args.batch_size, args.ubatch_size)
+    if args.models_dir is None and args.sleep_idle_seconds >= 0:
+        raise ValueError("--sleep-idle-seconds unloads idle models of --models-dir; one model (-m) is never unloaded")
+    if args.models_dir is not None and args.model is not None:
+        raise ValueError("give -m (one model) or --models-dir (several), not both")
+    if args.models_max < 1:
+        raise ValueError(f"--models-max must be >= 1 (models loaded at once), got {args.models_max}")
     if args.embd_normalize < -1:
         raise ValueError(f"--embd-normalize must be >= -1, got {args.embd_normalize}")
     if args.keep < -1:

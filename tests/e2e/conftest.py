@@ -31,7 +31,7 @@ class ServerProc:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         env.setdefault("OMP_NUM_THREADS", "1")
         launcher = ["-m", "fastserve"] if stall_file is None else ["-m", "tests.e2e.stall_server", stall_file]
-        cmd = [sys.executable, *launcher, "serve", "-m", model_path, "--host", "127.0.0.1",
+        cmd = [sys.executable, *launcher, "serve", *(("-m", model_path) if model_path else ()), "--host", "127.0.0.1",
                "--port", "0", "-t", "1", *(("--metrics",) if metrics else ()), *flags]
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self._log, cwd=str(REPO_ROOT), env=env)
