@@ -10,6 +10,8 @@ Every layer is
     h = norm(x) -> q, k, v = h W_qkv^T (+ bias) -> [per-head RMSNorm of q, k] -> [RoPE(q, k)]
       -> attention (a sliding window on local layers) -> a = out W_o^T -> [norm(a)] -> x += [r *] a
     h = norm(x) -> g, u = h W_gu^T -> s = act(g) * u -> f = s W_down^T -> [norm(f)] -> x += [r *] f
+(a mixture-of-experts row: f = sum over the token's top-k experts e, by rank, of w_e (s_e W_down,e^T), with
+g_e, u_e = h W_gu,e^T and the weights w from the router's softmax of h W_router^T, renormalised over the k)
 with the bracketed steps present where the row says so (sandwich norms: the norm after each block;
 RoPE on every layer but SmolLM3's every 4th; r: Granite's residual multiplier), between
 x = [s *] the embedding rows and logits = [c tanh(. / c)] [1/l *] norm(x) W_out^T. W_qkv and W_gu are
@@ -51,11 +53,15 @@ class Architecture:
     fused_gate_up: bool = False     # blk.N.ffn_up.weight [2 n_ff, n_embd]: the gate rows, then the up rows
     longrope: bool = False          # rope_factors_long / _short.weight: frequency factors chosen by the slot's
                                     # context against <arch>.rope.scaling.original_context_length (Phi-3)
+    moe: bool = False               # blk.N.ffn_gate_inp.weight [n_expert, n_embd]: a router over <arch>.expert_count
+                                    # experts, <arch>.expert_used_count of them per token, whose FFNs are
+                                    # blk.N.ffn_{gate,up,down}_exps [n_expert, ...]; no dense ffn_{gate,up,down}
 
     def layer_tensors(self) -> tuple[str, ...]:
         """The per-layer tensor names this row reads (without the blk.N. prefix)."""
-        names = ["attn_norm.weight", *self.qkv_tensors(), "attn_output.weight",
-                 "ffn_norm.weight", *self.gate_up_tensors(), "ffn_down.weight"]
+        ffn = ["ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"] \
+            if self.moe else [*self.gate_up_tensors(), "ffn_down.weight"]
+        names = ["attn_norm.weight", *self.qkv_tensors(), "attn_output.weight", "ffn_norm.weight", *ffn]
         if self.qkv_bias:
             names += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
         if self.qk_norm:
@@ -88,6 +94,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("granite", "IBM Granite 3", ADJACENT, SILU, multipliers=True),
     Architecture("smollm3", "SmolLM3", ADJACENT, SILU, nope_period=4),
     Architecture("phi3", "Phi-3, Phi-3.5, Phi-4", NEOX, SILU, fused_qkv=True, fused_gate_up=True, longrope=True),
+    Architecture("qwen3moe", "Qwen 3 MoE", NEOX, SILU, qk_norm=True, moe=True),
 )}
 
 

@@ -91,7 +91,8 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
                      architecture: str = "llama", head_dim: int | None = None, sliding_window: int = 0,
                      extra_tensors: tuple[str, ...] = (), rope_scale: float = 1.0,
                      chat_template: str | None = CHAT_TEMPLATE, tokenizer=None, output_scale: float = 1.0,
-                     zero_output_rows=(), rope_base: float = 10000.0, tensor_scales: dict | None = None) -> str:
+                     zero_output_rows=(), rope_base: float = 10000.0, tensor_scales: dict | None = None,
+                     n_expert: int = 8, n_expert_used: int = 2) -> str:
     """Write a GGUF of one architecture of the table (models/architecture.py) with random weights: the
     llama tensors plus what the row adds (biases, q/k norms, sandwich norms); head_dim: when not
     n_embd / n_head (written as key_length); sliding_window: for a row with local layers;
@@ -104,7 +105,8 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
     the matrices of a kind (a name without blk.N. and .weight, e.g. "attn_q", "token_embd") scaled by it.
     What a row adds beyond the llama tensors is written with values of its real models': granite's
     multipliers (MULTIPLIERS), phi3's fused Q, K, V and gate, up tensors and its longrope factors and
-    keys (LONGROPE).
+    keys (LONGROPE), a mixture of experts' router (F32, as converted files keep it) and n_expert experts of
+    n_ff each, n_expert_used per token (expert_count, expert_used_count, expert_feed_forward_length).
     weight_type: F32, F16, a type gguf.quants can quantize,
     Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (fastserve.models.blocks' encoder; K-quants and IQ4_XS:
     rows of a multiple of 256 inputs), or "Q4_K_M"
@@ -134,17 +136,22 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
         w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
         w.add_float32(f"{architecture}.rope.scaling.attn_factor", LONGROPE["attn_factor"])
         w.add_uint32(f"{architecture}.rope.scaling.original_context_length", LONGROPE["original_context_length"])
+    moe = row is not None and row.moe
+    if moe:
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(n_expert_used)
+        w.add_expert_feed_forward_length(n_ff)
     if tokenizer is None:
         add_tiny_tokenizer(w, n_vocab, chat_template)
     else:
         tokenizer(w)
 
-    def mat(name, rows, cols, scale):
+    def mat(name, rows, cols, scale, experts=0, t=weight_type):
         scale *= (tensor_scales or {}).get(name.split(".")[-2], 1.0)
-        t = weight_type
         if t == "Q4_K_M":
             t = "Q6_K" if ("attn_v" in name or "ffn_down" in name) else "Q4_K"
-        _add(w, name, (rng.standard_normal((rows, cols)) * scale).astype(np.float32), t)
+        shape = (experts, rows, cols) if experts else (rows, cols)
+        _add(w, name, (rng.standard_normal(shape) * scale).astype(np.float32), t)
 
     def vec(name, n):
         w.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32))
@@ -163,12 +170,18 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
             mat(b + "attn_v.weight", n_head_kv * head_dim, n_embd, n_embd ** -0.5)
         mat(b + "attn_output.weight", n_embd, n_head * head_dim, (n_head * head_dim) ** -0.5)
         vec(b + "ffn_norm.weight", n_embd)
-        if fused_gate_up:
+        if moe:
+            mat(b + "ffn_gate_inp.weight", n_expert, n_embd, n_embd ** -0.5, t="F32")
+            mat(b + "ffn_gate_exps.weight", n_ff, n_embd, n_embd ** -0.5, n_expert)
+            mat(b + "ffn_up_exps.weight", n_ff, n_embd, n_embd ** -0.5, n_expert)
+            mat(b + "ffn_down_exps.weight", n_embd, n_ff, n_ff ** -0.5, n_expert)
+        elif fused_gate_up:
             mat(b + "ffn_up.weight", 2 * n_ff, n_embd, n_embd ** -0.5)
         else:
             mat(b + "ffn_gate.weight", n_ff, n_embd, n_embd ** -0.5)
             mat(b + "ffn_up.weight", n_ff, n_embd, n_embd ** -0.5)
-        mat(b + "ffn_down.weight", n_embd, n_ff, n_ff ** -0.5)
+        if not moe:
+            mat(b + "ffn_down.weight", n_embd, n_ff, n_ff ** -0.5)
         sizes = {"attn_q.bias": n_head * head_dim, "attn_k.bias": n_head_kv * head_dim,
                  "attn_v.bias": n_head_kv * head_dim, "attn_q_norm.weight": head_dim, "attn_k_norm.weight": head_dim,
                  "post_attention_norm.weight": n_embd, "post_ffw_norm.weight": n_embd}
@@ -202,7 +215,8 @@ def _add(writer, name: str, arr: np.ndarray, weight_type: str) -> None:
         writer.add_tensor(name, arr.astype(np.float16))
     elif weight_type in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"):
         from .blocks import encode
-        writer.add_tensor(name, encode(weight_type, arr), raw_dtype=gguf.GGMLQuantizationType[weight_type])
+        blocks = encode(weight_type, arr.reshape(-1, arr.shape[-1])).reshape(*arr.shape[:-1], -1)    # 3-D: experts
+        writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType[weight_type])
     else:
         qtype = gguf.GGMLQuantizationType[weight_type]
         writer.add_tensor(name, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)

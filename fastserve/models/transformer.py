@@ -1,6 +1,7 @@
 """Transformer hyperparameters and weights, read from a GGUF file, for every family of the
-architecture table (models/architecture.py: llama, qwen2, qwen3, gemma3, granite, smollm3, phi3): RMSNorm, RoPE,
-grouped-query attention, a gated FFN, tied or separate output matrix, and what the row adds.
+architecture table (models/architecture.py: llama, qwen2, qwen3, gemma3, granite, smollm3, phi3, qwen3moe): RMSNorm,
+RoPE, grouped-query attention, a gated FFN (or a mixture of experts), tied or separate output matrix, and what the
+row adds.
 
 The matrices stay as the file stores them (memory-mapped): fastserve.backends.cpu._matmul.BlockMatrix views of the
 tensors' blocks, on which the CPU products run directly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
@@ -12,6 +13,7 @@ Matrix orientation: numpy shape (out_features, in_features), so y = x @ W.T.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from dataclasses import dataclass
@@ -40,7 +42,7 @@ class ModelConfig:
     n_embd: int
     n_head: int
     n_head_kv: int
-    n_ff: int
+    n_ff: int               # the FFN's width (a mixture of experts': one expert's)
     n_vocab: int
     n_ctx_train: int
     head_dim: int           # key and value head size (need not be n_embd / n_head)
@@ -59,6 +61,9 @@ class ModelConfig:
     logit_softcap: float    # logits = c * tanh(logits / c) when > 0
     residual_scale: float   # each block's output multiplied by it before the residual add (1.0 = none)
     logit_scale: float      # the logits multiplied by it (1.0 = none; Granite: 1 / <arch>.logit_scale)
+    n_expert: int = 0       # a mixture of experts' FFNs per layer (0: one dense FFN)
+    n_expert_used: int = 0  # the experts each token runs (its top k by router probability)
+    expert_weights_scale: float = 1.0   # the normalised expert weights multiplied by it
 
     @property
     def rope_neox(self) -> bool:
@@ -121,13 +126,22 @@ class ModelConfig:
             logit_scale = float(np.float32(1.0) / np.float32(divisor))
             rope_on = bool(md.get(f"{name}.rope.scaling.finetuned", True))
         n_ctx_train = count("context_length", 2048)
+        n_expert = n_expert_used = 0
+        n_ff = count("feed_forward_length") if not arch.moe else 0
+        if arch.moe:        # llama.cpp's qwen3moe.cpp: n_ff_exp, else n_ff / n_expert_used
+            n_expert, n_expert_used = count("expert_count"), count("expert_used_count")
+            if n_expert_used > n_expert:
+                raise ModelLoadError(f"GGUF metadata: {n_expert_used} experts used per token of {n_expert}; "
+                                     "the file is corrupt")
+            n_ff = (count("expert_feed_forward_length") if f"{name}.expert_feed_forward_length" in md
+                    else count("feed_forward_length") // n_expert_used)
         return cls(
             arch=arch,
             n_layer=n_layer,
             n_embd=n_embd,
             n_head=n_head,
             n_head_kv=n_head_kv,
-            n_ff=count("feed_forward_length"),
+            n_ff=n_ff,
             n_vocab=n_vocab,
             n_ctx_train=n_ctx_train,
             head_dim=head_dim,
@@ -148,6 +162,10 @@ class ModelConfig:
             logit_softcap=number("final_logit_softcapping", 0.0) if arch.logit_softcap else 0.0,
             residual_scale=residual_scale,
             logit_scale=logit_scale,
+            n_expert=n_expert,
+            n_expert_used=n_expert_used,
+            # llama.cpp's build_moe_ffn: a scale of 0 (or none) is no scale
+            expert_weights_scale=number("expert_weights_scale", 0.0) or 1.0,
         )
 
 
@@ -159,14 +177,18 @@ class LayerWeights:
     wqkv: object            # [(n_head + 2*n_head_kv)*head_dim, n_embd]: rows Q, then K, then V
     wo: object              # [n_embd, n_head*head_dim]
     ffn_norm: np.ndarray    # [n_embd]
-    w_gate_up: object       # [2*n_ff, n_embd]: rows gate, then up
-    w_down: object          # [n_embd, n_ff]
+    w_gate_up: object       # [2*n_ff, n_embd]: rows gate, then up (None for a mixture of experts)
+    w_down: object          # [n_embd, n_ff] (None for a mixture of experts)
     # What some rows add (None where the row has none):
     qkv_bias: np.ndarray | None = None        # [(n_head + 2*n_head_kv)*head_dim]: Q, K, V biases
     q_norm: np.ndarray | None = None          # [head_dim]: per-head RMSNorm of q
     k_norm: np.ndarray | None = None          # [head_dim]: per-head RMSNorm of k
     post_attn_norm: np.ndarray | None = None  # [n_embd]: the attention block's output norm
     post_ffn_norm: np.ndarray | None = None   # [n_embd]: the FFN block's output norm
+    # A mixture of experts (cfg.n_expert > 0): the router and each expert's matrices, views of the 3-D tensors
+    router: object | None = None              # [n_expert, n_embd]
+    experts_gate_up: list | None = None       # n_expert x [2*n_ff, n_embd]: expert e's gate rows, then its up rows
+    experts_down: list | None = None          # n_expert x [n_embd, n_ff]
 
 
 @dataclass
@@ -225,6 +247,11 @@ def matrix_part(entry, path: str):
     return (f"{path}: tensor {entry.name}", "Q8_0", quantize(f32, GGMLQuantizationType.Q8_0), rows)
 
 
+def expert_entry(entry, e: int):
+    """Expert e of a 3-D expert tensor [n_expert, rows, cols]: a 2-D entry viewing its rows (no copy)."""
+    return dataclasses.replace(entry, name=f"{entry.name}[{e}]", shape=entry.shape[1:], data=entry.data[e])
+
+
 def block_matrix(entries, path: str):
     """The BlockMatrix of the row-wise concatenation of entries (2-D tensors of one width)."""
     # up a layer, on purpose: the weights are the CPU kernel's own view of the mapped blocks (no copy, no decode)
@@ -277,7 +304,9 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig) -> ModelWeights:
                  "ffn_up.weight": ((2 if arch.fused_gate_up else 1) * cfg.n_ff, d), "ffn_down.weight": (d, cfg.n_ff),
                  "attn_q.bias": (q_dim,), "attn_k.bias": (kv_dim,), "attn_v.bias": (kv_dim,),
                  "attn_q_norm.weight": (D,), "attn_k_norm.weight": (D,),
-                 "post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,)}
+                 "post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,),
+                 "ffn_gate_inp.weight": (cfg.n_expert, d), "ffn_gate_exps.weight": (cfg.n_expert, cfg.n_ff, d),
+                 "ffn_up_exps.weight": (cfg.n_expert, cfg.n_ff, d), "ffn_down_exps.weight": (cfg.n_expert, d, cfg.n_ff)}
     expected = {"token_embd.weight": (cfg.n_vocab, d), "output_norm.weight": (d,), "output.weight": (cfg.n_vocab, d),
                 "rope_freqs.weight": (cfg.rope_dim // 2,), "rope_factors_long.weight": (cfg.rope_dim // 2,),
                 "rope_factors_short.weight": (cfg.rope_dim // 2,)}
@@ -300,15 +329,25 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig) -> ModelWeights:
         bias = None
         if arch.qkv_bias:
             bias = np.concatenate([vec(b + "attn_q.bias"), vec(b + "attn_k.bias"), vec(b + "attn_v.bias")])
+        if arch.moe:
+            ffn = dict(router=block_matrix([t[b + "ffn_gate_inp.weight"]], gf.path),
+                       experts_gate_up=[block_matrix([expert_entry(t[b + "ffn_gate_exps.weight"], e),
+                                                      expert_entry(t[b + "ffn_up_exps.weight"], e)], gf.path)
+                                        for e in range(cfg.n_expert)],
+                       experts_down=[block_matrix([expert_entry(t[b + "ffn_down_exps.weight"], e)], gf.path)
+                                     for e in range(cfg.n_expert)],
+                       w_gate_up=None, w_down=None)
+        else:
+            ffn = dict(w_gate_up=block_matrix([t[b + n] for n in arch.gate_up_tensors()], gf.path),
+                       w_down=block_matrix([t[b + "ffn_down.weight"]], gf.path))
         layers.append(LayerWeights(
             attn_norm=vec(b + "attn_norm.weight"),
             wqkv=block_matrix([t[b + n] for n in arch.qkv_tensors()], gf.path),
             wo=block_matrix([t[b + "attn_output.weight"]], gf.path),
             ffn_norm=vec(b + "ffn_norm.weight"),
-            w_gate_up=block_matrix([t[b + n] for n in arch.gate_up_tensors()], gf.path),
-            w_down=block_matrix([t[b + "ffn_down.weight"]], gf.path),
             qkv_bias=bias, q_norm=vec(b + "attn_q_norm.weight"), k_norm=vec(b + "attn_k_norm.weight"),
-            post_attn_norm=vec(b + "post_attention_norm.weight"), post_ffn_norm=vec(b + "post_ffw_norm.weight")))
+            post_attn_norm=vec(b + "post_attention_norm.weight"), post_ffn_norm=vec(b + "post_ffw_norm.weight"),
+            **ffn))
         progress.step()
     tok = block_matrix([t["token_embd.weight"]], gf.path)
     output = block_matrix([t["output.weight"]], gf.path) if has_output else tok

@@ -5,6 +5,7 @@ decode steps of several slots; and a token's logits the same alone, in a batch, 
 thread count."""
 import dataclasses
 import time
+import types
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from fastserve.backends.cpu.backend import CpuBackend
 from fastserve.models.synthetic import write_llama_gguf
 
 FAMILIES = {"llama": {}, "qwen2": {}, "qwen3": {}, "gemma3": {"sliding_window": 5}, "granite": {},
-            "smollm3": {"n_layer": 4}, "phi3": {"head_dim": 16}}
+            "smollm3": {"n_layer": 4}, "phi3": {"head_dim": 16}, "qwen3moe": {"n_expert": 8, "n_expert_used": 2}}
 
 
 SHAPE = dict(n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=96, n_layer=3)
@@ -64,7 +65,7 @@ def test_logit_softcap_and_linear_rope_scaling(models):
         assert np.abs(g).max() < 3.0
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "granite", "smollm3", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "granite", "smollm3", "phi3", "qwen3moe"])
 def test_a_tokens_logits_do_not_depend_on_its_batch_chunk_or_threads(models, arch):
     model = models[arch]
     cfg = model.config
@@ -82,6 +83,57 @@ def test_a_tokens_logits_do_not_depend_on_its_batch_chunk_or_threads(models, arc
         results.append(np.concatenate(out))
     for r in results[1:]:
         assert np.array_equal(r, results[0])
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_a_mixture_of_experts_token_is_the_same_alone_and_among_other_rows(models, reference):
+    """qwen3moe (8 experts, top 2): 12 decode rows of 12 slots, whose experts overlap (each selected expert runs
+    once over all its rows), give each row the logits it gets alone."""
+    model = models["qwen3moe"]
+    cfg = model.config
+    rng = np.random.default_rng(4)
+    prompts = rng.integers(0, cfg.n_vocab, (12, 6))
+    be = CpuBackend(cfg, model.weights, 12, 32, max_tokens=72, threads=2, reference=reference)
+    if not reference:
+        be._forward.parallel_rows = 4
+    for s, p in enumerate(prompts):                     # each slot's prompt, alone
+        be.forward(p[:5], np.arange(5), np.full(5, s), [4])
+    together = be.forward(prompts[:, 5], np.full(12, 5), np.arange(12), np.arange(12)).copy()
+    for s, p in enumerate(prompts):
+        assert np.array_equal(be.forward(p[5:], [5], [s], [0]), together[s:s + 1]), f"row {s}"
+    from fastserve.backends.cpu.ref.forward import route
+    h = rng.standard_normal((12, cfg.n_embd)).astype(np.float32)
+    logits = np.zeros((12, cfg.n_expert), np.float32)
+    be._mm(h, model.weights.layers[0].router, logits)
+    experts, _ = route(logits, cfg.n_expert_used, 1.0)
+    assert len(np.unique(experts)) < experts.size      # some expert was chosen by several rows
+
+
+def test_tied_experts_are_the_reference_bit_for_bit(models):
+    """A router of zeros (every expert tied on every row: the lower ids win) in the C forward and the reference."""
+    from fastserve.backends.cpu._matmul import BlockMatrix
+    model = models["qwen3moe"]
+    cfg, w = model.config, model.weights
+    zero = BlockMatrix.from_float(np.zeros((cfg.n_expert, cfg.n_embd), np.float32))
+    tied = dataclasses.replace(w, layers=[dataclasses.replace(lw, router=zero) for lw in w.layers])
+    model = types.SimpleNamespace(weights=tied)
+    for got, want in zip(_run(model, cfg, threads=2), _run(model, cfg, reference=True)):
+        assert np.array_equal(got, want)
+
+
+def test_expert_routes_softmax_top_k_renormalised():
+    """route: the k largest probabilities, ties to the lower id, weights renormalised to sum to 1 (times the
+    scale), as llama.cpp's softmax gating with norm_w; a row's route is its own."""
+    from fastserve.backends.cpu.ref.forward import route
+    logits = np.array([[0.0, 2.0, 1.0, 2.0], [5.0, 5.0, 5.0, 5.0], [-1.0, 0.0, 3.0, 1.0]], np.float32)
+    experts, w = route(logits.copy(), 2, 1.0)
+    assert experts.tolist() == [[1, 3], [0, 1], [2, 3]]
+    assert np.allclose(w.sum(axis=1), 1.0) and np.allclose(w[:2], 0.5)
+    p = np.exp(logits[2] - 3.0)
+    assert np.allclose(w[2], [1 / (1 + p[3]), p[3] / (1 + p[3])])
+    assert np.allclose(route(logits.copy(), 2, 2.5)[1], 2.5 * w)
+    alone = [route(logits[i:i + 1].copy(), 2, 1.0) for i in range(3)]
+    assert all(np.array_equal(a[0][0], experts[i]) and np.array_equal(a[1][0], w[i]) for i, a in enumerate(alone))
 
 
 def test_a_ring_is_the_reference_bit_for_bit(models):

@@ -163,10 +163,12 @@ def test_the_gpu_backend_reads_the_same_rows(models):
 
     from fastserve.backends.cuda.backend import CupyBackend, DeviceUnavailable
     refused = {"granite": ["a residual multiplier (0.22)", "a logit multiplier (0.125)"],
-               "smollm3": ["layers without RoPE"]}
+               "smollm3": ["layers without RoPE"], "qwen3moe": ["mixture-of-experts FFNs"]}
     assert {n: unsupported_features(m.config) for n, m in models.items()} == {n: refused.get(n, []) for n in models}
     with pytest.raises(DeviceUnavailable, match=r"does not run a residual multiplier.*'granite'.*--device cpu"):
         CupyBackend(models["granite"].config, models["granite"].weights, 1, 16)
+    with pytest.raises(DeviceUnavailable, match=r"does not run mixture-of-experts FFNs.*'qwen3moe'.*--device cpu"):
+        CupyBackend(models["qwen3moe"].config, models["qwen3moe"].weights, 1, 16)
     g = models["gemma3"]
     for change, named in ((dict(head_dim=512), "head_dim 512"), (dict(head_dim=260), "head_dim 260"),
                           (dict(n_head=16, n_head_kv=1), "16 query heads per KV head")):
@@ -198,6 +200,24 @@ def _reference_logits(model, ids) -> np.ndarray:
         out[..., i0], out[..., i1] = x[..., i0] * c - x[..., i1] * s, x[..., i0] * s + x[..., i1] * c
         return out
 
+    def ffn(h, w_gate_up, w_down):
+        gu = h @ w_gate_up.to_float().T
+        g, u = gu[:, :cfg.n_ff], gu[:, cfg.n_ff:]
+        act = (0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) if cfg.ffn_gelu
+               else g / (1 + np.exp(-g)))
+        return (act * u) @ w_down.to_float().T
+
+    def moe(h, lw):         # the router's softmax, each row's top k, their weights renormalised
+        logits = h @ lw.router.to_float().T
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out = np.zeros_like(h)
+        for i, row in enumerate(p):
+            top = np.argsort(-row)[:cfg.n_expert_used]
+            for e in top:
+                out[i] += row[e] / row[top].sum() * ffn(h[i:i + 1], lw.experts_gate_up[e], lw.experts_down[e])[0]
+        return out
+
     x = w.tok_embd.to_float().astype(np.float64)[ids] * cfg.embd_scale
     r = cfg.residual_scale
     qpos, kpos = np.arange(n)[:, None], np.arange(n)[None, :]
@@ -222,11 +242,8 @@ def _reference_logits(model, ids) -> np.ndarray:
         p /= p.sum(-1, keepdims=True)
         a = np.einsum("hqk,khd->qhd", p, v).reshape(n, H * D) @ lw.wo.to_float().T
         x = x + r * (norm(a, lw.post_attn_norm) if lw.post_attn_norm is not None else a)
-        gu = norm(x, lw.ffn_norm) @ lw.w_gate_up.to_float().T
-        g, u = gu[:, :cfg.n_ff], gu[:, cfg.n_ff:]
-        act = (0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) if cfg.ffn_gelu
-               else g / (1 + np.exp(-g)))
-        f = (act * u) @ lw.w_down.to_float().T
+        h = norm(x, lw.ffn_norm)
+        f = ffn(h, lw.w_gate_up, lw.w_down) if not cfg.n_expert else moe(h, lw)
         x = x + r * (norm(f, lw.post_ffn_norm) if lw.post_ffn_norm is not None else f)
     return norm(x, w.out_norm) @ w.output.to_float().T * cfg.logit_scale
 

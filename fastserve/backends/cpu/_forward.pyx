@@ -1,7 +1,7 @@
 # cython: language_level=3
 """The CPU forward pass of a batch in one call, in C without the GIL: embedding rows, every layer
-(norms, products, biases, q/k norms, RoPE where the layer has it, KV store, attention, GLU, sandwich
-norms, residual multiplier and adds), the final norm of the out rows, the output product, the logit
+(norms, products, biases, q/k norms, RoPE where the layer has it, KV store, attention, GLU or a mixture of
+experts, sandwich norms, residual multiplier and adds), the final norm of the out rows, the output product, the logit
 multiplier and softcap; or, for embeddings, the out rows' final hidden states (after the output norm)
 instead of their logits (hidden=True: no output product).
 
@@ -12,7 +12,10 @@ fastserve.backends.cpu.ref.layer_ops, so the two forwards agree bit for bit (tes
 
 Every element-wise stage computes each batch row on its own (a big batch's rows are split over the
 pool, each row whole on one thread), so a token's logits do not depend on the batch, its chunk or the
-threads, as for the products and attention. The activations live in buffers sized at construction
+threads, as for the products and attention. A mixture of experts keeps that: each row's experts and weights
+come from its own router logits (_route), each selected expert runs once over the rows that chose it
+(gathered in batch order: _moe), and a row's weighted expert outputs are summed in the order of their rank,
+as llama.cpp's build_moe_ffn adds them (_moe_sum). The activations live in buffers sized at construction
 (grown, never shrunk, when a step brings more rows): a step allocates nothing of their size.
 
     fwd = Forward(cfg, weights, kv, (cos, sin), (cos_local, sin_local), mm, attn, rows)
@@ -26,7 +29,7 @@ import numpy as np
 
 from libc.stdint cimport int64_t, uint8_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
 from fastserve.backends.cpu._pool cimport Pool, fs_task_fn, pool_run
@@ -45,11 +48,14 @@ cdef extern from "_layer_ops.h" nogil:
     void fs_swiglu(const float *gate, const float *up, int64_t n, float *out)
     void fs_geglu(const float *gate, const float *up, int64_t n, float *out)
     void fs_softcap(float *x, int64_t n, float c)
+    float fs_exp_neg(float x)
 
 # Rows from which an element-wise stage is split over the pool. Measured on 2 busy vCPUs (default
 # model, threads 2): a 32-row batch was ~5 % slower split, a 256-row prefill chunk ~2 % faster (within
 # the noise): the stages are ~0.15 ms a row against ~2 ms of products, so only big chunks split.
 PARALLEL_ROWS = 64
+# llama.cpp's build_moe_ffn: the sum of a row's top-k weights clamped to the smallest normal f16 before dividing
+DEF MIN_WEIGHT_SUM = 6.103515625e-5
 
 
 cdef struct fs_layer:
@@ -60,7 +66,10 @@ cdef struct fs_layer:
     const float *k_norm
     const float *post_attn          # [d], or NULL
     const float *post_ffn
-    fs_matrix wqkv, wo, wgu, wdown
+    fs_matrix wqkv, wo, wgu, wdown   # wgu, wdown: a dense FFN's
+    fs_matrix router                # a mixture of experts': [n_expert, d]
+    const fs_matrix *egu            # [n_expert] each expert's gate | up rows, or NULL (a dense FFN)
+    const fs_matrix *edown          # [n_expert] each expert's down matrix
     kv_layer kv
     const float *cos                # the layer's RoPE table [n_ctx, rope_dim / 2]
     const float *sin
@@ -71,9 +80,11 @@ cdef struct fs_layer:
 cdef struct fs_fwd:
     # the model
     int64_t d, H, Hkv, D, q_dim, kv_dim, n_ff, rope_dim, n_layer
+    int64_t n_expert, n_used        # a mixture of experts (0: dense FFNs), the experts a token runs
     int neox, gelu
-    float eps, embd_scale, softcap, attn_scale, residual_scale, logit_scale
+    float eps, embd_scale, softcap, attn_scale, residual_scale, logit_scale, expert_scale
     fs_layer *layers
+    fs_matrix *experts              # [n_layer, 2, n_expert]: the layers' egu, edown
     fs_matrix embd, output
     const float *out_norm
     # the activations, [rows, width] each
@@ -85,7 +96,15 @@ cdef struct fs_fwd:
     float *att                      # [q_dim] attention's output
     float *gu                       # [2 n_ff] gate | up
     float *act                      # [n_ff]
-    # the step
+    # a mixture of experts'
+    float *route                    # [n_expert] router logits, then probabilities
+    int64_t *sel                    # [n_used] the row's experts by rank
+    float *wts                      # [n_used] their weights
+    float *xe                       # [d] an expert's rows of h, gathered
+    float *ye                       # [d] its outputs
+    float *moe                      # [n_used, d] the row's weighted expert outputs, by rank
+    int64_t *order                  # [n_used] (row, rank) pairs i * n_used + r, grouped by expert (whole batch)
+    int64_t *start                  # [n_expert + 1] (not per row) each expert's first entry of order    # the step
     const int64_t *tokens
     const int64_t *pos
     const int64_t *slots
@@ -156,6 +175,53 @@ cdef void _glu(void *ctx, int64_t b, int64_t e) noexcept nogil:
             fs_swiglu(f.gu + i * 2 * nf, f.gu + i * 2 * nf + nf, nf, f.act + i * nf)
 
 
+cdef void _route(void *ctx, int64_t b, int64_t e) noexcept nogil:
+    """Each row's experts and weights from its router logits, as llama.cpp's softmax gating with normalised
+    weights: p = softmax(logits) (summed in expert order); the n_used largest p, ties to the lower id;
+    w = p / max(their sum, MIN_WEIGHT_SUM) (summed in rank order), times the expert scale."""
+    cdef fs_fwd *f = <fs_fwd *>ctx
+    cdef int64_t i, x, r, best, E = f.n_expert, k = f.n_used
+    cdef float *p
+    cdef float mx, total
+    for i in range(b, e):
+        p = f.route + i * E
+        mx = p[0]
+        for x in range(1, E):
+            if p[x] > mx:
+                mx = p[x]
+        total = 0.0
+        for x in range(E):
+            p[x] = fs_exp_neg(p[x] - mx)
+            total = total + p[x]
+        for x in range(E):
+            p[x] = p[x] / total
+        total = 0.0
+        for r in range(k):
+            best = 0
+            for x in range(1, E):
+                if p[x] > p[best]:
+                    best = x
+            f.sel[i * k + r], f.wts[i * k + r] = best, p[best]
+            p[best] = -1.0                  # taken (probabilities are >= 0)
+            total = total + f.wts[i * k + r]
+        if total < MIN_WEIGHT_SUM:
+            total = MIN_WEIGHT_SUM
+        for r in range(k):
+            f.wts[i * k + r] = f.wts[i * k + r] / total
+            if f.expert_scale != 1.0:
+                f.wts[i * k + r] = f.wts[i * k + r] * f.expert_scale
+
+
+cdef void _moe_sum(void *ctx, int64_t b, int64_t e) noexcept nogil:
+    """y = a row's weighted expert outputs summed in rank order."""
+    cdef fs_fwd *f = <fs_fwd *>ctx
+    cdef int64_t i, r, d = f.d, k = f.n_used
+    for i in range(b, e):
+        memcpy(f.y + i * d, f.moe + i * k * d, d * sizeof(float))
+        for r in range(1, k):
+            fs_add(f.y + i * d, f.moe + (i * k + r) * d, d)
+
+
 cdef void _ffn_out(void *ctx, int64_t b, int64_t e) noexcept nogil:
     cdef fs_fwd *f = <fs_fwd *>ctx
     _residual(f, b, e, f.layer.post_ffn, f.next.attn_norm if f.next != NULL else NULL)
@@ -212,9 +278,11 @@ cdef class Forward:
 
     def __cinit__(self):
         self.f.layers = NULL
+        self.f.experts = NULL
 
     def __dealloc__(self):
         free(self.f.layers)
+        free(self.f.experts)
 
     def __init__(self, cfg, weights, kv, ropes, ropes_local, Matmul mm, Attention attn, Pool pool, int64_t rows):
         cdef fs_fwd *f = &self.f
@@ -227,6 +295,9 @@ cdef class Forward:
         f.n_layer, f.neox, f.gelu = cfg.n_layer, cfg.rope_neox, cfg.ffn_gelu
         f.eps, f.embd_scale, f.softcap, f.attn_scale = cfg.norm_eps, cfg.embd_scale, cfg.logit_softcap, cfg.attn_scale
         f.residual_scale, f.logit_scale = cfg.residual_scale, cfg.logit_scale
+        f.n_expert, f.n_used, f.expert_scale = cfg.n_expert, cfg.n_expert_used, cfg.expert_weights_scale
+        if f.n_expert and not 0 < f.n_used <= f.n_expert:
+            raise ValueError(f"Forward: {f.n_used} experts used of {f.n_expert}")
         if f.n_layer < 1 or f.H % f.Hkv:
             raise ValueError(f"Forward: {f.n_layer} layers, {f.H} heads over {f.Hkv} KV heads")
         self.n_vocab, self.n_slots, self.n_ctx = cfg.n_vocab, kv.n_slots, kv.n_ctx_slot
@@ -234,6 +305,10 @@ cdef class Forward:
         f.layers = <fs_layer *>malloc(f.n_layer * sizeof(fs_layer))
         if f.layers == NULL:
             raise MemoryError("Forward: out of memory")
+        if f.n_expert:
+            f.experts = <fs_matrix *>malloc(f.n_layer * 2 * f.n_expert * sizeof(fs_matrix))
+            if f.experts == NULL:
+                raise MemoryError("Forward: out of memory")
         cdef const float *tables[4]
         for i, t in enumerate((*ropes, *ropes_local)):
             tables[i] = self._table(t, kv.n_ctx_slot, f.rope_dim // 2)
@@ -247,8 +322,7 @@ cdef class Forward:
             L.post_attn, L.post_ffn = self._vec(lw.post_attn_norm, f.d), self._vec(lw.post_ffn_norm, f.d)
             L.wqkv = self._matrix(lw.wqkv, f.q_dim + 2 * f.kv_dim, f.d)
             L.wo = self._matrix(lw.wo, f.d, f.q_dim)
-            L.wgu = self._matrix(lw.w_gate_up, 2 * f.n_ff, f.d)
-            L.wdown = self._matrix(lw.w_down, f.d, f.n_ff)
+            self._ffn(L, lw, li)
             L.kv.k, L.kv.v = self._cache(kv.k[li]), self._cache(kv.v[li])
             L.kv.n_slots, L.kv.n_ktiles, L.kv.n_ctx = kv.k[li].shape[0], kv.k[li].shape[1], kv.v[li].shape[1]
             L.kv.Hkv, L.kv.D, L.kv.type_k, L.kv.type_v, L.kv.ring = f.Hkv, f.D, tk, tv, kv.rings[li]
@@ -262,6 +336,29 @@ cdef class Forward:
         self.rows = 0
         self._grow(max(1, rows))
         self.parallel_rows = PARALLEL_ROWS
+
+    cdef _ffn(self, fs_layer *L, lw, int64_t li):
+        """Layer li's FFN matrices: a dense one's, or a mixture of experts' router and experts (egu, edown)."""
+        cdef fs_fwd *f = &self.f
+        cdef int64_t e, E = f.n_expert
+        cdef fs_matrix *gu
+        cdef fs_matrix *down
+        memset(&L.wgu, 0, sizeof(fs_matrix))
+        memset(&L.wdown, 0, sizeof(fs_matrix))
+        memset(&L.router, 0, sizeof(fs_matrix))
+        L.egu = L.edown = NULL
+        if not E:
+            L.wgu = self._matrix(lw.w_gate_up, 2 * f.n_ff, f.d)
+            L.wdown = self._matrix(lw.w_down, f.d, f.n_ff)
+            return
+        if len(lw.experts_gate_up) != E or len(lw.experts_down) != E:
+            raise ValueError(f"Forward: layer {li} has {len(lw.experts_gate_up)} experts, expected {E}")
+        gu, down = f.experts + 2 * li * E, f.experts + (2 * li + 1) * E
+        L.router = self._matrix(lw.router, E, f.d)
+        for e in range(E):
+            gu[e] = self._matrix(lw.experts_gate_up[e], 2 * f.n_ff, f.d)
+            down[e] = self._matrix(lw.experts_down[e], f.d, f.n_ff)
+        L.egu, L.edown = gu, down
 
     cdef const float *_vec(self, a, int64_t n) except? NULL:
         """A float32 vector of n (kept), or NULL for None."""
@@ -294,13 +391,21 @@ cdef class Forward:
     cdef _grow(self, int64_t rows):
         """The activations for `rows` batch rows (kept in self._bufs)."""
         cdef fs_fwd *f = &self.f
-        widths = (f.d, f.d, f.d, f.q_dim + 2 * f.kv_dim, f.q_dim, f.q_dim, 2 * f.n_ff, f.n_ff)
+        cdef int64_t E = max(1, f.n_expert), k = max(1, f.n_used)
+        widths = (f.d, f.d, f.d, f.q_dim + 2 * f.kv_dim, f.q_dim, f.q_dim, 2 * f.n_ff, f.n_ff,
+                  E, k, f.d, f.d, k * f.d)
         bufs = [np.zeros((rows, w), np.float32) for w in widths]
         cdef float[:, ::1] b0 = bufs[0], b1 = bufs[1], b2 = bufs[2], b3 = bufs[3]
         cdef float[:, ::1] b4 = bufs[4], b5 = bufs[5], b6 = bufs[6], b7 = bufs[7]
+        cdef float[:, ::1] b8 = bufs[8], b9 = bufs[9], b10 = bufs[10], b11 = bufs[11], b12 = bufs[12]
         f.x, f.h, f.y, f.qkv = &b0[0, 0], &b1[0, 0], &b2[0, 0], &b3[0, 0]
         f.q, f.att, f.gu, f.act = &b4[0, 0], &b5[0, 0], &b6[0, 0], &b7[0, 0]
-        self._bufs = bufs
+        f.route, f.wts, f.xe, f.ye, f.moe = &b8[0, 0], &b9[0, 0], &b10[0, 0], &b11[0, 0], &b12[0, 0]
+        ints = [np.zeros((rows, k), np.int64), np.zeros((rows, k), np.int64), np.zeros(E + 1, np.int64)]
+        cdef int64_t[:, ::1] i0 = ints[0], i1 = ints[1]
+        cdef int64_t[::1] i2 = ints[2]
+        f.sel, f.order, f.start = &i0[0, 0], &i1[0, 0], &i2[0]
+        self._bufs = bufs + ints
         self.rows = rows
 
     def __call__(self, tokens, positions, slots, out_rows, logits, bint hidden=False):
@@ -375,6 +480,52 @@ cdef class Forward:
         self._rows(stage, n)
         self._lap(2)
 
+    cdef int _moe(self, int64_t n, const fs_layer *L) noexcept nogil:
+        """y [n, d] = the mixture of experts of h [n, d]: the rows' routes (_route), the (row, rank) pairs grouped
+        by expert (a counting sort, rows in batch order), each selected expert once over its gathered rows (its
+        products, the GLU on the first m rows of gu / act), its outputs weighted into the rows' moe slots, then
+        each row's sum by rank (_moe_sum). < 0: out of memory."""
+        cdef fs_fwd *f = &self.f
+        cdef int64_t E = f.n_expert, k = f.n_used, d = f.d, e, j, t, c, m, first
+        cdef float w
+        cdef float *src
+        cdef float *dst
+        if self._product(f.h, d, n, &L.router, f.route, E, 0) < 0:
+            return -1
+        self._stage(_route, n)
+        memset(f.start, 0, (E + 1) * sizeof(int64_t))
+        for j in range(n * k):
+            f.start[f.sel[j] + 1] += 1
+        for e in range(E):
+            f.start[e + 1] += f.start[e]
+        for j in range(n * k):                  # start[e] runs ahead as e's entries are placed, then is restored
+            f.order[f.start[f.sel[j]]] = j
+            f.start[f.sel[j]] += 1
+        for e in range(E - 1, 0, -1):
+            f.start[e] = f.start[e - 1]
+        f.start[0] = 0
+        for e in range(E):
+            first, m = f.start[e], f.start[e + 1] - f.start[e]
+            if m == 0:
+                continue
+            for t in range(m):
+                memcpy(f.xe + t * d, f.h + (f.order[first + t] // k) * d, d * sizeof(float))
+            self._lap(2)
+            if self._product(f.xe, d, m, &L.egu[e], f.gu, 2 * f.n_ff, 0) < 0:
+                return -1
+            _glu(f, 0, m)
+            self._lap(2)
+            if self._product(f.act, f.n_ff, m, &L.edown[e], f.ye, d, 0) < 0:
+                return -1
+            for t in range(m):
+                j = f.order[first + t]
+                w, src, dst = f.wts[j], f.ye + t * d, f.moe + j * d
+                for c in range(d):
+                    dst[c] = src[c] * w
+            self._lap(2)
+        self._stage(_moe_sum, n)
+        return 0
+
     cdef int _run(self, int64_t n, int64_t m) noexcept nogil:
         cdef fs_fwd *f = &self.f
         cdef const fs_layer *L
@@ -394,11 +545,15 @@ cdef class Forward:
             if self._product(f.att, f.q_dim, n, &L.wo, f.y, f.d, 0) < 0:
                 return -1
             self._stage(_attn_out, n)
-            if self._product(f.h, f.d, n, &L.wgu, f.gu, 2 * f.n_ff, 0) < 0:
-                return -1
-            self._stage(_glu, n)
-            if self._product(f.act, f.n_ff, n, &L.wdown, f.y, f.d, 0) < 0:
-                return -1
+            if L.egu != NULL:
+                if self._moe(n, L) < 0:
+                    return -1
+            else:
+                if self._product(f.h, f.d, n, &L.wgu, f.gu, 2 * f.n_ff, 0) < 0:
+                    return -1
+                self._stage(_glu, n)
+                if self._product(f.act, f.n_ff, n, &L.wdown, f.y, f.d, 0) < 0:
+                    return -1
             self._stage(_ffn_out, n)
         if m == 0:
             return 0

@@ -45,8 +45,8 @@ CuPy's stream synchronisation releases the GIL while it waits.
 It reads the same description as the CPU backend (ModelConfig and its architecture row,
 models/architecture.py): llama, qwen2, qwen3, gemma3 and phi3 run. What a model asks for that these
 kernels do not run (unsupported_features: heads over 256 wide, more than 8 query heads per KV head,
-granite's residual and logit multipliers, smollm3's layers without RoPE) is refused at construction,
-naming it, and `auto` picks the CPU for such a model.
+granite's residual and logit multipliers, smollm3's layers without RoPE, qwen3moe's mixture of experts) is
+refused at construction, naming it, and `auto` picks the CPU for such a model.
 
 Importing this module needs no CuPy; building a CupyBackend does.
 """
@@ -94,13 +94,14 @@ def unsupported_features(cfg: ModelConfig) -> list[str]:
     """What cfg asks for that the CUDA kernels do not run (empty: all of it runs). The features of the
     first rows (GeGLU, sandwich norms, the embedding scale, sliding-window layers, soft-capping, fused
     tensors, RoPE factors) run; what is left are shapes the attention kernel has no instance for, and
-    granite's and smollm3's steps that no kernel has yet."""
+    granite's and smollm3's steps and qwen3moe's experts (their router and grouping) that no kernel has yet."""
     wanted = [(cfg.head_dim > K.ATTN_HEAD_DIMS[-1] or cfg.head_dim % 8,
                f"head_dim {cfg.head_dim} (cuda/attention.cu: multiples of 8 up to {K.ATTN_HEAD_DIMS[-1]})"),
               (cfg.n_head // cfg.n_head_kv > 8, f"{cfg.n_head // cfg.n_head_kv} query heads per KV head (at most 8)"),
               (cfg.residual_scale != 1.0, f"a residual multiplier ({cfg.residual_scale:g})"),
               (cfg.logit_scale != 1.0, f"a logit multiplier ({cfg.logit_scale:g})"),
-              (not all(cfg.rope_layers), "layers without RoPE")]
+              (not all(cfg.rope_layers), "layers without RoPE"),
+              (cfg.n_expert > 0, "mixture-of-experts FFNs")]
     return [name for needed, name in wanted if needed]
 
 

@@ -2,8 +2,13 @@
 one C call), composed of the element-wise twins (fastserve.backends.cpu.ref.layer_ops) and the backend's products
 and attention called from Python, so that the two agree bit for bit (tests/parity/test_forward.py).
 It reads what a family adds (biases, q/k norms, sandwich norms, GeGLU, NeoX RoPE, local layers, layers
-without RoPE, residual and logit multipliers) from cfg (models/architecture.py), never from the
-architecture's name.
+without RoPE, residual and logit multipliers, a mixture of experts) from cfg (models/architecture.py), never
+from the architecture's name.
+
+A mixture of experts (moe_ffn): each row's experts and weights from its own router logits (route), each
+selected expert run once over the rows that chose it (rows in batch order), each row's weighted expert outputs
+summed in the order of their rank (llama.cpp's build_moe_ffn adds them so): nothing of a row depends on the
+others.
 
 Shapes: n = tokens in the batch, d = n_embd, H = heads, Hkv = KV heads, D = head_dim.
 """
@@ -11,7 +16,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layer_ops import apply_rope, geglu, head_norm, rms_norm, softcap, swiglu
+from .layer_ops import apply_rope, exp_neg, geglu, head_norm, rms_norm, softcap, swiglu
+
+F32 = np.float32
+# llama.cpp's build_moe_ffn: the sum of a row's top-k weights clamped to the smallest normal f16 before dividing
+MIN_WEIGHT_SUM = F32(6.103515625e-5)
 
 
 class Activations:
@@ -30,6 +39,53 @@ class Activations:
         self.attn = np.zeros((rows, q_dim), np.float32)
         self.gu = np.zeros((rows, 2 * cfg.n_ff), np.float32)
         self.act = np.zeros((rows, cfg.n_ff), np.float32)
+        if cfg.n_expert:
+            self.route = np.zeros((rows, cfg.n_expert), np.float32)             # router logits
+            self.xe = np.zeros((rows, cfg.n_embd), np.float32)                  # an expert's rows of h
+            self.ye = np.zeros((rows, cfg.n_embd), np.float32)                  # its outputs
+            self.moe = np.zeros((rows, cfg.n_expert_used, cfg.n_embd), np.float32)  # weighted, by rank
+
+
+def route(logits: np.ndarray, k: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """Router logits float32 [n, n_expert] -> (experts int64 [n, k] by rank, weights float32 [n, k]), as
+    llama.cpp's softmax gating with normalised weights: p = softmax(logits) (sums in expert order); the k
+    largest p, ties to the lower id; w = p / max(sum of the k, MIN_WEIGHT_SUM) (sums in rank order), * scale."""
+    p = exp_neg(logits - logits.max(axis=1, keepdims=True))
+    total = p[:, 0].copy()
+    for e in range(1, p.shape[1]):
+        total += p[:, e]
+    p /= total[:, None]
+    experts = np.argsort(-p, axis=1, kind="stable")[:, :k]
+    w = np.take_along_axis(p, experts, axis=1)
+    total = w[:, 0].copy()
+    for r in range(1, k):
+        total += w[:, r]
+    w /= np.maximum(total, MIN_WEIGHT_SUM)[:, None]
+    if scale != 1.0:
+        w *= F32(scale)
+    return experts, w
+
+
+def moe_ffn(be, cfg, lw, a, h: np.ndarray, y: np.ndarray, act_fn) -> None:
+    """y [n, d] = the mixture of experts of h [n, d]: each selected expert once over its rows."""
+    n, nf = len(h), cfg.n_ff
+    be._mm(h, lw.router, a.route[:n])
+    experts, weights = route(a.route[:n], cfg.n_expert_used, cfg.expert_weights_scale)
+    out = a.moe[:n]
+    for e in range(cfg.n_expert):
+        rows, ranks = np.nonzero(experts == e)          # by row: a row picks an expert at most once
+        m = len(rows)
+        if not m:
+            continue
+        xe, gu, act, ye = a.xe[:m], a.gu[:m], a.act[:m], a.ye[:m]
+        np.take(h, rows, axis=0, out=xe)
+        be._mm(xe, lw.experts_gate_up[e], gu)
+        act_fn(gu[:, :nf], gu[:, nf:], act)
+        be._mm(act, lw.experts_down[e], ye)
+        out[rows, ranks] = ye * weights[rows, ranks][:, None]
+    np.copyto(y, out[:, 0])
+    for r in range(1, cfg.n_expert_used):
+        y += out[:, r]
 
 
 def forward(be, tokens, positions, slots, out_rows, logits: np.ndarray, hidden: bool = False) -> np.ndarray:
@@ -79,9 +135,12 @@ def forward(be, tokens, positions, slots, out_rows, logits: np.ndarray, hidden: 
             y *= np.float32(cfg.residual_scale)
         x += y
         rms_norm(x, lw.ffn_norm, cfg.norm_eps, out=h)
-        be._mm(h, lw.w_gate_up, gu)
-        act_fn(gu[:, :cfg.n_ff], gu[:, cfg.n_ff:], act)
-        be._mm(act, lw.w_down, y)
+        if cfg.n_expert:
+            moe_ffn(be, cfg, lw, a, h, y, act_fn)
+        else:
+            be._mm(h, lw.w_gate_up, gu)
+            act_fn(gu[:, :cfg.n_ff], gu[:, cfg.n_ff:], act)
+            be._mm(act, lw.w_down, y)
         if lw.post_ffn_norm is not None:
             rms_norm(y, lw.post_ffn_norm, cfg.norm_eps, out=y)
         if cfg.residual_scale != 1.0:
