@@ -170,3 +170,27 @@ def test_the_api_key_comes_before_the_models(models_dir, tmp_path):
         ok = c.post("/v1/chat/completions", json={"model": "smollm2", "messages": CHAT, "max_tokens": 2},
                     headers={"Authorization": "Bearer k"})
         assert ok.status_code == 200
+
+
+def test_a_load_does_not_stall_another_models_stream(models_dir, tmp_path):
+    """gemma3 loads (a worker thread: ~1 s here) while smollm2 streams: smollm2's tokens keep coming."""
+    with _serve(models_dir, tmp_path, "--models-max", "2") as srv, httpx.Client(base_url=srv.url, timeout=120) as c:
+        _chat(c, "smollm2", 2)
+        stamps = []
+
+        def stream():
+            with c.stream("POST", "/completion", json={"model": "smollm2", "prompt": "Once upon a time",
+                                                       "n_predict": 64, "temperature": 0, "stream": True,
+                                                       "ignore_eos": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        stamps.append(time.monotonic())
+        t = threading.Thread(target=stream)
+        t.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        _chat(c, "gemma3", 2)                    # loads it
+        loaded_in = time.monotonic() - t0
+        t.join()
+    during = [b - a for a, b in zip(stamps, stamps[1:]) if t0 <= b <= t0 + loaded_in]
+    assert during and max(during) < 0.5 * loaded_in, (max(during), loaded_in)
