@@ -32,6 +32,7 @@ from .app import App, run
 from .cors import PREFLIGHT, Cors
 from .errors import HttpError
 from .metrics import Counter
+from .ollama_api import NEVER
 from .reqlog import RequestLog
 from .config import ServerConfig
 from .response import TEXT, Response, StreamResponse, json_response
@@ -223,6 +224,7 @@ class Router:
 
     async def _load(self, entry: Entry) -> None:
         """Build entry's App in a worker thread (the loop serves the other models meanwhile) and start it."""
+        self.log.line(f"loading {entry.name} ({entry.path})")
         try:
             app = await asyncio.get_running_loop().run_in_executor(None, self._build, entry.name, entry.path)
         except Exception as exc:
@@ -234,7 +236,7 @@ class Router:
         app.connections, app.log = self.connections, self.log
         app.watchdog.start()
         entry.app = app
-        self.log.line(f"loaded {entry.name}")
+        self.log.line(f"loaded {entry.name}: {app.engine.describe().model_summary}")
 
     def _make_room(self) -> bool:
         """Room for one more model: True when fewer than models_max are loaded or loading, or once the least
@@ -286,12 +288,25 @@ class Router:
             return json_response({"status": "ok"})
         loaded = [e for e in self.models.values() if e.app is not None]
         if path == "/api/ps":
-            return json_response({"models": [_ollama(e) for e in loaded]})
+            return json_response({"models": [{**_ollama(e), "expires_at": self._expires(e)} for e in loaded]})
         if path == "/api/tags":
             return json_response({"models": [_ollama(e) for e in self.models.values()]})
         return json_response({"object": "list", "data": [
             {"id": e.name, "object": "model", "created": int(self.started_wall), "owned_by": "fastserve",
              "status": {"value": "loaded" if e.app is not None else "unloaded"}} for e in self.models.values()]})
+
+    def _expires(self, e: Entry) -> str:
+        """When an idle model will be unloaded, as Ollama's /api/ps says it (far away: never; now: busy)."""
+        wall = time.time() - time.monotonic()
+        if e.keep_until is not None:
+            at = e.keep_until
+        elif self.sleep_idle >= 0:
+            at = e.last + self.sleep_idle
+        else:
+            at = float("inf")
+        if at == float("inf"):
+            return NEVER
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall + max(at, time.monotonic())))
 
     # -- the server's life -------------------------------------------------------------------------
 

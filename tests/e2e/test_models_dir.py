@@ -114,7 +114,10 @@ def test_keep_alive_zero_and_sleep_idle_unload(models_dir, tmp_path):
         assert _loaded(c) == set()               # unloaded once its answer ended
         _chat(c, "gemma3", 4)
         assert _loaded(c) == {"gemma3"}
+        expires = c.get("/api/ps").json()["models"][0]["expires_at"]
+        assert expires.startswith(time.strftime("%Y-%m-%dT", time.gmtime()))    # soon, not 2318
         assert wait_until(lambda: _loaded(c) == set(), 10)      # idle for 2 s: unloaded
+        assert "loading gemma3" in srv.log() and "loaded gemma3: loaded gemma3.gguf in" in srv.log()
 
 
 def test_unknown_and_missing_models(models_dir, tmp_path):
