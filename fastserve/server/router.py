@@ -208,18 +208,22 @@ class Router:
         --queue-timeout (503 then)."""
         if self.closing:
             raise HttpError(503, "the server is shutting down")
-        deadline = time.monotonic() + (self.config.queue_timeout or float("inf"))
-        while entry.app is None:
-            if entry.loading is None:
-                if not self._make_room():
-                    if time.monotonic() > deadline:
-                        raise HttpError(503, f"every loaded model ({self.models_max}, --models-max) has requests "
-                                             f"in flight; none could be unloaded within the queue limit")
-                    await asyncio.sleep(0.05)
-                    continue
-                entry.loading = asyncio.ensure_future(self._load(entry))
-            await asyncio.shield(entry.loading)     # every waiter of this load; its failure is each one's 500
-        entry.active += 1
+        entry.active += 1           # counted from now: a model a request waits for is never the one unloaded
+        try:
+            deadline = time.monotonic() + (self.config.queue_timeout or float("inf"))
+            while entry.app is None:
+                if entry.loading is None:
+                    if not self._make_room():
+                        if time.monotonic() > deadline:
+                            raise HttpError(503, f"every loaded model ({self.models_max}, --models-max) has "
+                                                 f"requests in flight; none could be unloaded within the queue limit")
+                        await asyncio.sleep(0.05)
+                        continue
+                    entry.loading = asyncio.ensure_future(self._load(entry))
+                await asyncio.shield(entry.loading)     # every waiter of this load; its failure is each one's 500
+        except BaseException:
+            entry.active -= 1
+            raise
         entry.last = time.monotonic()
 
     async def _load(self, entry: Entry) -> None:

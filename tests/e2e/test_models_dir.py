@@ -197,3 +197,18 @@ def test_a_load_does_not_stall_another_models_stream(models_dir, tmp_path):
         t.join()
     during = [b - a for a, b in zip(stamps, stamps[1:]) if t0 <= b <= t0 + loaded_in]
     assert during and max(during) < 0.5 * loaded_in, (max(during), loaded_in)
+
+
+def test_many_requests_for_two_models_at_models_max_one(models_dir, tmp_path):
+    """Requests for both models at once with room for one: each is answered (no model is unloaded under a
+    request, none waits forever), the models taking turns."""
+    with _serve(models_dir, tmp_path, "--models-max", "1") as srv, httpx.Client(base_url=srv.url, timeout=180) as c:
+        results = []
+        threads = [threading.Thread(target=lambda m=m: results.append(_chat(c, m, 4)["model"]))
+                   for m in ["smollm2", "gemma3"] * 4]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(results) == ["gemma3"] * 4 + ["smollm2"] * 4
+        assert len(_loaded(c)) == 1
