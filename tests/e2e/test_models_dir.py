@@ -72,6 +72,8 @@ def test_two_models_listed_loaded_on_use_and_streamed_side_by_side(models_dir, t
         client = ollama.Client(host=srv.url)
         assert client.chat(model="gemma3:latest", messages=CHAT, options={"num_predict": 4}).done
         assert client.embed(model="smollm2", input="hello").embeddings
+        rc, dt = srv.stop()                      # SIGTERM with two models loaded
+        assert rc == 0 and dt < 3.0, (rc, dt)
 
 
 def test_models_max_one_unloads_the_idle_one_never_one_in_flight(models_dir, tmp_path):
