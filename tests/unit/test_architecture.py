@@ -2,6 +2,8 @@
 row knows, and the forward pass's per-row steps checked against plain NumPy written from the formulas."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,7 @@ from fastserve.errors import ModelLoadError
 from fastserve.models.architecture import ARCHITECTURES
 from fastserve.models.gguf_file import GGUFFile
 from fastserve.models.synthetic import write_llama_gguf
-from fastserve.models.transformer import ModelConfig
+from fastserve.models.transformer import ModelConfig, load_weights
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +72,33 @@ def test_granite_refuses_a_missing_or_zero_logit_scale_and_reads_its_rope_switch
     md["granite.logit_scale"] = 0.0
     with pytest.raises(ModelLoadError, match="'granite.logit_scale' is 0.0, not a usable value"):
         ModelConfig.from_metadata(md, 512)
+
+
+def test_qwen3moe_reads_its_experts_and_refuses_bad_counts(models, tmp_path):
+    """expert_count, expert_used_count, expert_feed_forward_length (else llama.cpp's n_ff / n_expert_used),
+    expert_weights_scale (0 or none: none); the experts as views of the 3-D tensors; a count missing or more
+    experts used than there are is refused, and so is an expert tensor of the wrong shape."""
+    m = models["qwen3moe"]
+    c, lw = m.config, m.weights.layers[1]
+    assert (c.n_expert, c.n_expert_used, c.n_ff, c.expert_weights_scale) == (8, 2, 128, 1.0)
+    assert lw.w_gate_up is None and lw.router.shape == (8, 64) and len(lw.experts_down) == 8
+    assert lw.experts_gate_up[5].shape == (256, 64) and lw.experts_down[5].shape == (64, 128)
+    assert lw.experts_gate_up[5].labels[1].endswith("blk.1.ffn_up_exps.weight[5]")
+    md = dict(GGUFFile(write_llama_gguf(tmp_path / "m.gguf", architecture="qwen3moe")).metadata)
+    md["qwen3moe.expert_weights_scale"] = 2.5
+    del md["qwen3moe.expert_feed_forward_length"]
+    md["qwen3moe.feed_forward_length"] = 300
+    assert (ModelConfig.from_metadata(md, 512).n_ff, ModelConfig.from_metadata(md, 512).expert_weights_scale) == (150, 2.5)
+    md["qwen3moe.expert_used_count"] = 9
+    with pytest.raises(ModelLoadError, match="9 experts used per token of 8"):
+        ModelConfig.from_metadata(md, 512)
+    del md["qwen3moe.expert_count"]
+    with pytest.raises(ModelLoadError, match="lacks 'qwen3moe.expert_count'"):
+        ModelConfig.from_metadata(md, 512)
+    gf = GGUFFile(write_llama_gguf(tmp_path / "n.gguf", architecture="qwen3moe", n_expert=4))
+    cfg = ModelConfig.from_metadata(gf.metadata, 512)
+    with pytest.raises(ModelLoadError, match=r"ffn_gate_inp.weight has shape \(4, 64\), expected \(6, 64\)"):
+        load_weights(gf, dataclasses.replace(cfg, n_expert=6))
 
 
 def test_smollm3_skips_rope_on_every_fourth_layer(models):
@@ -159,8 +188,6 @@ def test_the_gpu_backend_reads_the_same_rows(models):
     """Every row runs on the CUDA kernels (gemma3's GeGLU, sandwich norms, local layers included); what a
     model needs that they do not run is named, and refused at construction before any CuPy is touched
     (and `auto` then picks the CPU)."""
-    import dataclasses
-
     from fastserve.backends.cuda.backend import CupyBackend, DeviceUnavailable
     refused = {"granite": ["a residual multiplier (0.22)", "a logit multiplier (0.125)"],
                "smollm3": ["layers without RoPE"], "qwen3moe": ["mixture-of-experts FFNs"]}
