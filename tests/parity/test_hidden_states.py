@@ -8,7 +8,7 @@ import fastserve
 from fastserve.backends.cpu.backend import CpuBackend
 from fastserve.models.synthetic import write_llama_gguf
 
-FAMILIES = {"llama": {}, "qwen3": {}, "gemma3": {"sliding_window": 5}}
+FAMILIES = {"llama": {}, "qwen3": {}, "gemma3": {"sliding_window": 5}, "qwen3moe": {}}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
