@@ -239,7 +239,8 @@ def main(argv=None) -> int:
                                                                         *common, *SPEC[d])
     if args.draft_model:
         systems["fastserve draft-model"] = lambda port: fastserve_command(model, port, 1, N_CTX, args.threads, *common,
-                                                                          "-md", args.draft_model)
+                                                                          "-md", args.draft_model,
+                                                                          "--spec-draft-p-min", "0")   # as recorded
     llama_note = "not measured: give --llama-server PATH (or LLAMA_SERVER)"
     if args.llama_server and not Path(args.llama_server).exists():
         llama_note = f"not measured: {args.llama_server} does not exist (build llama.cpp's llama-server there)"

@@ -97,6 +97,7 @@ SAMPLING_DEFAULTS["logit_bias"] = None
 
 SPEC_TYPES = ("none", "ngram-simple", "ngram-mod", "draft-simple")     # speculative decoding's drafters (--spec-type)
 DRAFT_N_MAX = 16        # the most tokens a draft model proposes per step, --spec-draft-n-max unset (llama-server's)
+DRAFT_P_MIN = 0.75      # a draft model's least top probability drafted, --spec-draft-p-min unset (llama-server's)
 
 
 @dataclass(frozen=True)

@@ -764,7 +764,17 @@ class Engine:
             kv_bytes=kv_bytes, kv_resident=kv_resident, isa=getattr(be, "isa", ""),
             speculative=self._config.speculative,
             model_name=getattr(m, "name", "model"), model_path=str(getattr(m, "path", "")),
-            model_summary=m.load_summary() if hasattr(m, "load_summary") else "")
+            model_summary=(m.load_summary() if hasattr(m, "load_summary") else "") + self._spec_summary())
+
+    def _spec_summary(self) -> str:
+        """Speculative decoding in the start line (the draft model named, as llama-server's log does)."""
+        spec = self._config.speculative
+        if not spec.on:
+            return ""
+        lim = spec.limits
+        return (f"; speculative decoding {spec.type}" + (f" with draft model {spec.draft_model}" if spec.draft_model
+                                                          else "") + f" (n_max {spec.most}, n_min {lim.n_min}, "
+                f"p_min {lim.p_min:g})")
 
     def _make_snapshot(self, step: int) -> Snapshot:
         n_running = sum(j is not None for j in self._jobs)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..config import SAMPLING_DEFAULTS, SPEC_TYPES, DraftLimits, SamplingParams, SpecConfig
+from ..config import DRAFT_P_MIN, SAMPLING_DEFAULTS, SPEC_TYPES, DraftLimits, SamplingParams, SpecConfig
 from ..errors import RequestError
 from ..models.chat_template import CHATML
 
@@ -130,7 +130,8 @@ FLAGS: list[tuple[str, str, str]] = [
                                                        "estimated chance of acceptance (the slot's record, the "
                                                        "position's depth) is at least P (llama-server: the draft "
                                                        "model's own probability, as fastserve's draft-simple); "
-                                                       "default 0"),
+                                                       "default 0.75 for draft-simple (llama-server's), 0 for the "
+                                                       "n-gram drafters"),
     ("--spec-ngram-simple-size-n N, --spec-ngram-simple-size-m N", SAME, "lookup length (12) and most tokens "
                                                                           "drafted (48)"),
     ("--spec-ngram-simple-min-hits N", SAME, "taken (N >= 1); llama-server's ngram-simple does not read it either"),
@@ -366,8 +367,9 @@ def add_taken(parser: argparse.ArgumentParser) -> None:
                    help="most tokens a slot drafts per step (default: the drafter's own)")
     s.add_argument("--spec-draft-n-min", "--draft-min", "--draft-n-min", dest="spec_n_min", type=int, default=0,
                    help="drafts shorter than this are not verified")
-    s.add_argument("--spec-draft-p-min", "--draft-p-min", dest="spec_p_min", type=float, default=0.0,
-                   help="verify a drafted position only while its estimated chance of acceptance is at least this")
+    s.add_argument("--spec-draft-p-min", "--draft-p-min", dest="spec_p_min", type=float,
+                   help="verify a drafted position only while its estimated chance of acceptance is at least this "
+                        f"(default: {DRAFT_P_MIN} for a draft model, 0 for the n-gram drafters)")
     for flag, field in SPEC_NGRAM_FLAGS.items():
         s.add_argument(flag, dest=f"spec_{field}", type=int, default=getattr(SpecConfig, field))
 
@@ -380,8 +382,11 @@ SPEC_NGRAM_FLAGS = {"--spec-ngram-simple-size-n": "simple_size_n", "--spec-ngram
 
 def speculative(args) -> SpecConfig:
     """The --spec-* flags, checked (ValueError naming the flag)."""
+    draft = args.spec_draft_model or ""
+    kind = "draft-simple" if draft and args.spec_type == "none" else args.spec_type    # -md alone: llama-server's
+    p_min = args.spec_p_min if args.spec_p_min is not None else DRAFT_P_MIN if kind == "draft-simple" else 0.0
     try:
-        limits = DraftLimits(n_max=args.spec_n_max, n_min=args.spec_n_min, p_min=args.spec_p_min)
+        limits = DraftLimits(n_max=args.spec_n_max, n_min=args.spec_n_min, p_min=p_min)
     except ValueError as exc:
         flags = {"speculative.n_max": "--spec-draft-n-max", "speculative.n_min": "--spec-draft-n-min",
                  "speculative.p_min": "--spec-draft-p-min"}
@@ -389,8 +394,6 @@ def speculative(args) -> SpecConfig:
         for field, flag in flags.items():
             msg = msg.replace(field, flag)
         raise ValueError(msg) from None
-    draft = args.spec_draft_model or ""
-    kind = "draft-simple" if draft and args.spec_type == "none" else args.spec_type    # -md alone: llama-server's
     return SpecConfig(type=kind, limits=limits, draft_model=draft,
                       **{field: getattr(args, f"spec_{field}") for field in SPEC_NGRAM_FLAGS.values()})
 

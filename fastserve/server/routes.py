@@ -108,6 +108,7 @@ def props(req, ex, *, config, tokenizer, info, alias):
         "total_slots": info.n_slots,
         "model_alias": alias,
         "model_path": info.model_path,
+        "speculative": _speculative(info.speculative),
         "modalities": {"vision": False, "video": False, "audio": False},
         "endpoint_slots": config.slots,
         "endpoint_props": config.props,
@@ -118,6 +119,16 @@ def props(req, ex, *, config, tokenizer, info, alias):
         "build_info": BUILD_INFO,
         "is_sleeping": False,
     })
+
+
+def _speculative(spec) -> dict:
+    """/props' speculative decoding (fastserve's field): the drafter, its draft model (a path, "" for the n-gram
+    drafters) and the server's speculative.* limits; {"type": "none"} when off."""
+    if spec is None or not spec.on:
+        return {"type": "none"}
+    lim = spec.limits
+    return {"type": spec.type, "draft_model": spec.draft_model, "n_max": spec.most, "n_min": lim.n_min,
+            "p_min": lim.p_min}
 
 
 def set_props(req, ex, *, config):

@@ -29,10 +29,15 @@ def servers(tiny_model_path, tmp_path_factory):
 
 
 def test_a_draft_model_answers_as_the_plain_server(servers, tiny_model_path, tmp_path):
-    """-md alone: --spec-type draft-simple; the model drafting for itself, greedy: every draft accepted."""
+    """-md alone: --spec-type draft-simple; the model drafting for itself, greedy: every draft accepted (p_min 0:
+    the random-weight model is rarely sure). The start line and /props name the draft model."""
     plain = servers[1]
     with ServerProc(tiny_model_path, tmp_path / "md.log", "-c", "1024", "-np", "4", "-n", "48", "--timeout", "20",
-                    "-md", tiny_model_path) as md:
+                    "-md", tiny_model_path, "--spec-draft-p-min", "0") as md:
+        assert f"speculative decoding draft-simple with draft model {tiny_model_path} (n_max 16, n_min 0, p_min 0)" \
+            in md.log()
+        assert httpx.get(md.url + "/props").json()["speculative"] == {
+            "type": "draft-simple", "draft_model": tiny_model_path, "n_max": 16, "n_min": 0, "p_min": 0.0}
         for body in ({}, {"temperature": 0.8, "seed": 4, "top_k": 10}, {"speculative.n_max": 3}):
             assert _complete(md, **body).json()["content"] == _complete(plain, **body).json()["content"]
         t = _complete(md).json()["timings"]
@@ -63,6 +68,10 @@ def test_answers_are_the_plain_servers_and_say_what_was_drafted(servers):
 
 def test_slots_and_metrics_show_speculation(servers):
     spec, plain = servers
+    assert httpx.get(spec.url + "/props").json()["speculative"] == {
+        "type": "ngram-simple", "draft_model": "", "n_max": 8, "n_min": 0, "p_min": 0.0}
+    assert httpx.get(plain.url + "/props").json()["speculative"] == {"type": "none"}
+    assert "speculative" not in plain.log()
     _complete(spec)
     slots = httpx.get(spec.url + "/slots").json()
     assert all(s["speculative"] is True for s in slots)

@@ -221,6 +221,20 @@ def test_bad_limits_and_configs_are_refused():
         SpecConfig(type="ngram-simple", simple_size_n=0)
 
 
+def test_the_server_flags_default_p_min_as_llama_server():
+    """--spec-draft-p-min unset: a draft model's 0.75 (llama-server's), the n-gram drafters' 0; given: taken."""
+    import argparse
+
+    from fastserve.server import llama_flags
+    parser = argparse.ArgumentParser()
+    llama_flags.add_taken(parser)
+    p_min = lambda *argv: llama_flags.speculative(parser.parse_args(argv)).limits.p_min      # noqa: E731
+    assert p_min("-md", "d.gguf") == p_min("--spec-type", "draft-simple", "--spec-draft-model", "d.gguf") == 0.75
+    assert p_min("--spec-type", "ngram-mod") == p_min("--spec-type", "ngram-simple") == 0.0
+    assert p_min("-md", "d.gguf", "--spec-draft-p-min", "0") == 0.0
+    assert p_min("--spec-type", "ngram-mod", "--draft-p-min", "0.5") == 0.5
+
+
 def test_engine_requests_with_bad_speculative_fields(tiny_model):
     with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=128, speculative=SpecConfig(type="ngram-mod")) as e:
         with pytest.raises(RequestError, match="n_max"):
