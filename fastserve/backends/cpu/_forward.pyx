@@ -1,8 +1,8 @@
 # cython: language_level=3
 """The CPU forward pass of a batch in one call, in C without the GIL: embedding rows, every layer
 (norms, products, biases, q/k norms, RoPE where the layer has it, KV store, attention, GLU or a mixture of
-experts, sandwich norms, residual multiplier and adds), the final norm of the out rows, the output product, the logit
-multiplier and softcap; or, for embeddings, the out rows' final hidden states (after the output norm)
+experts, sandwich norms, residual multiplier and adds), the final norm of the out rows, the output product,
+the logit multiplier and softcap; or, for embeddings, the out rows' final hidden states (after the output norm)
 instead of their logits (hidden=True: no output product).
 
 The products are fastserve.backends.cpu._matmul's (Matmul.run), attention and the KV store fastserve.backends.cpu._attention's
@@ -104,7 +104,8 @@ cdef struct fs_fwd:
     float *ye                       # [d] its outputs
     float *moe                      # [n_used, d] the row's weighted expert outputs, by rank
     int64_t *order                  # [n_used] (row, rank) pairs i * n_used + r, grouped by expert (whole batch)
-    int64_t *start                  # [n_expert + 1] (not per row) each expert's first entry of order    # the step
+    int64_t *start                  # [n_expert + 1] (not per row) each expert's first entry of order
+    # the step
     const int64_t *tokens
     const int64_t *pos
     const int64_t *slots
