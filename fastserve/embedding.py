@@ -54,15 +54,14 @@ def check_options(pooling: str, norm) -> None:
                            f"2: Euclidean, p > 2: p-norm), got {norm!r}")
 
 
-class EmbedJob:
-    """One embedding request: inputs (int32 token ids each), computed with pooling and normalised with
-    normalize. vectors: per input, float32 [n_embd] (pooled) or [n_tokens, n_embd] (pooling "none"),
-    written by the decode thread; future: set to vectors once all are written (or to the failure).
-    cancel(): its remaining inputs are skipped at the next step."""
+class PassJob:
+    """A job of the decode thread's side passes (embeddings, prompt scores): inputs (int32 token ids each);
+    results: per input, written by the decode thread; future: set to results once all are written (or to the
+    failure). cancel(): its remaining inputs are skipped at the next step."""
 
-    def __init__(self, inputs: list, pooling: str, normalize: int):
-        self.inputs, self.pooling, self.normalize = inputs, pooling, normalize
-        self.vectors: list = [None] * len(inputs)
+    def __init__(self, inputs: list):
+        self.inputs = inputs
+        self.results: list = [None] * len(inputs)
         self.n_left = len(inputs)
         self.n_tokens = sum(len(ids) for ids in inputs)
         self.future: Future = Future()
@@ -74,16 +73,29 @@ class EmbedJob:
     def cancel(self) -> None:
         self.cancelled = True
 
-    def _done(self, vectors=None, error: BaseException | None = None) -> None:
+    def _done(self, results=None, error: BaseException | None = None) -> None:
         """Decode thread: the answer, once. A future its waiter cancelled (asyncio.wrap_future does, when the
         request goes away), even a moment ago, takes none."""
         try:
             if error is not None:
                 self.future.set_exception(error)
             else:
-                self.future.set_result(vectors)
+                self.future.set_result(results)
         except InvalidStateError:
             pass
+
+
+class EmbedJob(PassJob):
+    """One embedding request: inputs computed with pooling and normalised with normalize. results (vectors):
+    per input, float32 [n_embd] (pooled) or [n_tokens, n_embd] (pooling "none")."""
+
+    def __init__(self, inputs: list, pooling: str, normalize: int):
+        super().__init__(inputs)
+        self.pooling, self.normalize = pooling, normalize
+
+    @property
+    def vectors(self) -> list:
+        return self.results
 
 
 class _Sequence:
@@ -107,7 +119,7 @@ class _Sequence:
             self.acc[:] = rows[-1] if pooling == "last" else rows[0]
         self.done += c
 
-    def vector(self) -> np.ndarray:
+    def result(self) -> np.ndarray:
         job = self.job
         if job.pooling == "none":           # llama-server normalises pooled vectors only
             return self.acc
@@ -120,18 +132,32 @@ class Embedder:
     running input (EMBED_SLOTS at a time), at most budget tokens. backend: a CpuBackend of EMBED_SLOTS
     slots (its own KV cache); max_tokens: the most tokens one run carries (its buffers')."""
 
+    KIND = "embedding"              # in its failures' messages
+
     def __init__(self, backend, max_tokens: int):
         self._be, self._n_embd = backend, backend.cfg.n_embd
         self._waiting: deque[tuple[EmbedJob, int]] = deque()       # (job, input index) not started yet
-        self._slots: list[_Sequence | None] = [None] * backend.n_slots
-        self._states = np.zeros((max_tokens, self._n_embd), np.float32)   # [max_tokens, n_embd] a run's rows
+        self._slots: list = [None] * backend.n_slots                # the running inputs (_Sequence or alike)
         self._tokens = np.zeros((3, max_tokens), np.int64)         # tokens, positions, slots of a run
         self._rows = np.arange(max_tokens, dtype=np.int64)         # every row is an out row
         self.max_tokens = max_tokens
+        self._states = self._out(max_tokens)
 
     @property
     def busy(self) -> bool:
         return bool(self._waiting) or any(s is not None for s in self._slots)
+
+    def _out(self, max_tokens: int) -> np.ndarray:
+        """The reused buffer a pass writes its rows into: float32 [max_tokens, n_embd]."""
+        return np.zeros((max_tokens, self._n_embd), np.float32)
+
+    def _pass(self, n: int) -> np.ndarray:
+        """The forward pass over the run's first n tokens: one row per token (the hidden states)."""
+        tokens, pos, slot = self._tokens
+        return self._be.hidden(tokens[:n], pos[:n], slot[:n], self._rows[:n], out=self._states)
+
+    def _sequence(self, job, index: int):
+        return _Sequence(job, index, self._n_embd)
 
     def add(self, job: EmbedJob) -> None:
         self._waiting.extend((job, i) for i in range(len(job.inputs)))
@@ -153,10 +179,10 @@ class Embedder:
         if n == 0:
             return 0
         try:
-            states = self._be.hidden(tokens[:n], pos[:n], slot[:n], self._rows[:n], out=self._states)
+            states = self._pass(n)
         except Exception as exc:           # contained: the inputs of this pass fail, the engine goes on
-            log.exception("embedding pass failed")
-            error = RequestError(f"embedding failed: {type(exc).__name__}: {exc}")
+            log.exception("%s pass failed", self.KIND)
+            error = RequestError(f"{self.KIND} failed: {type(exc).__name__}: {exc}")
             for job in {self._slots[s].job for s, _, _ in chunks}:
                 self._fail(job, error)
             return n
@@ -184,14 +210,14 @@ class Embedder:
             while self._slots[s] is None and self._waiting:
                 job, i = self._waiting.popleft()
                 if not job.cancelled:
-                    self._slots[s] = _Sequence(job, i, self._n_embd)
+                    self._slots[s] = self._sequence(job, i)
 
     def _finish(self, seq: _Sequence) -> None:
         job = seq.job
-        job.vectors[seq.index] = seq.vector()
+        job.results[seq.index] = seq.result()
         job.n_left -= 1
         if job.n_left == 0:
-            job._done(job.vectors)
+            job._done(job.results)
 
     def _fail(self, job: EmbedJob, error: BaseException) -> None:
         job.cancelled = True                # its other inputs are dropped at the next admission

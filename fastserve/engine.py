@@ -30,6 +30,7 @@ from .backends.host_sampling import HostSampled
 from .config import DraftLimits, EngineConfig, SamplingParams, check_context, check_max_tokens, check_token_ids
 from .draft_model import DraftModel, load_draft
 from .embedding import EMBED_SLOTS, Embedder, EmbedJob, check_options
+from .scoring import SCORE_ROWS, SCORE_SLOTS, Scorer, ScoreJob
 from .errors import ConfigError, ContextExceeded, EngineClosed, RequestError, ServerBusy
 from .grammar import Constraint, compile_grammar
 from .inbox import Cancel, Embed, Erase, Inbox, Submit
@@ -141,7 +142,7 @@ class Engine:
     Prefix reuse: a request reuses the longest prefix of its prompt already in a slot's KV (cache_prompt);
     the host-RAM prompt cache (cache_ram_mib, fastserve/prompt_cache.py) keeps the prefixes of reused slots.
 
-    Its public surface is the door the server uses: submit, embed, cancel, erase, snapshot, stats(), constraint,
+    Its public surface is the door the server uses: submit, embed, score, cancel, erase, snapshot, stats(), constraint,
     tokenizer, describe(), trace_totals(); and generate, stream, trace_summary, close for in-process use.
     """
 
@@ -198,7 +199,8 @@ class Engine:
         self._erased = [(0, 0)] * self._n_slots                  # slot -> (erasures, tokens the last one dropped)
         self._reuse_from = [0] * self._n_slots                   # slot -> backend.kv_reuse_from at its last release
         self._waiting: deque[Request] = deque()
-        self._embedder: Embedder | None = None      # made by the decode thread at the first embedding job
+        self._passes: dict[type, Embedder] = {}     # EmbedJob / ScoreJob -> its side pass, made by the decode
+                                                    # thread at the first such job
         self._closing = False
         self._closed = False
         self._seq = 0
@@ -333,14 +335,32 @@ class Engine:
         check_options(pooling, normalize)
         if not isinstance(inputs, (list, tuple)) or not inputs:
             raise RequestError("embedding inputs must be a non-empty list of texts or token id lists")
-        job = EmbedJob([self._input_ids(x, i, add_special) for i, x in enumerate(inputs)], pooling, normalize)
+        return self._side_job(EmbedJob([self._input_ids(x, i, add_special) for i, x in enumerate(inputs)],
+                                       pooling, normalize))
+
+    def score(self, prompts, *, top: int = 0, add_special: bool = True) -> ScoreJob:
+        """Queue a scoring job; returns its ScoreJob at once (.result(): per prompt, scoring.PromptScores: each
+        token's log-probability given the tokens before it, and the top most probable tokens there). prompts:
+        a list of texts or token id lists, each at most a slot's context. Computed on the decode thread beside
+        the running requests, from position 0 on a KV cache of its own (scoring.py). Raises RequestError
+        (ContextExceeded: a prompt longer than a slot), EngineClosed."""
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise RequestError("prompts to score must be a non-empty list of texts or token id lists")
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top < self._model.config.n_vocab:
+            raise RequestError(f"top must be an integer in [0, {self._model.config.n_vocab}), got {top!r}")
+        return self._side_job(ScoreJob([self._input_ids(x, i, add_special) for i, x in enumerate(prompts)], top))
+
+    def _side_job(self, job):
+        """job (EmbedJob, ScoreJob) to the decode thread."""
+        if self._closing:
+            raise EngineClosed("the engine is closed")
         self._inbox.put(Embed(job))
         if self._closed:                    # the decode thread is gone: nobody else will answer it
             job._done(error=EngineClosed("the engine is closed"))
         return job
 
     def _input_ids(self, value, index: int, add_special: bool) -> np.ndarray:
-        """One embedding input's token ids: checked, non-empty, within a slot."""
+        """One embedding (or scored) input's token ids: checked, non-empty, within a slot."""
         if isinstance(value, str):
             ids = self.tokenizer.encode(value, add_special=add_special)
         elif isinstance(value, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
@@ -476,22 +496,28 @@ class Engine:
             self._commit(out.ids)           # each id into its slot; self._finish: the requests that end
             self._deliver(plan, out)        # each id into its reader; the requests that ended end
             self._measure_step()
-        embedded = self._embedder is not None and self._embedder.busy and self._embed() > 0
+        embedded = self._embed() > 0
         self._publish()                     # the one wake-up of the readers, then the snapshot
         if (plan is not None or embedded) and self._tracer is not None:
             self._tracer.end_step()         # the publish phase ends: the step is counted
         return plan is not None or embedded
 
     def _embed(self) -> int:
-        """The embedding jobs' pass of this step: at most the prompt budget a step of this size leaves
-        (the whole batch when nothing else runs), never fewer than a prompt chunk."""
+        """The side passes of this step (embeddings, then prompt scores): together at most the prompt budget
+        a step of this size leaves (the whole batch when nothing else runs), never fewer than a prompt chunk."""
+        busy = [p for p in self._passes.values() if p.busy]
+        if not busy:
+            return 0
         batch, tracer = self._batch, self._tracer
-        budget = prefill_budget(batch.free, batch.n, self._prefill_chunk, self._s_per_token, self._step_target_s)
+        budget = max(self._prefill_chunk,
+                     prefill_budget(batch.free, batch.n, self._prefill_chunk, self._s_per_token, self._step_target_s))
         if tracer is not None:
             tracer.lap("publish")           # the step's commit and delivery, before the pass
-        n = self._embedder.run(max(budget, self._prefill_chunk))
+        n = 0
+        for side in busy:
+            n += side.run(max(budget - n, 1))
         if tracer is not None:
-            tracer.lap("forward")           # the embedding pass is a forward pass of the step
+            tracer.lap("forward")           # a side pass is a forward pass of the step
         return n
 
     def _backend_step(self):
@@ -704,14 +730,16 @@ class Engine:
         self._cancel(msg.job_id)
 
     def _on_embed(self, msg: Embed) -> None:
-        if self._embedder is None:
+        kind = type(msg.job)
+        if kind not in self._passes:
+            what, make = self._make_pass[kind]
             try:
-                self._embedder = self._make_embedder()
+                self._passes[kind] = getattr(self, make)()
             except Exception as exc:       # contained: this job fails (the next one tries again), the engine goes on
-                log.exception("the embedding pass could not be made")
-                msg.job._done(error=RequestError(f"embeddings are not available: {type(exc).__name__}: {exc}"))
+                log.exception("the pass of %s could not be made", what)
+                msg.job._done(error=RequestError(f"{what} are not available: {type(exc).__name__}: {exc}"))
                 return
-        self._embedder.add(msg.job)
+        self._passes[kind].add(msg.job)
 
     def _make_embedder(self) -> Embedder:
         """The embedding pass: the CPU forward on the model's weights with a KV cache of its own (on any device:
@@ -723,6 +751,17 @@ class Engine:
                              threads=self._threads, cache_type_k=cfg.cache_type_k, cache_type_v=cfg.cache_type_v,
                              max_tokens=self._n_batch, kv_resident=False)
         return Embedder(backend, self._n_batch)
+
+    def _make_scorer(self) -> Scorer:
+        """The scoring pass: the CPU forward as the embedding pass's, its logits rows kept (SCORE_ROWS a pass)."""
+        from .backends.cpu.backend import CpuBackend
+        cfg = self._config
+        backend = CpuBackend(self._model.config, self._model.weights, SCORE_SLOTS, self._n_ctx_slot,
+                             threads=self._threads, cache_type_k=cfg.cache_type_k, cache_type_v=cfg.cache_type_v,
+                             max_tokens=SCORE_ROWS, reuse_logits=True, kv_resident=False)
+        return Scorer(backend, SCORE_ROWS)
+
+    _make_pass = {EmbedJob: ("embeddings", "_make_embedder"), ScoreJob: ("prompt scores", "_make_scorer")}
 
     def _on_erase(self, msg: Erase) -> None:
         if self._jobs[msg.slot] is None:
@@ -779,7 +818,7 @@ class Engine:
     def _make_snapshot(self, step: int) -> Snapshot:
         n_running = sum(j is not None for j in self._jobs)
         n_waiting = len(self._waiting)
-        embedding = self._embedder is not None and self._embedder.busy
+        embedding = any(p.busy for p in self._passes.values())
         return Snapshot(step=step, t_step=time.monotonic(),
                         busy=bool(n_running or n_waiting or len(self._inbox) or embedding),
                         n_running=n_running, n_waiting=n_waiting,
@@ -807,8 +846,8 @@ class Engine:
                 self._waiting.append(msg.job)
             elif type(msg) is Embed:
                 msg.job._done(error=closed)
-        if self._embedder is not None:
-            self._embedder.close(closed)
+        for side in self._passes.values():
+            side.close(closed)
         for job in self._waiting:
             self._delivery.reject(job.buffer, FINISH_CLOSED)
         self._waiting.clear()

@@ -34,7 +34,8 @@ class Erase:
 
 @dataclass(frozen=True)
 class Embed:
-    """An embedding job (embedding.EmbedJob): answered through its own future, once all its inputs are done."""
+    """A side pass's job (embedding.EmbedJob, scoring.ScoreJob): answered through its own future, once all its
+    inputs are done."""
     job: Any
 
 

@@ -105,7 +105,7 @@ _BYTE_OF[[ord(c) for c in _CHAR_BYTE]] = list(_CHAR_BYTE.values())
 class Tokenizer:
     """Token ids <-> text for one GGUF vocabulary. Immutable after construction; thread-safe.
 
-    Attributes: n_vocab; bos_id, eos_id, unk_id (None when the model has none); eog_ids (ids that
+    Attributes: n_vocab; bos_id, eos_id, unk_id, pad_id (None when the model has none); eog_ids (ids that
     end generation); add_bos, add_eos (what encode(add_special=True) adds); add_space_prefix;
     model ("gpt2" | "llama") and pre (the gpt2 pre-tokenizer name).
     """
@@ -152,6 +152,7 @@ class Tokenizer:
         self.bos_id = key_id("bos_token_id", 1 if self._spm else None)
         self.eos_id = key_id("eos_token_id", 2 if self._spm else None)
         self.unk_id = key_id("unknown_token_id", 0 if self._spm else None)
+        self.pad_id = key_id("padding_token_id", None)
         if self.add_bos and self.bos_id is None:
             raise ModelLoadError("the model asks for a BOS token (tokenizer.ggml.add_bos_token) but has no BOS id")
         if self.add_eos and self.eos_id is None:

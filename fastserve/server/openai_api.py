@@ -4,22 +4,27 @@ Streams are SSE ending with `data: [DONE]`; usage comes in the response (and, wh
 stream_options.include_usage is set, in a last chunk with no choices). A chat stream's first
 chunk of each choice carries the role with `content: null`, as OpenAI's server sends it. Both
 take n > 1, and /v1/completions a list of prompts (as llama-server): the choices are generated
-together, streamed interleaved by index. Fields OpenAI defines that fastserve cannot honour
-(best_of > 1, echo, suffix) are refused with a 400 that says so; llama.cpp's extra sampling fields
+together, streamed interleaved by index. `echo` puts the prompt before each completion and, with
+`logprobs`, its tokens' own log-probabilities (the first null): the engine's teacher-forced scores of the
+prompt (Engine.score, fastserve/scoring.py), the same at any concurrency; `max_tokens: 0` scores the prompt
+alone, as OpenAI's and vLLM's. An echo is refused with n > 1 or stream. Fields OpenAI defines that fastserve
+cannot honour (best_of > 1, suffix) are refused with a 400 that says so; llama.cpp's extra sampling fields
 (top_k, min_p, repeat_penalty, ..., grammar, json_schema) are accepted as llama-server does. Chat:
 `response_format` (json_object, json_schema) and `tools` / `tool_choice` are enforced in the sampler
 (server/tools.py). The bodies are read by params.Parser.completions / .chat.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from functools import partial
 
 from . import sse
 from .config import BUILD_INFO
-from .errors import OPENAI
+from ..errors import EngineClosed, RequestError
+from .errors import OPENAI, HttpError, refused
 from .fanout import interleave, run_all, start_all
-from .probs import chat_logprobs, legacy_logprobs
+from .probs import chat_logprobs, legacy_logprobs, prompt_logprobs
 from .response import StreamResponse, json_response
 from .reasoning import Splitter, split
 from .tools import new_id
@@ -46,11 +51,13 @@ def _envelope(rid: str, created: int, model: str, obj: str, choices: list, **ext
 
 # -- /v1/completions -----------------------------------------------------------------------------
 
-async def completions(req, ex, *, parser, compile, start, tokenizer, alias):
+async def completions(req, ex, *, parser, compile, start, tokenizer, alias, engine):
     """OpenAI's legacy completions: a prompt or a list of prompts (as llama-server), n choices of each;
     choice index = prompt index * n + choice."""
     params = parser.completions(req.body)
     compiled = await compile(params.constraint, params.limits)
+    if params.echo:
+        return await _echoed(ex, params, compiled, start=start, tokenizer=tokenizer, alias=alias, engine=engine)
     gens = start_all(start, ex, params, compiled)
     rid, created, n, k = new_id("cmpl-"), int(time.time()), params.n, params.logprobs
 
@@ -79,6 +86,47 @@ async def completions(req, ex, *, parser, compile, start, tokenizer, alias):
     await run_all(gens)
     return json_response(envelope([choice(i, g.text.text, g.ids, g.probs, 0, g.openai_finish_reason)
                                    for i, g in enumerate(gens)], usage=usage(), timings=gens[0].timings()))
+
+
+async def _echoed(ex, params, compiled, *, start, tokenizer, alias, engine):
+    """/v1/completions with echo (one choice per prompt, not streamed): each prompt's text, then its completion
+    (none at max_tokens 0); with logprobs, the prompt's scores (Engine.score, computed beside the completions)
+    before the completion's own."""
+    k = params.logprobs
+    try:
+        job = None if k is None else engine.score(params.prompts, top=k)
+    except RequestError as exc:
+        raise refused(exc) from None
+    except EngineClosed:
+        raise HttpError(503, "the server is shutting down") from None
+    try:
+        gens = start_all(start, ex, params, compiled) if params.max_tokens != 0 else []
+        if gens:
+            await run_all(gens)
+        scores = None if job is None else await asyncio.wrap_future(job.future)
+    except EngineClosed:
+        raise HttpError(503, "the server is shutting down") from None
+    finally:
+        if job is not None:
+            job.cancel()            # a client gone or a completion failed: its prompts left unscored are skipped
+    texts = [t if t is not None else tokenizer.decode(ids)
+             for t, ids in zip(params.texts or [None] * len(params.prompts), params.prompts)]
+
+    def choice(i: int) -> dict:
+        text, g = texts[i], gens[i] if gens else None
+        lp = None if k is None else prompt_logprobs(tokenizer, params.prompts[i], scores[i], k)
+        if g is not None and lp is not None:
+            own = legacy_logprobs(tokenizer, g.ids, g.probs or [], k, len(text))
+            lp = {key: lp[key] + own[key] for key in lp}
+        return {"text": text + (g.text.text if g else ""), "index": i, "logprobs": lp,
+                "finish_reason": g.openai_finish_reason if g else "length"}
+
+    n_prompt = sum(len(ids) for ids in params.prompts)
+    n_gen = sum(len(g.ids) for g in gens)
+    usage = {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+    extra = {"timings": gens[0].timings()} if gens else {}
+    return json_response(_envelope(new_id("cmpl-"), int(time.time()), alias, "text_completion",
+                                   [choice(i) for i in range(len(params.prompts))], usage=usage, **extra))
 
 
 # -- /v1/chat/completions ------------------------------------------------------------------------

@@ -79,7 +79,8 @@ PROMPT_CHARS_PER_TOKEN = 16
 EXACT_CHARS = 65536
 MAX_PROMPTS = 16                # prompts in one request (each takes a slot)
 MAX_CHOICES = 16                # OpenAI's n x prompts per request (each takes a slot)
-MAX_TOP_LOGPROBS = 20           # OpenAI's cap
+MAX_TOP_LOGPROBS = 20           # OpenAI's cap (chat's top_logprobs)
+MAX_LEGACY_LOGPROBS = 5         # OpenAI's cap of /v1/completions' logprobs
 # Probabilities (n_probs, logprobs): the engine reports the top-N of each step and the sampled token's own is
 # looked up among them (llama-server's is never missing). N covers what sampling can pick: top_k tokens, PROB_POOL
 # when top_k is off or larger (a token sampled beyond those reads 0 / -9999.0), and at least the n shown; greedy
@@ -118,13 +119,15 @@ class Params:
     id_slot: int = -1
     speculative: object = None      # config.DraftLimits of the request's speculative.* fields (None: the server's)
     # the answer's shape
-    texts: tuple = ()               # /completion: each prompt's text, None for ids (llama_api decodes them once
+    texts: tuple = ()               # /completion, an echo: each prompt's text, None for ids (decoded once
                                     # the engine took them): its answer's "prompt"
     return_tokens: bool = False
     timings_per_token: bool = False
     response_fields: tuple = ()     # /completion: the paths its answer keeps ("a/b" reaches into objects)
     include_usage: bool = False     # OpenAI streams: a last chunk with the usage
     logprobs: int | None = None     # OpenAI: alternatives shown per token (None: no logprobs)
+    echo: bool = False              # /v1/completions: the prompt before the completion (its tokens scored when
+                                    # logprobs is asked; max_tokens 0: the prompt alone)
     shown_probs: int | None = None  # /completion: n_probs as asked (sampling.n_probs may be more: prob_pool)
     tools: ToolPlan | None = None
     messages: tuple = ()            # a chat's, for its template (Parser.conversation makes its prompt)
@@ -159,6 +162,12 @@ def settings_json(sampling: SamplingParams, seed: int, max_tokens: int, *, ignor
     return out
 
 
+def _texts(raw, prompts: list) -> tuple:
+    """Each prompt's text as the request gave it, None for one given as ids."""
+    texts = raw if len(prompts) > 1 else [raw]
+    return tuple(t if isinstance(t, str) else None for t in texts)
+
+
 class Parser:
     """Request bodies (JSON bytes) → Params, for one server: its tokenizer, its engine's shape (EngineInfo), its defaults."""
 
@@ -176,7 +185,6 @@ class Parser:
         body = parse_object(data)
         raw = body.raw("prompt")
         prompts = self.prompts(raw)
-        texts = raw if len(prompts) > 1 else [raw]
         fields = body.raw("response_fields", [])
         if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
             raise HttpError(400, "'response_fields' must be an array of field names (\"a/b\" for a nested one)")
@@ -185,24 +193,30 @@ class Parser:
                               constraint=self.constraint(body), cache_prompt=body.bool("cache_prompt", True),
                               id_slot=body.int("id_slot", -1, lo=-1), return_tokens=body.bool("return_tokens"),
                               timings_per_token=body.bool("timings_per_token"), response_fields=tuple(fields),
-                              texts=tuple(t if isinstance(t, str) else None for t in texts), shown_probs=n_probs)
+                              texts=_texts(raw, prompts), shown_probs=n_probs)
         return params
 
     def completions(self, data: bytes) -> Params:
         """OpenAI's legacy /v1/completions: a prompt or a list of them (as llama-server), n choices of each."""
         body = parse_object(data)
-        if body.bool("echo"):
-            raise HttpError(400, "'echo' is not supported")
         if body.int("best_of", 1, lo=1) > 1:
             raise HttpError(400, "'best_of' > 1 is not supported")
         if body.str("suffix"):
             raise HttpError(400, "'suffix' is not supported")
-        prompts = self.prompts(body.raw("prompt"))
+        raw = body.raw("prompt")
+        prompts = self.prompts(raw)
         n = self._choices(body, len(prompts))
-        logprobs = body.int("logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+        logprobs = body.int("logprobs", None, lo=0, hi=MAX_LEGACY_LOGPROBS)
+        echo = body.bool("echo")
+        if echo and n > 1:
+            raise HttpError(400, "'echo' with 'n' > 1 is not supported: send the prompt once per choice")
+        if echo and body.bool("stream"):
+            raise HttpError(400, "'echo' with 'stream' is not supported: the prompt's scores come whole, "
+                                 "ask without 'stream'")
         return self._params(body, prompts, "openai", n=n, logprobs=logprobs,
                             n_probs=0 if logprobs is None else max(1, logprobs),
-                            constraint=self.constraint(body), include_usage=_include_usage(body))
+                            constraint=self.constraint(body), include_usage=_include_usage(body),
+                            echo=echo, texts=_texts(raw, prompts) if echo else ())
 
     def chat(self, data: bytes) -> Params:
         """OpenAI's /v1/chat/completions, its prompt still to be made (conversation()): tools or a

@@ -54,6 +54,24 @@ def legacy_logprobs(tok, ids: list, probs: list, k: int, offset: int) -> dict:
     return {"tokens": tokens, "token_logprobs": token_lp, "top_logprobs": top, "text_offset": offsets}
 
 
+def prompt_logprobs(tok, ids: list, scores, k: int) -> dict:
+    """OpenAI's /v1/completions logprobs of an echoed prompt, k alternatives: scores (scoring.PromptScores) of
+    each token given those before it; the first has none (null), as OpenAI's."""
+    tokens, token_lp, top, offsets, offset = [], [None], [None], [], 0
+    for tid in ids:
+        text = _text(tok, tid)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    for i in range(1, len(ids)):
+        token_lp.append(float(scores.logprobs[i]))
+        alts = {}       # as legacy_logprobs: of two tokens that read alike, the more probable
+        for t, q in zip(scores.top_ids[i][:k].tolist(), scores.top_logprobs[i][:k].tolist()):
+            alts.setdefault(_text(tok, t), q)
+        top.append(alts)
+    return {"tokens": tokens, "token_logprobs": token_lp, "top_logprobs": top, "text_offset": offsets}
+
+
 def chat_logprobs(tok, ids: list, probs: list, k: int) -> list:
     """OpenAI's chat logprobs content of k alternatives."""
     out = []

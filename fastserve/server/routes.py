@@ -149,18 +149,37 @@ def _piece(tok, tid) -> str:
     return tok.token_text(tid)
 
 
+def tokenizer_info(req, ex, *, tokenizer, info):
+    """vLLM's GET /tokenizer_info, which lm-evaluation-harness's remote tokenizer reads: the special tokens' texts
+    (null: the model has none), the chat template, a slot's context."""
+    tok = tokenizer
+
+    def text(tid):
+        return None if tid is None else tok.token_text(tid)
+    return json_response({"tokenizer_class": "fastserve", "bos_token": text(tok.bos_id), "eos_token": text(tok.eos_id),
+                          "pad_token": text(tok.pad_id), "unk_token": text(tok.unk_id), "add_bos_token": tok.add_bos,
+                          "chat_template": tok.chat_template or None, "model_max_length": info.n_ctx_slot})
+
+
 def tokenize(req, ex, *, parser, tokenizer, info):
-    """At most the whole KV cache's tokens at once."""
+    """At most the whole KV cache's tokens at once. vLLM's field names too: 'prompt' for 'content',
+    'add_special_tokens' for 'add_special' (vLLM's default, true, with 'prompt')."""
     body = parse_object(req.body)
-    content = body.raw("content")
+    if body.has("content") and body.has("prompt"):
+        raise HttpError(400, "give 'content' (llama-server) or 'prompt' (vLLM), not both")
+    vllm = body.has("prompt")
+    content = body.raw("prompt" if vllm else "content")
     if content is None:
-        raise HttpError(400, "'content' is required")
+        raise HttpError(400, f"'{'prompt' if vllm else 'content'}' is required")
+    if body.has("add_special") and body.has("add_special_tokens"):
+        raise HttpError(400, "give 'add_special' (llama-server) or 'add_special_tokens' (vLLM), not both")
+    add_special = body.bool("add_special") if body.has("add_special") else body.bool("add_special_tokens", vllm)
     cap = info.n_ctx_slot * info.n_slots
     if isinstance(content, str):
         if len(content) > cap * PROMPT_CHARS_PER_TOKEN:
             raise HttpError(400, f"'content' has {len(content)} characters; at most {cap * PROMPT_CHARS_PER_TOKEN} "
                                  f"are tokenized at once")
-        ids = tokenizer.encode(content, add_special=body.bool("add_special"),
+        ids = tokenizer.encode(content, add_special=add_special,
                                parse_special=body.bool("parse_special", True))
     else:
         ids = parser.prompt(content, "content", limit=cap)
@@ -186,7 +205,8 @@ def detokenize(req, ex, *, tokenizer, info):
         raise HttpError(400, "'tokens' must be an array of token ids")
     if len(ids) > cap:
         raise HttpError(400, f"'tokens' has {len(ids)} ids; at most {cap} are detokenized at once")
-    return json_response({"content": tokenizer.decode(ids)})      # an id outside the vocabulary: its RequestError
+    text = tokenizer.decode(ids)                   # an id outside the vocabulary: its RequestError
+    return json_response({"content": text, "prompt": text})     # llama-server's name, vLLM's
 
 
 async def slot_action(req, ex, slot: int, *, engine, config, unhealthy):
@@ -242,6 +262,7 @@ ROUTES = {
     "/trace": {"GET": trace},
     "/props": {"GET": props, "POST": set_props},
     "/tokenize": {"POST": tokenize},
+    "/tokenizer_info": {"GET": tokenizer_info},
     "/detokenize": {"POST": detokenize},
     "/completion": {"POST": llama_api.completion},
     "/completions": {"POST": llama_api.completion},

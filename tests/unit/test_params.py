@@ -314,12 +314,13 @@ def test_refused_keeps_llama_servers_context_error_in_both_families():
 
 
 @pytest.mark.parametrize("body, needle", [
-    ({"echo": True}, "'echo'"),
+    ({"echo": True, "n": 2}, "'echo' with 'n' > 1"),
+    ({"echo": True, "stream": True}, "'echo' with 'stream'"),
     ({"best_of": 2}, "'best_of'"),
     ({"suffix": "x"}, "'suffix'"),
     ({"n": MAX_CHOICES + 1}, "'n' must be in"),
     ({"prompt": ["a", "b"], "n": 9}, "make 18 choices"),
-    ({"logprobs": 21}, "'logprobs'"),
+    ({"logprobs": 6}, "'logprobs' must be in [0, 5]"),
     ({"stream_options": 5}, "'stream_options'"),
 ])
 def test_openai_completions_checks(tok, body, needle):
