@@ -79,8 +79,8 @@ PROMPT_CHARS_PER_TOKEN = 16
 EXACT_CHARS = 65536
 MAX_PROMPTS = 16                # prompts in one request (each takes a slot)
 MAX_CHOICES = 16                # OpenAI's n x prompts per request (each takes a slot)
-MAX_TOP_LOGPROBS = 20           # OpenAI's cap (chat's top_logprobs)
-MAX_LEGACY_LOGPROBS = 5         # OpenAI's cap of /v1/completions' logprobs
+MAX_TOP_LOGPROBS = 20           # OpenAI's cap of chat's top_logprobs; vLLM's of /v1/completions' logprobs
+                                # (OpenAI's is 5 there: Ollama's raw /api/generate passes top_logprobs up to 20)
 # Probabilities (n_probs, logprobs): the engine reports the top-N of each step and the sampled token's own is
 # looked up among them (llama-server's is never missing). N covers what sampling can pick: top_k tokens, PROB_POOL
 # when top_k is off or larger (a token sampled beyond those reads 0 / -9999.0), and at least the n shown; greedy
@@ -206,7 +206,7 @@ class Parser:
         raw = body.raw("prompt")
         prompts = self.prompts(raw)
         n = self._choices(body, len(prompts))
-        logprobs = body.int("logprobs", None, lo=0, hi=MAX_LEGACY_LOGPROBS)
+        logprobs = body.int("logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
         echo = body.bool("echo")
         if echo and n > 1:
             raise HttpError(400, "'echo' with 'n' > 1 is not supported: send the prompt once per choice")

@@ -103,7 +103,7 @@ def test_lm_eval_reads_the_continuation_as_it_does(oai, tiny_model):
 @pytest.mark.parametrize("extra,words", [
     ({"n": 2}, "'echo' with 'n' > 1"),
     ({"stream": True}, "'echo' with 'stream'"),
-    ({"logprobs": 6}, "'logprobs' must be in [0, 5]"),
+    ({"logprobs": 21}, "'logprobs' must be in [0, 20]"),
     ({"prompt": [1] * (N_CTX_SLOT + 1)}, "exceeds the available context size"),
     ({"prompt": [1, 10 ** 6]}, "token"),
 ])

@@ -320,7 +320,7 @@ def test_refused_keeps_llama_servers_context_error_in_both_families():
     ({"suffix": "x"}, "'suffix'"),
     ({"n": MAX_CHOICES + 1}, "'n' must be in"),
     ({"prompt": ["a", "b"], "n": 9}, "make 18 choices"),
-    ({"logprobs": 6}, "'logprobs' must be in [0, 5]"),
+    ({"logprobs": 21}, "'logprobs' must be in [0, 20]"),
     ({"stream_options": 5}, "'stream_options'"),
 ])
 def test_openai_completions_checks(tok, body, needle):

@@ -91,3 +91,36 @@ def test_log_softmax_is_normalised_per_row():
     got = log_softmax(x)
     np.testing.assert_allclose(np.exp(got).sum(axis=1), [1.0, 1.0], rtol=1e-12)
     np.testing.assert_allclose(got[0], [np.log(0.5)] * 2, rtol=1e-12)
+
+
+def test_a_scorer_that_cannot_be_made_fails_the_job_not_the_engine(tiny_model, monkeypatch):
+    with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=64, threads=1) as eng:
+        monkeypatch.setattr(type(eng), "_make_scorer", lambda self: (_ for _ in ()).throw(MemoryError("no room")))
+        with pytest.raises(RequestError, match="prompt scores are not available: MemoryError: no room"):
+            eng.score(["a b"]).result(30)
+        assert len(eng.generate("hi", max_tokens=2, temperature=0).token_ids) == 2     # the decode thread lives
+        monkeypatch.undo()
+        assert len(eng.score(["a b"]).result(30)[0].logprobs) == len(tiny_model.tokenizer.encode("a b"))
+
+
+def test_a_failed_pass_fails_its_jobs_and_the_next_job_is_scored(tiny_model, monkeypatch):
+    from fastserve.scoring import Scorer
+    real = Scorer._pass
+    with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=64, threads=1) as eng:
+        monkeypatch.setattr(Scorer, "_pass", lambda self, n: (_ for _ in ()).throw(FloatingPointError("bad row")))
+        with pytest.raises(RequestError, match="scoring failed: FloatingPointError: bad row"):
+            eng.score(["the cat sat", "a b c"]).result(30)
+        monkeypatch.setattr(Scorer, "_pass", real)
+        [s] = eng.score(["the cat sat"]).result(30)
+        assert np.isfinite(s.logprobs[1:]).all()
+        assert eng.embed(["a"]).result(30)[0].shape == (eng.describe().n_embd,)    # the other side pass unharmed
+
+
+def test_a_cancelled_job_leaves_its_prompts_unscored(tiny_model):
+    with fastserve.Engine(tiny_model, n_parallel=1, n_ctx=256, threads=1) as eng:
+        job = eng.score([[5] * 200] * 12)
+        job.cancel()
+        done = eng.score(["a b"])
+        done.result(30)                     # a later job is answered: the cancelled one did not hold the pass
+        assert not job.future.done()        # nobody waits for it: no answer is made
+        assert not any(p.busy for p in eng._passes.values())
