@@ -62,6 +62,8 @@ cdef class Sampler:
     cdef readonly object masks       # uint32 [n_slots, n_mask_words]: bit t % 32 of word t // 32 = token t allowed
     cdef readonly Py_ssize_t n_mask_words
     cdef uint32_t *_mask             # masks' data
+    cdef readonly object draft_masks # uint32 [n_slots, N_DRAFT_MASKS, n_mask_words]: a constrained slot's drafted rows'
+    cdef uint32_t *_draft_mask       # draft_masks' data
     cdef float *_masked              # [n_vocab] a constrained row: its logits, -inf where disallowed
 
     cdef float _block_max(self, const float *row) noexcept nogil
@@ -69,9 +71,9 @@ cdef class Sampler:
     cdef Py_ssize_t _select_top(self, const float *row, Py_ssize_t k, Cand *out) noexcept nogil
     cdef uint64_t _mass(self, const float *row, float m, double temp) noexcept nogil
     cdef void _pre_probs(self, const float *row, Py_ssize_t n_probs, int32_t *pids, float *pp) noexcept nogil
-    cdef void _apply_mask(self, Py_ssize_t slot, const float *row) noexcept nogil
+    cdef void _apply_mask(self, const uint32_t *w, const float *row) noexcept nogil
     cdef Py_ssize_t _adjust(self, SlotParams *sp, Py_ssize_t slot, float *row) noexcept nogil
-    cdef int32_t _sample_row(self, SlotParams *sp, Py_ssize_t slot, float *row,
+    cdef int32_t _sample_row(self, SlotParams *sp, Py_ssize_t slot, const uint32_t *mask, float *row,
                              int32_t *pids, float *pprobs) noexcept nogil
     cdef int32_t _sample_top_k(self, SlotParams *sp, const float *row, float m,
                                int32_t *pids, float *pprobs) noexcept nogil

@@ -20,7 +20,10 @@ Constraints (grammars, JSON schemas; fastserve/grammar.py): a slot configured wi
 reads its row of `masks` (a bit array the engine fills before each step). Its logits are copied into
 a scratch row with -inf wherever the bit is 0, before every other stage, so bias, penalties, top-k/p,
 min-p and n_probs see only allowed tokens; a constrained row with no allowed candidate yields -1
-(unconstrained rows keep "no candidate -> 0"). An unconstrained row pays one branch.
+(unconstrained rows keep "no candidate -> 0"). An unconstrained row pays one branch. A constrained
+slot's drafted rows (speculative decoding) read `draft_masks`: row j >= 1 of its run reads
+draft_masks[slot, j - 1] (the allowed tokens after its first j drafts), so a slot verifies at most
+N_DRAFT_MASKS drafts.
 
 logits: sample() applies bias and penalties in place (at most
 max_penalty_window + max_logit_bias entries of a row) and restores the original
@@ -120,6 +123,7 @@ cdef extern from "<stdlib.h>" nogil:
 
 cdef enum:
     REJECTED = -2       # a row after a rejected draft (fastserve/_slots.pyx REJECTED)
+    N_DRAFT_MASKS = 8   # the most drafts a constrained slot verifies in one call (its draft_masks rows)
     BLOCK = 64          # logits per block of the block-max pass
     N_BUCKETS = 4096    # top-p mass buckets over [0, _qrange] of distance from the max
 
@@ -283,6 +287,9 @@ cdef class Sampler:
         self.masks = np.zeros((n_slots, self.n_mask_words), np.uint32)
         cdef uint32_t[:, ::1] mv = self.masks
         self._mask = &mv[0, 0]
+        self.draft_masks = np.zeros((n_slots, N_DRAFT_MASKS, self.n_mask_words), np.uint32)
+        cdef uint32_t[:, :, ::1] dv = self.draft_masks
+        self._draft_mask = &dv[0, 0, 0]
         self._masked = <float *>calloc(n_vocab, sizeof(float))
         if (self._params == NULL or self._hist == NULL or self._bias_ids == NULL
                 or self._bias_vals == NULL or self._counts == NULL or self._saved_ids == NULL
@@ -403,6 +410,8 @@ cdef class Sampler:
         cdef float *pp
         cdef const int32_t *dr = NULL
         cdef bint skip = False
+        cdef Py_ssize_t j = 0           # a row's place in its slot's run of drafted rows
+        cdef const uint32_t *mask
         if drafts is not None and n_rows > 0:
             if drafts.shape[0] < n_rows:
                 raise ValueError(f"drafts needs at least {n_rows} entries")
@@ -418,6 +427,9 @@ cdef class Sampler:
             sp = &self._params[s]
             if not sp.configured:
                 raise ValueError(f"row {r}: slot {s} was never configured")
+            j = j + 1 if dr != NULL and r > 0 and dr[r - 1] >= 0 else 0
+            if sp.constrained and j > N_DRAFT_MASKS:
+                raise ValueError(f"row {r}: a constrained slot verifies at most {N_DRAFT_MASKS} drafts")
             if sp.n_probs > 0 and (probs_ids is None or probs is None
                                    or probs_ids.shape[0] <= r or probs_ids.shape[1] < sp.n_probs
                                    or probs.shape[0] <= r or probs.shape[1] < sp.n_probs):
@@ -425,6 +437,7 @@ cdef class Sampler:
                                  f"probs must be at least [{r + 1}, {sp.n_probs}]")
         with nogil:
             for r in range(n_rows):
+                j = j + 1 if dr != NULL and r > 0 and dr[r - 1] >= 0 else 0
                 if skip:                # after a rejected draft: up to the slot's last row
                     out_ids[r] = REJECTED
                     skip = dr[r] >= 0
@@ -436,7 +449,9 @@ cdef class Sampler:
                 if sp.n_probs > 0:
                     pids = &probs_ids[r, 0]
                     pp = &probs[r, 0]
-                out_ids[r] = self._sample_row(sp, s, &logits[r, 0], pids, pp)
+                mask = self._mask + s * self.n_mask_words if j == 0 else \
+                    self._draft_mask + (s * N_DRAFT_MASKS + j - 1) * self.n_mask_words
+                out_ids[r] = self._sample_row(sp, s, mask, &logits[r, 0], pids, pp)
                 skip = dr != NULL and dr[r] >= 0 and out_ids[r] != dr[r]
 
     # -- one row (nogil) ---------------------------------------------------------
@@ -532,9 +547,8 @@ cdef class Sampler:
             pp[j] = <float>(<double>_weight(self._cand[j].v, m, 1.0, self._scale) / <double>total)
         _write_empty(pids, pp, n, n_probs)
 
-    cdef void _apply_mask(self, Py_ssize_t slot, const float *row) noexcept nogil:
-        """_masked = row where the slot's mask allows, -inf elsewhere."""
-        cdef const uint32_t *w = self._mask + slot * self.n_mask_words
+    cdef void _apply_mask(self, const uint32_t *w, const float *row) noexcept nogil:
+        """_masked = row where the mask w allows, -inf elsewhere."""
         cdef float *out = self._masked
         cdef Py_ssize_t i, j, base, n
         cdef uint32_t word
@@ -580,14 +594,14 @@ cdef class Sampler:
                                      sp.presence_penalty)
         return n
 
-    cdef int32_t _sample_row(self, SlotParams *sp, Py_ssize_t slot, float *row,
+    cdef int32_t _sample_row(self, SlotParams *sp, Py_ssize_t slot, const uint32_t *mask, float *row,
                              int32_t *pids, float *pprobs) noexcept nogil:
         cdef Py_ssize_t n_saved, i
         cdef float m
         cdef int32_t tok
         cdef int32_t *h
         if sp.constrained:      # the unconstrained row's one branch
-            self._apply_mask(slot, row)
+            self._apply_mask(mask, row)
             row = self._masked
         if sp.n_probs > 0 and not sp.post_probs:
             self._pre_probs(row, sp.n_probs, pids, pprobs)

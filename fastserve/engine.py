@@ -189,7 +189,8 @@ class Engine:
         self._prompt_cache = (PromptCache(self._backend, int(config.cache_ram_mib * MIB))
                               if config.cache_ram_mib > 0 else None)
         self._finish = np.zeros(n_batch, np.int8)      # [n_batch] per output row: FINISH_* of its request
-        self._masks = MaskTable(self._backend.masks)   # constrained slots (grammar / JSON schema): their masks
+        # constrained slots (grammar / JSON schema): their masks, and their drafted rows' where the sampler has them
+        self._masks = MaskTable(self._backend.masks, getattr(self._backend, "draft_masks", None))
         self._spec = self._make_speculation(config)     # speculative decoding (None: off)
         self._eog_id = min(self.tokenizer.eog_ids) if self.tokenizer.eog_ids else 0
         self._jobs: list[Request | None] = [None] * self._n_slots    # slot -> running job
@@ -231,8 +232,9 @@ class Engine:
             raise ConfigError(f"speculative decoding (--spec-type {spec.type}) needs a sampler that verifies "
                               f"drafts, which the {self._device} backend does not have yet; use --device cpu")
         model = self._make_draft_model(spec.draft_model) if spec.draft_model else None
+        draft_masks = self._masks.draft_masks
         return Speculation(spec, self._n_slots, self._n_ctx_slot, self._n_batch, impl=self._impl["drafts"],
-                           model=model)
+                           model=model, constrained_most=0 if draft_masks is None else draft_masks.shape[1])
 
     def _make_draft_model(self, path: str) -> DraftModel:
         """draft-simple's drafter: the draft model loaded and its vocabulary checked (draft_model.py), the CPU
@@ -546,7 +548,10 @@ class Engine:
         batch = self._batch
         batch.clear()
         spec = self._spec
-        if spec is not None and spec.propose(self._slots, batch.capacity):
+        drafted = spec is not None and spec.propose(self._slots, batch.capacity)
+        if drafted and self._masks.n_active:        # constrained slots keep the drafts their grammar allows
+            drafted = self._masks.draft(spec.drafts, spec.n_draft, spec.k_min)
+        if drafted:
             n_decode = self._slots.add_decode(batch, spec.drafts, spec.n_draft)    # + each slot's draft rows
         else:
             n_decode = self._slots.add_decode(batch)
@@ -599,7 +604,7 @@ class Engine:
         end-of-generation id for the slot table; the other constrained rows' next masks are then computed
         while the next step's forward pass runs (masks.py)."""
         row_slot = self._batch.row_slot[:self._batch.n_out]
-        refused = np.flatnonzero(ids == -1)        # (-2: a row after a rejected draft, never a constrained one)
+        refused = np.flatnonzero(ids == -1)        # (-2: a row after a rejected draft)
         for r in refused.tolist():
             slot = int(row_slot[r])
             self._delivery.finish(slot, FINISH_GRAMMAR, self._masks.error(slot))

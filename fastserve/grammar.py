@@ -184,6 +184,10 @@ class Constraint:
             return True                 # the end: llguidance's stop state needs nothing more
         return self.matcher.consume_token(token)
 
+    def is_end(self, token: int) -> bool:
+        """token ends the generation (an end-of-generation token)."""
+        return token in self._eog
+
     @property
     def error(self) -> str:
         return self.matcher.get_error()

@@ -8,6 +8,12 @@ row s for slot s only, while the decode thread is busy with the next step's admi
 forward pass (llguidance drops the GIL while it computes; so do the forward pass's kernels). The
 decode thread waits for the worker before it samples, and before it hands a slot to a new request.
 
+A constrained slot drafts (speculative decoding) only what its masks allow: draft() walks its drafts
+with the matcher, keeping each while the mask of its row allows it and writing the next row's mask
+(the sampler's draft_masks); after the verification, launch() rolls the matcher back over those drafts
+and takes the sampled tokens instead, so a rejected draft leaves nothing in the grammar state. Those
+masks are computed on the decode thread, before the batch is built.
+
 A matcher that falls into an error state (a token it could not take, a grammar that dead-ends)
 gets an all-zero mask: the sampler then yields -1 for its row, and the engine ends the request
 with FINISH_GRAMMAR and the matcher's message instead of sampling a garbage token.
@@ -23,9 +29,11 @@ import numpy as np
 class MaskTable:
     """The decode thread's table of constrained slots (its only user); one worker thread, made on first use."""
 
-    def __init__(self, masks: np.ndarray):
+    def __init__(self, masks: np.ndarray, draft_masks: np.ndarray | None = None):
         self.masks = masks                       # uint32 [n_slots, n_words]: the sampler's
+        self.draft_masks = draft_masks           # uint32 [n_slots, most, n_words]: its drafted rows' (None: no drafts)
         self.constraint = [None] * masks.shape[0]
+        self.n_drafted = np.zeros(masks.shape[0], np.int32)    # per slot: drafts its matcher took this step
         self.n_active = 0
         self._pool: ThreadPoolExecutor | None = None
         self._pending = None                     # the worker's current job (a Future) or None
@@ -36,6 +44,7 @@ class MaskTable:
         """A constrained request takes `slot`: its first mask is computed now (once per request)."""
         self.wait()
         self.constraint[slot] = constraint
+        self.n_drafted[slot] = 0
         self.n_active += 1
         _fill(constraint, self.masks[slot])
 
@@ -44,11 +53,46 @@ class MaskTable:
             self.constraint[slot] = None
             self.n_active -= 1
 
+    def draft(self, drafts, n_draft, k_min) -> int:
+        """Before the batch is built: each constrained slot's drafts (drafts[s, :n_draft[s]]) cut at the first
+        one its row's mask does not allow (or an end of generation: nothing is drafted past it), or to none
+        when fewer than k_min[s] remain; its matcher takes the kept ones, writing the mask of each next row
+        into draft_masks. Returns the tokens drafted by all slots."""
+        self.wait()
+        for s in np.flatnonzero(n_draft).tolist():
+            c = self.constraint[s]
+            if c is None:
+                continue
+            words, n, most = self.masks[s], 0, min(int(n_draft[s]), self.draft_masks.shape[1])
+            while n < most:
+                t = int(drafts[s, n])
+                if not words[t >> 5] >> (t & 31) & 1 or c.is_end(t) or not c.matcher.consume_token(t):
+                    break
+                words = self.draft_masks[s, n]
+                _fill(c, words)
+                n += 1
+            if n < k_min[s]:
+                c.matcher.rollback(n)
+                n = 0
+            n_draft[s] = self.n_drafted[s] = n
+        return int(n_draft.sum())
+
     def launch(self, row_slot, sampled, finish) -> None:
-        """After commit: each constrained row's token moves its matcher on, then its next mask is
-        computed, in the worker. Rows that finished (finish[r] != 0) are left alone."""
-        jobs = [(c, int(sampled[r]), self.masks[s]) for r, s in enumerate(row_slot.tolist())
-                if (c := self.constraint[s]) is not None and not finish[r]]
+        """After commit: each constrained slot's matcher is rolled back over its drafts, its sampled tokens
+        (those not REJECTED) move it on, then its next mask is computed, in the worker. A slot with a row
+        that finished (finish[r] != 0) is left alone."""
+        jobs, done = {}, set()
+        for r, s in enumerate(row_slot.tolist()):
+            c = self.constraint[s]
+            if c is None or s in done:
+                continue
+            if finish[r]:
+                done.add(s)
+                jobs.pop(s, None)
+            elif sampled[r] >= 0:
+                jobs.setdefault(s, (c, int(self.n_drafted[s]), [], self.masks[s]))[2].append(int(sampled[r]))
+        self.n_drafted[list(jobs)] = 0
+        jobs = list(jobs.values())
         if not jobs:
             return
         if self._pool is None:
@@ -83,9 +127,11 @@ def _fill(constraint, words: np.ndarray) -> None:
 
 
 def _advance(jobs) -> None:
-    for constraint, token, words in jobs:
+    for constraint, drafted, tokens, words in jobs:
         try:
-            if constraint.commit(token):
+            if drafted:
+                constraint.matcher.rollback(drafted)
+            if all(constraint.commit(t) for t in tokens):
                 _fill(constraint, words)
                 continue
         except Exception:           # llguidance refused a call: this request ends, not the decode thread

@@ -75,10 +75,12 @@ class Speculation:
     """Per-slot drafting for one engine: limits of the slot's request, its acceptance estimate, and the
     step's drafts (drafts int32 [n_slots, most], n_draft int32 [n_slots]). Counters for /metrics."""
 
-    def __init__(self, cfg: SpecConfig, n_slots: int, n_ctx_slot: int, n_batch: int, impl=_drafts, model=None):
+    def __init__(self, cfg: SpecConfig, n_slots: int, n_ctx_slot: int, n_batch: int, impl=_drafts, model=None,
+                 constrained_most: int = 0):
         """model: the draft model's drafter (fastserve/draft_model.py) for draft-simple, else the n-gram one of
-        impl (fastserve._drafts or its twin)."""
-        self.cfg, self.model = cfg, model
+        impl (fastserve._drafts or its twin). constrained_most: the most drafts of a constrained slot (the
+        sampler's draft masks; its grammar then cuts them, fastserve/masks.py)."""
+        self.cfg, self.model, self.constrained_most = cfg, model, constrained_most
         self.drafter = model if model is not None else impl.Drafter(n_slots, n_ctx_slot, **cfg.drafter())
         self.most = max(0, min(cfg.most, n_batch - 1, n_ctx_slot - 1))
         self.drafts = np.zeros((n_slots, max(1, self.most)), np.int32)   # [n_slots, most] this step's drafts
@@ -96,10 +98,10 @@ class Speculation:
 
     def start(self, slot: int, limits: DraftLimits | None, constrained: bool) -> None:
         """A request starts on slot (after SlotTable.start): its limits (None: the server's); a constrained
-        request does not draft (its grammar state would have to follow every drafted token)."""
+        request drafts at most constrained_most tokens a step (a mask for each)."""
         lim = limits if limits is not None else self.cfg.limits
         cap = self.most if lim.n_max is None else min(lim.n_max, self.most)
-        self.k_cap[slot] = 0 if constrained else cap
+        self.k_cap[slot] = min(cap, self.constrained_most) if constrained else cap
         self.k_min[slot], self.p_min[slot] = lim.n_min, lim.p_min
         self.hits[slot], self.misses[slot] = PRIOR_HITS, PRIOR_MISSES
         self.seen[:, slot] = 0

@@ -25,6 +25,7 @@ class HostSampling:
         impl: the module providing Sampler (fastserve._sampling, or its twin fastserve.ref.sampling)."""
         self.sampler = (impl or _sampling).Sampler(n_slots, n_vocab, MAX_PENALTY_WINDOW, MAX_LOGIT_BIAS)
         self.masks = self.sampler.masks     # constrained slots' allowed tokens (the engine writes them)
+        self.draft_masks = self.sampler.draft_masks     # ... and those of their drafted rows
         self._alloc_outputs(max(1, max_rows))
         self._n_probs = np.zeros(n_slots, np.int32)     # per slot: n_probs of its request (0: none asked)
         self._n_asking = 0                              # slots whose request asked for probabilities

@@ -49,6 +49,7 @@ from fastserve.errors import RequestError
 
 MASK64 = (1 << 64) - 1
 REJECTED = -2       # a row after a rejected draft (fastserve.ref.slots.REJECTED)
+N_DRAFT_MASKS = 8   # the most drafts a constrained slot verifies in one call (its draft_masks rows)
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
@@ -133,6 +134,8 @@ class Sampler:
         self._slots = [None] * self.n_slots
         self.n_mask_words = (self.n_vocab + 31) // 32
         self.masks = np.zeros((self.n_slots, self.n_mask_words), np.uint32)
+        # a constrained slot's drafted rows: row j >= 1 of its run reads draft_masks[slot, j - 1]
+        self.draft_masks = np.zeros((self.n_slots, N_DRAFT_MASKS, self.n_mask_words), np.uint32)
 
     def configure(self, slot, *, seed, history=(), constrained=False, **params):
         """Give `slot` a request's parameters (SamplingParams' fields; config.SAMPLING_DEFAULTS for those not
@@ -180,6 +183,12 @@ class Sampler:
                           logits, row_slot, out_ids, probs_ids, probs)
         if drafts is not None and len(drafts) < len(row_slot):
             raise ValueError(f"drafts needs at least {len(row_slot)} entries")
+        runs = [0] * len(row_slot)          # a row's place in its slot's run of drafted rows
+        for r in range(1, len(row_slot)):
+            runs[r] = runs[r - 1] + 1 if drafts is not None and drafts[r - 1] >= 0 else 0
+        for r, j in enumerate(runs):
+            if j > N_DRAFT_MASKS and self._slots[int(row_slot[r])].constrained:
+                raise ValueError(f"row {r}: a constrained slot verifies at most {N_DRAFT_MASKS} drafts")
         skip = False
         for r in range(len(row_slot)):
             if skip:
@@ -191,7 +200,8 @@ class Sampler:
             pp = probs[r] if st.n_probs else None
             row = logits[r]
             if st.constrained:
-                row = self._masked(int(row_slot[r]), row)
+                s = int(row_slot[r])
+                row = self._masked(s, row, None if runs[r] == 0 else self.draft_masks[s, runs[r] - 1])
             tok = self._sample_row(st, row, pids, pp)
             out_ids[r] = tok
             if st.repeat_last_n and tok >= 0:
@@ -201,9 +211,10 @@ class Sampler:
 
     # -- one row ---------------------------------------------------------------
 
-    def _masked(self, slot, row):
-        """A copy of row with -inf where masks[slot] disallows the token."""
-        bits = np.unpackbits(self.masks[slot].astype("<u4").view(np.uint8), bitorder="little")[:self.n_vocab]
+    def _masked(self, slot, row, words=None):
+        """A copy of row with -inf where masks[slot] (or the mask words given) disallows the token."""
+        words = self.masks[slot] if words is None else words
+        bits = np.unpackbits(words.astype("<u4").view(np.uint8), bitorder="little")[:self.n_vocab]
         return np.where(bits.astype(bool), np.asarray(row, np.float32), np.float32(-np.inf))
 
     def _effective(self, st, row):

@@ -53,7 +53,8 @@ def _complete(server, **body):
 
 def test_answers_are_the_plain_servers_and_say_what_was_drafted(servers):
     spec, plain = servers
-    for body in ({}, {"temperature": 0.8, "seed": 4, "top_k": 10}, {"speculative.n_max": 2, "speculative.p_min": 0.1}):
+    for body in ({}, {"temperature": 0.8, "seed": 4, "top_k": 10}, {"speculative.n_max": 2, "speculative.p_min": 0.1},
+                 {"grammar": 'root ::= ([a-d] " ")+ "."'}):
         a, b = _complete(spec, **body).json(), _complete(plain, **body).json()
         assert a["content"] == b["content"]
     t = _complete(spec).json()["timings"]

@@ -91,7 +91,7 @@ def test_seeded_sampling_with_penalties_is_plain_sampling(tiny_model):
                          ids=["oracle", "ngram-simple", "ngram-mod"])
 def test_default_model_greedy_is_byte_identical(default_model, spec):
     """Every drafter on the default model, one request alone and eight at once (one of them constrained by a
-    JSON schema, which does not draft), against plain decoding."""
+    JSON schema, which drafts what its schema allows), against plain decoding."""
     prompts = ["List the numbers from one to twenty: one, two, three,", "def add(a, b):\n    return a + b\n\n"
                "def add3(a, b, c):\n    return", "The quick brown fox jumps over the lazy dog. The quick brown",
                *[f"Write a short poem about the number {i}." for i in range(5)]]
@@ -114,6 +114,68 @@ def test_default_model_greedy_is_byte_identical(default_model, spec):
             if js is not None:
                 assert js.result().token_ids == plain_json
                 assert e.snapshot.n_drafted > 0
+
+
+GRAMMAR = 'root ::= ([a-z] [a-z] [a-z] " ")+ "."'     # where a token goes depends on what came before
+
+
+@pytest.mark.parametrize("drafter", ["oracle", "draft-simple"])
+def test_constrained_requests_draft_what_their_grammar_allows_and_roll_it_back(tiny_model_path, tiny_model,
+                                                                              monkeypatch, drafter):
+    """Grammar-constrained greedy requests with speculation, alone and among 7 busy slots (3 constrained, 4
+    not): plain decoding's tokens; their drafts are cut where the mask refuses one (the Oracle's wrong
+    drafts, the draft model's unconstrained argmax) and rejected where it allows a wrong one; every draft
+    the matcher took is rolled back before the sampled tokens move it on (without that rollback the
+    grammar's 4-character rhythm breaks and the requests end with "grammar")."""
+    from fastserve import masks
+    model, n = tiny_model, 60
+    prompts = PROMPTS[:4]
+    kw = dict(max_tokens=n, temperature=0, cache_prompt=False)
+    plain = _plain(model, prompts, n, temperature=0, grammar=GRAMMAR) + _plain(model, prompts, n, temperature=0)
+    spec = SpecConfig(type="draft-simple", draft_model=tiny_model_path) if drafter == "draft-simple" else ORACLE
+    cut = []
+    real_draft = masks.MaskTable.draft
+
+    def draft(self, drafts, n_draft, k_min):
+        before = int(n_draft.sum())
+        kept = real_draft(self, drafts, n_draft, k_min)
+        cut.append(before - kept)
+        return kept
+    monkeypatch.setattr(masks.MaskTable, "draft", draft)
+    for n_parallel, some in ((1, [0]), (8, range(8))):
+        with fastserve.Engine(model, n_parallel=n_parallel, n_ctx=n_parallel * 256, n_batch=64, speculative=spec) as e:
+            if spec is ORACLE:
+                e._spec.drafter = Oracle([list(model.tokenizer.encode(p)) + c.token_ids
+                                          for p, c in zip(prompts * 2, plain)], model.config.n_vocab)
+            e._spec.cost.bar = lambda n_rows: 0.0
+            readers = [e.submit(prompts[i % 4], grammar=GRAMMAR if i < 4 else None, **kw) for i in some]
+            got = [r.result() for r in readers]
+            assert [g.token_ids for g in got] == [plain[i].token_ids for i in some], (drafter, n_parallel)
+            assert [g.finish_reason for g in got] == [plain[i].finish_reason for i in some]
+            t = got[0].timings          # the draft model drafting for itself is wrong only where the mask cuts
+            assert 0 < t["draft_n_accepted"] <= t["draft_n"] and (spec is not ORACLE or t["draft_n_accepted"] < t["draft_n"])
+    assert sum(cut) > 0
+
+
+def test_the_sampler_reads_a_constrained_slots_draft_masks_row_by_row():
+    """Row j >= 1 of a constrained slot's drafted run samples within draft_masks[slot, j - 1] (both
+    implementations); a run longer than the draft masks is refused."""
+    import importlib
+    for impl in ("fastserve._sampling", "fastserve.ref.sampling"):
+        s = importlib.import_module(impl).Sampler(2, 64)
+        s.configure(1, seed=1, temperature=0.0, constrained=True)
+        logits = np.tile(np.arange(64, dtype=np.float32), (3, 1))    # argmax 63 everywhere
+        s.masks[1, 0] = 1 << 5                                       # row 0: token 5 only
+        s.draft_masks[1, 0, 0] = 1 << 7                              # row 1: token 7 only
+        s.draft_masks[1, 1, 1] = 1 << 2                              # row 2: token 34 only
+        ids = np.zeros(3, np.int32)
+        s.sample(logits, np.array([1, 1, 1], np.int32), ids, drafts=np.array([5, 7, -1], np.int32))
+        assert ids.tolist() == [5, 7, 34], impl
+        most = s.draft_masks.shape[1]
+        run = most + 2
+        with pytest.raises(ValueError, match="at most"):
+            s.sample(np.zeros((run, 64), np.float32), np.ones(run, np.int32), np.zeros(run, np.int32),
+                     drafts=np.array([0] * (run - 1) + [-1], np.int32))
 
 
 # -- the policy ------------------------------------------------------------------------------------------
@@ -198,7 +260,12 @@ def test_request_limits_and_constrained_slots():
     spec.start(2, None, constrained=True)
     spec.hits[:] = 1e6
     spec.propose(slots, 512)
-    assert spec.n_draft.tolist() == [3, 45, 0]
+    assert spec.n_draft.tolist() == [3, 45, 0]          # no draft masks: a constrained slot does not draft
+    spec.constrained_most = 8
+    spec.start(2, None, constrained=True)
+    spec.hits[:] = 1e6
+    spec.propose(slots, 512)
+    assert spec.n_draft.tolist() == [3, 45, 8]
     spec.start(0, DraftLimits(p_min=1.0), constrained=False)     # no position is certain: none
     spec.hits[:] = 9.0
     spec.propose(slots, 512)
