@@ -13,9 +13,20 @@ import pytest
 
 from fastserve.scoring import log_softmax
 
+from .conftest import ServerProc
+
 PROMPTS = ["the cat sat on the mat", "one two three four five", "hello world, hello again", "a b c d e f g",
            "once upon a time", "red green blue", "the end of the story", "x y z"]
-N_CTX_SLOT = 256            # the server fixture's -c 2048 -np 8
+N_CTX_SLOT = 256            # -c 2048 -np 8
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path, tmp_path_factory):
+    """A server of this module's own: its echoes' completions leave prompts in the slots' caches, which would
+    change what the shared server's later tests count as prompt tokens evaluated."""
+    with ServerProc(tiny_model_path, tmp_path_factory.mktemp("echo") / "server.log", "-c", "2048", "-np", "8",
+                    "-n", "16") as p:
+        yield p
 
 
 def _rows(model, ids):
