@@ -335,3 +335,25 @@ def test_the_tracer_counts_drafts_for_the_bench_table():
     assert (s["drafted"], s["acceptance"]) == (16, 0.5)
     old = {k: v for k, v in before.items() if k not in ("drafted", "accepted")}      # a server from before
     assert summarize(delta(old, old))["acceptance"] is None
+
+
+def test_fastserve_bench_shows_the_acceptance(tiny_model_path, tmp_path):
+    """`fastserve bench --spec-type ngram-mod` (in-process): its phase table has the draft acc column, filled
+    (accepted / drafted tokens of the window), as its JSON has; without --spec-type the figure is absent."""
+    import json
+    import subprocess
+    import sys
+    for spec, drafted in (("ngram-mod", True), ("none", False)):
+        out = tmp_path / f"{spec}.json"
+        p = subprocess.run([sys.executable, "-m", "fastserve", "bench", "-m", tiny_model_path, "--clients", "2",
+                            "--duration", "1.0", "--warmup", "0.2", "-n", "32", "--prompt-tokens", "8-16",
+                            "--spec-type", spec, "--probes", "", "--json", str(out), "--no-progress"],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr
+        phases = json.loads(out.read_text())["runs"][0]["figures"]["phases"]
+        assert "draft acc" in p.stdout
+        if drafted:
+            assert phases["drafted"] > 0 and 0.0 <= phases["acceptance"] <= 1.0
+            assert f"{phases['acceptance']:.0%}" in p.stdout
+        else:
+            assert phases["acceptance"] is None
