@@ -62,11 +62,14 @@ def test_fastserve_serve_replicas_starts_serves_and_stops(default_model_file, tm
         assert httpx.get(url + "/health", timeout=10).status_code == 200      # healthy once it says it listens
         r = httpx.post(url + "/completion", json={"prompt": "The capital of France is", "n_predict": 4}, timeout=60)
         assert r.status_code == 200 and r.json()["tokens_predicted"] == 4
+        deadline = time.monotonic() + 15     # the replicas report to the board every second (later on a busy box)
+        while len(per_replica(url, "vllm:num_requests_waiting")) != 1 and time.monotonic() < deadline:
+            time.sleep(0.5)
         assert len(per_replica(url, "vllm:num_requests_waiting")) == 1
         family = psutil.Process(proc.pid).children(recursive=True)     # Ray's processes, the replica, its server
         assert any("fastserve" in " ".join(p.cmdline()) and "serve" in p.cmdline() for p in family)
         os.killpg(proc.pid, signal.SIGINT)      # Ctrl-C: the whole process group, Ray's own processes too
-        assert proc.wait(30) == 0, log.read_text(errors="replace")[-3000:]
+        assert proc.wait(60) == 0, log.read_text(errors="replace")[-3000:]
         assert wait_gone(family, 10) == []
     finally:
         if proc.poll() is None:
