@@ -41,8 +41,11 @@ def test_a_draft_model_answers_as_the_plain_server(servers, tiny_model_path, tmp
         for body in ({}, {"temperature": 0.8, "seed": 4, "top_k": 10}, {"speculative.n_max": 3}):
             assert _complete(md, **body).json()["content"] == _complete(plain, **body).json()["content"]
         t = _complete(md).json()["timings"]
-        assert t["draft_n"] == t["draft_n_accepted"] > 0
-        assert all(s["speculative"] is True for s in httpx.get(md.url + "/slots").json())
+        assert t.get("draft_n", 0) == t.get("draft_n_accepted", 0)     # what it drafted, all accepted
+        slots = httpx.get(md.url + "/slots").json()     # over the requests (on a busy machine the cost model may
+        assert all(s["speculative"] is True for s in slots)                 # let one go without drafting)
+        assert sum(s["draft_n"] for s in slots) > 0
+        assert all(s["draft_acceptance"] == 1.0 for s in slots if s["draft_n"])
         assert _complete(md, **{"speculative.type": "ngram-mod"}).status_code == 400
 
 
