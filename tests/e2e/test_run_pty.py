@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pty
 import select
+import signal
 import sys
 import time
 
@@ -25,6 +26,10 @@ class Terminal:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:                     # the child: the pty is its controlling terminal
             os.chdir(REPO_ROOT)
+            # a person's terminal delivers Ctrl-C: undo the SIG_IGN a shell without job control gives the commands
+            # it starts in the background (make test run that way ignored every Ctrl-C of these tests)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
             os.execve(sys.executable, [sys.executable, "-m", "fastserve", "run", *args], env)
         self.seen = ""
 
