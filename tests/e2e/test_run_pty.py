@@ -26,8 +26,8 @@ class Terminal:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:                     # the child: the pty is its controlling terminal
             os.chdir(REPO_ROOT)
-            # a person's terminal delivers Ctrl-C: undo the SIG_IGN a shell without job control gives the commands
-            # it starts in the background (make test run that way ignored every Ctrl-C of these tests)
+            # a person's terminal delivers Ctrl-C: undo an ignored or blocked SIGINT inherited from the test process
+            # (make test's serial phase from a fresh clone had one: every Ctrl-C of these tests was lost)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
             os.execve(sys.executable, [sys.executable, "-m", "fastserve", "run", *args], env)
