@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
-import time
+import tempfile
 import urllib.request
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+from httpload import ServerProcess, free_port  # noqa: E402  (bench/: how every recorder starts a server)
 
 DATA = Path(__file__).resolve().parent / "data" / "smollm2_q41_llamacpp_embeddings.json"
 TEXTS = [
@@ -40,25 +41,6 @@ def _post(port: int, path: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def _serve(binary: str, model: str, pooling: str):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    p = subprocess.Popen([binary, "-m", model, "--embedding", "--pooling", pooling, "-t", "2", "-c", "2048",
-                          "-np", "1", "--port", str(port), "--host", "127.0.0.1"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return p, port
-        except OSError:
-            time.sleep(0.2)
-    p.kill()
-    raise RuntimeError("llama-server did not become healthy within 120 s")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--llama-server", default=os.path.expanduser("~/llama-peer/build/bin/llama-server"))
@@ -69,7 +51,10 @@ def main() -> int:
                         "(embd_normalize default 2: Euclidean)"},
            "texts": TEXTS, "token_ids": [], "vectors": {}}
     for pooling in POOLINGS:
-        p, port = _serve(args.llama_server, args.model, pooling)
+        port = free_port()
+        cmd = [args.llama_server, "-m", args.model, "--embedding", "--pooling", pooling, "-t", "2", "-c", "2048",
+               "-np", "1", "--port", str(port), "--host", "127.0.0.1"]
+        server = ServerProcess(cmd, port, Path(tempfile.gettempdir()) / f"record_embeddings_{pooling}.log", 120.0)
         try:
             if not out["token_ids"]:
                 out["token_ids"] = [_post(port, "/tokenize", {"content": t, "add_special": True})["tokens"]
@@ -78,8 +63,7 @@ def main() -> int:
             out["vectors"][pooling] = [[float(f"{x:.7g}") for x in d["embedding"]]
                                        for d in sorted(data, key=lambda d: d["index"])]
         finally:
-            p.send_signal(signal.SIGTERM)
-            p.wait(10)
+            server.stop()
     DATA.write_text(json.dumps(out) + "\n", encoding="utf-8")
     print(f"wrote {DATA} ({DATA.stat().st_size} bytes)")
     return 0
