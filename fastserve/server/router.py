@@ -4,7 +4,8 @@
                                                         └─ that model's App.handle: its engine, routes, watchdog
 
 Every `*.gguf` in DIR is a model, named by its file name without `.gguf` (Ollama's `name:latest` is the same one).
-A request names its model in its body's `model` (GET routes: `?model=`); a server of one model needs no name.
+A request names its model in its body's `model` (GET routes: `?model=`); a server of one model needs no name,
+and a GET without one looks at the only model loaded (400 when none or several are).
 The models listing routes (/v1/models, /models, /api/tags, /api/ps) and /health are the router's own.
 
 At most --models-max models are loaded; loading another first unloads the least recently used one that has no
@@ -191,8 +192,11 @@ class Router:
                 name = body.get("model", name)
                 keep = keep_alive_seconds(body.get("keep_alive"))
         if not name:
-            if len(self.models) == 1:
-                return next(iter(self.models.values())), keep
+            # A GET without ?model= looks at the one model there is, or at the one loaded (a client such as
+            # lm-eval asks /tokenizer_info of the model it just used, without naming it).
+            loaded = [e for e in self.models.values() if e.app is not None] if req.method in ("GET", "HEAD") else []
+            if len(self.models) == 1 or len(loaded) == 1:
+                return (next(iter(self.models.values())) if len(self.models) == 1 else loaded[0]), keep
             raise HttpError(400, f"'model' is required: one of {', '.join(self.models)}")
         if not isinstance(name, str):
             raise HttpError(400, "'model' must be a string")

@@ -135,6 +135,14 @@ def test_unknown_and_missing_models(models_dir, tmp_path):
         r = c.post("/v1/chat/completions", json={"messages": CHAT})
         assert r.status_code == 400 and "'model' is required" in r.json()["error"]["message"]
         assert _loaded(c) == set()
+        r = c.get("/props")                      # a GET without a model, none loaded: which one is not known
+        assert r.status_code == 400 and "'model' is required" in r.json()["error"]["message"]
+        _chat(c, "gemma3", 2)
+        for path in ("/props", "/tokenizer_info", "/slots"):     # ... one loaded: that one
+            r = c.get(path)
+            assert r.status_code == 200 and r.json() == c.get(path, params={"model": "gemma3"}).json(), (path, r.text)
+        assert "gemma3" in c.get("/props").json()["model_path"]
+        assert c.post("/v1/chat/completions", json={"messages": CHAT}).status_code == 400    # a POST still names it
         # a file that does not load: a 500 saying why, for each of its requests; the others go on
         errors = []
         threads = [threading.Thread(target=lambda: errors.append(c.post("/api/chat", json={"model": "broken",
