@@ -7,6 +7,7 @@
     params.py    one parse of a generation request: body → Params (prompts, SamplingParams, limits)
     llama_api.py POST /completion          openai_api.py  /v1/models /v1/completions /v1/chat/completions
     embeddings_api.py /v1/embeddings /embedding            ollama_api.py  Ollama's /api/* routes
+                                                       (ollama_body.py: its bodies → the chat's)
     generation.py one engine request as the loop sees it (text, deadlines); fanout.py several of them
     watchdog.py  stall detection, deadlines, dropping clients that do not read
     metrics.py   Prometheus text          sse.py, response.py, probs.py, fields.py, tools.py, errors.py,

@@ -2,8 +2,9 @@
 /api/tags, /api/show, /api/ps, /api/version, as the `ollama` package and the desktop apps that speak Ollama
 call them.
 
-A chat or generate request is translated into the chat route's form (params.Parser.chat_body; raw generate:
-the completions route's) so that the template, tools, JSON formats and every field check are the chat's:
+A chat or generate request is translated into the chat route's form (ollama_body.py, then
+params.Parser.chat_body; raw generate: the completions route's) so that the template, tools, JSON formats
+and every field check are the chat's:
 
     model                         required; this server's one model (its alias, with or without ":latest"),
                                   else 404 "model ... not found"
@@ -19,7 +20,7 @@ the completions route's) so that the template, tools, JSON formats and every fie
     logprobs, top_logprobs        each token's logprob and its top_logprobs alternatives (0-20), as OpenAI's chat
     stream (default true)         NDJSON, one object a line, the last with done true and the counts
     keep_alive                    taken (a duration): the one model stays loaded whatever it says
-    options                       OPTIONS below: each taken, taken with no effect (and why), or refused
+    options                       ollama_body.OPTIONS: each taken, taken with no effect (and why), or refused
 
 Refused (400, never ignored): any other field, an option not in OPTIONS, suffix / template / context /
 images. The answer carries Ollama's fields: done_reason (stop, length,
@@ -36,9 +37,10 @@ from datetime import datetime, timezone
 import orjson
 
 from .embeddings_api import inputs, vectors
+from . import ollama_body
 from .errors import HttpError
 from .fanout import run_all
-from .fields import Body, kind, parse_object
+from .fields import Body, parse_object
 from .openai_api import start_chat
 from .probs import chat_logprobs
 from .reasoning import Splitter, split
@@ -56,165 +58,8 @@ FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9:
               32: "BF16"}
 
 
-# -- options: name -> (what it becomes, its argument) ---------------------------------------------------
-#   field    the chat's field of that name (its checks: params.py, with the chat's message)
-#   tokens   max_tokens; -1 (no limit) and -2 (fill the context) both run until the slot is full
-#   context  at most this server's context per slot (-c / -np: fixed at start); more is refused
-#   moot     taken with no effect, for the reason given
-#   neutral  only its neutral value (the argument), for fastserve has no such sampler
-#   start    refused: a load-time setting of `fastserve serve` (the flag given)
-OPTIONS = {
-    "temperature": ("field", None), "top_k": ("field", None), "top_p": ("field", None), "min_p": ("field", None),
-    "seed": ("field", None), "stop": ("field", None), "repeat_penalty": ("field", None),
-    "repeat_last_n": ("field", None), "presence_penalty": ("field", None), "frequency_penalty": ("field", None),
-    "typical_p": ("field", None), "mirostat": ("field", None),
-    "num_predict": ("tokens", None),
-    "num_ctx": ("context", None),
-    "num_keep": ("moot", "nothing is ever discarded from the context"),
-    "mirostat_tau": ("moot", "Mirostat is off"), "mirostat_eta": ("moot", "Mirostat is off"),
-    "penalize_newline": ("moot", "Ollama itself no longer reads it"),
-    "tfs_z": ("neutral", 1.0),
-    "num_batch": ("start", "-b"), "num_thread": ("start", "-t"), "num_gpu": ("start", "--device / -ngl"),
-    "main_gpu": ("start", "--device"), "low_vram": ("start", "--device"), "f16_kv": ("start", "-ctk / -ctv"),
-    "use_mmap": ("start", "(always memory-mapped)"), "use_mlock": ("start", "(never locked)"),
-    "numa": ("start", "(no NUMA placement)"), "vocab_only": ("start", "(the whole model is loaded)"),
-    "logits_all": ("start", "(no logits output)"), "embedding_only": ("start", "(embeddings are always served)"),
-}
-COMMON = {"model", "stream", "options", "format", "keep_alive", "think", "logprobs", "top_logprobs"}
-CHAT_FIELDS = COMMON | {"messages", "tools"}
-GENERATE_FIELDS = COMMON | {"prompt", "system", "raw", "suffix", "template", "context", "images"}
-EMBED_FIELDS = {"model", "input", "truncate", "options", "keep_alive", "dimensions"}
-
-
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def _known(body: Body, allowed: set, route: str) -> None:
-    unknown = sorted(set(body.data) - allowed)
-    if unknown:
-        raise HttpError(400, f"{route}: unknown field(s) {', '.join(map(repr, unknown))}; it takes "
-                             f"{', '.join(sorted(allowed))}")
-
-
-def _model(body: Body, alias: str, field: str = "model") -> str:
-    """The request's model: this server's one (its alias, with or without a tag ":latest"), else 404."""
-    name = body.str(field) or (body.str("name") if field == "model" else None)
-    if not name:
-        raise HttpError(400, "model is required")
-    if name not in (alias, f"{alias}:latest"):
-        raise HttpError(404, f"model '{name}' not found (this server has '{alias}')")
-    return name
-
-
-def _keep_alive(body: Body) -> None:
-    """keep_alive: a number of seconds or a duration ("5m", "-1"); checked, then moot (one model, never unloaded)."""
-    v = body.raw("keep_alive")
-    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float, str))):
-        raise HttpError(400, f"'keep_alive' must be a duration (\"5m\") or a number of seconds, got {kind(v)}")
-
-
-def _options(body: Body, out: dict, n_ctx: int, allowed=None) -> None:
-    """Ollama's options into the chat body out (OPTIONS); allowed: the only names this route takes."""
-    opts = body.raw("options", {})
-    if not isinstance(opts, dict):
-        raise HttpError(400, f"'options' must be an object, got {kind(opts)}")
-    for name, value in opts.items():
-        if value is None:
-            continue
-        what, arg = OPTIONS.get(name, (None, None))
-        if what is None or (allowed is not None and name not in allowed):
-            raise HttpError(400, f"option '{name}' is not supported by fastserve"
-                                 + ("" if what is None else " on this route"))
-        if what == "field":
-            out[name] = value
-        elif what == "tokens":
-            n = Body({name: value}).int(name, lo=-2)
-            out["max_tokens"] = -1 if n < 0 else n
-        elif what == "context":
-            n = Body({name: value}).int(name, lo=1)
-            if n > n_ctx:
-                raise HttpError(400, f"option 'num_ctx' {n} exceeds this server's context per slot ({n_ctx} tokens, "
-                                     f"set at start by -c / -np)")
-        elif what == "neutral" and value != arg:
-            raise HttpError(400, f"option '{name}' = {value!r} is not supported by fastserve (no such sampler); "
-                                 f"leave it out or give {arg}")
-        elif what == "start":
-            raise HttpError(400, f"option '{name}' is a load-time setting: fastserve takes it when the server "
-                                 f"starts ({arg})")
-
-
-def _format(body: Body, out: dict) -> None:
-    fmt = body.raw("format")
-    if fmt in (None, ""):
-        return
-    if fmt == "json":
-        out["response_format"] = {"type": "json_object"}
-    elif isinstance(fmt, dict):
-        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
-    else:
-        raise HttpError(400, "'format' must be \"json\" or a JSON schema object")
-
-
-def _think(body: Body, out: dict) -> None:
-    v = body.raw("think")
-    if v is None:
-        return
-    if not isinstance(v, bool):
-        raise HttpError(400, f"'think' must be true or false (levels such as {v!r} are not supported)")
-    out["thinking_budget_tokens"] = -1 if v else 0
-
-
-def _common(body: Body, n_ctx: int) -> dict:
-    """The chat body's fields every generating route reads alike (stream defaults to true, as Ollama's)."""
-    stream = body.bool("stream", True)
-    out = {"stream": stream}
-    for name in ("logprobs", "top_logprobs"):       # the chat's checks (top_logprobs needs logprobs: true)
-        if body.has(name):
-            out[name] = body.data[name]
-    _options(body, out, n_ctx)
-    _format(body, out)
-    _think(body, out)
-    _keep_alive(body)
-    return out
-
-
-def chat_messages(messages) -> list[dict]:
-    """Ollama's messages as the chat's (tools.chat_messages checks them next)."""
-    if not isinstance(messages, list):
-        raise HttpError(400, "'messages' must be an array of {\"role\": ..., \"content\": ...} objects")
-    out, calls = [], {}                  # tool name -> the id of its last call
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise HttpError(400, f"messages[{i}] must be an object")
-        if m.get("images"):
-            raise HttpError(400, f"messages[{i}]: images are not supported: this server's model has no vision")
-        msg = {k: m[k] for k in ("role", "content") if k in m}
-        if m.get("tool_calls") is not None:
-            msg["tool_calls"] = _calls(m["tool_calls"], i, calls)
-            msg.setdefault("content", "")
-        if m.get("role") == "tool":
-            name = m.get("tool_name") or m.get("name")
-            msg["tool_call_id"] = calls.get(name) or f"call_{i}"
-        out.append(msg)
-    return out
-
-
-def _calls(value, i: int, calls: dict) -> list[dict]:
-    if not isinstance(value, list):
-        raise HttpError(400, f"messages[{i}].tool_calls must be an array of {{\"function\": {{...}}}} objects")
-    out = []
-    for j, c in enumerate(value):
-        fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise HttpError(400, f"messages[{i}].tool_calls[{j}] needs function.name")
-        args = fn.get("arguments", {})
-        if not isinstance(args, (dict, str)):
-            raise HttpError(400, f"messages[{i}].tool_calls[{j}].function.arguments must be an object")
-        cid = f"call_{i}_{j}"
-        calls[fn["name"]] = cid
-        out.append({"id": cid, "type": "function", "function": {"name": fn["name"], "arguments": args}})
-    return out
 
 
 # -- the answers ----------------------------------------------------------------------------------------
@@ -258,11 +103,11 @@ def _loaded(model: str, field: str, empty) -> dict:
 async def chat(req, ex, *, parser, compile, start, alias, tokenizer):
     t0 = time.monotonic()
     body = parse_object(req.body)
-    _known(body, CHAT_FIELDS, "/api/chat")
-    model = _model(body, alias)
-    out = _common(body, parser.n_ctx)
+    ollama_body.known(body, ollama_body.CHAT_FIELDS, "/api/chat")
+    model = ollama_body.model_name(body, alias)
+    out = ollama_body.common_fields(body, parser.n_ctx)
     lp = Logprobs(tokenizer, body)
-    messages = chat_messages(body.raw("messages", []))
+    messages = ollama_body.chat_messages(body.raw("messages", []))
     if not messages:
         return json_response(_loaded(model, "message", {"role": "assistant", "content": ""}))
     out["messages"] = messages
@@ -314,15 +159,15 @@ async def chat(req, ex, *, parser, compile, start, alias, tokenizer):
 async def generate(req, ex, *, parser, compile, start, alias, tokenizer):
     t0 = time.monotonic()
     body = parse_object(req.body)
-    _known(body, GENERATE_FIELDS, "/api/generate")
-    model = _model(body, alias)
+    ollama_body.known(body, ollama_body.GENERATE_FIELDS, "/api/generate")
+    model = ollama_body.model_name(body, alias)
     lp = Logprobs(tokenizer, body)
     for name, why in (("suffix", "no fill-in-the-middle"), ("template", "the model's chat template is used (or the "
                       "server's --chat-template)"), ("context", "send the conversation to /api/chat instead"),
                       ("images", "this server's model has no vision")):
         if body.raw(name):
             raise HttpError(400, f"'{name}' is not supported: {why}")
-    out = _common(body, parser.n_ctx)
+    out = ollama_body.common_fields(body, parser.n_ctx)
     prompt, system = body.str("prompt", ""), body.str("system")
     if not prompt:
         return json_response(_loaded(model, "response", ""))
@@ -375,10 +220,10 @@ async def embed(req, ex, *, engine, config, info, alias, parser):
     (default true) keeps an input's first tokens that fit a slot, false refuses a longer input."""
     t0 = time.monotonic()
     body = parse_object(req.body)
-    _known(body, EMBED_FIELDS, "/api/embed")
-    model = _model(body, alias)
-    _options(body, {}, info.n_ctx_slot, allowed={"num_ctx"})
-    _keep_alive(body)
+    ollama_body.known(body, ollama_body.EMBED_FIELDS, "/api/embed")
+    model = ollama_body.model_name(body, alias)
+    ollama_body.options(body, {}, info.n_ctx_slot, allowed={"num_ctx"})
+    ollama_body.keep_alive(body)
     dims = body.int("dimensions")
     if dims is not None and dims != info.n_embd:
         raise HttpError(400, f"'dimensions' {dims}: this model's embeddings have {info.n_embd} (no truncation)")
@@ -397,10 +242,10 @@ async def embed(req, ex, *, engine, config, info, alias, parser):
 async def embeddings(req, ex, *, engine, config, info, alias, parser):
     """Ollama's older /api/embeddings: one prompt, its vector not normalised (as Ollama's)."""
     body = parse_object(req.body)
-    _known(body, {"model", "prompt", "options", "keep_alive"}, "/api/embeddings")
-    _model(body, alias)
-    _options(body, {}, info.n_ctx_slot, allowed={"num_ctx"})
-    _keep_alive(body)
+    ollama_body.known(body, {"model", "prompt", "options", "keep_alive"}, "/api/embeddings")
+    ollama_body.model_name(body, alias)
+    ollama_body.options(body, {}, info.n_ctx_slot, allowed={"num_ctx"})
+    ollama_body.keep_alive(body)
     prompt = body.str("prompt", "")
     if not prompt:
         return json_response({"embedding": []})
@@ -438,8 +283,8 @@ def tags(req, ex, *, info, alias):
 
 def show(req, ex, *, info, alias, tokenizer):
     body = parse_object(req.body)
-    _known(body, {"model", "name", "verbose"}, "/api/show")
-    _model(body, alias)
+    ollama_body.known(body, {"model", "name", "verbose"}, "/api/show")
+    ollama_body.model_name(body, alias)
     _, modified = _file(info)
     caps = ["completion", "embedding"] + (["tools"] if tokenizer.chat_template_takes_tools else [])
     return json_response({"modelfile": "", "parameters": "", "template": tokenizer.chat_template,
