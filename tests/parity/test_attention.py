@@ -37,9 +37,10 @@ def _filled(type_k, type_v, n_slots, n_ctx, Hkv, D, seed):
     return kc, vc
 
 
-def _run(attn, q, kc, vc, tk, tv, slots, pos, scale, window=0):
+def _run(attn, q, kc, vc, tk, tv, slots, pos, scale, window=0, sinks=None):
     out = np.full((len(q), q.shape[1] * q.shape[2]), np.nan, np.float32)
-    attn(q, kc, vc, tk, tv, np.asarray(slots, np.int64), np.asarray(pos, np.int64), out, scale, window=window)
+    attn(q, kc, vc, tk, tv, np.asarray(slots, np.int64), np.asarray(pos, np.int64), out, scale, window=window,
+         sinks=sinks)
     return out
 
 
@@ -198,6 +199,55 @@ def test_sliding_window_ignores_keys_outside_it():
     for isa in C.isas():
         _same_bits(_run(C.Attention(isa=isa), q, kc, vc, "f16", "f16", np.zeros(len(pos)), pos, 0.125, window), want)
     _same_bits(_run(R.Attention(), q, kc, vc, "f16", "f16", np.zeros(len(pos)), pos, 0.125, window), want)
+
+
+def _sinks(H, seed):
+    """Sink logits of gpt-oss's spread (a few nats either side of the scores), one per query head."""
+    return (np.random.default_rng(seed).standard_normal(H) * 2).astype(np.float32)
+
+
+@pytest.mark.parametrize("tk,tv,window", [("f16", "f16", 0), ("q8_0", "f32", 17), ("f32", "f16", 100)])
+def test_sinks_match_twin_every_kernel_and_split(tk, tv, window):
+    """Attention sinks (gpt-oss): C = twin bit for bit, every kernel, and a decode row's key segments split
+    over threads (the sink merged after them) gives the bits of the whole batch."""
+    D, Hkv, G, n_slots, n_ctx = 64, 2, 4, 2, 1100
+    kc, vc, q, slots, pos, scale = _mixed_batch(tk, tv, D, Hkv, G, n_slots, n_ctx, 29, seed=21)
+    sinks = _sinks(Hkv * G, 22)
+    want = _run(R.Attention(), q, kc, vc, tk, tv, slots, pos, scale, window, sinks)
+    assert not np.array_equal(want, _run(R.Attention(), q, kc, vc, tk, tv, slots, pos, scale, window))
+    for isa in C.isas():
+        _same_bits(_run(C.Attention(isa=isa), q, kc, vc, tk, tv, slots, pos, scale, window, sinks), want)
+        attn = C.Attention(Pool(3), isa=isa)
+        for i in (1, 5):
+            _same_bits(_run(attn, q[i:i + 1], kc, vc, tk, tv, slots[i:i + 1], pos[i:i + 1], scale, window, sinks),
+                       want[i:i + 1])
+
+
+def test_sinks_are_in_the_denominator_only():
+    """Against float64: softmax over [the visible keys' scores, the head's sink] with the sink's column dropped.
+    Fails if the sink is ignored (weights summing to 1) or given a value (added to the numerator)."""
+    D, Hkv, G, n_ctx = 64, 2, 3, 700
+    kc, vc = _filled("f32", "f32", 1, n_ctx, Hkv, D, seed=23)
+    K, V = R.cache_values("f32", "f32", kc, vc, D)
+    rng = np.random.default_rng(24)
+    pos = np.array([0, 3, 64, 511, 512, 699])
+    q = rng.standard_normal((len(pos), Hkv * G, D)).astype(np.float32)
+    sinks = _sinks(Hkv * G, 25)
+    sinks[0] = 40.0                                   # a sink that takes nearly all of the weight
+    for window in (0, 50):
+        out = _run(C.Attention(), q, kc, vc, "f32", "f32", np.zeros(len(pos)), pos, 0.125, window, sinks)
+        for t, p in enumerate(pos):
+            lo = max(0, p - window + 1) if window else 0
+            for h in range(Hkv * G):
+                k, v = K[0, lo:p + 1, h // G].astype(np.float64), V[0, lo:p + 1, h // G].astype(np.float64)
+                s = np.append(k @ q[t, h].astype(np.float64) * 0.125, float(sinks[h]))
+                w = np.exp(s - s.max())
+                np.testing.assert_allclose(out[t, h * D:(h + 1) * D], w[:-1] @ v / w.sum(), rtol=0, atol=2e-5)
+        assert np.abs(out[:, :D]).max() < 1e-9       # head 0: the sink took it all
+    with pytest.raises(ValueError, match="sinks: 5 values for 6 query heads"):
+        _run(C.Attention(), q, kc, vc, "f32", "f32", np.zeros(len(pos)), pos, 0.125, 0, sinks[:5])
+    with pytest.raises(ValueError, match="sinks: 5 values for 6 query heads"):
+        _run(R.Attention(), q, kc, vc, "f32", "f32", np.zeros(len(pos)), pos, 0.125, 0, sinks[:5])
 
 
 def test_attend_is_close_to_exact_softmax():

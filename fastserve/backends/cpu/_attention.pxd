@@ -3,7 +3,8 @@
 #
 #   from fastserve.backends.cpu._attention cimport Attention, kv_layer, store_rows
 #   store_rows(&kv, k, v, ld, slots, pos, n)                          # nogil
-#   attn.run(q, n, H, &kv, slots, pos, out, scale, window)            # nogil; 0, or -1: out of memory
+#   attn.run(q, n, H, &kv, slots, pos, out, scale, window, sinks)     # nogil; 0, or -1: out of memory
+#   (sinks: float32 [H] each head's sink logit, or NULL)
 # (a ring layer: kv.ring; the caller keeps every key a query sees in it, backends/cpu/kv_cache.py)
 from libc.stdint cimport int64_t, uint8_t
 
@@ -36,7 +37,8 @@ cdef class Attention:
     cdef int64_t tile_cap
     cdef int _reserve(self, int64_t D, int64_t Dp, int64_t n) noexcept nogil
     cdef int run(self, const float *q, int64_t n, int64_t H, const kv_layer *kv, const int64_t *slots,
-                 const int64_t *positions, float *out, float scale, int64_t window) noexcept nogil
+                 const int64_t *positions, float *out, float scale, int64_t window,
+                 const float *sinks) noexcept nogil
 
 # K/V head rows of batch row i (k + i * ld, v + i * ld: Hkv rows of D float32 each) into the cache at
 # (slots[i], positions[i]) (row positions[i] % kv.ring of a ring), converted once into its types; slots and

@@ -64,6 +64,7 @@ cdef extern from "_attention_kernels.h" nogil:
         int64_t n_seg, heads_per_item
         float *partial
         int64_t ring
+        const float *sinks
     int64_t fs_kv_row_bytes(int type, int64_t D)
     int64_t fs_k_tile_bytes(int type, int64_t D)
     void fs_kv_encode(int type, const float *x, int64_t n, int64_t D, uint8_t *out)
@@ -264,7 +265,7 @@ def move_rows(str type_k, str type_v, uint8_t[:, :, :, ::1] k_cache, uint8_t[:, 
 
 
 cdef class Attention:
-    """attn(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window=0, ring=0).
+    """attn(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window=0, ring=0, sinks=None).
 
     pool: the step's helper threads (fastserve.backends.cpu._pool.Pool; None: the caller alone); the work is
     split over (token tile, KV head) items, or, when those are too few for the threads (long decode
@@ -324,9 +325,10 @@ cdef class Attention:
         return 0
 
     cdef int run(self, const float *q, int64_t n, int64_t H, const kv_layer *kv, const int64_t *slots,
-                 const int64_t *positions, float *out, float scale, int64_t window) noexcept nogil:
-        """__call__ on raw pointers (q [n, H, D] and out [n, H * D] contiguous), checked by the caller.
-        0, or -1 when the scratch could not grow (nothing written)."""
+                 const int64_t *positions, float *out, float scale, int64_t window,
+                 const float *sinks) noexcept nogil:
+        """__call__ on raw pointers (q [n, H, D] and out [n, H * D] contiguous; sinks [H] or NULL), checked by
+        the caller. 0, or -1 when the scratch could not grow (nothing written)."""
         cdef int64_t D = kv.D, Hkv = kv.Hkv
         cdef int64_t G = H // Hkv, Dp = (D + 15) // 16 * 16, per = fs_attn_tokens_per_item(G), nq = 0, i
         if n == 0:
@@ -348,6 +350,7 @@ cdef class Attention:
         job.n_ctx, job.n_ktiles, job.window, job.ring = kv.n_ctx, kv.n_ktiles, window, kv.ring
         job.type_k, job.type_v = kv.type_k, kv.type_v
         job.c = scale * FS_LOG2E
+        job.sinks = sinks
         job.scratch, job.scratch_busy, job.n_scratch, job.scratch_bytes = self.scratch, self.busy, self.n_scratch, self.scratch_bytes
         job.isa = self.kern
         # the work items planned: a split job's segments' states go to self.partial, merged after
@@ -368,12 +371,14 @@ cdef class Attention:
 
     def __call__(self, const float[:, :, ::1] q, const uint8_t[:, :, :, ::1] k_cache,
                  const uint8_t[:, :, :, ::1] v_cache, str type_k, str type_v, const int64_t[::1] slots,
-                 const int64_t[::1] positions, float[:, ::1] out, float scale, int64_t window=0, int64_t ring=0):
+                 const int64_t[::1] positions, float[:, ::1] out, float scale, int64_t window=0, int64_t ring=0,
+                 sinks=None):
         """q float32 [n, H, D]; slots, positions int64 [n]; out float32 [>= n, H * D] (rows < n written).
 
         window: 0 for causal attention (a query at q sees every key at p <= q); w > 0 for a sliding
         window of w keys (it sees p with q - w < p <= q, its own included). ring: 0, or the cache is a
-        ring of that many positions (module docstring), which must hold every key a query sees."""
+        ring of that many positions (module docstring), which must hold every key a query sees.
+        sinks: None, or float32 [H] each head's sink logit, in the softmax's denominator only (gpt-oss)."""
         cdef int64_t n = q.shape[0], H = q.shape[1], D = q.shape[2], Hkv = k_cache.shape[2]
         cdef int tk = kv_type_id(type_k, D), tv = kv_type_id(type_v, D)
         if Hkv < 1 or H % Hkv or H // Hkv > FS_ROWS:
@@ -384,6 +389,13 @@ cdef class Attention:
             raise ValueError(f"a ring of {ring} positions holds a window of at most {ring} keys, got {window}")
         if out.shape[0] < n or out.shape[1] != H * D:
             raise ValueError(f"out {np.shape(out)} does not fit {n} rows of {H} x {D}")
+        cdef const float[::1] sv
+        cdef const float *sp = NULL
+        if sinks is not None:
+            sv = np.ascontiguousarray(sinks, np.float32)
+            if sv.shape[0] != H:
+                raise ValueError(f"sinks: {sv.shape[0]} values for {H} query heads")
+            sp = &sv[0]
         _check_cache(k_cache, v_cache, tk, tv, D, ring)
         _check_rows(slots, positions, n, k_cache.shape[0], v_cache.shape[1], ring)
         if n == 0:
@@ -391,7 +403,7 @@ cdef class Attention:
         cdef kv_layer kv = _layer(k_cache, v_cache, tk, tv, D, ring)
         cdef int rc
         with nogil:
-            rc = self.run(&q[0, 0, 0], n, H, &kv, &slots[0], &positions[0], &out[0, 0], scale, window)
+            rc = self.run(&q[0, 0, 0], n, H, &kv, &slots[0], &positions[0], &out[0, 0], scale, window, sp)
         if rc < 0:
             raise MemoryError("Attention: out of memory for the scratch or the segments' states")
         return out

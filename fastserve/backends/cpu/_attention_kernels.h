@@ -36,6 +36,9 @@
  *   then the segment's (m, l, acc) merges into the running (M, L, ACC): the first segment is taken as
  *   it is; after it  M' = max(M, m);  a = exp2(M - M');  b = exp2(m - M');  L = L * a + l * b;
  *   ACC[d] = ACC[d] * a + acc[d] * b;  M = M'.
+ * With attention sinks (a learned logit per query head, gpt-oss), the sink of head h joins last as one more
+ * segment of no value: sg = sink[h] * log2(e); M' = max(M, sg); a = exp2(M - M'); L = L * a + exp2(sg - M');
+ * ACC[d] = ACC[d] * a; M = M' (softmax over the keys' scores and the sink, the sink's column dropped).
  * out[t, h*D + d] = ACC[d] / L.
  * exp2 is fs_exp2 below, float32 throughout; every product and sum rounded to float32, no fused
  * multiply-add (built with -ffp-contract=off). Nothing depends on the batch, the other rows, how rows
@@ -271,6 +274,7 @@ typedef struct {
     float *partial;               /* split: [n][H][n_seg][2 + Dp] a segment's m, l, acc, the row's first
                                      segment (fs_attn_lo(pos) / SEG) at 0; else unused */
     int64_t ring;                 /* 0: position p at row p; else at row p mod ring (see Rings above) */
+    const float *sinks;           /* [H] each query head's sink logit (natural log), or NULL: none */
 } fs_attn_job;
 
 /* The key tile an item takes next, read ahead while this tile's products run: qk's pass b over the
@@ -350,6 +354,17 @@ static inline void fs_attn_merge_state(float *rm, float *rl, float *racc, float 
     *rl = *rl * a + l * b;
     for (int64_t d = 0; d < Dp; d++)
         racc[d] = racc[d] * a + acc[d] * b;
+    *rm = mn;
+}
+
+/* A head's sink (natural-log logit) into its merged state (rm, rl, racc): the contract's last step. */
+static inline void fs_attn_sink(float *rm, float *rl, float *racc, float sink, int64_t Dp)
+{
+    float sg = sink * FS_LOG2E, mn = sg > *rm ? sg : *rm;
+    float a = fs_exp2(*rm - mn), b = fs_exp2(sg - mn);
+    *rl = *rl * a + b;
+    for (int64_t d = 0; d < Dp; d++)
+        racc[d] = racc[d] * a;
     *rm = mn;
 }
 
@@ -545,8 +560,10 @@ static void fs_attn_item(const fs_attn_job *jb, int64_t item, float *sc)
     for (int64_t hh = 0; hh < nh; hh++)
         for (int64_t t = 0; t < nt; t++)
             for (int64_t g = 0; g < G; g++) {
-                int64_t r = hh * ng + t * G + g;
-                jb->isa->finish(racc + r * Dp, rl[r], D, jb->out + (b0 + t) * H * D + ((h0 + hh) * G + g) * D);
+                int64_t r = hh * ng + t * G + g, h = (h0 + hh) * G + g;
+                if (jb->sinks)
+                    fs_attn_sink(rm + r, rl + r, racc + r * Dp, jb->sinks[h], Dp);
+                jb->isa->finish(racc + r * Dp, rl[r], D, jb->out + (b0 + t) * H * D + h * D);
             }
 }
 
@@ -619,6 +636,8 @@ static void fs_attn_merge(const fs_attn_job *jb)
             for (int64_t i = 0; i <= p / FS_SEG - rs0; i++)       /* the row's segments, from its first */
                 fs_attn_merge_state(&rm, &rl, racc, pt[i * (2 + Dp)], pt[i * (2 + Dp) + 1], pt + i * (2 + Dp) + 2,
                                     Dp, i == 0);
+            if (jb->sinks)
+                fs_attn_sink(&rm, &rl, racc, jb->sinks[h], Dp);
             jb->isa->finish(racc, rl, D, jb->out + b * H * D + h * D);
         }
     }

@@ -540,7 +540,7 @@ cdef class Forward:
             if self._product(f.h, f.d, n, &L.wqkv, f.qkv, wq, 0) < 0:
                 return -1
             self._stage(_qkv, n)
-            if self.attn.run(f.q, n, f.H, &L.kv, f.slots, f.pos, f.att, f.attn_scale, L.window) < 0:
+            if self.attn.run(f.q, n, f.H, &L.kv, f.slots, f.pos, f.att, f.attn_scale, L.window, NULL) < 0:
                 return -1
             self._lap(1)
             if self._product(f.att, f.q_dim, n, &L.wo, f.y, f.d, 0) < 0:

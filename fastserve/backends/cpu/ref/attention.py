@@ -178,11 +178,12 @@ def cache_values(type_k, type_v, k_cache, v_cache, head_dim):
     return K, V
 
 
-def attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window=0, ring=0):
+def attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window=0, ring=0, sinks=None):
     """q float32 [n, H, D]; out [>= n, H * D]: rows < n written. The online softmax over each key
     segment's tiles, the segments' states merged in order, all rows at once, each row's operations
     those of the C kernel. window: 0 causal; w > 0 a query at q sees the keys at q - w < p <= q.
-    ring: 0, or the caches are a ring of that many positions."""
+    ring: 0, or the caches are a ring of that many positions. sinks: None, or float32 [H] each head's
+    sink logit, merged last as a segment of no value (in the denominator only)."""
     if window < 0:
         raise ValueError(f"window must be 0 (causal) or a count of keys > 0, got {window}")
     if ring and not 0 < window <= ring:
@@ -191,6 +192,8 @@ def attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, wi
     n, H, D = q.shape
     Hkv = k_cache.shape[2]
     G = H // Hkv
+    if sinks is not None and len(sinks) != H:
+        raise ValueError(f"sinks: {len(sinks)} values for {H} query heads")
     if n == 0:
         return out
     K, V = cache_values(type_k, type_v, k_cache, v_cache, D)
@@ -214,6 +217,12 @@ def attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, wi
         M[rows] = np.where(first, m, mn)
         L[rows] = np.where(first, l, L[rows] * a + l * b)
         ACC[rows] = np.where(first[:, None], acc, ACC[rows] * a[:, None] + acc * b[:, None])
+    if sinks is not None:
+        sg = np.tile(np.asarray(sinks, F32), n) * LOG2E
+        mn = np.where(sg > M, sg, M)
+        a = exp2(M - mn)
+        L = L * a + exp2(sg - mn)
+        ACC = ACC * a[:, None]
     out[:n] = (ACC / L[:, None]).reshape(n, H * D)
     return out
 
@@ -256,5 +265,5 @@ class Attention:
             raise ValueError(f"this machine cannot run the {isa} attention kernel; it can: scalar")
         self.pool, self.isa = pool, "scalar"
 
-    def __call__(self, q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window=0, ring=0):
-        return attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window, ring)
+    def __call__(self, q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window=0, ring=0, sinks=None):
+        return attend(q, k_cache, v_cache, type_k, type_v, slots, positions, out, scale, window, ring, sinks)
