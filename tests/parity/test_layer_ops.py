@@ -81,6 +81,27 @@ def test_glu_is_its_twin(gelu, n):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-30)
 
 
+@pytest.mark.parametrize("n", [1, 7, 16, 1536])
+def test_swiglu_oai_is_its_twin(n):
+    """gpt-oss's SwiGLU (llama.cpp's swiglu_oai): the gate clamped above at 7, up to [-7, 7], then
+    (x sigmoid(1.702 x)) (y + 1); values at and past the limits, NaN kept."""
+    rng = np.random.default_rng(n + 5)
+    g, u = (_rows(rng, 1, n, 6.0)[0] for _ in range(2))
+    edge = np.array([7.0, 7.5, -7.5, 1e4, -1e4, 0.0, np.nan], np.float32)[:n]
+    g[:len(edge)], u[:len(edge)] = edge, edge[::-1]
+    got = C.glu(g, u, C.GLU_KINDS["swiglu_oai"])
+    _same(got, R.swiglu_oai(g, u))
+    gd = np.minimum(g.astype(np.float64), 7.0)
+    ud = np.clip(u.astype(np.float64), -7.0, 7.0)
+    want = gd / (1 + np.exp(-1.702 * gd)) * (ud + 1)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-30)
+    # the limits bite: a gate past 7 is 7's, an up past -7 is -7's (so (y + 1) is -6, not what silu * up gives)
+    big = C.glu(np.array([9.0, 7.0], np.float32), np.array([-9.0, -7.0], np.float32), C.GLU_KINDS["swiglu_oai"])
+    assert big[0] == big[1] and big[0] < 0 and abs(big[0] - 7.0 / (1 + np.exp(-1.702 * 7.0)) * -6.0) < 1e-5
+    with pytest.raises(ValueError, match="unknown kind"):
+        C.glu(g, u, 3)
+
+
 def test_softcap_is_its_twin():
     rng = np.random.default_rng(3)
     x = _rows(rng, 1, 1000, 20.0)[0]

@@ -47,6 +47,7 @@ cdef extern from "_layer_ops.h" nogil:
                  const float *sin)
     void fs_swiglu(const float *gate, const float *up, int64_t n, float *out)
     void fs_geglu(const float *gate, const float *up, int64_t n, float *out)
+    void fs_swiglu_oai(const float *gate, const float *up, int64_t n, float *out)
     void fs_softcap(float *x, int64_t n, float c)
     float fs_exp_neg(float x)
 
@@ -54,6 +55,11 @@ cdef extern from "_layer_ops.h" nogil:
 # model, threads 2): a 32-row batch was ~5 % slower split, a 256-row prefill chunk ~2 % faster (within
 # the noise): the stages are ~0.15 ms a row against ~2 ms of products, so only big chunks split.
 PARALLEL_ROWS = 64
+# the FFN's gate by the row's ffn_act (models/architecture.py): SwiGLU, GeGLU, gpt-oss's SwiGLU
+DEF GLU_SILU = 0
+DEF GLU_GELU = 1
+DEF GLU_SWIGLU_OAI = 2
+GLU_KINDS = {"silu": GLU_SILU, "gelu": GLU_GELU, "swiglu_oai": GLU_SWIGLU_OAI}
 # llama.cpp's build_moe_ffn: the sum of a row's top-k weights clamped to the smallest normal f16 before dividing
 DEF MIN_WEIGHT_SUM = 6.103515625e-5
 
@@ -81,7 +87,7 @@ cdef struct fs_fwd:
     # the model
     int64_t d, H, Hkv, D, q_dim, kv_dim, n_ff, rope_dim, n_layer
     int64_t n_expert, n_used        # a mixture of experts (0: dense FFNs), the experts a token runs
-    int neox, gelu
+    int neox, glu                   # glu: GLU_KINDS' value of the row's ffn_act
     float eps, embd_scale, softcap, attn_scale, residual_scale, logit_scale, expert_scale
     fs_layer *layers
     fs_matrix *experts              # [n_layer, 2, n_expert]: the layers' egu, edown
@@ -170,8 +176,10 @@ cdef void _glu(void *ctx, int64_t b, int64_t e) noexcept nogil:
     cdef fs_fwd *f = <fs_fwd *>ctx
     cdef int64_t i, nf = f.n_ff
     for i in range(b, e):
-        if f.gelu:
+        if f.glu == GLU_GELU:
             fs_geglu(f.gu + i * 2 * nf, f.gu + i * 2 * nf + nf, nf, f.act + i * nf)
+        elif f.glu == GLU_SWIGLU_OAI:
+            fs_swiglu_oai(f.gu + i * 2 * nf, f.gu + i * 2 * nf + nf, nf, f.act + i * nf)
         else:
             fs_swiglu(f.gu + i * 2 * nf, f.gu + i * 2 * nf + nf, nf, f.act + i * nf)
 
@@ -293,7 +301,7 @@ cdef class Forward:
         self.mm, self.attn, self.pool, self._keep = mm, attn, pool, []
         f.d, f.H, f.Hkv, f.D = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim
         f.q_dim, f.kv_dim, f.n_ff, f.rope_dim = f.H * f.D, f.Hkv * f.D, cfg.n_ff, cfg.rope_dim
-        f.n_layer, f.neox, f.gelu = cfg.n_layer, cfg.rope_neox, cfg.ffn_gelu
+        f.n_layer, f.neox, f.glu = cfg.n_layer, cfg.rope_neox, GLU_KINDS[cfg.arch.ffn_act]
         f.eps, f.embd_scale, f.softcap, f.attn_scale = cfg.norm_eps, cfg.embd_scale, cfg.logit_softcap, cfg.attn_scale
         f.residual_scale, f.logit_scale = cfg.residual_scale, cfg.logit_scale
         f.n_expert, f.n_used, f.expert_scale = cfg.n_expert, cfg.n_expert_used, cfg.expert_weights_scale
@@ -595,14 +603,18 @@ def rope(const float[:, :, ::1] x, const float[:, ::1] cos, const float[:, ::1] 
     return out
 
 
-def glu(const float[::1] gate, const float[::1] up, bint gelu):
-    """gate, up [n] -> float32 [n]: gelu(gate) * up (gelu) or silu(gate) * up."""
+def glu(const float[::1] gate, const float[::1] up, int kind):
+    """gate, up [n] -> float32 [n]: silu(gate) * up (kind GLU_SILU, or False), gelu(gate) * up (GLU_GELU, or
+    True), gpt-oss's swiglu_oai(gate, up) (GLU_SWIGLU_OAI)."""
     out = np.zeros(gate.shape[0], np.float32)
     cdef float[::1] o = out
     if up.shape[0] != gate.shape[0]:
         raise ValueError("glu: gate and up differ in size")
+    if kind not in GLU_KINDS.values():
+        raise ValueError(f"glu: unknown kind {kind}")
     if gate.shape[0]:
-        (fs_geglu if gelu else fs_swiglu)(&gate[0], &up[0], gate.shape[0], &o[0])
+        (fs_geglu if kind == GLU_GELU else fs_swiglu_oai if kind == GLU_SWIGLU_OAI else fs_swiglu)(
+            &gate[0], &up[0], gate.shape[0], &o[0])
     return out
 
 

@@ -17,6 +17,8 @@
  *   silu(g) * u = (g * sigmoid(g)) * u;
  *   gelu(g) * u = (g * sigmoid(k * (g * (1 + 0.044715 g^2)))) * u, k = 2 sqrt(2/pi): GELU's tanh form,
  *     as 0.5 (1 + tanh(y)) = sigmoid(2y);
+ *   swiglu_oai(g, u) = (x * sigmoid(1.702 * x)) * (y + 1), x = min(g, 7), y = clamp(u, -7, 7): gpt-oss's
+ *     SwiGLU (llama.cpp's ggml_swiglu_oai, alpha 1.702, limit 7; a NaN stays NaN);
  *   RoPE of a pair (a, b) by angle (c, s): (a * c - b * s, a * s + b * c).
  */
 #ifndef FASTSERVE_LAYER_OPS_H
@@ -144,6 +146,19 @@ static inline void fs_geglu(const float *gate, const float *up, int64_t n, float
         float g = gate[i];
         float y = ((g * g) * FS_GELU_C + 1.0f) * g;
         out[i] = (g * fs_sigmoid(y * FS_GELU_K)) * up[i];
+    }
+}
+
+#define FS_OAI_ALPHA 1.702f
+#define FS_OAI_LIMIT 7.0f
+
+/* out[i] = swiglu_oai(gate[i], up[i]) (out may be gate). */
+static inline void fs_swiglu_oai(const float *gate, const float *up, int64_t n, float *out)
+{
+    for (int64_t i = 0; i < n; i++) {
+        float x = gate[i] > FS_OAI_LIMIT ? FS_OAI_LIMIT : gate[i];
+        float y = up[i] > FS_OAI_LIMIT ? FS_OAI_LIMIT : up[i] < -FS_OAI_LIMIT ? -FS_OAI_LIMIT : up[i];
+        out[i] = (x * fs_sigmoid(FS_OAI_ALPHA * x)) * (y + 1.0f);
     }
 }
 

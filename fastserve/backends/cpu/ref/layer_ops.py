@@ -14,6 +14,7 @@ F32 = np.float32
 NORM_LANES = 16
 GELU_K = F32(2 * np.sqrt(2 / np.pi))
 GELU_C = F32(0.044715)
+OAI_ALPHA, OAI_LIMIT = F32(1.702), F32(7.0)        # gpt-oss's SwiGLU (llama.cpp's ggml_swiglu_oai)
 LN2_HI = F32(float.fromhex("0x1.62e400p-1"))       # ln 2's first 15 bits: n * LN2_HI exact for |n| < 512
 LN2_LO = F32(float.fromhex("0x1.7f7d1cp-20"))      # float32(ln 2 - LN2_HI)
 EXP_TAYLOR = [F32(float.fromhex(h)) for h in ("0x1.a01a02p-13", "0x1.6c16c2p-10", "0x1.111112p-7", "0x1.555556p-5",
@@ -103,6 +104,14 @@ def geglu(gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> np
     g = np.asarray(gate, F32)
     y = ((g * g) * GELU_C + F32(1.0)) * g
     return np.multiply(g * sigmoid(y * GELU_K), up, out=out)
+
+
+def swiglu_oai(gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """gpt-oss's SwiGLU in float32: (x sigmoid(1.702 x)) (y + 1) with x = min(gate, 7), y = clip(up, -7, 7),
+    written into out when given."""
+    x = np.minimum(np.asarray(gate, F32), OAI_LIMIT)
+    y = np.clip(np.asarray(up, F32), -OAI_LIMIT, OAI_LIMIT)
+    return np.multiply(x * sigmoid(OAI_ALPHA * x), y + F32(1.0), out=out)
 
 
 def softcap(x: np.ndarray, c: float) -> np.ndarray:
