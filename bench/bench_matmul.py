@@ -114,16 +114,18 @@ def matrix_table(model, reps: int = 5, old=None) -> list[str]:
 
 
 def random_matrix(type_name: str, n_out: int = 2048, n_in: int = 2048, seed: int = 0):
-    """A BlockMatrix of random blocks of type_name whose f16 scales are ordinary numbers."""
+    """A BlockMatrix of random blocks of type_name whose scales (f16, MXFP4's E8M0) are ordinary numbers."""
     from fastserve.backends.cpu import _matmul
     per, nbytes, _ = _matmul.type_info(type_name)
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (n_out, n_in // per, nbytes), dtype=np.uint8)
     scales = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_K": [0, 2],
-              "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82], "IQ4_NL": [0], "IQ4_XS": [0]}[type_name]
+              "Q6_K": [208], "Q3_K": [108], "Q2_K": [80, 82], "IQ4_NL": [0], "IQ4_XS": [0]}.get(type_name, [])
     for off in scales:
         f16 = np.float16(rng.random((n_out, n_in // per)) * 0.02 - 0.01).view(np.uint8).reshape(n_out, -1, 2)
         raw[:, :, off:off + 2] = f16
+    if type_name == "MXFP4":                # its E8M0 scale byte: 2^-10 .. 2^9
+        raw[:, :, 0] = rng.integers(118, 138, (n_out, n_in // per))
     return _matmul.BlockMatrix([(type_name, type_name, raw.reshape(n_out, -1), n_out)], n_in)
 
 

@@ -7,7 +7,8 @@ table is in _gguf_blocks.h); decode() returns those numbers, nothing rounded:
     the scales of inputs 0..15 and 16..31), m float32 [rows, nb] (kind "qm": one offset per block)
     or [rows, nb, 2] (kind "qsm", Q2_K: the offsets of inputs 0..15 and 16..31) or None; IQ4_NL and
     IQ4_XS are kind "q" with q the 16 int8 values IQ4_VALUES indexed by nibbles (IQ4_XS: d = f16 d *
-    (ls - 32) per sub-block, exact);
+    (ls - 32) per sub-block, exact); MXFP4 is kind "q" with q = MXFP4_VALUES[nibble] and d = 2^(e - 128)
+    for its E8M0 byte e (the values' doubling taken back: ggml's e8m0_to_fp32_half);
 float types (F32, F16, BF16) decode to float32 [rows, n_in].
 """
 from __future__ import annotations
@@ -22,9 +23,11 @@ TYPES = {"F32": (1, 4, "f"), "F16": (1, 2, "f"), "BF16": (1, 2, "f"),
          "Q4_0": (32, 18, "q"), "Q4_1": (32, 20, "qm"), "Q5_0": (32, 22, "q"), "Q5_1": (32, 24, "qm"),
          "Q8_0": (32, 34, "q"), "Q2_K": (256, 84, "qsm"), "Q3_K": (256, 110, "qs"),
          "Q4_K": (256, 144, "qm"), "Q5_K": (256, 176, "qm"), "Q6_K": (256, 210, "qs"),
-         "IQ4_NL": (32, 18, "q"), "IQ4_XS": (256, 136, "q")}
+         "IQ4_NL": (32, 18, "q"), "IQ4_XS": (256, 136, "q"), "MXFP4": (32, 17, "q")}
 # IQ4_NL / IQ4_XS: a nibble indexes these 16 int8 values (ggml's kvalues_iq4nl)
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+# MXFP4: a nibble indexes the e2m1 values (0, 0.5, 1, 1.5, 2, 3, 4, 6, then negated) doubled (kvalues_mxfp4)
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
 
 @dataclass
@@ -74,6 +77,12 @@ def _iq4_xs_scales(h6: np.ndarray) -> np.ndarray:
     return (lo[..., j // 2] >> (4 * (j % 2)) & 15) | (((hi[..., None] >> (2 * j)) & 3) << 4)
 
 
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """E8M0 bytes -> float32 2^(e - 128), exactly: the bits (e - 1) << 23, or the denormals 2^-128, 2^-127 for e < 2."""
+    e = e.astype(np.uint32)
+    return np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << 23).astype(np.uint32).view(np.float32)
+
+
 def decode(type_name: str, data, rows: int, n_in: int) -> Blocks:
     """The tensor's bytes (any array whose bytes are rows x row_bytes) as exact blocks."""
     if type_name not in TYPES:
@@ -115,6 +124,9 @@ def decode(type_name: str, data, rows: int, n_in: int) -> Blocks:
     elif type_name == "IQ4_NL":
         d = _f16(blk[..., 0:2])
         q = IQ4_VALUES[_halves(blk[..., 2:18])]
+    elif type_name == "MXFP4":
+        d = e8m0_half(blk[..., 0])
+        q = MXFP4_VALUES[_halves(blk[..., 1:17])]
     elif type_name == "IQ4_XS":
         dd, ls = _f16(blk[..., 0:2]), _iq4_xs_scales(blk[..., 2:8])               # [rows, nsb], [rows, nsb, 8]
         with np.errstate(invalid="ignore"):                                  # inf * 0 is NaN, as in C

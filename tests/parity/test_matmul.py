@@ -28,6 +28,9 @@ TYPES = list(B.TYPES)
 # normal, the largest finite, inf, -inf, NaN, and ordinary values.
 SPECIAL_F16 = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x0400, 0x7BFF, 0x7C00, 0xFC00, 0x7E00,
                         0x3C00, 0x2E66, 0xB400], np.uint16)
+# E8M0 bytes (MXFP4's scales 2^(e - 128)) a block may hold: the denormals 2^-128, 2^-127, the smallest
+# normal, 2^-1, 1, the largest two (2^126, 2^127)
+SPECIAL_E8M0 = np.array([0, 1, 2, 127, 128, 254, 255], np.uint8)
 
 
 @pytest.fixture(params=IMPLS)
@@ -60,7 +63,8 @@ def scale_offsets(type_name):
 
 def random_blocks(type_name, rows, n_in, seed, special=True):
     """Random bytes of rows x n_in weights of type_name: every bit pattern of quants and sub-scales;
-    f16 scales ordinary, except (special) in some rows: zero, denormal, extreme, inf or NaN."""
+    f16 scales ordinary, except (special) in some rows: zero, denormal, extreme, inf or NaN; MXFP4's
+    E8M0 scales ordinary (2^-10 .. 2^9), except (special) some blocks' extremes (SPECIAL_E8M0)."""
     rng = np.random.default_rng(seed)
     per, nbytes, kind = B.TYPES[type_name]
     if kind == "f":
@@ -78,6 +82,11 @@ def random_blocks(type_name, rows, n_in, seed, special=True):
             chosen = rng.random((rows, n_in // per)) < 0.15
             f16 = np.where(chosen, SPECIAL_F16[picks], f16)
         raw[:, :, off:off + 2] = f16.astype("<u2").view(np.uint8).reshape(rows, -1, 2)
+    if type_name == "MXFP4":            # random exponents would make nearly every product inf or 0
+        e = rng.integers(118, 138, (rows, n_in // per))
+        if special:
+            e = np.where(rng.random(e.shape) < 0.15, SPECIAL_E8M0[rng.integers(0, len(SPECIAL_E8M0), e.shape)], e)
+        raw[:, :, 0] = e
     return raw.reshape(rows, -1)
 
 
@@ -157,6 +166,34 @@ def test_product_is_the_block_formula(mod):
         acc = acc + m[b] * (dx[0, b] * np.float32(xq[0, b * 32:(b + 1) * 32].astype(np.int32).sum()))
     y = product(mod, x, matrix(mod, [("Q4_1", q4_1_row(q, d, m))], 64))
     assert y[0, 0] == acc
+
+
+def test_mxfp4_blocks_by_hand(mod):
+    """MXFP4 (ggml's block_mxfp4: an E8M0 byte e, then 16 nibble bytes, low nibbles inputs 0..15, high
+    16..31): each weight is its nibble's e2m1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6, then their negatives)
+    times 2^(e - 127), at the extreme scale bytes too; the product is the block formula with q the
+    doubled values and d = 2^(e - 128)."""
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, 0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    i = np.arange(16)
+    nibbles = [(i, 15 - i), ((7 * i + 3) % 16, (3 * i + 5) % 16)]          # [block] (low, high)
+    es = [(0, 1), (127, 128), (255, 254), (120, 131)]                      # [row] (block 0's e, block 1's)
+    raw = np.array([[b for (lo, hi), e in zip(nibbles, row) for b in [e, *(lo | (hi << 4))]] for row in es], np.uint8)
+    want = np.array([[e2m1[n] * 2.0 ** (e - 127) for (lo, hi), e in zip(nibbles, row) for n in [*lo, *hi]]
+                     for row in es], np.float32)
+    w = mod.BlockMatrix([("t", "MXFP4", raw, len(es))], 64)
+    assert mod.type_info("MXFP4") == (32, 17, "q")
+    np.testing.assert_array_equal(w.to_float(), want)
+    x = rand(np.random.default_rng(2), 1, 64)
+    xq, dx = mod.quantize_rows(x)
+    y = product(mod, x, w)
+    for r, row in enumerate(es):
+        acc = np.float32(0)
+        for b, ((lo, hi), e) in enumerate(zip(nibbles, row)):
+            q = (2 * e2m1[np.concatenate([lo, hi])]).astype(np.int64)
+            isum = int(np.dot(q, xq[0, b * 32:(b + 1) * 32]))
+            with np.errstate(over="ignore"):
+                acc = acc + np.float32(isum) * (np.float32(2.0 ** (e - 128)) * dx[0, b])
+        assert_same(y[0, r], acc, f"row {r}")
 
 
 def test_half_block_offsets_are_the_qsm_formula(mod):
@@ -379,11 +416,11 @@ def test_stage_bias_by_isa():
     """Pins the API: stage_bias's table. Staged q are VNNI's unsigned q + 128, except on AVX2, whose
     tile reads them as its maddubs operand: the unsigned q + offset (Q4_0: nibble, Q5_0: 5-bit value,
     Q6_K: 6-bit value, Q3_K: q + 4, the offset-free types as they are) and the plain int8 q of Q8_0
-    and IQ4_NL / IQ4_XS. That the stagers store these is test_decode_bit_exact's check; that stagers
+    and IQ4_NL / IQ4_XS, MXFP4's q + 12. That the stagers store these is test_decode_bit_exact's check; that stagers
     and tiles agree is what test_outputs_bit_exact / test_small_batches_bit_exact check."""
     m = c_mod()
     avx2 = {"Q4_0": 8, "Q4_1": 0, "Q5_0": 16, "Q5_1": 0, "Q8_0": 0, "Q4_K": 0, "Q5_K": 0, "Q6_K": 32,
-            "IQ4_NL": 0, "IQ4_XS": 0, "Q3_K": 4, "Q2_K": 0}
+            "IQ4_NL": 0, "IQ4_XS": 0, "Q3_K": 4, "Q2_K": 0, "MXFP4": 12}
     for isa in m.isas():
         for t, off in avx2.items():
             assert m.stage_bias(t, isa) == (off if isa == "avx2" else 128), (isa, t)
@@ -418,7 +455,7 @@ def test_small_batches_bit_exact(type_name):
     rng = np.random.default_rng(14)
     per = B.TYPES[type_name][0]
     for isa in set(m.isas()) & {"avx2", "avx512vnni"}:
-        assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"} <= set(m.fused_types(isa)), isa
+        assert {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS", "MXFP4", "Q3_K", "Q2_K"} <= set(m.fused_types(isa)), isa
     for n_out, blocks in ((37, 1), (16, 3), (53, 2 if per == 256 else 5)):
         n_in = n_in_for(type_name, blocks, ragged=True)
         raw = random_blocks(type_name, n_out, n_in, seed=15 + blocks)
@@ -454,22 +491,22 @@ def test_stacked_parts_of_mixed_types():
 
 
 def test_stacked_iq4_parts():
-    """IQ4_NL | Q4_0 | IQ4_XS | Q4_K parts of partial panels in one matrix: the twin's bits at the fused
-    kernels' batches and above, on every kernel."""
+    """IQ4_NL | Q4_0 | IQ4_XS | MXFP4 | Q4_K parts of partial panels in one matrix: the twin's bits at the
+    fused kernels' batches and above, on every kernel."""
     rng = np.random.default_rng(16)
     n_in = 512
     parts = [(t, random_blocks(t, r, n_in, seed=20 + i))
-             for i, (t, r) in enumerate([("IQ4_NL", 21), ("Q4_0", 16), ("IQ4_XS", 19), ("Q4_K", 8)])]
+             for i, (t, r) in enumerate([("IQ4_NL", 21), ("Q4_0", 16), ("IQ4_XS", 19), ("MXFP4", 23), ("Q4_K", 8)])]
     x = rand(rng, 7, n_in)
     want = product(twin(), x, matrix(twin(), parts, n_in))
     wc = matrix(c_mod(), parts, n_in)
-    assert wc.types == ("IQ4_NL", "Q4_0", "IQ4_XS", "Q4_K") and wc.n_out == 64
+    assert wc.types == ("IQ4_NL", "Q4_0", "IQ4_XS", "MXFP4", "Q4_K") and wc.n_out == 87
     for isa, threads in kernels():
         for n in (1, 2, 7):
             assert_same(product(c_mod(), x[:n], wc, threads=threads, isa=isa), want[:n], f"{isa}, {threads} threads, n={n}")
 
 
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "F16"])
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4", "Q3_K", "Q2_K", "F16"])
 def test_batch_invariance(type_name):
     """Each row's outputs are bit-identical alone, among 2, 7 or 31 other rows, at any offset."""
     rng = np.random.default_rng(10)
@@ -537,7 +574,7 @@ def test_backend_threads_change_no_bit(tiny_model):
     np.testing.assert_array_equal(logits(), logits(threads=3))
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "F16"])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4", "Q3_K", "Q2_K", "F16"])
 def test_load_maps_tensors_without_copying(tmp_path, qtype):
     """The loaded matrices are views of the mapped file: each part shares memory with its tensor."""
     import fastserve
@@ -603,7 +640,8 @@ static int same(const float *a, const float *b, int64_t n) {
 }
 int main(void) {
     const int types[] = {FS_T_F32, FS_T_F16, FS_T_BF16, FS_T_Q4_0, FS_T_Q4_1, FS_T_Q5_0, FS_T_Q5_1,
-                         FS_T_Q8_0, FS_T_Q4_K, FS_T_Q5_K, FS_T_Q6_K, FS_T_IQ4_NL, FS_T_IQ4_XS, FS_T_Q3_K, FS_T_Q2_K};
+                         FS_T_Q8_0, FS_T_Q4_K, FS_T_Q5_K, FS_T_Q6_K, FS_T_IQ4_NL, FS_T_IQ4_XS, FS_T_Q3_K, FS_T_Q2_K,
+                         FS_T_MXFP4};
     int fails = 0, checks = 0, fused_checks = 0;
     for (int isa = 0; isa <= 4; isa++) printf("isa %d supported %d\n", isa, fs_isa_supported(isa));
     printf("best %d\n", fs_best_isa());
@@ -615,6 +653,8 @@ int main(void) {
         int64_t rb = fs_row_bytes(&t, in);
         uint8_t *w = malloc(o * rb);
         for (int64_t i = 0; i < o * rb; i++) w[i] = (uint8_t)rnd();
+        if (types[ti] == FS_T_MXFP4)    /* ordinary exponents: random ones would make most products inf or 0 */
+            for (int64_t i = 0; i < o * rb; i += 17) w[i] = (uint8_t)(118 + rnd() % 20);
         if (t.kind == FS_KIND_F)        /* finite floats: random bits would be mostly NaN for F32 */
             for (int64_t i = 0; i < o * in; i++) {
                 float f = frnd();

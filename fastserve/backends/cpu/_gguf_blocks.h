@@ -16,6 +16,9 @@
  *   IQ4_NL q = kvalues[nibble] (16 int8 values, -127 .. 113)   d = f16   (Q4_0's layout)
  *   IQ4_XS q = kvalues[nibble], sub-block j of a 256-block with a 6-bit ls_j (low 4 bits from
  *         scales_l, high 2 from scales_h): d = f32(d) * (ls_j - 32)   (exact in float32)
+ *   MXFP4 q = the e2m1 value of the nibble doubled (16 int8 values, -12 .. 12), d = 2^(e - 128) for the
+ *         E8M0 byte e (the doubling taken back: ggml's "half" scale; 2^-128 .. 2^127, exact in float32;
+ *         one byte e, then Q4_0's 16 nibble bytes: 17 bytes a block)
  *   Q3_K  q = 2 low bits - (4 where the hmask bit is clear), in -4..3, s_i = the 6-bit scale - 32 of
  *         its 16 inputs (two per block), d = f32(d)                              (kind QS, as Q6_K)
  *   Q2_K  q = 2 bits (0..3), s_i = the 4-bit scale of its 16 inputs, d = f32(d), and an offset per
@@ -50,11 +53,19 @@
 enum {
     FS_T_F32 = 0, FS_T_F16 = 1, FS_T_Q4_0 = 2, FS_T_Q4_1 = 3, FS_T_Q5_0 = 6, FS_T_Q5_1 = 7,
     FS_T_Q8_0 = 8, FS_T_Q2_K = 10, FS_T_Q3_K = 11, FS_T_Q4_K = 12, FS_T_Q5_K = 13, FS_T_Q6_K = 14,
-    FS_T_IQ4_NL = 20, FS_T_IQ4_XS = 23, FS_T_BF16 = 30
+    FS_T_IQ4_NL = 20, FS_T_IQ4_XS = 23, FS_T_BF16 = 30, FS_T_MXFP4 = 39
 };
 
-/* IQ4_NL / IQ4_XS: a nibble indexes these 16 values (ggml's kvalues_iq4nl) */
+/* The table types: a nibble indexes 16 int8 values, IQ4_NL's and IQ4_XS's (ggml's kvalues_iq4nl) or
+ * MXFP4's (kvalues_mxfp4: the e2m1 values 0, 0.5, 1, 1.5, 2, 3, 4, 6 doubled, then their negatives). */
 static const int8_t fs_iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t fs_mxfp4_values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+#define FS_TABLE_TYPE(type) ((type) == FS_T_IQ4_NL || (type) == FS_T_IQ4_XS || (type) == FS_T_MXFP4)
+
+static inline const int8_t *fs_table_values(int type)
+{
+    return type == FS_T_MXFP4 ? fs_mxfp4_values : fs_iq4_values;
+}
 
 /* What a kernel does with a staged panel: integer dot times d (Q), plus the offset m (QM), with two
  * integer sub-scales per block (QS), QS plus an offset per half block (QSM), or a float dot (F). */
@@ -89,6 +100,7 @@ static int fs_type(int type, fs_type_info *info)
     case FS_T_Q6_K: *info = (fs_type_info){256, 210, FS_KIND_QS}; return 0;
     case FS_T_IQ4_NL: *info = (fs_type_info){32, 18, FS_KIND_Q}; return 0;
     case FS_T_IQ4_XS: *info = (fs_type_info){256, 136, FS_KIND_Q}; return 0;
+    case FS_T_MXFP4: *info = (fs_type_info){32, 17, FS_KIND_Q}; return 0;
     case FS_T_Q3_K: *info = (fs_type_info){256, 110, FS_KIND_QS}; return 0;
     case FS_T_Q2_K: *info = (fs_type_info){256, 84, FS_KIND_QSM}; return 0;
     default: return -1;
@@ -105,6 +117,7 @@ static inline int32_t fs_q_offset(int type)
     case FS_T_Q6_K: return 32;
     case FS_T_Q8_0: return 128;
     case FS_T_IQ4_NL: case FS_T_IQ4_XS: return 127;      /* -127 .. 113 -> 0 .. 240 */
+    case FS_T_MXFP4: return 12;                          /* -12 .. 12 -> 0 .. 24 */
     case FS_T_Q3_K: return 4;
     default: return 0;
     }
@@ -121,6 +134,7 @@ static inline int fs_avx2_group(int type)
     switch (type) {
     case FS_T_Q4_0: case FS_T_Q4_1: case FS_T_Q4_K: return 8;
     case FS_T_Q5_0: case FS_T_Q5_1: case FS_T_Q5_K: return 4;
+    case FS_T_MXFP4: return 4;                     /* q + 12 <= 24: 4 * 2 * 24 * 127 < 2^15 */
     case FS_T_Q6_K: return 2;
     case FS_T_Q3_K: case FS_T_Q2_K: return 4;      /* sub-scaled: a group must not span the halves (G <= 4) */
     default: return 0;
@@ -194,10 +208,19 @@ static inline void fs_scale_min_k4(int j, const uint8_t *q, int *sc, int *mn)
     }
 }
 
-/* IQ4_NL / IQ4_XS: where block b's 16 nibble bytes sit in its row (low nibbles: inputs 0..15). */
-static inline int64_t fs_iq4_qat(int xs, int64_t b)
+/* E8M0 byte e -> 2^(e - 128) (ggml's e8m0_to_fp32_half), exactly: the denormals 2^-128, 2^-127 for e < 2. */
+static inline float fs_e8m0_half(uint8_t e)
 {
-    return xs ? (b >> 3) * 136 + 8 + 16 * (b & 7) : b * 18 + 2;
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* A table type's block b: where its 16 nibble bytes sit in its row (low nibbles: inputs 0..15). */
+static inline int64_t fs_table_qat(int type, int64_t b)
+{
+    return type == FS_T_IQ4_XS ? (b >> 3) * 136 + 8 + 16 * (b & 7) : type == FS_T_MXFP4 ? b * 17 + 1 : b * 18 + 2;
 }
 
 /* Block b (of 32 inputs) of one row's bytes. */
@@ -267,20 +290,23 @@ static void fs_decode_block(int type, const uint8_t *row, int64_t b, int8_t *q, 
             q[i] = (int8_t)((((ql[i] >> (4 * (t >> 1))) & 15) | (((qh[i] >> (2 * t)) & 3) << 4)) - 32);
         return;
     }
-    case FS_T_IQ4_NL: case FS_T_IQ4_XS: {
+    case FS_T_IQ4_NL: case FS_T_IQ4_XS: case FS_T_MXFP4: {
+        const int8_t *v = fs_table_values(type);
         const uint8_t *qs;
         if (type == FS_T_IQ4_NL) {
             o->d = fs_f16(row + b * 18);
+        } else if (type == FS_T_MXFP4) {
+            o->d = fs_e8m0_half(row[b * 17]);
         } else {
             const int j = (int)(b & 7);
             const uint8_t *p = row + (b >> 3) * 136;
             const int ls = ((p[4 + j / 2] >> (4 * (j & 1))) & 15) | (((p[2 + j / 4] >> (2 * (j & 3))) & 3) << 4);
             o->d = fs_f16(p) * (float)(ls - 32);          /* exact: 11 bits times 6 */
         }
-        qs = row + fs_iq4_qat(type == FS_T_IQ4_XS, b);
+        qs = row + fs_table_qat(type, b);
         for (int i = 0; i < 16; i++) {
-            q[i] = fs_iq4_values[qs[i] & 15];
-            q[i + 16] = fs_iq4_values[qs[i] >> 4];
+            q[i] = v[qs[i] & 15];
+            q[i + 16] = v[qs[i] >> 4];
         }
         return;
     }

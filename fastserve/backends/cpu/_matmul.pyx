@@ -4,7 +4,7 @@ the GIL.
 
 A BlockMatrix is a view of one or more tensors as the file stores them (memory-mapped: no decoded
 copy is ever kept), stacked by rows (e.g. Q | K | V), each part of its own type: Q4_0, Q4_1, Q5_0,
-Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (integer blocks) or F32, F16, BF16 (floats). Each
+Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4 (integer blocks) or F32, F16, BF16 (floats). Each
 call quantizes the activations once (int8, one scale per 32 inputs) for every integer part, multiplies per
 block in integers, and sums the blocks in float32 in a fixed order (see _matmul_kernels.h); float parts
 keep 16 partial sums of fused multiply-adds in input order, folded in a fixed tree (_matmul_float.h). Every output is a function of its own activation row and weight row
@@ -77,7 +77,7 @@ ISA_NAMES = {FS_ISA_SCALAR: "scalar", FS_ISA_AVX2: "avx2", FS_ISA_AVX512VNNI: "a
 _ISA_IDS = {v: k for k, v in ISA_NAMES.items()}
 # GGUF tensor types the kernels run as stored (gguf.GGMLQuantizationType ids).
 TYPE_IDS = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11,
-            "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "BF16": 30}
+            "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "BF16": 30, "MXFP4": 39}
 KERNEL_TYPES = tuple(TYPE_IDS)
 KINDS = {FS_KIND_Q: "q", FS_KIND_QM: "qm", FS_KIND_QS: "qs", FS_KIND_F: "f", FS_KIND_QSM: "qsm"}
 
@@ -90,7 +90,8 @@ def isas():
 def fused_types(str isa="auto"):
     """The types whose products at small n the isa's fused kernel computes straight from the file's
     rows (n <= FUSED_MAX_N; the K-quants: n <= 2 on avx512vnni, where fusing still wins there, whole
-    panels of 16 rows; IQ4_NL and IQ4_XS: n <= 2 on avx512vnni, n = 1 on avx2), the others stage panels."""
+    panels of 16 rows; IQ4_NL, IQ4_XS and MXFP4: n <= 2 on avx512vnni; IQ4_NL and IQ4_XS: n = 1 on avx2), the
+    others stage panels."""
     cdef int isa_id = _isa_id(isa)
     return tuple(t for t, i in TYPE_IDS.items() if fs_fused_ok(isa_id, i, 1, FS_LANES))
 

@@ -26,7 +26,8 @@
  *     IQ4_NL / IQ4_XS: Q5_0's nibbles (the high ones shifted down) looked up as q + 127 (0..240) by
  *                  one vpshufb; IQ4_XS's blocks are the 16-byte sub-blocks of its 256-blocks, their
  *                  scales d * (ls - 32) computed from the 16 rows' first two dwords once per 256-block
- *                  (n <= 2, any panel);
+ *                  (n <= 2, any panel); MXFP4 the same with its own table (q + 12, 0..24) and its
+ *                  E8M0 scale bytes widened to 2^(e - 128) (fs_e8m0_half512);
  *     Q3_K:        as Q6_K (fs_fused_qs_avx512): the 32 low-bit bytes of its chunk broadcast to both
  *                  blocks' halves, shifted apart, + 4 under the hmask bits' byte mask (q + 4, 0..7);
  *                  its 6-bit sub-scales unpacked to Q6_K's int8 layout (fs_fused_subscales);
@@ -43,7 +44,8 @@
  *   same bits.
  *
  * AVX2 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; IQ4_NL and IQ4_XS at n = 1, their nibbles looked up as int8 q and
- * multiplied as Q8_0's): the same in 8-row halves, one block per register (see there);
+ * multiplied as Q8_0's; MXFP4, its nibbles looked up as q + 12 and multiplied as Q4_0's): the same in 8-row
+ * halves, one block per register (see there);
  * Q4_K, Q5_K, Q6_K, Q3_K and Q2_K (whole panels) likewise from their 256-blocks, at n <= 4
  * (fs_kq_half_avx2: the dots of each half block kept apart for the sub-scales of Q6_K, Q3_K and Q2_K),
  * so that no K-quant panel is staged at small n.
@@ -161,13 +163,13 @@ FS_FUSED512 FS_INLINE __m512i fs_fused_q3k_weights(const uint8_t *p, int64_t sb,
  * high nibbles stay x16: Q4_0 / Q4_1 in the second and fourth 128-bit lanes, Q4_K for odd b. */
 FS_FUSED512 FS_INLINE __m512i fs_fused_weights(const int type, const uint8_t *p, int64_t b, int64_t b1)
 {
-    if (type == FS_T_IQ4_NL || type == FS_T_IQ4_XS) {
-        /* Q5_0's nibbles, the high ones shifted down in lanes 1, 3, then looked up as q + 127 (0..240) */
-        const int xs = type == FS_T_IQ4_XS;
-        __m512i w = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p + fs_iq4_qat(xs, b))));
-        w = _mm512_mask_broadcast_i32x4(w, 0xFF00, _mm_loadu_si128((const __m128i *)(p + fs_iq4_qat(xs, b1))));
+    if (FS_TABLE_TYPE(type)) {
+        /* Q5_0's nibbles, the high ones shifted down in lanes 1, 3, then looked up as q + fs_q_offset
+         * (IQ4: q + 127, 0..240; MXFP4: q + 12, 0..24) */
+        __m512i w = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p + fs_table_qat(type, b))));
+        w = _mm512_mask_broadcast_i32x4(w, 0xFF00, _mm_loadu_si128((const __m128i *)(p + fs_table_qat(type, b1))));
         w = _mm512_and_si512(_mm512_mask_srli_epi16(w, 0xFF00FF00u, w, 4), _mm512_set1_epi8(15));
-        return _mm512_shuffle_epi8(fs_iq4_table512(127), w);
+        return _mm512_shuffle_epi8(fs_table512(type, fs_q_offset(type)), w);
     }
     if (type == FS_T_Q8_0) {
         __m512i w = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(p + b * 34 + 2)));
@@ -341,6 +343,10 @@ FS_FUSED512 FS_INLINE void fs_fused_q32_avx512(const fs_job *j, const int type, 
             }
             d0 = m0 = fs_iq4xs_scale512(iq4xs_g, iq4xs_sl, iq4xs_d, (int)(b & 7));
             d1 = m1 = fs_iq4xs_scale512(iq4xs_g, iq4xs_sl, iq4xs_d, (int)(b & 7) + 1);
+        } else if (type == FS_T_MXFP4) {     /* the E8M0 byte: the low one of the block's first dword */
+            const __m512i low8 = _mm512_set1_epi32(255);
+            d0 = m0 = fs_e8m0_half512(_mm512_and_si512(fs_fused_scales(rp, b * bb), low8));
+            d1 = m1 = fs_e8m0_half512(_mm512_and_si512(fs_fused_scales(rp, b1 * bb), low8));
         } else {
             const __m512i g0 = fs_fused_scales(rp, b * bb), g1 = fs_fused_scales(rp, b1 * bb);
             d0 = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g0));
@@ -514,6 +520,7 @@ FS_FUSED512 static void fs_fused_avx512(const fs_job *j, int type, const uint8_t
 #define FS_Q6K(R) fs_fused_qs_avx512(j, FS_T_Q6_K, rows, row_bytes, next, R)
 #define FS_IQ4NL(R) fs_fused_q32_avx512(j, FS_T_IQ4_NL, rows, row_bytes, next, R)
 #define FS_IQ4XS(R) fs_fused_q32_avx512(j, FS_T_IQ4_XS, rows, row_bytes, next, R)
+#define FS_MXFP4(R) fs_fused_q32_avx512(j, FS_T_MXFP4, rows, row_bytes, next, R)
 #define FS_Q3K(R) fs_fused_qs_avx512(j, FS_T_Q3_K, rows, row_bytes, next, R)
 #define FS_Q2K(R) fs_fused_qs_avx512(j, FS_T_Q2_K, rows, row_bytes, next, R)
     switch (type) {
@@ -527,6 +534,7 @@ FS_FUSED512 static void fs_fused_avx512(const fs_job *j, int type, const uint8_t
     case FS_T_Q6_K: FS_FUSED_BY_N(FS_Q6K); break;
     case FS_T_IQ4_NL: FS_FUSED_BY_N(FS_IQ4NL); break;
     case FS_T_IQ4_XS: FS_FUSED_BY_N(FS_IQ4XS); break;
+    case FS_T_MXFP4: FS_FUSED_BY_N(FS_MXFP4); break;
     case FS_T_Q3_K: FS_FUSED_BY_N(FS_Q3K); break;
     case FS_T_Q2_K: FS_FUSED_BY_N(FS_Q2K); break;
     default: break;
@@ -541,6 +549,7 @@ FS_FUSED512 static void fs_fused_avx512(const fs_job *j, int type, const uint8_t
 #undef FS_Q6K
 #undef FS_IQ4NL
 #undef FS_IQ4XS
+#undef FS_MXFP4
 #undef FS_Q3K
 #undef FS_Q2K
 }
@@ -590,11 +599,15 @@ FS_FUSED256 FS_INLINE __m256i fs_fused_dot_avx2(const int type, const uint8_t *p
         const __m256i w = _mm256_loadu_si256((const __m256i *)(p + b * 34 + 2));
         return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)), ones);
     }
-    if (type == FS_T_IQ4_NL || type == FS_T_IQ4_XS) {   /* the nibbles looked up as int8 q, then as Q8_0 */
-        const __m128i q = _mm_loadu_si128((const __m128i *)(p + fs_iq4_qat(type == FS_T_IQ4_XS, b))), m = _mm_set1_epi8(15);
-        const __m256i w = _mm256_shuffle_epi8(fs_iq4_table256(0), _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m),
-                                                                                 _mm_and_si128(q, m)));
-        return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)), ones);
+    if (FS_TABLE_TYPE(type)) {
+        /* the nibbles looked up as the staged AVX2 tile stores them: IQ4's int8 q, multiplied as Q8_0's;
+         * MXFP4's q + 12 (0..24), as Q4_0's nibbles */
+        const int G = fs_avx2_group(type);
+        const __m128i q = _mm_loadu_si128((const __m128i *)(p + fs_table_qat(type, b))), m = _mm_set1_epi8(15);
+        const __m256i w = _mm256_shuffle_epi8(fs_table256(type, fs_stage_bias(1, type)),
+                                              _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m)));
+        return _mm256_madd_epi16(G ? _mm256_maddubs_epi16(w, xv) : _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)),
+                                 ones);
     }
     const int five = type == FS_T_Q5_0 || type == FS_T_Q5_1, bb = fs_fused_block_bytes(type);
     const int qoff = (type == FS_T_Q4_1 || type == FS_T_Q5_1 ? 4 : 2) + (five ? 4 : 0);
@@ -618,8 +631,7 @@ FS_FUSED256 FS_INLINE void fs_fused_half_avx2(const fs_job *j, const int type, c
 {
     const int64_t nb = j->nb, K = nb * FS_QK;
     const int has_m = type == FS_T_Q4_1 || type == FS_T_Q5_1, bb = fs_fused_block_bytes(type);
-    const int iq4 = type == FS_T_IQ4_NL || type == FS_T_IQ4_XS;
-    const int32_t offset = type == FS_T_Q8_0 || iq4 ? 0 : fs_q_offset(type);     /* Q8_0, IQ4: signed q */
+    const int32_t offset = fs_avx2_group(type) ? fs_q_offset(type) : 0;     /* Q8_0, IQ4: signed q */
     __m256i iq4xs_g = _mm256_setzero_si256(), iq4xs_sl = iq4xs_g;    /* IQ4_XS: the 256-block's scale dwords */
     __m256 iq4xs_d = _mm256_setzero_ps();
     __m256 f[FS_FUSED_MAX_N];
@@ -655,8 +667,9 @@ FS_FUSED256 FS_INLINE void fs_fused_half_avx2(const fs_job *j, const int type, c
             }
             d = m = fs_iq4xs_scale_avx2(iq4xs_g, iq4xs_sl, iq4xs_d, (int)(b & 7));
         } else {
-            const __m256i g = fs_dword8_avx2(rp, b * bb);              /* d | m << 16 of each row */
-            d = _mm256_cvtph_ps(fs_low16x8_avx2(g));
+            const __m256i g = fs_dword8_avx2(rp, b * bb);              /* d | m << 16 of each row; MXFP4: e */
+            d = type == FS_T_MXFP4 ? fs_e8m0_half_avx2(_mm256_and_si256(g, _mm256_set1_epi32(255)))
+                                   : _mm256_cvtph_ps(fs_low16x8_avx2(g));
             m = has_m ? _mm256_cvtph_ps(fs_low16x8_avx2(_mm256_srli_epi32(g, 16))) : d;
         }
 #pragma GCC unroll 4
@@ -1008,6 +1021,7 @@ FS_FUSED256 static void fs_fused_avx2(const fs_job *j, int type, const uint8_t *
 #define FS_Q80(R) FS_HALF(FS_T_Q8_0, R)
 #define FS_IQ4NL(R) FS_HALF(FS_T_IQ4_NL, R)
 #define FS_IQ4XS(R) FS_HALF(FS_T_IQ4_XS, R)
+#define FS_MXFP4(R) FS_HALF(FS_T_MXFP4, R)
         switch (type) {
         case FS_T_Q4_0: FS_FUSED_BY_N(FS_Q40); break;
         case FS_T_Q4_1: FS_FUSED_BY_N(FS_Q41); break;
@@ -1015,6 +1029,7 @@ FS_FUSED256 static void fs_fused_avx2(const fs_job *j, int type, const uint8_t *
         case FS_T_Q5_1: FS_FUSED_BY_N(FS_Q51); break;
         case FS_T_IQ4_NL: FS_FUSED_BY_N(FS_IQ4NL); break;
         case FS_T_IQ4_XS: FS_FUSED_BY_N(FS_IQ4XS); break;
+        case FS_T_MXFP4: FS_FUSED_BY_N(FS_MXFP4); break;
         default: FS_FUSED_BY_N(FS_Q80); break;
         }
 #undef FS_Q40
@@ -1024,6 +1039,7 @@ FS_FUSED256 static void fs_fused_avx2(const fs_job *j, int type, const uint8_t *
 #undef FS_Q80
 #undef FS_IQ4NL
 #undef FS_IQ4XS
+#undef FS_MXFP4
 #undef FS_HALF
     }
 }
@@ -1044,14 +1060,14 @@ static inline int fs_fused_ok(int isa, int type, int64_t n, int valid)
 #if defined(FS_HAVE_FUSED_AVX512)
     if (isa == FS_ISA_AVX512VNNI && n >= 1 && n <= FS_FUSED_MAX_N &&
         (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q5_0 || type == FS_T_Q5_1 || type == FS_T_Q8_0 ||
-         ((type == FS_T_IQ4_NL || type == FS_T_IQ4_XS) && n <= FS_FUSED_MAX_N_IQ4) ||
+         (FS_TABLE_TYPE(type) && n <= FS_FUSED_MAX_N_IQ4) ||
          ((type == FS_T_Q4_K || type == FS_T_Q5_K || FS_KQ_SUB(type)) && valid == FS_LANES && n <= FS_FUSED_MAX_N_K)))
         return 1;
 #endif
 #if defined(FS_HAVE_FUSED_AVX2)
     if (isa == FS_ISA_AVX2 && n >= 1 && n <= FS_FUSED_MAX_N &&
         (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q5_0 || type == FS_T_Q5_1 || type == FS_T_Q8_0 ||
-         ((type == FS_T_IQ4_NL || type == FS_T_IQ4_XS) && n == 1) ||
+         type == FS_T_MXFP4 || ((type == FS_T_IQ4_NL || type == FS_T_IQ4_XS) && n == 1) ||
          ((type == FS_T_Q4_K || type == FS_T_Q5_K || FS_KQ_SUB(type)) && valid == FS_LANES)))
         return 1;
 #endif

@@ -784,8 +784,8 @@ static void fs_stage_panel(int isa, int type, const uint8_t *rows, int64_t row_b
         fs_stage_q6k_avx512(rows, row_bytes, n_in / FS_QK, stage, next);
         return;
     }
-    if (isa == FS_ISA_AVX512VNNI && valid == FS_LANES && (type == FS_T_IQ4_NL || type == FS_T_IQ4_XS)) {
-        fs_stage_iq4_avx512(type == FS_T_IQ4_XS, rows, row_bytes, n_in / FS_QK, stage, next);
+    if (isa == FS_ISA_AVX512VNNI && valid == FS_LANES && FS_TABLE_TYPE(type)) {
+        fs_stage_iq4_avx512(type, rows, row_bytes, n_in / FS_QK, stage, next);
         return;
     }
     if (isa == FS_ISA_AVX512VNNI && valid == FS_LANES && (type == FS_T_Q3_K || type == FS_T_Q2_K)) {
@@ -807,8 +807,8 @@ static void fs_stage_panel(int isa, int type, const uint8_t *rows, int64_t row_b
         fs_stage_q6k_avx2(rows, row_bytes, n_in / FS_QK, stage, next);
         return;
     }
-    if (isa == FS_ISA_AVX2 && valid == FS_LANES && (type == FS_T_IQ4_NL || type == FS_T_IQ4_XS)) {
-        fs_stage_iq4_avx2(type == FS_T_IQ4_XS, rows, row_bytes, n_in / FS_QK, stage, next);
+    if (isa == FS_ISA_AVX2 && valid == FS_LANES && FS_TABLE_TYPE(type)) {
+        fs_stage_iq4_avx2(type, rows, row_bytes, n_in / FS_QK, stage, next);
         return;
     }
     if (isa == FS_ISA_AVX2 && valid == FS_LANES && (type == FS_T_Q3_K || type == FS_T_Q2_K)) {

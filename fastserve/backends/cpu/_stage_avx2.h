@@ -217,22 +217,42 @@ FS_STAGE256 static inline __m256 fs_iq4xs_scale_avx2(__m256i g, __m256i sl, __m2
     return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))));
 }
 
-FS_STAGE256 static inline __m256i fs_iq4_table256(int add)
+/* A table type's 16 values plus add, in both 128-bit lanes (the vpshufb table of its nibbles). */
+FS_STAGE256 static inline __m256i fs_table256(int type, int add)
 {
-    const __m128i v = _mm_add_epi8(_mm_loadu_si128((const __m128i *)fs_iq4_values), _mm_set1_epi8((char)add));
+    const __m128i v = _mm_add_epi8(_mm_loadu_si128((const __m128i *)fs_table_values(type)), _mm_set1_epi8((char)add));
     return _mm256_broadcastsi128_si256(v);
 }
 
-/* IQ4_NL / IQ4_XS, as fs_stage_iq4_avx512 over two halves of 8 rows, q stored as the plain int8 value
- * (fs_stage_bias(1, IQ4) = 0: the tile's sign trick, as Q8_0). */
-FS_STAGE256 static void fs_stage_iq4_avx2(int xs, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+/* MXFP4: fs_e8m0_half of 8 E8M0 bytes e (one per dword): (e - 1) << 23, or the denormal 0x00200000 << e
+ * for e < 2. */
+FS_STAGE256 static inline __m256 fs_e8m0_half_avx2(__m256i e)
+{
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+}
+
+/* MXFP4: the scales of 16 rows from their E8M0 bytes at `at`, as fs_f16x16_avx2 widens f16 ones. */
+FS_STAGE256 static inline void fs_e8m0x16_avx2(const uint8_t *rows, int64_t row_bytes, int64_t at, uint8_t *dst)
+{
+    int32_t e[16];
+    for (int l = 0; l < 16; l++)
+        e[l] = rows[l * row_bytes + at];
+    for (int h = 0; h < 2; h++)
+        _mm256_storeu_ps((float *)dst + 8 * h, fs_e8m0_half_avx2(_mm256_loadu_si256((const __m256i *)(e + 8 * h))));
+}
+
+/* IQ4_NL / IQ4_XS / MXFP4 (the table types), as fs_stage_iq4_avx512 over two halves of 8 rows, q stored as
+ * the plain int8 value (fs_stage_bias(1, IQ4) = 0: the tile's sign trick, as Q8_0) or MXFP4's q + 12. */
+FS_STAGE256 static void fs_stage_iq4_avx2(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
                                           const uint8_t *next)
 {
-    const __m256i low = _mm256_set1_epi8(15), tab = fs_iq4_table256(0);
+    const __m256i low = _mm256_set1_epi8(15), tab = fs_table256(type, fs_stage_bias(1, type));
     fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, (nb + 1) / 2);
     for (int64_t b = 0; b < nb; b += 2) {
         const int64_t b1 = b + 1 < nb ? b + 1 : b;
-        const int64_t a0 = fs_iq4_qat(xs, b), a1 = fs_iq4_qat(xs, b1);
+        const int64_t a0 = fs_table_qat(type, b), a1 = fs_table_qat(type, b1);
         fs_prefetch_step(&pf);
         for (int h = 0; h < 2; h++) {
             __m256i z[8], t[8];
@@ -250,9 +270,12 @@ FS_STAGE256 static void fs_stage_iq4_avx2(int xs, const uint8_t *rows, int64_t r
                 }
             }
         }
-        if (!xs) {
+        if (type == FS_T_IQ4_NL) {
             for (int e = 0; e < 2 && b + e < nb; e++)
                 fs_f16x16_avx2(rows, row_bytes, (b + e) * 18, stage + (b + e) * FS_STAGE_Q + 512);
+        } else if (type == FS_T_MXFP4) {
+            for (int e = 0; e < 2 && b + e < nb; e++)
+                fs_e8m0x16_avx2(rows, row_bytes, (b + e) * 17, stage + (b + e) * FS_STAGE_Q + 512);
         } else if ((b & 7) == 0) {
             uint32_t w[2][16];
             float d[16];

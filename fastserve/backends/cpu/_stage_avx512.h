@@ -280,23 +280,32 @@ FS_STAGE512 static inline __m512 fs_iq4xs_scale512(__m512i g, __m512i sl, __m512
     return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, _mm512_set1_epi32(32))));
 }
 
-/* The 16 IQ4 values plus add, as bytes in each 128-bit lane (the vpshufb table of the nibbles). */
-FS_STAGE512 static inline __m512i fs_iq4_table512(int add)
+/* A table type's 16 values plus add, as bytes in each 128-bit lane (the vpshufb table of its nibbles). */
+FS_STAGE512 static inline __m512i fs_table512(int type, int add)
 {
-    const __m128i v = _mm_add_epi8(_mm_loadu_si128((const __m128i *)fs_iq4_values), _mm_set1_epi8((char)add));
+    const __m128i v = _mm_add_epi8(_mm_loadu_si128((const __m128i *)fs_table_values(type)), _mm_set1_epi8((char)add));
     return _mm512_broadcast_i32x4(v);
 }
 
-/* IQ4_NL / IQ4_XS: two blocks per pass as fs_stage_q45_avx512 reads Q4_0, each nibble looked up as
- * q + 128 (one vpshufb per 64); IQ4_XS's 8 sub-block scales per 256-block of the 16 rows. */
-FS_STAGE512 static void fs_stage_iq4_avx512(int xs, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+/* MXFP4: fs_e8m0_half of 16 E8M0 bytes e (one per dword): (e - 1) << 23, or the denormal 0x00200000 << e
+ * for e < 2. */
+FS_STAGE512 static inline __m512 fs_e8m0_half512(__m512i e)
+{
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    return _mm512_castsi512_ps(_mm512_mask_mov_epi32(normal, _mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2)), tiny));
+}
+
+/* IQ4_NL / IQ4_XS / MXFP4 (the table types): two blocks per pass as fs_stage_q45_avx512 reads Q4_0, each
+ * nibble looked up as q + 128 (one vpshufb per 64); IQ4_XS's 8 sub-block scales per 256-block of the 16 rows. */
+FS_STAGE512 static void fs_stage_iq4_avx512(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
                                             const uint8_t *next)
 {
-    const __m512i low = _mm512_set1_epi8(15), tab = fs_iq4_table512(128);
+    const __m512i low = _mm512_set1_epi8(15), tab = fs_table512(type, 128);
     fs_prefetcher pf = fs_prefetch_plan(next, 16 * row_bytes, (nb + 1) / 2);
     for (int64_t b = 0; b < nb; b += 2) {
         const int64_t b1 = b + 1 < nb ? b + 1 : b;        /* an odd last block (IQ4_NL): decoded twice, kept once */
-        const int64_t a0 = fs_iq4_qat(xs, b), a1 = fs_iq4_qat(xs, b1);
+        const int64_t a0 = fs_table_qat(type, b), a1 = fs_table_qat(type, b1);
         __m512i z[8], t[8];
         fs_prefetch_step(&pf);
         for (int g = 0; g < 8; g++) {
@@ -311,12 +320,16 @@ FS_STAGE512 static void fs_stage_iq4_avx512(int xs, const uint8_t *rows, int64_t
                 _mm512_storeu_si512((void *)(pb + k * 64),
                                     _mm512_shuffle_epi8(tab, _mm512_and_si512(k < 4 ? v : _mm512_srli_epi16(v, 4), low)));
             }
-            if (!xs) {
+            if (type == FS_T_IQ4_NL) {
                 fs_copy_dwords(rows, row_bytes, (b + h) * 18, pb + 512);
                 fs_widen_scales(pb, 0);
+            } else if (type == FS_T_MXFP4) {      /* the E8M0 byte: the low one of each dword */
+                fs_copy_dwords(rows, row_bytes, (b + h) * 17, pb + 512);
+                const __m512i e = _mm512_and_si512(_mm512_loadu_si512((const void *)(pb + 512)), _mm512_set1_epi32(255));
+                _mm512_storeu_ps((void *)(pb + 512), fs_e8m0_half512(e));
             }
         }
-        if (xs && (b & 7) == 0) {
+        if (type == FS_T_IQ4_XS && (b & 7) == 0) {
             uint8_t w[2][64];
             fs_copy_dwords(rows, row_bytes, (b >> 3) * 136, w[0]);
             fs_copy_dwords(rows, row_bytes, (b >> 3) * 136 + 4, w[1]);
