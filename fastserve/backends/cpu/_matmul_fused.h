@@ -44,7 +44,7 @@
  *   same bits.
  *
  * AVX2 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; IQ4_NL and IQ4_XS at n = 1, their nibbles looked up as int8 q and
- * multiplied as Q8_0's; MXFP4, its nibbles looked up as q + 12 and multiplied as Q4_0's): the same in 8-row
+ * multiplied as Q8_0's; MXFP4 at n <= 2, its nibbles looked up as q + 12 and multiplied as Q4_0's): the same in 8-row
  * halves, one block per register (see there);
  * Q4_K, Q5_K, Q6_K, Q3_K and Q2_K (whole panels) likewise from their 256-blocks, at n <= 4
  * (fs_kq_half_avx2: the dots of each half block kept apart for the sub-scales of Q6_K, Q3_K and Q2_K),
@@ -64,7 +64,8 @@
 
 #define FS_FUSED_MAX_N 4        /* at more rows the staged kernels' weight reuse wins */
 #define FS_FUSED_MAX_N_K 2      /* the same for Q4_K */
-#define FS_FUSED_MAX_N_IQ4 2    /* IQ4_NL / IQ4_XS on AVX-512 (measured: fused wins at n <= 2; on AVX2 at n = 1) */
+#define FS_FUSED_MAX_N_IQ4 2    /* IQ4_NL / IQ4_XS / MXFP4 on AVX-512 (measured for IQ4: fused wins at n <= 2; on
+                                 * AVX2 IQ4 at n = 1, MXFP4 at n <= 2) */
 
 /* CALL(R) for the job's n = R (1..4) activation rows, R a constant in each case. */
 #define FS_FUSED_BY_N(CALL)                                              \
@@ -603,9 +604,9 @@ FS_FUSED256 FS_INLINE __m256i fs_fused_dot_avx2(const int type, const uint8_t *p
         /* the nibbles looked up as the staged AVX2 tile stores them: IQ4's int8 q, multiplied as Q8_0's;
          * MXFP4's q + 12 (0..24), as Q4_0's nibbles */
         const int G = fs_avx2_group(type);
-        const __m128i q = _mm_loadu_si128((const __m128i *)(p + fs_table_qat(type, b))), m = _mm_set1_epi8(15);
+        const __m128i q = _mm_loadu_si128((const __m128i *)(p + fs_table_qat(type, b)));
         const __m256i w = _mm256_shuffle_epi8(fs_table256(type, fs_stage_bias(1, type)),
-                                              _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m)));
+                                              _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(15)));
         return _mm256_madd_epi16(G ? _mm256_maddubs_epi16(w, xv) : _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)),
                                  ones);
     }
@@ -1054,7 +1055,9 @@ FS_FUSED256 static void fs_fused_avx2(const fs_job *j, int type, const uint8_t *
  * shape's Q4_K_M products, 2 threads: 2.7x at n = 1, 1.4x at 2, 1.3x at 4). IQ4_NL / IQ4_XS (any panel):
  * n <= 2 on AVX-512 (2048x2048, 1 thread, fused / staged: 1.3-1.6x at n = 1, 1.05-1.3x at 2, 0.9x at
  * 4), n = 1 on AVX2, whose signed lookup costs a vpsignb per activation row (1.2-1.25x at 1, 0.9-1.0x
- * at 2). */
+ * at 2). MXFP4: as IQ4 on AVX-512 (not measured there); on AVX2, whose unsigned lookup (q + 12) needs no
+ * vpsignb, n <= 2 (2048x2048, 1 thread, fused / staged, Zen 2: 1.56x at n = 1, 1.31x at 2, 1.05x at 3,
+ * 0.86x at 4). */
 static inline int fs_fused_ok(int isa, int type, int64_t n, int valid)
 {
 #if defined(FS_HAVE_FUSED_AVX512)
@@ -1067,7 +1070,7 @@ static inline int fs_fused_ok(int isa, int type, int64_t n, int valid)
 #if defined(FS_HAVE_FUSED_AVX2)
     if (isa == FS_ISA_AVX2 && n >= 1 && n <= FS_FUSED_MAX_N &&
         (type == FS_T_Q4_0 || type == FS_T_Q4_1 || type == FS_T_Q5_0 || type == FS_T_Q5_1 || type == FS_T_Q8_0 ||
-         type == FS_T_MXFP4 || ((type == FS_T_IQ4_NL || type == FS_T_IQ4_XS) && n == 1) ||
+         (type == FS_T_MXFP4 && n <= FS_FUSED_MAX_N_IQ4) || ((type == FS_T_IQ4_NL || type == FS_T_IQ4_XS) && n == 1) ||
          ((type == FS_T_Q4_K || type == FS_T_Q5_K || FS_KQ_SUB(type)) && valid == FS_LANES)))
         return 1;
 #endif
