@@ -1,5 +1,5 @@
 """Record llama.cpp's outputs on the synthetic models of the families without a small real model (granite,
-smollm3, phi3, qwen3moe: tests/golden/synthetic_families.py) into
+smollm3, phi3, qwen3moe, qwen3moe-mxfp4: tests/golden/synthetic_families.py) into
 tests/golden/data/<family>_synth_llamacpp_greedy.json, which tests/golden/test_families.py compares fastserve against.
 
 As ../shared/reference/README.md records its references: llama-server `-c 2048 -t 2 --parallel 1`, CPU

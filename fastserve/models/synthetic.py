@@ -109,7 +109,8 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
     n_ff each, n_expert_used per token (expert_count, expert_used_count, expert_feed_forward_length).
     weight_type: F32, F16, a type gguf.quants can quantize,
     Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (fastserve.models.blocks' encoder; K-quants and IQ4_XS:
-    rows of a multiple of 256 inputs), or "Q4_K_M"
+    rows of a multiple of 256 inputs), "MXFP4_MOE" (llama-quantize's mix of that name: the 3-D expert tensors MXFP4,
+    every other matrix Q8_0) or "Q4_K_M"
     (llama.cpp's mix: attn_v and ffn_down in Q6_K, the other matrices in Q4_K)."""
     import gguf
 
@@ -150,6 +151,8 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
         scale *= (tensor_scales or {}).get(name.split(".")[-2], 1.0)
         if t == "Q4_K_M":
             t = "Q6_K" if ("attn_v" in name or "ffn_down" in name) else "Q4_K"
+        elif t == "MXFP4_MOE":
+            t = "MXFP4" if experts else "Q8_0"
         shape = (experts, rows, cols) if experts else (rows, cols)
         _add(w, name, (rng.standard_normal(shape) * scale).astype(np.float32), t)
 
@@ -198,7 +201,8 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
     if not tied:
         out = rng.standard_normal((n_vocab, n_embd)) * (output_scale * n_embd ** -0.5)
         out[np.asarray(zero_output_rows, dtype=np.int64)] = 0.0
-        _add(w, "output.weight", out.astype(np.float32), "Q4_K" if weight_type == "Q4_K_M" else weight_type)
+        mix_output = {"Q4_K_M": "Q4_K", "MXFP4_MOE": "Q8_0"}        # the mixes' output type
+        _add(w, "output.weight", out.astype(np.float32), mix_output.get(weight_type, weight_type))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

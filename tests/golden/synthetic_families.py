@@ -42,7 +42,15 @@ SPECS = {
     # qwen3moe as Qwen3-30B-A3B scaled down: 8 experts of 64 (its 128 of 768), top 2 (its 8), Qwen 3's q/k norms
     "qwen3moe": dict(pre="qwen2", n_layer=3, n_embd=128, n_head=4, n_head_kv=2, n_ff=64, weight_type="Q8_0",
                      seed=304, output_scale=2.8, n_expert=8, n_expert_used=2, rope_base=1e6),
+    # qwen3moe with MXFP4 experts (gpt-oss's expert type) as llama-quantize's MXFP4_MOE writes them: the 3-D
+    # expert tensors MXFP4, every other matrix Q8_0 (test_mxfp4_family checks the blocks against llama-quantize's)
+    "qwen3moe-mxfp4": dict(pre="qwen2", n_layer=3, n_embd=128, n_head=4, n_head_kv=2, n_ff=64, weight_type="MXFP4_MOE",
+                           seed=306, output_scale=2.8, n_expert=8, n_expert_used=2, rope_base=1e6),
 }
+
+
+# the rows that are a variant of a family (its architecture, other weights)
+ARCHITECTURE = {"qwen3moe-mxfp4": "qwen3moe"}
 
 
 def filename(family: str) -> str:
@@ -79,14 +87,15 @@ def _vocabulary(vocab_model: str):
     return add, len(tokens), broken
 
 
-def write(family: str, directory: str | Path, vocab_model: str) -> str:
-    """Write the family's synthetic model into directory; returns its path."""
-    spec = dict(SPECS[family])
+def write(family: str, directory: str | Path, vocab_model: str, **changes) -> str:
+    """Write the family's synthetic model into directory; returns its path. changes: spec entries replaced
+    (weight_type="F32": the same weights unquantized)."""
+    spec = {**SPECS[family], **changes}
     add, n_vocab, broken = _vocabulary(vocab_model)
     path = Path(directory) / filename(family)
     spec.setdefault("n_ctx", 4096)
-    return write_llama_gguf(path, architecture=family, n_vocab=n_vocab, tokenizer=add(spec.pop("pre")),
-                            zero_output_rows=broken, **spec)
+    return write_llama_gguf(path, architecture=ARCHITECTURE.get(family, family), n_vocab=n_vocab,
+                            tokenizer=add(spec.pop("pre")), zero_output_rows=broken, **spec)
 
 
 def sha256(path: str | Path) -> str:
