@@ -5,7 +5,7 @@ row adds.
 
 The matrices stay as the file stores them (memory-mapped): fastserve.backends.cpu._matmul.BlockMatrix views of the
 tensors' blocks, on which the CPU products run directly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
-Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, F32, F16, BF16); a tensor of any other type is repacked once at load into
+Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4, F32, F16, BF16); a tensor of any other type is repacked once at load into
 Q8_0 blocks (logged).
 Only the norm vectors and biases are decoded to float32. The GPU backend decodes one matrix at a time
 while uploading (BlockMatrix.to_float).
