@@ -32,14 +32,20 @@ SETTLE_S = 0.3                # idle before each measurement: helper threads of 
 
 
 def weight_bytes_per_token(path: str) -> tuple[int, dict]:
-    """(bytes a batch-1 forward pass reads from the weights, {tensor type: bytes}) from the GGUF's tensor table."""
+    """(bytes a batch-1 forward pass reads from the weights, {tensor type: bytes}) from the GGUF's tensor table;
+    of a mixture of experts' expert tensors, the share of the experts a token runs."""
     import gguf
-    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    used = {k.rsplit(".", 1)[1]: int(f.contents()) for k, f in reader.fields.items()
+            if k.endswith((".expert_count", ".expert_used_count"))}
     total, by_type = 0, {}
     for name, t in tensors.items():
         n = int(t.n_bytes)
         if name == "token_embd.weight" and "output.weight" in tensors:
             n //= int(t.shape[-1])                 # an input row only: the output matrix is its own tensor
+        if "_exps." in name:
+            n = n * used["expert_used_count"] // used["expert_count"]
         total += n
         by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + n
     return total, by_type

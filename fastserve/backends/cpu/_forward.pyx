@@ -100,14 +100,14 @@ cdef struct fs_fwd:
     float *qkv                      # [q_dim + 2 kv_dim]
     float *q                        # [q_dim] the queries, [H, D]
     float *att                      # [q_dim] attention's output
-    float *gu                       # [2 n_ff] gate | up
-    float *act                      # [n_ff]
+    float *gu                       # [2 n_ff] gate | up (a mixture's: a row per (row, rank) pair)
+    float *act                      # [n_ff] (as gu)
     # a mixture of experts'
     float *route                    # [n_expert] router logits, then probabilities
     int64_t *sel                    # [n_used] the row's experts by rank
     float *wts                      # [n_used] their weights
-    float *xe                       # [d] an expert's rows of h, gathered
-    float *ye                       # [d] its outputs
+    float *xe                       # [d] the (row, rank) pairs' rows of h, grouped by expert (order)
+    float *ye                       # [d] their expert's outputs
     float *moe                      # [n_used, d] the row's weighted expert outputs, by rank
     int64_t *order                  # [n_used] (row, rank) pairs i * n_used + r, grouped by expert (whole batch)
     int64_t *start                  # [n_expert + 1] (not per row) each expert's first entry of order
@@ -403,7 +403,8 @@ cdef class Forward:
         cdef int64_t E = max(1, f.n_expert), k = max(1, f.n_used)
         widths = (f.d, f.d, f.d, f.q_dim + 2 * f.kv_dim, f.q_dim, f.q_dim, 2 * f.n_ff, f.n_ff,
                   E, k, f.d, f.d, k * f.d)
-        bufs = [np.zeros((rows, w), np.float32) for w in widths]
+        per_row = (1, 1, 1, 1, 1, 1, k, k, 1, 1, k, k, 1)      # gu, act, xe, ye: a row per (row, rank) pair
+        bufs = [np.zeros((rows * p, w), np.float32) for p, w in zip(per_row, widths)]
         cdef float[:, ::1] b0 = bufs[0], b1 = bufs[1], b2 = bufs[2], b3 = bufs[3]
         cdef float[:, ::1] b4 = bufs[4], b5 = bufs[5], b6 = bufs[6], b7 = bufs[7]
         cdef float[:, ::1] b8 = bufs[8], b9 = bufs[9], b10 = bufs[10], b11 = bufs[11], b12 = bufs[12]
@@ -491,11 +492,12 @@ cdef class Forward:
 
     cdef int _moe(self, int64_t n, const fs_layer *L) noexcept nogil:
         """y [n, d] = the mixture of experts of h [n, d]: the rows' routes (_route), the (row, rank) pairs grouped
-        by expert (a counting sort, rows in batch order), each selected expert once over its gathered rows (its
-        products, the GLU on the first m rows of gu / act), its outputs weighted into the rows' moe slots, then
-        each row's sum by rank (_moe_sum). < 0: out of memory."""
+        by expert (a counting sort, rows in batch order) and their rows of h gathered in that order, each
+        selected expert once over its rows (one grouped product for all the experts' gate | up, the GLU, one for
+        their down: Matmul.run_groups), the outputs weighted into the rows' moe slots, then each row's sum by
+        rank (_moe_sum). < 0: out of memory."""
         cdef fs_fwd *f = &self.f
-        cdef int64_t E = f.n_expert, k = f.n_used, d = f.d, e, j, t, c, m, first
+        cdef int64_t E = f.n_expert, k = f.n_used, d = f.d, e, j, t, c
         cdef float w
         cdef float *src
         cdef float *dst
@@ -513,25 +515,21 @@ cdef class Forward:
         for e in range(E - 1, 0, -1):
             f.start[e] = f.start[e - 1]
         f.start[0] = 0
-        for e in range(E):
-            first, m = f.start[e], f.start[e + 1] - f.start[e]
-            if m == 0:
-                continue
-            for t in range(m):
-                memcpy(f.xe + t * d, f.h + (f.order[first + t] // k) * d, d * sizeof(float))
-            self._lap(2)
-            if self._product(f.xe, d, m, &L.egu[e], f.gu, 2 * f.n_ff, 0) < 0:
-                return -1
-            _glu(f, 0, m)
-            self._lap(2)
-            if self._product(f.act, f.n_ff, m, &L.edown[e], f.ye, d, 0) < 0:
-                return -1
-            for t in range(m):
-                j = f.order[first + t]
-                w, src, dst = f.wts[j], f.ye + t * d, f.moe + j * d
-                for c in range(d):
-                    dst[c] = src[c] * w
-            self._lap(2)
+        for t in range(n * k):
+            memcpy(f.xe + t * d, f.h + (f.order[t] // k) * d, d * sizeof(float))
+        self._lap(2)
+        if self.mm.run_groups(f.xe, d, f.start, E, L.egu, f.gu, 2 * f.n_ff) < 0:
+            return -1
+        self._lap(0)
+        self._stage(_glu, n * k)
+        if self.mm.run_groups(f.act, f.n_ff, f.start, E, L.edown, f.ye, d) < 0:
+            return -1
+        self._lap(0)
+        for t in range(n * k):
+            j = f.order[t]
+            w, src, dst = f.wts[j], f.ye + t * d, f.moe + j * d
+            for c in range(d):
+                dst[c] = src[c] * w
         self._stage(_moe_sum, n)
         return 0
 

@@ -4,6 +4,7 @@
 #   from fastserve.backends.cpu._matmul cimport BlockMatrix, Matmul, fs_matrix, matrix_rows
 #   cdef fs_matrix w = block_matrix.view()        # with the GIL, once (the BlockMatrix must stay alive)
 #   mm.run(x, ldx, n, &w, y, ldy)                 # nogil; 0, or -1 when the scratch could not grow
+#   mm.run_groups(x, ldx, start, G, ws, y, ldy)   # rows [start[g], start[g + 1]) . ws[g]^T (ws: G views), one pool run
 from libc.stdint cimport int8_t, int32_t, int64_t, uint8_t
 
 from fastserve.backends.cpu._pool cimport Pool
@@ -64,6 +65,10 @@ cdef class Matmul:
     cdef int _reserve(self, int64_t n, int64_t nb, bint ints, bint floats, int64_t stage) noexcept nogil
     cdef int run(self, const float *x, int64_t ldx, int64_t n, const fs_matrix *w, float *y,
                  int64_t ldy) noexcept nogil
+    cdef int run_groups(self, const float *x, int64_t ldx, const int64_t *start, int64_t n_groups,
+                        const fs_matrix *ws, float *y, int64_t ldy) noexcept nogil
+    cdef _locked(self, const float *x, int64_t ldx, int64_t n, const int64_t *start, int64_t n_groups,
+                 const fs_matrix *ws, float *y, int64_t ldy)
 
 # Rows ids[0..n) of w decoded into out [n, w.n_in] (the embedding lookup); ids must be in range.
 cdef void matrix_rows(const fs_matrix *w, const int64_t *ids, int64_t n, float *out) noexcept nogil

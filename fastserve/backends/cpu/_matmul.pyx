@@ -90,8 +90,8 @@ def isas():
 def fused_types(str isa="auto"):
     """The types whose products at small n the isa's fused kernel computes straight from the file's
     rows (n <= FUSED_MAX_N; the K-quants: n <= 2 on avx512vnni, where fusing still wins there, whole
-    panels of 16 rows; IQ4_NL, IQ4_XS and MXFP4: n <= 2 on avx512vnni; on avx2 IQ4_NL and IQ4_XS: n = 1,
-    MXFP4: n <= 2), the others stage panels."""
+    panels of 16 rows; IQ4_NL, IQ4_XS and MXFP4: n <= 2 on avx512vnni; IQ4_NL and IQ4_XS: n = 1 on avx2), the
+    others stage panels."""
     cdef int isa_id = _isa_id(isa)
     return tuple(t for t, i in TYPE_IDS.items() if fs_fused_ok(isa_id, i, 1, FS_LANES))
 
@@ -307,6 +307,29 @@ cdef void matrix_rows(const fs_matrix *w, const int64_t *ids, int64_t n, float *
         fs_dequantize_row(w.parts[pi].type, w.parts[pi].data + r * w.parts[pi].row_bytes, w.n_in, out + k * w.n_in)
 
 
+cdef struct fs_groups:
+    const fs_product *pr            # [n] each group's product (its rows of the activations and of y)
+    const int64_t *first            # [n + 1] each group's first panel in the run's panel range
+    int64_t n, chunk, stage_bytes
+    uint8_t *stage                  # one staging panel per task, stage_bytes apart (or NULL)
+
+
+cdef void _groups_task(void *ctx, int64_t begin, int64_t end) noexcept nogil:
+    """Panels [begin, end) of a run over groups (Matmul.run_groups): each group's share by fs_product_task,
+    staged in this task's own buffer (its pr.chunk is set so that fs_product_task picks that one)."""
+    cdef const fs_groups *gs = <const fs_groups *>ctx
+    cdef fs_product pr
+    cdef int64_t g, lo, hi
+    for g in range(gs.n):
+        lo, hi = max(begin, gs.first[g]), min(end, gs.first[g + 1])
+        if lo >= hi:
+            continue
+        pr = gs.pr[g]
+        pr.stage = gs.stage + begin // gs.chunk * gs.stage_bytes if gs.stage != NULL else NULL
+        pr.chunk = hi - gs.first[g]             # > lo - first: fs_product_task's buffer index is 0
+        fs_product_task(&pr, lo - gs.first[g], hi - gs.first[g])
+
+
 cdef class Matmul:
     """y = x . W^T for BlockMatrix weights. pool: a fastserve.backends.cpu._pool.Pool whose threads the products
     run on (shared with the backend's other loops), or None: then threads (the calling thread plus
@@ -404,25 +427,112 @@ cdef class Matmul:
         pool_run(self.pool.pl, fs_product_task, &pr, w.n_panels, pr.chunk)
         return 0
 
+    cdef int run_groups(self, const float *x, int64_t ldx, const int64_t *start, int64_t n_groups,
+                        const fs_matrix *ws, float *y, int64_t ldy) noexcept nogil:
+        """y rows [start[g], start[g + 1]) = x's same rows . ws[g]^T for each group g < n_groups (start[0] = 0;
+        matrices of one n_in and types: a mixture's experts), the numbers run() gives group by group, in one
+        pool run: the activations quantized once, the threads going from a group's panels on to the next's
+        without waiting (a decode step's 8 experts are 8 small products). 0, or -1 when the scratch could
+        not grow (nothing written)."""
+        cdef int64_t nb, n = start[n_groups], total = 0, g, r0, n_tasks, used = 0
+        cdef fs_groups gs
+        cdef fs_product *pr
+        cdef int k
+        if n == 0:
+            return 0
+        nb = _blocks(ws[0].n_in)
+        gs.pr = pr = <fs_product *>malloc(n_groups * sizeof(fs_product))
+        gs.first = <int64_t *>malloc((n_groups + 1) * sizeof(int64_t))
+        if pr == NULL or gs.first == NULL:
+            free(pr)
+            free(<void *>gs.first)
+            return -1
+        gs.n, gs.stage_bytes = n_groups, 0
+        for g in range(n_groups):
+            (<int64_t *>gs.first)[g] = total
+            if start[g + 1] > start[g]:
+                total += ws[g].n_panels
+                used += 1
+            gs.stage_bytes = max(gs.stage_bytes, ws[g].stage_bytes)
+        (<int64_t *>gs.first)[n_groups] = total
+        gs.chunk = fs_product_chunk(self.threads, total, nb, n // used)
+        n_tasks = (total + gs.chunk - 1) // gs.chunk
+        if self._reserve(n, nb, ws[0].has_int, ws[0].has_float, n_tasks * gs.stage_bytes) < 0:
+            free(pr)
+            free(<void *>gs.first)
+            return -1
+        gs.stage = self.stage
+        if ws[0].has_int:
+            fs_quantize_rows(x, n, ws[0].n_in, ldx, self.xq, self.dx, self.xs, self.xh, self.sx)
+        if ws[0].has_float:
+            fs_pad_rows(x, n, ws[0].n_in, ldx, self.xf)
+        for g in range(n_groups):
+            r0 = start[g]
+            if start[g + 1] == r0:
+                continue
+            pr[g].parts, pr[g].n_parts, pr[g].n_in, pr[g].n_panels = ws[g].parts, ws[g].n_parts, ws[g].n_in, ws[g].n_panels
+            pr[g].isa, pr[g].fused = self.isa_id, self.fused
+            for k in range(FS_N_KINDS):
+                pr[g].kern[k] = self.kern[k]
+            pr[g].act.nb, pr[g].act.n, pr[g].act.y, pr[g].act.ldy = nb, start[g + 1] - r0, y + r0 * ldy, ldy
+            pr[g].act.xq, pr[g].act.dx, pr[g].act.xs = self.xq + r0 * nb * FS_QK, self.dx + r0 * nb, self.xs + r0 * nb
+            pr[g].act.xh, pr[g].act.sx = self.xh + r0 * nb, self.sx + r0 * nb
+            pr[g].act.xf = self.xf + r0 * nb * FS_QK if ws[0].has_float else NULL
+            pr[g].stage, pr[g].stage_bytes = self.stage, ws[g].stage_bytes
+        pool_run(self.pool.pl, _groups_task, &gs, total, gs.chunk)
+        free(pr)
+        free(<void *>gs.first)
+        return 0
+
     def __call__(self, x, BlockMatrix w, out):
         """x [n, w.n_in] float32, out [n, w.n_out] float32 (both C-contiguous; out is written). Returns out."""
         cdef const float[:, ::1] xv = x
         cdef float[:, ::1] ov = out
         cdef int64_t n = xv.shape[0]
         cdef fs_matrix m = w.view()
-        cdef int rc
         if xv.shape[1] != w.n_in or ov.shape[0] != n or ov.shape[1] != w.n_out:
             raise ValueError(f"Matmul: x {np.shape(x)} . W^T {w.shape} does not fit out {np.shape(out)}")
         if n == 0:
             return out
+        self._locked(&xv[0, 0], w.n_in, n, NULL, 1, &m, &ov[0, 0], ov.shape[1])
+        return out
+
+    cdef _locked(self, const float *x, int64_t ldx, int64_t n, const int64_t *start, int64_t n_groups,
+                 const fs_matrix *ws, float *y, int64_t ldy):
+        """run (start NULL: ws[0] over n rows) or run_groups, for one calling thread at a time."""
+        cdef int rc
         if self.busy:
             raise RuntimeError("Matmul: called from two threads at once; give each thread its own")
         self.busy = True
         try:
             with nogil:
-                rc = self.run(&xv[0, 0], w.n_in, n, &m, &ov[0, 0], ov.shape[1])
+                rc = self.run(x, ldx, n, ws, y, ldy) if start == NULL else self.run_groups(x, ldx, start, n_groups, ws, y, ldy)
         finally:
             self.busy = False
         if rc < 0:
             raise MemoryError("Matmul: out of memory for the activation scratch")
+
+    def groups(self, x, ws, start, out):
+        """out rows [start[g], start[g + 1]) = x's same rows . ws[g]^T (run_groups): x [n, in], out [n, out]
+        float32 C-contiguous, ws BlockMatrix of one n_in, n_out and types, start int64 [len(ws) + 1] from 0
+        to n, not decreasing. Returns out."""
+        cdef const float[:, ::1] xv = x
+        cdef float[:, ::1] ov = out
+        cdef const int64_t[::1] sv = np.ascontiguousarray(start, np.int64)
+        cdef int64_t G = len(ws), g
+        cdef BlockMatrix w
+        if G == 0 or sv.shape[0] != G + 1 or sv[0] != 0 or sv[G] != xv.shape[0] or ov.shape[0] != xv.shape[0]:
+            raise ValueError(f"Matmul.groups: {G} matrices, start {np.asarray(start).tolist()}, x {np.shape(x)}, "
+                             f"out {np.shape(out)}")
+        views = np.zeros(G * sizeof(fs_matrix), np.uint8)
+        cdef uint8_t[::1] vv = views
+        cdef fs_matrix *mats = <fs_matrix *>&vv[0]
+        for g in range(G):
+            w = ws[g]
+            if sv[g + 1] < sv[g] or w.n_in != xv.shape[1] or w.n_out != ov.shape[1] or w.types != ws[0].types:
+                raise ValueError(f"Matmul.groups: matrix {g} {w.shape} {w.types} or its rows do not fit")
+            mats[g] = w.view()
+        if xv.shape[0] == 0:
+            return out
+        self._locked(&xv[0, 0], xv.shape[1], xv.shape[0], &sv[0], G, mats, &ov[0, 0], ov.shape[1])
         return out

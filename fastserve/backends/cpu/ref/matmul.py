@@ -197,3 +197,17 @@ class Matmul:
                 out[:, col:col + rows] = _part_product(x, xq, dx, xs, xh, sx, p)
                 col += rows
         return out
+
+    def groups(self, x, ws, start, out):
+        """out rows [start[g], start[g + 1]) = x's same rows . ws[g]^T: the extension's run_groups (a mixture's
+        experts over their gathered rows), group by group."""
+        start = np.asarray(start, np.int64)
+        if not ws or len(start) != len(ws) + 1 or start[0] != 0 or start[-1] != len(x) or len(out) != len(x) \
+                or np.any(np.diff(start) < 0):
+            raise ValueError(f"Matmul.groups: {len(ws)} matrices, start {start.tolist()}, x {x.shape}, out {out.shape}")
+        for g, w in enumerate(ws):
+            if w.n_in != x.shape[1] or w.n_out != out.shape[1] or w.types != ws[0].types:
+                raise ValueError(f"Matmul.groups: matrix {g} {w.shape} {w.types} or its rows do not fit")
+            if start[g + 1] > start[g]:
+                self(x[start[g]:start[g + 1]], w, out[start[g]:start[g + 1]])
+        return out
