@@ -90,8 +90,8 @@ def isas():
 def fused_types(str isa="auto"):
     """The types whose products at small n the isa's fused kernel computes straight from the file's
     rows (n <= FUSED_MAX_N; the K-quants: n <= 2 on avx512vnni, where fusing still wins there, whole
-    panels of 16 rows; IQ4_NL, IQ4_XS and MXFP4: n <= 2 on avx512vnni; IQ4_NL and IQ4_XS: n = 1 on avx2), the
-    others stage panels."""
+    panels of 16 rows; IQ4_NL, IQ4_XS and MXFP4: n <= 2 on avx512vnni; on avx2 IQ4_NL and IQ4_XS: n = 1,
+    MXFP4: n <= 2), the others stage panels."""
     cdef int isa_id = _isa_id(isa)
     return tuple(t for t, i in TYPE_IDS.items() if fs_fused_ok(isa_id, i, 1, FS_LANES))
 
