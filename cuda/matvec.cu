@@ -11,7 +11,9 @@
 // need no cuBLAS call, which CuPy refuses during a capture).
 //
 // matvec: w: [m, k] storage type T (f16 / bf16), rows of k elements, k % 8 == 0, 16-byte aligned;
-// x: [n, k] T; out: float32 [n, m]; accumulate: 0 writes, 1 adds to out (the residual stream).
+// x: [n, k] T; out: float32 [n, m]; accumulate: 0 writes, 1 adds to out (the residual stream); each sum
+// is multiplied by scale first (granite's residual multiplier; 1: none, the sum unchanged bit for bit):
+// out = out + s * scale, as fastserve/backends/cpu/_forward.pyx scales a block's output before its add.
 //
 // norm_matvec: the same product of h = rmsnorm(x[src]) * norm_w, with x the float32 residual stream
 // [*, k] (16-byte aligned), src = rows[j] (rows != NULL: the final norm of the output rows) or j,
@@ -30,8 +32,14 @@
 // act[j, r] = gate_mul(gelu, g, u) (SwiGLU, or GeGLU when gelu != 0) rounded to T, as cuda/swiglu.cu on
 // the float32 sums: act T [n, F].
 //
+// moe_matvec_swiglu, moe_matvec: a mixture of experts' products, each selected expert once over the (row,
+// rank) pairs that chose it, grouped by cuda/moe.cu's moe_group: block row blockIdx.y takes its tile (expert
+// e, first grouped position t0, up to MAXN positions of e) against expert e's matrix of the 3-D weights
+// (moe_matvec below states the layouts). A pair's sums are a matvec's, in the order k fixes: a row's expert
+// outputs do not depend on which rows share its experts.
+//
 // Grid: (ceil(m / MATVEC_WARPS), ceil(n / MAXN)) blocks of MATVEC_WARPS * 32 threads (m = F for
-// norm_matvec_swiglu).
+// norm_matvec_swiglu and moe_matvec_swiglu; the moe kernels: (ceil(m / MATVEC_WARPS), n_tiles)).
 #include "common.cuh"
 
 #define MATVEC_WARPS 4
@@ -221,15 +229,15 @@ __device__ __forceinline__ bool matvec_rows(const T* __restrict__ w, int r_strid
     return true;
 }
 
-// out[j, row] (+)= the warp's sums, j < nj (out: the group's first row).
+// out[j, row] (+)= the warp's sums times scale, j < nj (out: the group's first row).
 template <int MAXN>
 __device__ __forceinline__ void store_rows(float (&acc)[1][MAXN], float* __restrict__ out, int nj, int m,
-                                           int accumulate) {
+                                           int accumulate, float scale) {
     const int row = blockIdx.x * MATVEC_WARPS + (threadIdx.x >> 5);
 #pragma unroll
     for (int j = 0; j < MAXN; ++j) {
         if (j < nj) {
-            const float s = warp_sum(acc[0][j]);
+            const float s = warp_sum(acc[0][j]) * scale;
             if ((threadIdx.x & 31) == 0) {
                 float* o = out + (size_t)j * m + row;
                 *o = accumulate ? *o + s : s;
@@ -238,15 +246,28 @@ __device__ __forceinline__ void store_rows(float (&acc)[1][MAXN], float* __restr
     }
 }
 
+// act[j, row] = gate_mul(gelu, gate sum, up sum) rounded to T, j < nj (act: the group's first row, [*, m]).
+template <typename T, int MAXN>
+__device__ __forceinline__ void store_gated(float (&acc)[2][MAXN], T* __restrict__ act, int nj, int m, int gelu) {
+    const int row = blockIdx.x * MATVEC_WARPS + (threadIdx.x >> 5);
+#pragma unroll
+    for (int j = 0; j < MAXN; ++j) {
+        if (j < nj) {
+            const float g = warp_sum(acc[0][j]), u = warp_sum(acc[1][j]);
+            if ((threadIdx.x & 31) == 0) act[(size_t)j * m + row] = from_float<T>(gate_mul(gelu, g, u));
+        }
+    }
+}
+
 template <typename T, int MAXN>
 __device__ __forceinline__ void matvec(const T* __restrict__ w, const T* __restrict__ x, float* __restrict__ out,
-                                       int n, int m, int k, int accumulate) {
+                                       int n, int m, int k, int accumulate, float scale) {
     const int j0 = blockIdx.y * MAXN;               // this block's group of x rows
     const int nj = min(MAXN, n - j0);
     StoredRows<T> in{x + (size_t)j0 * k, k};
     float acc[1][MAXN];
     if (matvec_rows<T, MAXN, 1>(w, 0, m, k, in, nj, acc))
-        store_rows<MAXN>(acc, out + (size_t)j0 * m, nj, m, accumulate);
+        store_rows<MAXN>(acc, out + (size_t)j0 * m, nj, m, accumulate, scale);
 }
 
 // R = 1: out[j, row] = the product (float32 [n, m]); R = 2: w holds 2 m rows (gate, then up) and
@@ -265,23 +286,62 @@ __device__ __forceinline__ void norm_matvec(const T* __restrict__ w, const float
     float acc[R][MAXN];
     if (!matvec_rows<T, MAXN, R>(w, m, m, k, in, nj, acc)) return;
     if constexpr (R == 1) {
-        store_rows<MAXN>(acc, out + (size_t)j0 * m, nj, m, 0);
+        store_rows<MAXN>(acc, out + (size_t)j0 * m, nj, m, 0, 1.0f);
     } else {
-        const int row = blockIdx.x * MATVEC_WARPS + (threadIdx.x >> 5);
-#pragma unroll
-        for (int j = 0; j < MAXN; ++j) {
-            if (j < nj) {
-                const float g = warp_sum(acc[0][j]), u = warp_sum(acc[1][j]);
-                if ((threadIdx.x & 31) == 0) act[(size_t)(j0 + j) * m + row] = from_float<T>(gate_mul(gelu, g, u));
-            }
-        }
+        store_gated<T, MAXN>(acc, act + (size_t)j0 * m, nj, m, gelu);
+    }
+}
+
+// A mixture of experts' rows (cuda/moe.cu groups them): x rows h[order[t0 + j] / k_used], the rows of
+// the (row, rank) pairs at grouped positions t0 + j.
+template <typename T>
+struct GatheredRows {
+    const T* __restrict__ x;
+    int k;
+    const int* __restrict__ order;
+    int t0, k_used;
+    int* src;                   // shared [MAXN]
+    __device__ __forceinline__ void prologue(int nj) {
+        for (int j = threadIdx.x; j < nj; j += MATVEC_WARPS * 32) src[j] = order[t0 + j] / k_used;
+        __syncthreads();
+    }
+    __device__ __forceinline__ void chunk(int) {}
+    __device__ __forceinline__ void row(int j, int i, float* f) const {
+        unpack8<T>(__ldg(reinterpret_cast<const uint4*>(x + (size_t)src[j] * k) + i), f);
+    }
+};
+
+// The tile blockIdx.y of cuda/moe.cu's moe_group: expert e's grouped positions t0 .. t0 + nj - 1 against
+// its matrix w + e * R * m * k. R = 2 (moe_matvec_swiglu): x = h [n, k] read through `order` (GatheredRows),
+// w [E, 2 m, k] (each expert's gate rows, then its up rows), act[t, row] = gate_mul(gelu, gate, up) rounded
+// to T ([n_pairs, m], grouped order). R = 1 (moe_matvec): x = act [n_pairs, k] in grouped order, w [E, m, k],
+// out[t, row] = the product (float32 [n_pairs, m], grouped order). An unused tile (e < 0) does nothing.
+template <typename T, int MAXN, int R>
+__device__ __forceinline__ void moe_matvec(const T* __restrict__ w, const T* __restrict__ x,
+                                           const int* __restrict__ start, const int* __restrict__ order,
+                                           const int* __restrict__ tiles, float* __restrict__ out,
+                                           T* __restrict__ act, int m, int k, int k_used, int gelu) {
+    __shared__ int src[MAXN];
+    const int e = tiles[2 * blockIdx.y], t0 = tiles[2 * blockIdx.y + 1];
+    if (e < 0) return;                              // the whole block: before any barrier
+    const int nj = min(MAXN, start[e + 1] - t0);
+    const T* we = w + (size_t)e * R * m * k;
+    float acc[R][MAXN];
+    if constexpr (R == 1) {
+        StoredRows<T> in{x + (size_t)t0 * k, k};
+        if (matvec_rows<T, MAXN, 1>(we, 0, m, k, in, nj, acc))
+            store_rows<MAXN>(acc, out + (size_t)t0 * m, nj, m, 0, 1.0f);
+    } else {
+        GatheredRows<T> in{x, k, order, t0, k_used, src};
+        if (matvec_rows<T, MAXN, 2>(we, m, m, k, in, nj, acc))
+            store_gated<T, MAXN>(acc, act + (size_t)t0 * m, nj, m, gelu);
     }
 }
 
 #define MATVEC(NAME, T, MAXN)                                                                         \
     extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32, 1)                                  \
-    NAME(const T* w, const T* x, float* out, int n, int m, int k, int accumulate) {                    \
-        matvec<T, MAXN>(w, x, out, n, m, k, accumulate);                                               \
+    NAME(const T* w, const T* x, float* out, int n, int m, int k, int accumulate, float scale) {       \
+        matvec<T, MAXN>(w, x, out, n, m, k, accumulate, scale);                                        \
     }
 
 #define NORM_MATVEC(NAME, T, MAXN)                                                                    \
@@ -296,6 +356,19 @@ __device__ __forceinline__ void norm_matvec(const T* __restrict__ w, const float
     NAME(const T* w, const float* x, const float* norm_w, T* act, int n, int n_ff, int k, float eps,   \
          int gelu) {                                                                                   \
         norm_matvec<T, MAXN, 2>(w, x, nullptr, norm_w, nullptr, act, n, n_ff, k, eps, gelu);           \
+    }
+
+#define MOE_MATVEC(NAME, T, MAXN)                                                                     \
+    extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32, 1)                                  \
+    NAME(const T* w, const T* x, const int* start, const int* tiles, float* out, int m, int k) {       \
+        moe_matvec<T, MAXN, 1>(w, x, start, nullptr, tiles, out, nullptr, m, k, 1, 0);                 \
+    }
+
+#define MOE_MATVEC_SWIGLU(NAME, T, MAXN)                                                              \
+    extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32, 1)                                  \
+    NAME(const T* w, const T* x, const int* start, const int* order, const int* tiles, T* act, int n_ff, \
+         int k, int k_used, int gelu) {                                                                \
+        moe_matvec<T, MAXN, 2>(w, x, start, order, tiles, nullptr, act, n_ff, k, k_used, gelu);        \
     }
 
 // MAXN: the x rows one block takes (the launcher picks the smallest that fits n, or 32 per block row).
@@ -335,3 +408,27 @@ NORM_MATVEC_SWIGLU(norm_matvec_swiglu_bf16_n4, bf16, 4)
 NORM_MATVEC_SWIGLU(norm_matvec_swiglu_bf16_n8, bf16, 8)
 NORM_MATVEC_SWIGLU(norm_matvec_swiglu_bf16_n16, bf16, 16)
 NORM_MATVEC_SWIGLU(norm_matvec_swiglu_bf16_n32, bf16, 32)
+MOE_MATVEC(moe_matvec_f16_n1, f16, 1)
+MOE_MATVEC(moe_matvec_f16_n2, f16, 2)
+MOE_MATVEC(moe_matvec_f16_n4, f16, 4)
+MOE_MATVEC(moe_matvec_f16_n8, f16, 8)
+MOE_MATVEC(moe_matvec_f16_n16, f16, 16)
+MOE_MATVEC(moe_matvec_f16_n32, f16, 32)
+MOE_MATVEC(moe_matvec_bf16_n1, bf16, 1)
+MOE_MATVEC(moe_matvec_bf16_n2, bf16, 2)
+MOE_MATVEC(moe_matvec_bf16_n4, bf16, 4)
+MOE_MATVEC(moe_matvec_bf16_n8, bf16, 8)
+MOE_MATVEC(moe_matvec_bf16_n16, bf16, 16)
+MOE_MATVEC(moe_matvec_bf16_n32, bf16, 32)
+MOE_MATVEC_SWIGLU(moe_matvec_swiglu_f16_n1, f16, 1)
+MOE_MATVEC_SWIGLU(moe_matvec_swiglu_f16_n2, f16, 2)
+MOE_MATVEC_SWIGLU(moe_matvec_swiglu_f16_n4, f16, 4)
+MOE_MATVEC_SWIGLU(moe_matvec_swiglu_f16_n8, f16, 8)
+MOE_MATVEC_SWIGLU(moe_matvec_swiglu_f16_n16, f16, 16)
+MOE_MATVEC_SWIGLU(moe_matvec_swiglu_f16_n32, f16, 32)
+MOE_MATVEC_SWIGLU(moe_matvec_swiglu_bf16_n1, bf16, 1)
+MOE_MATVEC_SWIGLU(moe_matvec_swiglu_bf16_n2, bf16, 2)
+MOE_MATVEC_SWIGLU(moe_matvec_swiglu_bf16_n4, bf16, 4)
+MOE_MATVEC_SWIGLU(moe_matvec_swiglu_bf16_n8, bf16, 8)
+MOE_MATVEC_SWIGLU(moe_matvec_swiglu_bf16_n16, bf16, 16)
+MOE_MATVEC_SWIGLU(moe_matvec_swiglu_bf16_n32, bf16, 32)

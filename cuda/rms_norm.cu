@@ -5,9 +5,10 @@
 // product reads (f16 / bf16), or float32. Arithmetic in float32, as backends/cpu/ref/layer_ops.rms_norm:
 // x * (1 / sqrt(ms + eps)) * w.
 //
-// rms_norm_add_f32: x[r, :] += y[r, :] / sqrt(mean(y[r, :]^2) + eps) * w, the sandwich norms (gemma3's
-// post-attention and post-FFN norms): a block's float32 output y [n, d] normed, then added to the
-// residual stream x [n, d], as fastserve/backends/cpu/ref/forward.py: rms_norm(y) then x += y.
+// rms_norm_add_f32: x[r, :] += (y[r, :] / sqrt(mean(y[r, :]^2) + eps) * w) * scale, the sandwich norms
+// (gemma3's post-attention and post-FFN norms): a block's float32 output y [n, d] normed, then times the
+// residual multiplier scale (1: none), then added to the residual stream x [n, d], as
+// fastserve/backends/cpu/ref/forward.py: rms_norm(y), y *= scale, then x += y.
 // Grid: n blocks, one per output row; block: a multiple of 32 threads, at most 1024.
 #include "common.cuh"
 
@@ -46,7 +47,7 @@ extern "C" __global__ void rms_norm_f32(const float* x, const int* rows, const f
 }
 
 extern "C" __global__ void rms_norm_add_f32(const float* __restrict__ y, const float* __restrict__ w,
-                                            float* __restrict__ x, int d, float eps) {
+                                            float* __restrict__ x, int d, float eps, float scale) {
     __shared__ float scratch[32];
     const float* yr = y + (size_t)blockIdx.x * d;
     float* xr = x + (size_t)blockIdx.x * d;
@@ -54,5 +55,5 @@ extern "C" __global__ void rms_norm_add_f32(const float* __restrict__ y, const f
     for (int i = threadIdx.x; i < d; i += blockDim.x) s += yr[i] * yr[i];
     s = block_sum(s, scratch);
     const float inv = rms_inv(s, d, eps);
-    for (int i = threadIdx.x; i < d; i += blockDim.x) xr[i] += rms_apply<float>(yr[i], inv, w[i]);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) xr[i] += rms_apply<float>(yr[i], inv, w[i]) * scale;
 }

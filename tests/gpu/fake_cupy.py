@@ -172,17 +172,19 @@ def _k_rms_norm(grid, args):
 
 
 def _k_rms_norm_add(grid, args):
-    y, w, x, d, eps = args
+    y, w, x, d, eps, scale = args
     n = _rows_of(grid)
     h = np.empty((n, int(d)), np.float32)
     _k_rms_norm(grid, (y, None, w, h, d, eps))
-    x[:n] += h
+    x[:n] += h * scale
 
 
-def _k_softcap(grid, args):
-    logits, size, cap = args
+def _k_logit_out(grid, args):
+    logits, size, scale, cap = args
     flat = np.asarray(logits).reshape(-1)[:int(size)]
-    flat[...] = np.tanh(flat / cap) * cap
+    flat *= scale
+    if cap > 0:
+        flat[...] = np.tanh(flat / cap) * cap
 
 
 def _k_rope_qk(grid, args):
@@ -242,11 +244,11 @@ def _rows_dot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def _k_matvec(grid, args):
-    w, x, out, n, m, k, accumulate = args
+    w, x, out, n, m, k, accumulate, scale = args
     n, m, k = int(n), int(m), int(k)
     if k % 8 or int(grid[0]) * 4 < m:
         raise ValueError("matvec: k must be a multiple of 8 and the grid must cover the rows")
-    res = _rows_dot(x[:n], w)
+    res = _rows_dot(x[:n], w) * scale
     out[:n] = (out[:n] + res) if int(accumulate) else res
 
 
@@ -268,6 +270,65 @@ def _k_norm_matvec_swiglu(grid, args):
     n = int(n)
     gu = _rows_dot(_normed(x, None, nw, n, eps, w), w)
     _k_swiglu(grid, (gu, act, n, n_ff, gelu))
+
+
+def _k_moe_route(grid, args):
+    """fastserve/backends/cpu/_forward.pyx's _route, row by row."""
+    route, sel, wts, E, k, scale = args
+    for i in range(_rows_of(grid)):
+        p = np.exp(np.asarray(route[i], np.float32) - route[i].max())
+        p = p / np.float32(p.sum(dtype=np.float32))
+        top = np.argsort(-p, kind="stable")[:int(k)]            # ties to the lower id
+        w = p[top]
+        total = np.float32(0)
+        for v in w:                                             # in rank order
+            total = np.float32(total + v)
+        sel[i], wts[i] = top, w / max(total, np.float32(6.103515625e-5)) * scale
+
+
+def _k_moe_group(grid, args):
+    sel, n_pairs, E, tile_rows, n_tiles, start, order, pos, tiles = args
+    pairs = np.asarray(sel).reshape(-1)[:int(n_pairs)]
+    grouped = np.argsort(pairs, kind="stable")                  # by expert, pairs in batch order within one
+    order[:len(grouped)] = grouped
+    pos[grouped] = np.arange(len(grouped))
+    start[:] = np.searchsorted(pairs[grouped], np.arange(int(E) + 1))
+    t = [(e, t0) for e in range(int(E)) for t0 in range(int(start[e]), int(start[e + 1]), int(tile_rows))]
+    tiles[:int(n_tiles)] = [-1, 0]
+    tiles[:len(t)] = np.array(t, np.int32).reshape(-1, 2)
+
+
+def _moe_tiles(start, tiles, m, grid):
+    """(expert, grouped positions) of each used tile, checking that the grid covers them."""
+    if int(grid[0]) * 4 < m or int(grid[1]) > len(tiles):
+        raise ValueError("moe_matvec: the grid must cover the output rows and no more than the tiles")
+    used = [(int(e), int(t0)) for e, t0 in np.asarray(tiles[:int(grid[1])]) if e >= 0]
+    for (e, t0), after in zip(used, used[1:] + [(-1, 0)]):       # a tile ends where its expert's next begins
+        yield e, slice(t0, after[1] if after[0] == e else int(start[e + 1]))
+
+
+def _k_moe_matvec_swiglu(grid, args):
+    w, h, start, order, tiles, act, n_ff, k, k_used, gelu = args
+    for e, ts in _moe_tiles(start, tiles, int(n_ff), grid):
+        gu = _rows_dot(h[np.asarray(order[ts]) // int(k_used)], w[e])
+        act[ts] = from_f32(_glu(gu, int(n_ff), gelu), act)
+
+
+def _k_moe_matvec(grid, args):
+    w, x, start, tiles, out, m, k = args
+    for e, ts in _moe_tiles(start, tiles, int(m), grid):
+        out[ts] = _rows_dot(x[ts], w[e])
+
+
+def _k_moe_sum(grid, args):
+    ye, pos, wts, out, d, k, accumulate, scale = args
+    for i in range(_rows_of(grid)):
+        p, w = pos[i * int(k):(i + 1) * int(k)], np.asarray(wts).reshape(-1)[i * int(k):(i + 1) * int(k)]
+        s = ye[p[0]] * w[0]
+        for r in range(1, int(k)):
+            s = s + ye[p[r]] * w[r]
+        s = s * scale
+        out[i] = out[i] + s if int(accumulate) else s
 
 
 def _k_attention_split(grid, args):
@@ -308,16 +369,21 @@ def _k_attention_combine(grid, args):
         out[t] = from_f32(o.reshape(H * D), out)
 
 
-def _k_swiglu(grid, args):
-    gu, out, n, n_ff, gelu = args
-    n, n_ff = int(n), int(n_ff)
-    g, u = gu[:n, :n_ff], gu[:n, n_ff:2 * n_ff]
+def _glu(gu, n_ff: int, gelu) -> np.ndarray:
+    """gate_mul over rows of gate | up sums [n, 2 n_ff]: SwiGLU, or GeGLU (gelu)."""
+    g, u = gu[:, :n_ff], gu[:, n_ff:2 * n_ff]
     if int(gelu):       # GeGLU: g sigmoid(2 sqrt(2/pi) g (1 + 0.044715 g^2))
         z = ((g * g) * np.float32(0.044715) + np.float32(1.0)) * g * np.float32(2 * np.sqrt(2 / np.pi))
     else:
         z = g
     with np.errstate(over="ignore"):
-        out[:n] = from_f32(g / (np.float32(1.0) + np.exp(-z)) * u, out)
+        return g / (np.float32(1.0) + np.exp(-z)) * u
+
+
+def _k_swiglu(grid, args):
+    gu, out, n, n_ff, gelu = args
+    n = int(n)
+    out[:n] = from_f32(_glu(np.asarray(gu[:n]), int(n_ff), gelu), out)
 
 
 def _k_cast(grid, args):
@@ -368,9 +434,11 @@ def _k_sample_chain(grid, args):
             out_probs[int(rec["probs_row"]), 1, :st.n_probs] = pp.view(np.int32)
 
 
-_EMULATIONS = [("embed_rows_", _k_embed_rows), ("rms_norm_add_", _k_rms_norm_add), ("rms_norm_", _k_rms_norm), ("softcap_", _k_softcap), ("rope_qk_", _k_rope_qk),
+_EMULATIONS = [("embed_rows_", _k_embed_rows), ("rms_norm_add_", _k_rms_norm_add), ("rms_norm_", _k_rms_norm), ("logit_out_", _k_logit_out), ("rope_qk_", _k_rope_qk),
                ("kv_store_", _k_kv_store), ("rope_store_", _k_rope_store), ("qk_prep_", _k_qk_prep), ("matvec_", _k_matvec),
                ("norm_matvec_swiglu_", _k_norm_matvec_swiglu), ("norm_matvec_", _k_norm_matvec),
+               ("moe_matvec_swiglu_", _k_moe_matvec_swiglu), ("moe_matvec_", _k_moe_matvec),
+               ("moe_route_", _k_moe_route), ("moe_group", _k_moe_group), ("moe_sum_", _k_moe_sum),
                ("attention_split_", _k_attention_split),
                ("attention_combine_", _k_attention_combine), ("swiglu_", _k_swiglu), ("cast_f32_", _k_cast),
                ("argmax_rows_", _k_argmax_rows), ("sample_chain_", _k_sample_chain)]

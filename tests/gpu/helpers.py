@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 
@@ -33,14 +34,29 @@ def round_to(a: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def rounded_weights(w: ModelWeights, dtype: str) -> ModelWeights:
-    """The weights as CupyBackend holds them: matrices and the embedding rounded to dtype (as F32
-    BlockMatrix, which the NumPy backend multiplies in float32), norms float32."""
+    """The weights as CupyBackend holds them: matrices (a mixture of experts' router and experts too) and the
+    embedding rounded to dtype (as F32 BlockMatrix, which the NumPy backend multiplies in float32), norms float32."""
     def rounded(m):
         return BlockMatrix.from_float(round_to(m.to_float(), dtype))
 
-    layers = [dataclasses.replace(lw, wqkv=rounded(lw.wqkv), wo=rounded(lw.wo),
-                                  w_gate_up=rounded(lw.w_gate_up), w_down=rounded(lw.w_down))
-              for lw in w.layers]
+    def ffn(lw):
+        if lw.router is None:
+            return dict(w_gate_up=rounded(lw.w_gate_up), w_down=rounded(lw.w_down))
+        return dict(router=rounded(lw.router), experts_gate_up=[rounded(m) for m in lw.experts_gate_up],
+                    experts_down=[rounded(m) for m in lw.experts_down])
+
+    layers = [dataclasses.replace(lw, wqkv=rounded(lw.wqkv), wo=rounded(lw.wo), **ffn(lw)) for lw in w.layers]
     tok = rounded(w.tok_embd)
     out = tok if w.output is w.tok_embd else rounded(w.output)
     return dataclasses.replace(w, tok_embd=tok, layers=layers, output=out)
+
+
+def synthetic_family(directory, family: str):
+    """The family's synthetic model as tests/golden/synthetic_families.py writes it (its shape, multipliers,
+    weight type and seed; granite's weights scaled against its multipliers) with the small test vocabulary
+    instead of SmolLM2's 49,152 tokens (which needs the default model, and minutes a step on the emulator)."""
+    import fastserve
+    from fastserve.models.synthetic import write_llama_gguf
+    from tests.golden.synthetic_families import SPECS
+    spec = {k: v for k, v in SPECS[family].items() if k != "pre"}
+    return fastserve.load_model(write_llama_gguf(Path(directory) / f"{family}.gguf", architecture=family, **spec))

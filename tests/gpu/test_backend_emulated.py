@@ -14,7 +14,7 @@ import pytest
 from fastserve.backends.cpu.backend import CpuBackend
 
 from . import fake_cupy
-from .helpers import rel_err, rounded_weights
+from .helpers import rel_err, rounded_weights, synthetic_family
 
 
 @pytest.fixture
@@ -245,3 +245,14 @@ def test_gemma3_row_matches_cpu_backend(fake, tiny_gemma3):
     steps through graphs."""
     worst = _row_against_numpy(tiny_gemma3.config, tiny_gemma3.weights, (21, 3, 12))
     assert worst <= 1e-2, f"gemma3: worst per-step relative error {worst:.2e}"
+
+
+@pytest.mark.parametrize("family", ["granite", "smollm3", "qwen3moe"])
+def test_family_rows_match_cpu_backend(fake, tmp_path, family):
+    """The synthetic families' rows (tests/golden/synthetic_families.py's shapes and weights): granite's
+    residual multiplier (in the products' launches) and logit multiplier (logit_out), its embedding and
+    attention scales; smollm3's every 4th layer without RoPE (kv_store instead of rope_store); qwen3moe's
+    experts (8, top 2: router, moe_route, moe_group, the grouped products, moe_sum), decode steps in graphs."""
+    model = synthetic_family(tmp_path, family)
+    worst = _row_against_numpy(model.config, model.weights, (7, 3, 12))
+    assert worst <= 1e-2, f"{family}: worst per-step relative error {worst:.2e}"

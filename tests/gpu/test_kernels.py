@@ -85,40 +85,48 @@ def test_rms_norm(cupy, storage, d):
     assert rel_err(_from_storage(out, storage)[:3], want[rows]) <= tol
 
 
-@pytest.mark.parametrize("d", [64, 640, 2050])
-def test_rms_norm_add_is_the_sandwich_norm(cupy, d):
-    """x += rmsnorm(y) * w (gemma3's post-attention and post-FFN norms) against fastserve/backends/cpu/ref/layer_ops.rms_norm
-    then the add, as fastserve/backends/cpu/ref/forward.py makes them: within float32 rounding (the sum of squares is
-    taken in another order); the rows past n untouched."""
+@pytest.mark.parametrize("d,scale", [(64, 1.0), (640, 1.0), (2050, 1.0), (640, 0.22)])
+def test_rms_norm_add_is_the_sandwich_norm(cupy, d, scale):
+    """x += rmsnorm(y) * w * scale (gemma3's post-attention and post-FFN norms; scale: a residual multiplier)
+    against fastserve/backends/cpu/ref/layer_ops.rms_norm, the multiplier, then the add, as
+    fastserve/backends/cpu/ref/forward.py makes them: within float32 rounding (the sum of squares is taken in
+    another order); the rows past n untouched."""
     from fastserve.backends.cpu.ref.layer_ops import rms_norm
     rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
     n, eps = 7, 1e-6
     y = (rng.standard_normal((n + 1, d)) * 30).astype(np.float32)
     x = rng.standard_normal((n + 1, d)).astype(np.float32)
     w = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
-    want = x[:n] + rms_norm(y[:n], w, eps)
+    want = x[:n] + rms_norm(y[:n], w, eps) * np.float32(scale)
     xd = cupy.asarray(x)
-    K.rms_norm_add(cupy.asarray(y), cupy.asarray(w), xd, n, eps)
+    K.rms_norm_add(cupy.asarray(y), cupy.asarray(w), xd, n, eps, scale=scale)
     got = xd.get()
     assert rel_err(got[:n], want) <= 1e-6
     assert rel_err(got[:n] - x[:n], want - x[:n]) <= 1e-6           # the normed part itself, not only the sum
     np.testing.assert_array_equal(got[n], x[n])
 
 
-def test_softcap_matches_the_reference(cupy):
-    """logits = c tanh(logits / c) (final-logit soft-capping) against fastserve/backends/cpu/ref/layer_ops.softcap, within
-    an ulp or two (expf against the reference's polynomial exp), on the first m rows only."""
+@pytest.mark.parametrize("scale,cap", [(1.0, 30.0), (0.125, 0.0), (0.125, 30.0)])
+def test_logit_out_matches_the_reference(cupy, scale, cap):
+    """logits = c tanh(l logits / c) (the logit multiplier l: granite's 1 / logit_scale, then final-logit
+    soft-capping, cap 0: none) against fastserve/backends/cpu/ref/forward.py's steps (the float32 product, then
+    layer_ops.softcap), within an ulp or two (expf against the reference's polynomial exp), first m rows only."""
     from fastserve.backends.cpu.ref.layer_ops import softcap
     rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
-    m, V, cap = 5, 1003, 30.0
+    m, V = 5, 1003
     logits = (rng.standard_normal((m + 1, V)) * 40).astype(np.float32)
-    logits[0, :4] = [0.0, -0.0, 1e-30, -500.0]
-    want = softcap(logits[:m].copy(), cap)
+    logits[0, :4] = [0.0, -0.0, 1e-30, -500.0 / scale]
+    want = logits[:m] * np.float32(scale)
+    if cap:
+        want = softcap(want, cap)
     dev = cupy.asarray(logits)
-    K.softcap(dev, m, cap)
+    K.logit_out(dev, m, scale, cap)
     got = dev.get()
-    np.testing.assert_allclose(got[:m], want, rtol=3e-7, atol=3e-7 * cap)
-    assert np.abs(got[:m]).max() <= cap and got[0, 3] == -cap
+    np.testing.assert_allclose(got[:m], want, rtol=3e-7, atol=3e-7 * max(cap, 1.0))
+    if cap:
+        assert np.abs(got[:m]).max() <= cap and got[0, 3] == -cap
+    else:
+        np.testing.assert_array_equal(got[:m], want)        # one float32 multiplication
     np.testing.assert_array_equal(got[m], logits[m])
 
 
@@ -361,10 +369,10 @@ def test_gemm(cupy, storage, n, matvec_max_n):
     K.gemm(_to_storage(cupy, x, storage), _to_storage(cupy, w, storage), out, n, matvec_max_n=matvec_max_n)
     assert rel_err(out.get()[:n], want) <= 1e-5
     assert np.isnan(out.get()[n]).all()                           # rows past n untouched
-    acc = cupy.asarray(base)
+    acc = cupy.asarray(base)              # the residual add, with granite's multiplier (0.22)
     K.gemm(_to_storage(cupy, x, storage), _to_storage(cupy, w, storage), acc, n, accumulate=True,
-           matvec_max_n=matvec_max_n)
-    assert rel_err(acc.get(), want + base) <= 1e-5
+           matvec_max_n=matvec_max_n, scale=0.22)
+    assert rel_err(acc.get(), 0.22 * want + base) <= 1e-5
 
 
 @pytest.mark.parametrize("storage", ["f16", "bf16"])
@@ -544,3 +552,94 @@ def test_synchronize_releases_the_gil(cupy):
     th.join()
     assert waited > 0.02, f"the device work took only {waited * 1e3:.1f} ms: the test proves nothing"
     assert gained > 1000, f"another thread ran {gained} loop turns in {waited * 1e3:.1f} ms of synchronize()"
+
+
+# -- a mixture of experts (cuda/moe.cu and the grouped products of cuda/matvec.cu) ---------------------
+
+def _moe_route_ref(route, k, scale):
+    """The CPU's _route in float64: softmax, top k (ties to the lower id), normalised over the k, times scale."""
+    p = np.exp(route - route.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    sel = np.argsort(-p, axis=1, kind="stable")[:, :k]
+    w = np.take_along_axis(p, sel, axis=1)
+    return sel, w / np.maximum(w.sum(axis=1, keepdims=True), 2.0 ** -14) * scale
+
+
+def test_moe_route(cupy):
+    """Each row's top-k experts by rank and their normalised weights (the row of ties goes to the lower ids)."""
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
+    n, E, k = 9, 8, 3
+    route = (rng.standard_normal((n + 1, E)) * 2).astype(np.float32)
+    route[2] = [1.0, 3.0, 3.0, 0.0, 3.0, 3.0, -1.0, 2.0]              # four ways tied: experts 1, 2, 4
+    sel, wts = _poisoned(cupy, (n + 1, k), np.int32), _poisoned(cupy, (n + 1, k), np.float32)
+    K.moe_route(cupy.asarray(route), sel, wts, n, scale=1.5)
+    want_sel, want_w = _moe_route_ref(route[:n].astype(np.float64), k, 1.5)
+    np.testing.assert_array_equal(sel.get()[:n], want_sel)
+    np.testing.assert_allclose(wts.get()[:n], want_w, rtol=2e-6)
+    assert (sel.get()[n] == np.iinfo(np.int32).max).all()             # rows past n untouched
+
+
+@pytest.mark.parametrize("n", [1, 3, 40])
+def test_moe_group_is_a_counting_sort(cupy, n):
+    """Pairs grouped by expert (batch order within one), pos its inverse, the tiles cover each expert's pairs
+    in order, tile_rows at a time, and the rest of the tile list is unused (-1)."""
+    rng = np.random.default_rng(n)
+    E, k = 8, 2
+    sel = np.stack([rng.choice(E, k, replace=False) for _ in range(n)]).astype(np.int32)
+    sel[0] = [5, 1]
+    n_tiles, rows = K.moe_tiles(n, k, E), K.moe_tile_rows(n)
+    start, order, pos = cupy.zeros(E + 1, np.int32), _poisoned(cupy, n * k, np.int32), _poisoned(cupy, n * k, np.int32)
+    tiles = _poisoned(cupy, (n_tiles, 2), np.int32)
+    K.moe_group(cupy.asarray(sel), n, E, start, order, pos, tiles)
+    pairs = sel.reshape(-1)
+    want = np.argsort(pairs, kind="stable")
+    np.testing.assert_array_equal(order.get(), want)
+    np.testing.assert_array_equal(pos.get()[want], np.arange(n * k))
+    np.testing.assert_array_equal(start.get(), np.searchsorted(pairs[want], np.arange(E + 1)))
+    st = start.get()
+    cover = [(e, t0) for e in range(E) for t0 in range(st[e], st[e + 1], rows)]
+    np.testing.assert_array_equal(tiles.get()[:len(cover)].reshape(-1, 2), np.array(cover).reshape(-1, 2))
+    assert (tiles.get()[len(cover):, 0] == -1).all()
+
+
+def _moe_ffn(cupy, storage, h, wgu, wd, sel, wts, base):
+    """The device's moe_group, grouped products and moe_sum over the rows of h: base + each row's sum."""
+    n, k, E = len(h), sel.shape[1], len(wgu)
+    F, d = wd.shape[2], wd.shape[1]
+    start, order, pos = cupy.zeros(E + 1, np.int32), cupy.zeros(n * k, np.int32), cupy.zeros(n * k, np.int32)
+    tiles = cupy.zeros((K.moe_tiles(n, k, E), 2), np.int32)
+    act, ye = _poisoned(cupy, (n * k, F), _np_storage(storage)), _poisoned(cupy, (n * k, d), np.float32)
+    K.moe_group(cupy.asarray(sel), n, E, start, order, pos, tiles)
+    K.moe_gemm_swiglu(_to_storage(cupy, h, storage), wgu, start, order, tiles, act, n, k)
+    K.moe_gemm(act, wd, start, tiles, ye, n, k)
+    x = cupy.asarray(base)
+    K.moe_sum(ye, pos, cupy.asarray(wts), x, n, accumulate=True, scale=0.5)
+    return x.get()
+
+
+@pytest.mark.parametrize("storage", ["f16", "bf16"])
+def test_moe_ffn_and_its_batch_invariance(cupy, storage):
+    """x += 0.5 * sum over a row's experts (by rank) of w_r * down_e(swiglu(gate_up_e h)), against float64 on
+    the rounded inputs; and a row's result bitwise the same alone and among 37 rows sharing its experts."""
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
+    n, d, F, E, k = 37, 64, 48, 6, 2
+    h = round_to(rng.standard_normal((n, d)).astype(np.float32), storage)
+    wgu_h = round_to((rng.standard_normal((E, 2 * F, d)) / np.sqrt(d)).astype(np.float32), storage)
+    wd_h = round_to((rng.standard_normal((E, d, F)) / np.sqrt(F)).astype(np.float32), storage)
+    wgu, wd = _to_storage(cupy, wgu_h, storage), _to_storage(cupy, wd_h, storage)
+    sel = np.stack([rng.choice(E, k, replace=False) for _ in range(n)]).astype(np.int32)
+    wts = rng.random((n, k)).astype(np.float32)
+    base = rng.standard_normal((n, d)).astype(np.float32)
+    got = _moe_ffn(cupy, storage, h, wgu, wd, sel, wts, base)
+    want = base.astype(np.float64).copy()
+    for i in range(n):
+        for r in range(k):
+            gu = wgu_h[sel[i, r]].astype(np.float64) @ h[i]
+            act = round_to(_gated(gu[:F], gu[F:], False).astype(np.float32), storage).astype(np.float64)
+            want[i] += 0.5 * wts[i, r] * (wd_h[sel[i, r]].astype(np.float64) @ act)
+    assert rel_err(got - base, want - base) <= {"f16": 2e-3, "bf16": 1e-2}[storage]
+    if getattr(cupy, "fake_kernels", "") == "numpy":
+        return                          # the NumPy emulation's sums are not batch-invariant (BLAS)
+    for i in (0, 17):
+        alone = _moe_ffn(cupy, storage, h[i:i + 1], wgu, wd, sel[i:i + 1], wts[i:i + 1], base[i:i + 1])
+        np.testing.assert_array_equal(alone[0], got[i], err_msg=f"row {i}")

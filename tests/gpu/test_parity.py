@@ -16,7 +16,7 @@ import pytest
 from fastserve.backends.cpu.backend import CpuBackend
 
 from .conftest import on_gpu
-from .helpers import rel_err, rounded_weights
+from .helpers import rel_err, rounded_weights, synthetic_family
 
 GREEDY_TOKENS = 32
 
@@ -236,6 +236,37 @@ def test_gemma3_270m_logits_within_bar_of_numpy(cupy, gemma3_on_disk):
     err = _worst_logit_error(gemma3_on_disk, "f16", n_prompts=3, longest=700, n_ctx=768, n_steps=4)
     print(f"Gemma 3 270M, f16 weights: worst relative error of the logits {err:.2e}")
     assert err <= BAR["f16"]
+
+
+# -- the synthetic families' rows (tests/golden/synthetic_families.py's shapes, a small vocabulary) -------
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("families")
+    return {f: synthetic_family(d, f) for f in ("granite", "smollm3", "qwen3moe")}
+
+
+@pytest.mark.parametrize("family", ["granite", "smollm3", "qwen3moe"])
+def test_family_rows_within_bar_of_numpy(cupy, family_models, family):
+    """granite's residual and logit multipliers, smollm3's layers without RoPE, qwen3moe's experts (router,
+    routing, grouping and grouped products on the device) on the kernels themselves: a prefill of three slots
+    then 4 decode steps through CUDA graphs, the logits against the NumPy backend on the same rounded weights;
+    then a decode step of slot 0 alone and among the other slots gives slot 0 the same logits, bit for bit."""
+    cfg, w = family_models[family].config, family_models[family].weights
+    prompts = _gemma_prompts(cfg)
+    gpu = _cupy_backend(cfg, w, 4, 64, attn_chunk=8)
+    got = _logit_steps(gpu, prompts, 4, np.random.default_rng(5))
+    want = _logit_steps(_cpu_backend(cfg, rounded_weights(w, "f16"), 4, 64), prompts, 4, np.random.default_rng(5))
+    err = max(rel_err(g, r) for g, r in zip(got, want))
+    print(f"{family}: worst relative error of the logits {err:.2e}")
+    assert err <= BAR["f16"]
+    assert gpu._graphs, "decode steps did not go through a CUDA graph"
+    n = len(prompts)
+    ids, at = np.arange(n, dtype=np.int32), np.array([len(p) + 4 for p in prompts], np.int32)
+    step = np.array([7, 8, 9], np.int32)
+    among = np.array(gpu.forward(step, at, ids, ids))[0]
+    alone = np.array(gpu.forward(step[:1], at[:1], ids[:1], ids[:1]))[0]      # the same position again
+    np.testing.assert_array_equal(alone, among)
 
 
 # -- the default model (SmolLM2-135M-Instruct Q4_1) ---------------------------------------------

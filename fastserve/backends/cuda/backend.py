@@ -3,12 +3,18 @@
 Same contract as CpuBackend (fastserve/backends/base.py); same math, in this order per layer, the
 bracketed steps where the architecture row asks for them (models/architecture.py, read through cfg):
     x = embedding rows [* embd_scale]
-    h = rmsnorm(x) -> qkv = h Wqkv^T -> [+ bias, per-head q/k RMSNorm: qk_prep] -> RoPE(q, k) (a local
-      layer: its own base) -> K, V into the cache -> attention (a local layer: keys q - window < p <= q)
-      -> y = a Wo^T -> [y = rmsnorm(y): post-attention norm] -> x += y
+    h = rmsnorm(x) -> qkv = h Wqkv^T -> [+ bias, per-head q/k RMSNorm: qk_prep] -> [RoPE(q, k) (a local
+      layer: its own base; none on smollm3's every 4th layer)] -> K, V into the cache -> attention (a local
+      layer: keys q - window < p <= q) -> y = a Wo^T -> [y = rmsnorm(y): post-attention norm] -> x += [r *] y
     h = rmsnorm(x) -> gu = h Wgu^T -> s = silu(g) * u (GeGLU: gelu(g) * u) -> y = s Wdown^T
-      -> [y = rmsnorm(y): post-FFN norm] -> x += y
-then the final norm on the output rows only, logits = h Wout^T [-> c tanh(logits / c): soft-capping].
+      -> [y = rmsnorm(y): post-FFN norm] -> x += [r *] y
+      (a mixture of experts, _moe: router logits h Wr^T -> each row's top-k experts and weights (cuda/moe.cu,
+      one block a row) -> the (row, rank) pairs grouped by expert on the device (a counting sort into tiles
+      whose number n fixes: no host wait, so a decode step stays one graph) -> each selected expert once over
+      its pairs (cuda/matvec.cu's grouped products, the file's 3-D expert tensors) -> y = each row's weighted
+      expert outputs summed in rank order, as the CPU's _forward._moe)
+then the final norm on the output rows only, logits = [l *] h Wout^T [-> c tanh(logits / c): soft-capping]
+(r, l: granite's residual and logit multipliers, taken into the products' and logit_out's launches).
 Products of up to matvec_max_n rows (decode) form h as they read it and gate/up's warp writes s: h and
 gu are then never stored. Without sandwich norms the output products add into x directly (y unused).
 
@@ -19,14 +25,17 @@ attention output, SwiGLU output) is rounded to `dtype`; the KV cache is `dtype`.
 
 Device memory, all allocated here, once (sizes for N = max_tokens, M = max_out rows):
     weights                          per layer wqkv [(H+2Hkv)D, d], wo [d, HD], w_gate_up [2F, d],
-                                     w_down [d, F] in dtype; norms f32; tok_embd [V, d] dtype (the same
-                                     array as the output matrix when the model ties them)
+                                     w_down [d, F] (a mixture of experts: router [E, d], experts_gate_up
+                                     [E, 2F, d], experts_down [E, d, F]) in dtype; norms f32; tok_embd
+                                     [V, d] dtype (the same array as the output matrix when the model ties them)
     kv     [L, 2, n_slots + 1, n_ctx_slot, Hkv, D] dtype   (slot n_slots: scratch for padding rows).
            Every layer keeps every position of a slot, the sliding-window layers too (no ring, unlike
            the CPU's KVCache: a local layer's memory is not bounded by its window here; kv_ring = 0)
     cos, sin [n_ctx_slot, rope_dim / 2] f32 (and cos_local, sin_local: the local layers' own base)
     x [N, d] f32, h [N, d] dtype, qkv [N, (H+2Hkv)D] f32, attn [N, HD] dtype, gu [N, 2F] f32,
     act [N, F] dtype, y [N, d] f32 (sandwich norms only), part_o [N, H, S, D] f32, part_ml [N, H, S, 2] f32,
+    a mixture of experts' route [N, E] f32, sel [N, k] int32, wts [N, k] f32, start [E + 1], order and
+    pos [N k], tiles [T, 2] int32, act_e [N k, F] dtype, ye [N k, d] f32;
     hout [M, d] dtype, logits [M, V] f32, ids [M] int32, inputs [4, N] int32 (tokens, positions, slots, rows)
     device sampling: rows [M] SampleRow records (after the inputs, in the same buffer), slot table
     [n_slots, W + 2B] int32 (penalty rings, bias lists), results [M + M * 2 * P] int32 (ids, lists)
@@ -43,10 +52,10 @@ asked-for probabilities with forward_sample: the host sampler's chain on the dev
 CuPy's stream synchronisation releases the GIL while it waits.
 
 It reads the same description as the CPU backend (ModelConfig and its architecture row,
-models/architecture.py): llama, qwen2, qwen3, gemma3 and phi3 run. What a model asks for that these
-kernels do not run (unsupported_features: heads over 256 wide, more than 8 query heads per KV head,
-granite's residual and logit multipliers, smollm3's layers without RoPE, qwen3moe's mixture of experts) is
-refused at construction, naming it, and `auto` picks the CPU for such a model.
+models/architecture.py): the rows of CHECKED_ARCHITECTURES run (each checked on tests/gpu's emulators
+against the CPU backend). What a model asks for that these kernels do not run (unsupported_features: a row
+not in CHECKED_ARCHITECTURES, e.g. gpt-oss, heads over 256 wide, more than 8 query heads per KV head,
+qwen3moe's mixture of experts) is refused at construction, naming it, and `auto` picks the CPU for such a model.
 
 Importing this module needs no CuPy; building a CupyBackend does.
 """
@@ -90,18 +99,26 @@ def cuda_status() -> tuple[bool, str]:
     return True, name
 
 
+# The rows of models/architecture.py this backend runs, each checked against the CPU backend on the emulators
+# (tests/gpu/test_backend_emulated.py, test_parity.py): a row added to the table (e.g. gpt-oss, with its
+# attention sinks) is refused here until its steps have kernels and a test.
+CHECKED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "granite", "smollm3", "phi3", "qwen3moe")
+
+
 def unsupported_features(cfg: ModelConfig) -> list[str]:
     """What cfg asks for that the CUDA kernels do not run (empty: all of it runs). The features of the
-    first rows (GeGLU, sandwich norms, the embedding scale, sliding-window layers, soft-capping, fused
-    tensors, RoPE factors) run; what is left are shapes the attention kernel has no instance for, and
-    granite's and smollm3's steps and qwen3moe's experts (their router and grouping) that no kernel has yet."""
-    wanted = [(cfg.head_dim > K.ATTN_HEAD_DIMS[-1] or cfg.head_dim % 8,
+    checked rows (GeGLU, sandwich norms, the embedding scale, sliding-window layers, soft-capping, fused
+    tensors, RoPE factors, granite's multipliers, smollm3's layers without RoPE) run; what is left are rows
+    not checked here, shapes the attention kernel has no instance for, and qwen3moe's experts."""
+    name = cfg.arch.name
+    wanted = [(name not in CHECKED_ARCHITECTURES,
+               f"the {name!r} architecture's row (not checked on CUDA; it runs {', '.join(CHECKED_ARCHITECTURES)})"),
+              (cfg.head_dim > K.ATTN_HEAD_DIMS[-1] or cfg.head_dim % 8,
                f"head_dim {cfg.head_dim} (cuda/attention.cu: multiples of 8 up to {K.ATTN_HEAD_DIMS[-1]})"),
               (cfg.n_head // cfg.n_head_kv > 8, f"{cfg.n_head // cfg.n_head_kv} query heads per KV head (at most 8)"),
-              (cfg.residual_scale != 1.0, f"a residual multiplier ({cfg.residual_scale:g})"),
-              (cfg.logit_scale != 1.0, f"a logit multiplier ({cfg.logit_scale:g})"),
-              (not all(cfg.rope_layers), "layers without RoPE"),
-              (cfg.n_expert > 0, "mixture-of-experts FFNs")]
+              (cfg.n_expert > K.MOE_MAX_EXPERTS, f"{cfg.n_expert} experts (cuda/moe.cu: at most {K.MOE_MAX_EXPERTS})"),
+              (cfg.n_expert > 0 and not K.matvec_fits("f16", cfg.n_ff),
+               f"experts {cfg.n_ff} wide (the grouped products: a multiple of 8)")]
     return [name for needed, name in wanted if needed]
 
 
@@ -244,21 +261,45 @@ class CupyBackend:
             local = c.local_layers[li]
             self.layers.append(dict(
                 cos=self.cos_local if local else self.cos, sin=self.sin_local if local else self.sin,
-                window=c.sliding_window if local else 0,
+                window=c.sliding_window if local else 0, rope=c.rope_layers[li],
                 post_attn_norm=opt(lw.post_attn_norm, slice(None)), post_ffn_norm=opt(lw.post_ffn_norm, slice(None)),
                 attn_norm=self._to_device(lw.attn_norm, "f32"),
                 wqkv=self._to_device(lw.wqkv.to_float()[order] if c.rope_neox else lw.wqkv, dt),
                 wo=self._to_device(lw.wo, dt), ffn_norm=self._to_device(lw.ffn_norm, "f32"),
-                w_gate_up=self._to_device(lw.w_gate_up, dt), w_down=self._to_device(lw.w_down, dt),
-                qkv_bias=opt(lw.qkv_bias, order), q_norm=opt(lw.q_norm, qk), k_norm=opt(lw.k_norm, qk)))
+                qkv_bias=opt(lw.qkv_bias, order), q_norm=opt(lw.q_norm, qk), k_norm=opt(lw.k_norm, qk),
+                **self._ffn_weights(lw)))
         self.tok_embd = self._to_device(w.tok_embd, dt)
         self.output = self.tok_embd if w.output is w.tok_embd else self._to_device(w.output, dt)
         self.out_norm = self._to_device(w.out_norm, "f32")
 
+    def _ffn_weights(self, lw) -> dict:
+        """A layer's FFN on the device: a dense one's w_gate_up, w_down; a mixture of experts' router [E, d] and
+        its experts stacked as the file's 3-D tensors, experts_gate_up [E, 2F, d] (each expert's gate rows, then
+        its up rows) and experts_down [E, d, F], uploaded one expert at a time."""
+        dt = self.dtype
+        if not self.cfg.n_expert:
+            return dict(w_gate_up=self._to_device(lw.w_gate_up, dt), w_down=self._to_device(lw.w_down, dt))
+
+        def stacked(mats):
+            out = self.cp.empty((len(mats), *mats[0].shape), K._dtype_of(dt))
+            for e, m in enumerate(mats):
+                out[e] = self._to_device(m, dt)
+            return out
+        return dict(router=self._to_device(lw.router, dt), experts_gate_up=stacked(lw.experts_gate_up),
+                    experts_down=stacked(lw.experts_down))
+
     def weight_bytes_per_step(self) -> int:
-        """Bytes of weights one decode step reads (every matrix once; the embedding rows are negligible)."""
-        mats = [lw[k] for lw in self.layers for k in ("wqkv", "wo", "w_gate_up", "w_down", "attn_norm", "ffn_norm")]
-        return int(sum(m.nbytes for m in mats) + self.output.nbytes + self.out_norm.nbytes)
+        """Bytes of weights one decode step of one token reads (every matrix once, of a mixture of experts the
+        router and the experts a token uses; the embedding rows are negligible)."""
+        c, total = self.cfg, self.output.nbytes + self.out_norm.nbytes
+        for lw in self.layers:
+            total += sum(lw[k].nbytes for k in ("wqkv", "wo", "attn_norm", "ffn_norm"))
+            if c.n_expert:
+                used = c.n_expert_used / c.n_expert
+                total += lw["router"].nbytes + (lw["experts_gate_up"].nbytes + lw["experts_down"].nbytes) * used
+            else:
+                total += lw["w_gate_up"].nbytes + lw["w_down"].nbytes
+        return int(total)
 
     def _allocate(self) -> None:
         cp, c = self.cp, self.cfg
@@ -287,6 +328,17 @@ class CupyBackend:
         self.y = cp.zeros((N, c.n_embd), np.float32) if c.arch.sandwich_norms else None
         self.part_o = cp.zeros((N, c.n_head, self.n_split, c.head_dim), np.float32)
         self.part_ml = cp.zeros((N, c.n_head, self.n_split, 2), np.float32)
+        if c.n_expert:      # a mixture of experts: a row per (row, rank) pair, grouped by expert
+            k = c.n_expert_used
+            self.route = cp.zeros((N, c.n_expert), np.float32)
+            self.sel = cp.zeros((N, k), np.int32)
+            self.wts = cp.zeros((N, k), np.float32)
+            self.moe_start = cp.zeros(c.n_expert + 1, np.int32)
+            self.moe_order = cp.zeros(N * k, np.int32)
+            self.moe_pos = cp.zeros(N * k, np.int32)
+            self.moe_tiles = cp.zeros((K.moe_tiles(N, k, c.n_expert), 2), np.int32)
+            self.act_e = cp.zeros((N * k, c.n_ff), st)
+            self.ye = cp.zeros((N * k, c.n_embd), np.float32)
         self.hout = cp.zeros((M, c.n_embd), st)
         self.logits = cp.zeros((M, c.n_vocab), np.float32)
         self.ids = cp.zeros(M, np.int32)
@@ -585,31 +637,59 @@ class CupyBackend:
             if lw["qkv_bias"] is not None or lw["q_norm"] is not None:
                 K.qk_prep(self.qkv, lw["qkv_bias"], lw["q_norm"], lw["k_norm"], n, c.n_head, c.n_head_kv,
                           c.head_dim, c.norm_eps)
-            K.rope_store(self.qkv, lw["cos"], lw["sin"], kc, vc, self.slots_d, self.positions_d, n, c.n_head,
-                         c.rope_dim)
+            if lw["rope"]:
+                K.rope_store(self.qkv, lw["cos"], lw["sin"], kc, vc, self.slots_d, self.positions_d, n, c.n_head,
+                             c.rope_dim)
+            else:           # smollm3's every 4th layer: q and k as they are
+                K.kv_store(self.qkv, kc, vc, self.slots_d, self.positions_d, n, c.n_head)
             K.attention(self.qkv, kc, vc, self.slots_d, self.positions_d, self.part_o, self.part_ml, self.attn,
                         n, c.n_head, self.attn_chunk, self.scale, window=lw["window"])
             self._add_product(self.attn, lw["wo"], lw["post_attn_norm"], n)
+            if c.n_expert:
+                self._moe(lw, n)
+                continue
             K.norm_gemm_swiglu(self.x, lw["ffn_norm"], lw["w_gate_up"], self.act, self.h, self.gu, n, c.norm_eps,
                                matvec_max_n=mv, gelu=c.ffn_gelu)
             self._add_product(self.act, lw["w_down"], lw["post_ffn_norm"], n)
         K.norm_gemm(self.x, self.out_norm, self.output, self.logits, self.hout, m, c.norm_eps, rows=self.rows_d,
                     matvec_max_n=mv)
-        if c.logit_softcap > 0:
-            K.softcap(self.logits, m, c.logit_softcap)
+        if c.logit_scale != 1.0 or c.logit_softcap > 0:
+            K.logit_out(self.logits, m, c.logit_scale, c.logit_softcap)
         if sample:
             K.sample_chain(self.logits, self.sample_rows_d, self.slot_tab_d, self.sample_ids_d, self.sample_probs_d, m,
                            self.sample_window, self.sample_bias, self.sample_masks_d)
         else:
             K.argmax_rows(self.logits, self.ids, m)
 
+    def _moe(self, lw, n: int) -> None:
+        """x[:n] += r * the mixture of experts of rmsnorm(x[:n]) (as the CPU's _forward._moe): the router's
+        logits, each row's experts and weights (moe_route), the (row, rank) pairs grouped by expert on the device
+        (moe_group: sizes fixed by n, no wait for the host, so a graph captures it), each selected expert once over
+        its pairs (the grouped products), then each row's weighted outputs summed in rank order (moe_sum)."""
+        c, k = self.cfg, self.cfg.n_expert_used
+        K.rms_norm(self.x, lw["ffn_norm"], self.h, n, c.norm_eps)
+        K.gemm(self.h, lw["router"], self.route, n, matvec_max_n=self.matvec_max_n)
+        K.moe_route(self.route, self.sel, self.wts, n, c.expert_weights_scale)
+        K.moe_group(self.sel, n, c.n_expert, self.moe_start, self.moe_order, self.moe_pos, self.moe_tiles)
+        K.moe_gemm_swiglu(self.h, lw["experts_gate_up"], self.moe_start, self.moe_order, self.moe_tiles, self.act_e,
+                          n, k, gelu=c.ffn_gelu)
+        K.moe_gemm(self.act_e, lw["experts_down"], self.moe_start, self.moe_tiles, self.ye, n, k)
+        post = lw["post_ffn_norm"]
+        if post is None:
+            K.moe_sum(self.ye, self.moe_pos, self.wts, self.x, n, accumulate=True, scale=c.residual_scale)
+        else:
+            K.moe_sum(self.ye, self.moe_pos, self.wts, self.y, n, accumulate=False)
+            K.rms_norm_add(self.y, post, self.x, n, c.norm_eps, scale=c.residual_scale)
+
     def _add_product(self, a, w, post_norm, n: int) -> None:
-        """x[:n] += a[:n] @ w.T, or (a sandwich norm) x[:n] += rmsnorm(a[:n] @ w.T) * post_norm."""
+        """x[:n] += r * a[:n] @ w.T, or (a sandwich norm) x[:n] += r * rmsnorm(a[:n] @ w.T) * post_norm (r: the
+        residual multiplier, 1 but for granite)."""
+        r = self.cfg.residual_scale
         if post_norm is None:
-            K.gemm(a, w, self.x, n, accumulate=True, matvec_max_n=self.matvec_max_n)
+            K.gemm(a, w, self.x, n, accumulate=True, matvec_max_n=self.matvec_max_n, scale=r)
             return
         K.gemm(a, w, self.y, n, matvec_max_n=self.matvec_max_n)
-        K.rms_norm_add(self.y, post_norm, self.x, n, self.cfg.norm_eps)
+        K.rms_norm_add(self.y, post_norm, self.x, n, self.cfg.norm_eps, scale=r)
 
     def _run_chunked(self, tokens, positions, slots, out_rows, want: str) -> np.ndarray:
         """A batch larger than the buffers: tokens in order, max_tokens at a time (a later chunk's

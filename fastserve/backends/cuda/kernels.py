@@ -33,6 +33,7 @@ ATTN_HEAD_DIMS = (32, 64, 128, 256)   # attention_split_*_d<D>: head_dim <= D, a
 MATVEC_WARPS = 4        # cuda/matvec.cu: MATVEC_WARPS
 MATVEC_MAX_N = 32       # the largest matvec_*_n<N> instantiated: x rows per block (more: more blocks)
 MATVEC_ROWS = (1, 2, 4, 8, 16, 32)
+MOE_MAX_EXPERTS = 512  # cuda/moe.cu: MOE_MAX_EXPERTS
 SAMPLE_THREADS = 512    # cuda/sampling.cu: SAMPLE_THREADS
 SAMPLE_MAX_PROBS = 128  # cuda/sampling.cu: SAMPLE_MAX_PROBS
 SAMPLE_GREEDY, SAMPLE_POST_PROBS, SAMPLE_PENALIZE = 1, 2, 4       # SampleRow.flags
@@ -55,13 +56,15 @@ KERNELS = {
     "cast": ["cast_f32_f16", "cast_f32_bf16"],
     "embedding": [f"embed_rows_{s}" for s in _S3],
     "kv_cache": [f"kv_store_{s}" for s in _S3] + [f"rope_store_{s}" for s in _S3],
-    "matvec": [f"{kind}_{s}_n{n}" for kind in ("matvec", "norm_matvec", "norm_matvec_swiglu")
+    "logit_out": ["logit_out_f32"],
+    "matvec": [f"{kind}_{s}_n{n}" for kind in ("matvec", "norm_matvec", "norm_matvec_swiglu", "moe_matvec",
+                                               "moe_matvec_swiglu")
                for s in ("f16", "bf16") for n in MATVEC_ROWS],
+    "moe": ["moe_route_f32", "moe_group", "moe_sum_f32"],
     "qk_prep": ["qk_prep_f32"],
     "rms_norm": [f"rms_norm_{s}" for s in _S3] + ["rms_norm_add_f32"],
     "rope": ["rope_qk_f32"],
     "sampling": ["argmax_rows_f32", "sample_chain_f32"],
-    "softcap": ["softcap_f32"],
     "swiglu": [f"swiglu_{s}" for s in _S3],
 }
 FAMILIES = tuple(KERNELS)
@@ -241,26 +244,28 @@ def rms_norm(x, w, out, n: int, eps: float, rows=None) -> None:
             (n,), (_threads(d),), (x, _NULL if rows is None else rows, w, out, _i32(d), _f32(eps)))
 
 
-def rms_norm_add(y, w, x, n: int, eps: float) -> None:
-    """x[:n] += rmsnorm(y[:n]) * w: a block's output normed, then added to the residual stream (the
-    sandwich norms). y f32 [>=n, d]; w f32 [d]; x f32 [>=n, d]."""
+def rms_norm_add(y, w, x, n: int, eps: float, scale: float = 1.0) -> None:
+    """x[:n] += rmsnorm(y[:n]) * w * scale: a block's output normed, times the residual multiplier (granite's;
+    1: none), then added to the residual stream (the sandwich norms). y f32 [>=n, d]; w f32 [d]; x f32 [>=n, d]."""
     d = w.shape[0]
     _check("w", w, np.float32, (d,))
     _check("y", y, np.float32, (None, d), min_rows=n)
     _check("x", x, np.float32, (None, d), min_rows=n)
     if n:
-        function("rms_norm", "rms_norm_add_f32")((n,), (_threads(d),), (y, w, x, _i32(d), _f32(eps)))
+        function("rms_norm", "rms_norm_add_f32")((n,), (_threads(d),), (y, w, x, _i32(d), _f32(eps), _f32(scale)))
 
 
-def softcap(logits, m: int, cap: float) -> None:
-    """In place: logits[:m] = cap * tanh(logits[:m] / cap) (final-logit soft-capping). logits f32 [>=m, V]."""
+def logit_out(logits, m: int, scale: float = 1.0, cap: float = 0.0) -> None:
+    """In place: logits[:m] *= scale (the logit multiplier, granite's 1 / logit_scale), then, cap > 0,
+    logits[:m] = cap * tanh(logits[:m] / cap) (final-logit soft-capping). logits f32 [>=m, V]."""
     V = logits.shape[1]
     _check("logits", logits, np.float32, (None, V), min_rows=m)
-    if not cap > 0:
-        raise ValueError(f"cap must be > 0, not {cap}")
+    if not cap >= 0:
+        raise ValueError(f"cap must be >= 0 (0: no soft-capping), not {cap}")
     if m:
         size = m * V
-        function("softcap", "softcap_f32")((min(-(-size // 256), 65535),), (256,), (logits, _i64(size), _f32(cap)))
+        function("logit_out", "logit_out_f32")((min(-(-size // 256), 65535),), (256,),
+                                               (logits, _i64(size), _f32(scale), _f32(cap)))
 
 
 def rope_qk(qkv, cos, sin, positions, n: int, n_head: int, n_head_kv: int, head_dim: int, rope_dim: int) -> None:
@@ -458,10 +463,20 @@ def sample_chain(logits, rows, slot_tab, out_ids, out_probs, m: int, window_cap:
 _CUDA_TYPE = {"f16": 2, "bf16": 14, "f32": 0}        # cudaDataType: CUDA_R_16F, CUDA_R_16BF, CUDA_R_32F
 _ONE = np.ones(1, np.float32)
 _ZERO = np.zeros(1, np.float32)
+_SCALARS: dict[float, np.ndarray] = {1.0: _ONE}
 
 
-def gemm(x, w, out, n: int, accumulate: bool = False, matvec_max_n: int = MATVEC_MAX_N) -> None:
-    """out[:n] = x[:n] @ w.T (accumulate: out[:n] += ...), float32 accumulation. x [>=n, k] and w [m, k] in
+def _host_scalar(v: float) -> np.ndarray:
+    """A float32 [1] holding v, made once per value (a model has one or two), kept for cuBLAS to read."""
+    a = _SCALARS.get(v)
+    if a is None:
+        a = _SCALARS.setdefault(v, np.full(1, v, np.float32))
+    return a
+
+
+def gemm(x, w, out, n: int, accumulate: bool = False, matvec_max_n: int = MATVEC_MAX_N, scale: float = 1.0) -> None:
+    """out[:n] = scale * x[:n] @ w.T (accumulate: out[:n] += ...; scale: granite's residual multiplier, 1: none),
+    float32 accumulation. x [>=n, k] and w [m, k] in
     one storage type (f16/bf16/f32); out f32 [>=n, m]. Up to matvec_max_n rows (f16/bf16, k % 8 == 0):
     cuda/matvec.cu, which streams the weights once per 32 rows and sums each row in one order whatever
     n; otherwise cublasGemmEx (compute 32F), which CuPy refuses inside a CUDA graph capture. Runs on
@@ -475,14 +490,16 @@ def gemm(x, w, out, n: int, accumulate: bool = False, matvec_max_n: int = MATVEC
     if not n:
         return
     if _matvec_path(n, matvec_max_n, storage, k, x, w):
-        _matvec("matvec", storage, n, m_out, (w, x, out, _i32(n), _i32(m_out), _i32(k), _i32(1 if accumulate else 0)))
+        _matvec("matvec", storage, n, m_out, (w, x, out, _i32(n), _i32(m_out), _i32(k), _i32(1 if accumulate else 0),
+                                              _f32(scale)))
         return
     from cupy_backends.cuda.libs import cublas
     handle = cp.cuda.device.get_cublas_handle()
     cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    alpha = _host_scalar(scale)         # read by the call (host pointer mode)
     # Row-major out[n, m] is column-major out^T (m x n): out^T = w (col-major k x m, transposed) @ x^T.
     cublas.gemmEx(handle, cublas.CUBLAS_OP_T, cublas.CUBLAS_OP_N, m_out, n, k,
-                  _ONE.ctypes.data, w.data.ptr, _CUDA_TYPE[storage], k,
+                  alpha.ctypes.data, w.data.ptr, _CUDA_TYPE[storage], k,
                   x.data.ptr, _CUDA_TYPE[storage], k,
                   (_ONE if accumulate else _ZERO).ctypes.data, out.data.ptr, _CUDA_TYPE["f32"], m_out,
                   cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_GEMM_DEFAULT)
@@ -552,6 +569,102 @@ def norm_gemm_swiglu(x, norm_w, w_gate_up, act, h, gu, n: int, eps: float, matve
     if n:
         _matvec("norm_matvec_swiglu", storage, n, n_ff, (w_gate_up, x, norm_w, act, _i32(n), _i32(n_ff), _i32(k),
                                                           _f32(eps), _i32(1 if gelu else 0)))
+
+
+# -- a mixture of experts (cuda/moe.cu, and its grouped products in cuda/matvec.cu) ----------------
+
+def moe_tile_rows(n: int) -> int:
+    """The pairs a grouped product's block takes (its MAXN): an expert has at most n pairs (one per row)."""
+    return next(r for r in MATVEC_ROWS if r >= min(n, MATVEC_MAX_N))
+
+
+def moe_tiles(n: int, k: int, n_expert: int) -> int:
+    """Tiles of moe_group over n rows of k pairs: enough for any routing (min(E, n k) experts used, each
+    its pairs in tiles of moe_tile_rows(n)), fixed by n alone."""
+    return min(n_expert, n * k) + n * k // moe_tile_rows(n)
+
+
+def moe_route(route, sel, wts, n: int, scale: float = 1.0) -> None:
+    """Each row's experts by rank, sel int32 [>=n, k], and weights, wts f32 [>=n, k], from its router logits
+    route f32 [>=n, E] (softmax, top k ties to the lower id, normalised over the k, times scale)."""
+    E, k = route.shape[1], sel.shape[1]
+    _check("route", route, np.float32, (None, E), min_rows=n)
+    _check("sel", sel, np.int32, (None, k), min_rows=n)
+    _check("wts", wts, np.float32, (None, k), min_rows=n)
+    if not 0 < k <= E <= MOE_MAX_EXPERTS:
+        raise ValueError(f"{k} experts used of {E}: cuda/moe.cu takes 0 < k <= E <= {MOE_MAX_EXPERTS}")
+    if n:
+        function("moe", "moe_route_f32")((n,), (_threads(E, 256),), (route, sel, wts, _i32(E), _i32(k), _f32(scale)))
+
+
+def moe_group(sel, n: int, n_expert: int, start, order, pos, tiles) -> None:
+    """The n rows' (row, rank) pairs of sel int32 [>=n, k] grouped by expert (cuda/moe.cu moe_group): start int32
+    [E + 1], order and pos int32 [>=n k], tiles int32 [>=moe_tiles(n, k, E), 2] (unused ones: expert -1)."""
+    k = sel.shape[1]
+    _check("sel", sel, np.int32, (None, k), min_rows=n)
+    _check("start", start, np.int32, (n_expert + 1,))
+    _check("order", order, np.int32, (None,), min_rows=n * k)
+    _check("pos", pos, np.int32, (None,), min_rows=n * k)
+    n_tiles = moe_tiles(n, k, n_expert)
+    _check("tiles", tiles, np.int32, (None, 2), min_rows=n_tiles)
+    if n:
+        function("moe", "moe_group")((1,), (_threads(n_expert, 256),),
+                                     (sel, _i32(n * k), _i32(n_expert), _i32(moe_tile_rows(n)), _i32(n_tiles), start,
+                                      order, pos, tiles))
+
+
+def moe_gemm_swiglu(h, w_gate_up, start, order, tiles, act, n: int, k: int, gelu: bool = False) -> None:
+    """Each expert's gate | up product over the rows that chose it, then the GLU: act[t] = swiglu(h[order[t] //
+    k] @ w_gate_up[e].T) for the grouped positions t of each expert e (moe_group's start, order, tiles of n
+    rows). h [>=n, d] f16/bf16; w_gate_up [E, 2 F, d] in its storage (gate rows, then up rows); act [>=n k, F]."""
+    E, m2, d = w_gate_up.shape
+    storage = _same_storage(("h", h), ("w_gate_up", w_gate_up), ("act", act))
+    F, n_tiles = m2 // 2, moe_tiles(n, k, E)
+    _check_moe(storage, d, h, w_gate_up, start, tiles, n_tiles, E)
+    _check("h", h, _dtype_of(storage), (None, d), min_rows=n)
+    _check("order", order, np.int32, (None,), min_rows=n * k)
+    _check("act", act, _dtype_of(storage), (None, F), min_rows=n * k)
+    if n:
+        function("matvec", f"moe_matvec_swiglu_{storage}_n{moe_tile_rows(n)}")(
+            (-(-F // MATVEC_WARPS), n_tiles), (MATVEC_WARPS * 32,),
+            (w_gate_up, h, start, order, tiles, act, _i32(F), _i32(d), _i32(k), _i32(1 if gelu else 0)))
+
+
+def moe_gemm(act, w_down, start, tiles, out, n: int, k: int) -> None:
+    """Each expert's down product over its grouped positions: out[t] = act[t] @ w_down[e].T. act [>=n k, F]
+    f16/bf16 and w_down [E, d, F] in one storage; out f32 [>=n k, d], grouped order as act."""
+    E, d, F = w_down.shape
+    storage = _same_storage(("act", act), ("w_down", w_down))
+    n_tiles = moe_tiles(n, k, E)
+    _check_moe(storage, F, act, w_down, start, tiles, n_tiles, E)
+    _check("act", act, _dtype_of(storage), (None, F), min_rows=n * k)
+    _check("out", out, np.float32, (None, d), min_rows=n * k)
+    if n:
+        function("matvec", f"moe_matvec_{storage}_n{moe_tile_rows(n)}")(
+            (-(-d // MATVEC_WARPS), n_tiles), (MATVEC_WARPS * 32,), (w_down, act, start, tiles, out, _i32(d), _i32(F)))
+
+
+def _check_moe(storage, k_in, x, w, start, tiles, n_tiles, E) -> None:
+    """What both grouped products check: weights [E, *, k_in] and x of one storage that cuda/matvec.cu reads."""
+    if not matvec_fits(storage, k_in) or x.data.ptr % 16 or w.data.ptr % 16:
+        raise ValueError(f"the grouped expert products read 16-byte rows of f16/bf16: {storage}, {k_in} inputs")
+    _check("w", w, _dtype_of(storage), (E, None, k_in))
+    _check("start", start, np.int32, (E + 1,))
+    _check("tiles", tiles, np.int32, (None, 2), min_rows=n_tiles)
+
+
+def moe_sum(ye, pos, wts, out, n: int, accumulate: bool, scale: float = 1.0) -> None:
+    """out[i] (+)= scale * sum over ranks r (in rank order) of ye[pos[i k + r]] * wts[i, r], i < n: a row's weighted
+    expert outputs (accumulate: into the residual stream, scale its multiplier). ye f32 [>=n k, d]; pos int32
+    [>=n k]; wts f32 [>=n, k]; out f32 [>=n, d]."""
+    d, k = ye.shape[1], wts.shape[1]
+    _check("ye", ye, np.float32, (None, d), min_rows=n * k)
+    _check("pos", pos, np.int32, (None,), min_rows=n * k)
+    _check("wts", wts, np.float32, (None, k), min_rows=n)
+    _check("out", out, np.float32, (None, d), min_rows=n)
+    if n:
+        function("moe", "moe_sum_f32")((n,), (_threads(d, 256),),
+                                       (ye, pos, wts, out, _i32(d), _i32(k), _i32(1 if accumulate else 0), _f32(scale)))
 
 
 def nvcc_available() -> str | None:
