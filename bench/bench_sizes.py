@@ -14,7 +14,9 @@ llama-server's ms/token / fastserve's (above 1: fastserve faster). Floor: the by
 step reads (bench_forward_bound.weight_bytes_per_token: of a mixture, the experts a token runs) / the read
 bandwidth of 2 threads, measured in the same run between the requests. The file is read once before the
 servers start, and the share of it in the page cache is recorded before and after the requests (fincore).
---slots N: both servers with -np N, each turn N requests at once (32-token prompts). Beside them: each server's start -> first /health 200 (mmap: the
+--slots N: both servers with -np N, each turn N requests at once (32-token prompts). --sequential: one
+server at a time, each after a read of the file (a model near the size of the memory: llama.cpp copies the
+Q4_K weights it repacks, and beside it the file's pages leave the cache). Beside them: each server's start -> first /health 200 (mmap: the
 page cache is not forced in) and its resident memory after the requests (issue 25 item 4).
 
 --isa avx2 runs fastserve's AVX2 kernels (FASTSERVE_ISA) on a machine with AVX-512; --llama-lib DIR
@@ -258,15 +260,30 @@ def requests(port: int, prompts: list[list[int]]) -> list[dict]:
 
 
 def measure(model: Path, bin_dir: Path, reps: int, env: dict, rng, logdir: Path, before: str | None,
-            slots: int = 1) -> dict:
-    """{name: {"prefill_ms": [..], "decode_ms": [..], "ready_s", "rss_mb"}, "bandwidth": [..] B/s}: the
-    servers take turns; ready_s: start -> first /health 200, rss_mb: resident memory after the requests.
-    slots > 1: each turn is `slots` requests at once (N_PROMPT_SLOTS tokens each), each one's figures kept."""
+            slots: int = 1, sequential: bool = False) -> dict:
+    """{name: {"prefill_ms": [..], "decode_ms": [..], "ready_s", "rss_mb", "page_cache"}, "bandwidth": [..] B/s}:
+    the servers take turns; ready_s: start -> first /health 200, rss_mb: resident memory after the requests,
+    page_cache: the file's share in it before (after a read of it) and after the requests. slots > 1: each turn
+    is `slots` requests at once (N_PROMPT_SLOTS tokens each), each one's figures kept. sequential: one server
+    at a time, the next started after the last one stopped (a file near the size of the memory: beside a
+    server that copies the weights, e.g. llama.cpp's repacked Q4_K, the other's pages would leave the cache)."""
+    cmds = commands(model, bin_dir, before, slots)
+    out = {n: {"prefill_ms": [], "decode_ms": []} for n in cmds}
+    out["bandwidth"] = []
+    for names in ([[n] for n in cmds] if sequential else [list(cmds)]):
+        warm(model)
+        cached = page_cache(model)
+        _turns({n: cmds[n] for n in names}, model, reps, env, rng, logdir, slots, out)
+        for n in names:
+            out[n]["page_cache"] = (cached, out[n]["page_cache"])
+    return out
+
+
+def _turns(cmds: dict, model: Path, reps: int, env: dict, rng, logdir: Path, slots: int, out: dict) -> None:
+    """The servers of cmds started, a warm-up request each, then reps turns of requests; figures into out."""
     n_vocab = SHAPES_BY_FILE[model][6]
     n_prompt = N_PROMPT if slots == 1 else N_PROMPT_SLOTS
-    cmds = commands(model, bin_dir, before, slots)
-    servers, out = {}, {n: {"prefill_ms": [], "decode_ms": []} for n in cmds}
-    out["bandwidth"] = []
+    servers = {}
     saved = dict(os.environ)
     try:
         for name, cmd in cmds.items():
@@ -288,12 +305,12 @@ def measure(model: Path, bin_dir: Path, reps: int, env: dict, rng, logdir: Path,
                     out[name]["text"] = r["text"]
         for name, srv in servers.items():
             out[name]["rss_mb"] = srv.rss() / 2**20
+            out[name]["page_cache"] = page_cache(model)
     finally:
         os.environ.clear()
         os.environ.update(saved)
         for srv in servers.values():
             srv.stop()
-    return out
 
 
 SHAPES_BY_FILE: dict = {}
@@ -324,6 +341,7 @@ def run(a) -> dict:
     logdir = Path(tempfile.mkdtemp(prefix="bench_sizes-"))
     rng = np.random.default_rng(1)
     out = {"isa": a.isa, "llama_lib": a.llama_lib, "llama_bin": str(bin_dir), "cpus": os.cpu_count(), "slots": a.slots,
+           "sequential": a.sequential,
            "loadavg_start": os.getloadavg(), "logs": str(logdir), "rows": []}
     from fastserve.backends.cpu import _matmul
     os.environ.update(env["fastserve"])
@@ -334,20 +352,18 @@ def run(a) -> dict:
             model = model_file(dirpath, shape, quant, bin_dir)
             SHAPES_BY_FILE[model] = SHAPES[shape]
             wbytes, _ = weight_bytes_per_token(str(model))
-            warm(model)
-            cached = [page_cache(model)]
-            m = measure(model, bin_dir, a.reps, env, rng, logdir, a.before, a.slots)
-            cached.append(page_cache(model))
+            m = measure(model, bin_dir, a.reps, env, rng, logdir, a.before, a.slots, a.sequential)
             bw = statistics.median(m["bandwidth"])
             row = {"shape": shape, "quant": quant, "file_mb": model.stat().st_size / 1e6, "weight_bytes": wbytes,
                    "bandwidth_gbs": bw / 1e9, "floor_ms": wbytes / bw * 1e3, "loadavg_1m": os.getloadavg()[0],
-                   "slots": a.slots, "page_cache": cached}
+                   "slots": a.slots, "sequential": a.sequential}
             for name in [k for k in m if k != "bandwidth"]:
                 row[name] = {k: statistics.median(m[name][k]) for k in ("prefill_ms", "decode_ms")}
                 row[name]["best"] = {k: min(m[name][k]) for k in ("prefill_ms", "decode_ms")}
                 row[name]["all"] = {k: m[name][k] for k in ("prefill_ms", "decode_ms")}
                 row[name]["text"] = m[name]["text"][:80]
                 row[name]["ready_s"], row[name]["rss_mb"] = m[name]["ready_s"], m[name]["rss_mb"]
+                row[name]["page_cache"] = m[name]["page_cache"]
             out["rows"].append(row)
             print(line(row), file=sys.stderr, flush=True)
     return out
@@ -367,20 +383,20 @@ def line(r: dict) -> str:
                    f"{ll['prefill_ms'] / f['prefill_ms']:.2f}x  (best of each: decode {f['best']['decode_ms']:.1f} / "
                    f"{ll['best']['decode_ms']:.1f}, prefill {f['best']['prefill_ms']:.2f} / {ll['best']['prefill_ms']:.2f}); "
                    f"start -> /health {f['ready_s']:.2f} / {ll['ready_s']:.2f} s, RSS {f['rss_mb']:.0f} / {ll['rss_mb']:.0f} MiB "
-                   f"({f['rss_mb'] / ll['rss_mb']:.2f}x); page cache {cache(r)}")
+                   f"({f['rss_mb'] / ll['rss_mb']:.2f}x); the file in the page cache {cache(f)} / {cache(ll)}")
     return "\n".join(out)
 
 
-def cache(r: dict) -> str:
-    """The share of the file in the page cache before -> after the requests."""
-    return " -> ".join("?" if c is None else f"{c:.0%}" for c in r.get("page_cache", (None, None)))
+def cache(server: dict) -> str:
+    """The share of the file in the page cache before -> after a server's requests."""
+    return " -> ".join("?" if c is None else f"{c:.0%}" for c in server["page_cache"])
 
 
 def report(out: dict) -> str:
     lines = [f"fastserve kernels: {out['fastserve_isa']}; llama-server: {out['llama_bin']}"
              f"{' with ggml-cpu from ' + out['llama_lib'] if out['llama_lib'] else ''}; both -t {THREADS} -np {out['slots']} "
              f"-c {N_CTX}; {out['slots']} request(s) at once, prompt {N_PROMPT if out['slots'] == 1 else N_PROMPT_SLOTS} "
-             f"tokens, {N_PREDICT} greedy tokens, ignore_eos; medians of each "
+             f"tokens, {N_PREDICT} greedy tokens, ignore_eos; {'one server at a time; ' if out['sequential'] else ''}medians of each "
              f"server's own /completion timings; ratio = llama-server ms / fastserve ms (> 1: fastserve faster); llama-server's "
              f"threads wait by spinning: on a loaded machine its figures fall apart (compare the best ones then)"]
     lines += [line(r) for r in out["rows"]]
@@ -397,6 +413,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="1b", help=f"comma-separated, of {', '.join(SHAPES)}")
     ap.add_argument("--quants", default=",".join(QUANTS))
     ap.add_argument("--reps", type=int, default=3, help="requests per server and model after the warm-up")
+    ap.add_argument("--sequential", action="store_true",
+                    help="one server at a time (a model near the size of the memory), each after a read of the file")
     ap.add_argument("--slots", type=int, default=1,
                     help=f"both servers' -np; above 1, as many requests at once ({N_PROMPT_SLOTS}-token prompts)")
     ap.add_argument("--isa", default="auto", help="fastserve's kernels (FASTSERVE_ISA): auto or a name of _matmul.isas()")
