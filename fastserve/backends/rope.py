@@ -14,6 +14,24 @@ import numpy as np
 from ..models.transformer import ModelConfig
 
 FILL = 1024             # positions computed at once (one block: ~10 ms for Gemma 3's two tables)
+YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0      # llama.cpp's defaults (hparams.yarn_beta_fast / _slow)
+
+
+def yarn(cfg: ModelConfig, base: float, scale: float) -> tuple[np.ndarray, float]:
+    """YaRN as llama.cpp's rope_yarn runs it (ext_factor 1): per angle i, the factor on base^(-2i/rope_dim)
+    (1/scale where the pair rotates slowly, 1 where it rotates fast, a ramp between the correction dims of
+    beta_fast and beta_slow over n_ctx_orig), and the magnitude scale 1 + 0.1 ln(scale) (ggml's mscale; the
+    attn_factor llama.cpp passes is get_mscale(scale) / (1 + 0.1 ln scale) = 1, times rope.scaling.attn_factor)."""
+    half, f32 = cfg.rope_dim // 2, np.float32
+
+    def corr_dim(rotations):    # ggml_rope_yarn_corr_dim, in float32 as ggml
+        return f32(cfg.rope_dim) * f32(np.log(f32(cfg.n_ctx_orig / (rotations * 2 * np.pi)))) / f32(2 * np.log(f32(base)))
+    low = max(0.0, float(np.floor(corr_dim(YARN_BETA_FAST))))
+    high = min(cfg.rope_dim - 1.0, float(np.ceil(corr_dim(YARN_BETA_SLOW))))
+    ramp = 1.0 - np.clip((np.arange(half, dtype=np.float64) - low) / max(0.001, high - low), 0.0, 1.0)
+    mscale = f32(0.1) * f32(np.log(f32(scale))) + f32(1.0)
+    attn = mscale * (f32(1.0) / mscale)     # get_mscale(factor, 1) / (1 + 0.1 ln factor), as float32 rounds it
+    return (1.0 / scale) * (1.0 - ramp) + ramp, float(f32(attn * f32(cfg.rope_attn_factor)) * mscale)
 
 
 def rope_tables(cfg: ModelConfig, n_pos: int, freq_factors: np.ndarray | None, local: bool = False,
@@ -21,17 +39,20 @@ def rope_tables(cfg: ModelConfig, n_pos: int, freq_factors: np.ndarray | None, l
     """cos, sin [n_pos - start, rope_dim/2] in float32, rows of positions start .. n_pos - 1: angle
     (pos / scale) * base^(-2i/rope_dim) (/ factor i), the same for llama.cpp's adjacent-pair and NeoX
     layouts, both times cfg.rope_attn_factor (ggml's mscale). local: the local layers' table (their own
-    base, and no position scaling: llama.cpp's rope_freq_scale_train_swa is 1)."""
+    base and scaling: cfg.rope_scale_local, 1 but for gpt-oss, as llama.cpp's rope_freq_scale_train_swa). YaRN
+    (cfg.rope_yarn): the angles' factors and magnitude of yarn() instead of pos / scale."""
     half = cfg.rope_dim // 2
-    base, scale = (cfg.rope_base_local, 1.0) if local else (cfg.rope_base, cfg.rope_scale)
+    base, scale = (cfg.rope_base_local, cfg.rope_scale_local) if local else (cfg.rope_base, cfg.rope_scale)
     inv_freq = base ** (-np.arange(half, dtype=np.float64) * 2.0 / cfg.rope_dim)
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors[:half].astype(np.float64)
-    pos = np.arange(start, n_pos, dtype=np.float64) / scale
+    pos, mag = np.arange(start, n_pos, dtype=np.float64) / scale, cfg.rope_attn_factor
+    if cfg.rope_yarn and scale != 1.0:
+        factor, mag = yarn(cfg, base, scale)
+        inv_freq, pos = inv_freq * factor, pos * scale
     theta = np.outer(pos, inv_freq)
-    if cfg.rope_attn_factor != 1.0:
-        return (np.cos(theta) * cfg.rope_attn_factor).astype(np.float32), (
-            np.sin(theta) * cfg.rope_attn_factor).astype(np.float32)
+    if mag != 1.0:
+        return (np.cos(theta) * mag).astype(np.float32), (np.sin(theta) * mag).astype(np.float32)
     return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
 
 

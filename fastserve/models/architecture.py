@@ -11,9 +11,13 @@ Every layer is
       -> attention (a sliding window on local layers) -> a = out W_o^T -> [norm(a)] -> x += [r *] a
     h = norm(x) -> g, u = h W_gu^T -> s = act(g) * u -> f = s W_down^T -> [norm(f)] -> x += [r *] f
 (a mixture-of-experts row: f = sum over the token's top-k experts e, by rank, of w_e (s_e W_down,e^T), with
-g_e, u_e = h W_gu,e^T and the weights w from the router's softmax of h W_router^T, renormalised over the k)
+g_e, u_e = h W_gu,e^T and the weights w from the router's logits h W_router^T by the row's gating: SOFTMAX, the
+softmax over all experts, top k, renormalised over the k (qwen3moe); TOPK_SOFTMAX, the top k logits, then the
+softmax over those k (gpt-oss: "weights before softmax"); gpt-oss adds biases to the router's logits and to each
+expert's gate, up and down products)
 with the bracketed steps present where the row says so (sandwich norms: the norm after each block;
-RoPE on every layer but SmolLM3's every 4th; r: Granite's residual multiplier), between
+RoPE on every layer but SmolLM3's every 4th; r: Granite's residual multiplier; gpt-oss: o's bias, each head's
+attention sink in the softmax's denominator, and its FFN norm stored as post_attention_norm), between
 x = [s *] the embedding rows and logits = [c tanh(. / c)] [1/l *] norm(x) W_out^T. W_qkv and W_gu are
 one matrix each whether the file stores Q, K, V (gate, up) as separate tensors or fused (Phi-3).
 """
@@ -25,6 +29,8 @@ from ..errors import ModelLoadError
 
 ADJACENT, NEOX = "adjacent", "neox"     # RoPE: pairs (2i, 2i+1) (llama.cpp "normal") or (i, i + D/2)
 SILU, GELU = "silu", "gelu"             # the FFN's gate: SwiGLU or GeGLU (tanh-approximated GELU)
+SWIGLU_OAI = "swiglu_oai"               # gpt-oss's SwiGLU: min(g, 7) sigmoid(1.702 min(g, 7)) (clamp(u, -7, 7) + 1)
+SOFTMAX, TOPK_SOFTMAX = "softmax", "topk_softmax"   # a router's gating (the docstring above)
 
 
 @dataclass(frozen=True)
@@ -33,8 +39,11 @@ class Architecture:
     name: str                       # general.architecture
     families: str                   # for messages
     rope: str                       # ADJACENT or NEOX
-    ffn_act: str                    # SILU or GELU
+    ffn_act: str                    # SILU, GELU or SWIGLU_OAI
     qkv_bias: bool = False          # blk.N.attn_{q,k,v}.bias: q/k/v biases
+    out_bias: bool = False          # blk.N.attn_output.bias: o's bias
+    attn_sinks: bool = False        # blk.N.attn_sinks.weight [n_head]: a logit per head in the softmax's denominator
+    ffn_norm: str = "ffn_norm.weight"   # the FFN's input norm (gpt-oss stores it as post_attention_norm.weight)
     qk_norm: bool = False           # blk.N.attn_{q,k}_norm: per-head RMSNorm of q and k, before RoPE
     sandwich_norms: bool = False    # blk.N.post_attention_norm, post_ffw_norm: norms after each block
     embd_scale_sqrt: bool = False   # the embedding rows scaled by sqrt(n_embd)
@@ -43,6 +52,8 @@ class Architecture:
     swa_period: int = 0             # of each swa_period layers, the last is global (when the file has
                                     # no sliding_window_pattern)
     swa_rope_base: float = 10000.0  # the local layers' RoPE base (when the file has no freq_base_swa)
+    swa_rope_global: bool = False   # the local layers rotate as the global ones (base, unless freq_base_swa, and
+                                    # scaling: llama.cpp's openai-moe), not with swa_rope_base unscaled
     logit_softcap: bool = False     # <arch>.final_logit_softcapping, when present
     multipliers: bool = False       # Granite's <arch>.embedding_scale (s), .residual_scale (r), .attention.scale
                                     # (the scores' scale), .logit_scale (l, logits / l); and its RoPE switch
@@ -56,14 +67,22 @@ class Architecture:
     moe: bool = False               # blk.N.ffn_gate_inp.weight [n_expert, n_embd]: a router over <arch>.expert_count
                                     # experts, <arch>.expert_used_count of them per token, whose FFNs are
                                     # blk.N.ffn_{gate,up,down}_exps [n_expert, ...]; no dense ffn_{gate,up,down}
+    moe_gating: str = SOFTMAX       # SOFTMAX or TOPK_SOFTMAX (the docstring above)
+    moe_biases: bool = False        # blk.N.ffn_gate_inp.bias [n_expert], ffn_{gate,up,down}_exps.bias [n_expert, ...]
 
     def layer_tensors(self) -> tuple[str, ...]:
         """The per-layer tensor names this row reads (without the blk.N. prefix)."""
         ffn = ["ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"] \
             if self.moe else [*self.gate_up_tensors(), "ffn_down.weight"]
-        names = ["attn_norm.weight", *self.qkv_tensors(), "attn_output.weight", "ffn_norm.weight", *ffn]
+        if self.moe and self.moe_biases:
+            ffn += ["ffn_gate_inp.bias", "ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias"]
+        names = ["attn_norm.weight", *self.qkv_tensors(), "attn_output.weight", self.ffn_norm, *ffn]
         if self.qkv_bias:
             names += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+        if self.out_bias:
+            names += ["attn_output.bias"]
+        if self.attn_sinks:
+            names += ["attn_sinks.weight"]
         if self.qk_norm:
             names += ["attn_q_norm.weight", "attn_k_norm.weight"]
         if self.sandwich_norms:
@@ -95,6 +114,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("smollm3", "SmolLM3", ADJACENT, SILU, nope_period=4),
     Architecture("phi3", "Phi-3, Phi-3.5, Phi-4", NEOX, SILU, fused_qkv=True, fused_gate_up=True, longrope=True),
     Architecture("qwen3moe", "Qwen 3 MoE", NEOX, SILU, qk_norm=True, moe=True),
+    Architecture("gpt-oss", "gpt-oss", NEOX, SWIGLU_OAI, qkv_bias=True, out_bias=True, attn_sinks=True,
+                 ffn_norm="post_attention_norm.weight", sliding_window=True, swa_period=2, swa_rope_global=True,
+                 moe=True, moe_gating=TOPK_SOFTMAX, moe_biases=True),
 )}
 
 

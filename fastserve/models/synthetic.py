@@ -92,7 +92,7 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
                      extra_tensors: tuple[str, ...] = (), rope_scale: float = 1.0,
                      chat_template: str | None = CHAT_TEMPLATE, tokenizer=None, output_scale: float = 1.0,
                      zero_output_rows=(), rope_base: float = 10000.0, tensor_scales: dict | None = None,
-                     n_expert: int = 8, n_expert_used: int = 2) -> str:
+                     n_expert: int = 8, n_expert_used: int = 2, yarn: tuple[float, int] | None = None) -> str:
     """Write a GGUF of one architecture of the table (models/architecture.py) with random weights: the
     llama tensors plus what the row adds (biases, q/k norms, sandwich norms); head_dim: when not
     n_embd / n_head (written as key_length); sliding_window: for a row with local layers;
@@ -106,7 +106,9 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
     What a row adds beyond the llama tensors is written with values of its real models': granite's
     multipliers (MULTIPLIERS), phi3's fused Q, K, V and gate, up tensors and its longrope factors and
     keys (LONGROPE), a mixture of experts' router (F32, as converted files keep it) and n_expert experts of
-    n_ff each, n_expert_used per token (expert_count, expert_used_count, expert_feed_forward_length).
+    n_ff each, n_expert_used per token (expert_count, expert_used_count, expert_feed_forward_length), gpt-oss's
+    biases (F32, N(0, 0.5^2)) and attention sinks (N(0, 1.5^2)) and its FFN norm's name (post_attention_norm).
+    yarn: (factor, original context): YaRN RoPE scaling keys (rope.scaling.type yarn), as gpt-oss's files.
     weight_type: F32, F16, a type gguf.quants can quantize,
     Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS (fastserve.models.blocks' encoder; K-quants and IQ4_XS:
     rows of a multiple of 256 inputs), "MXFP4_MOE" (llama-quantize's mix of that name: the 3-D expert tensors MXFP4,
@@ -128,6 +130,10 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
     if rope_scale != 1.0:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(rope_scale)
+    if yarn is not None:
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(yarn[0])
+        w.add_rope_scaling_orig_ctx_len(yarn[1])
     add_llama_header(w, n_layer=n_layer, n_ctx=n_ctx, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv,
                      head_dim=head_dim, n_vocab=n_vocab, rope_base=rope_base)
     if row is not None and row.multipliers:
@@ -172,7 +178,7 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
             mat(b + "attn_k.weight", n_head_kv * head_dim, n_embd, n_embd ** -0.5)
             mat(b + "attn_v.weight", n_head_kv * head_dim, n_embd, n_embd ** -0.5)
         mat(b + "attn_output.weight", n_embd, n_head * head_dim, (n_head * head_dim) ** -0.5)
-        vec(b + "ffn_norm.weight", n_embd)
+        vec(b + (row.ffn_norm if row is not None else "ffn_norm.weight"), n_embd)
         if moe:
             mat(b + "ffn_gate_inp.weight", n_expert, n_embd, n_embd ** -0.5, t="F32")
             mat(b + "ffn_gate_exps.weight", n_ff, n_embd, n_embd ** -0.5, n_expert)
@@ -188,9 +194,15 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
         sizes = {"attn_q.bias": n_head * head_dim, "attn_k.bias": n_head_kv * head_dim,
                  "attn_v.bias": n_head_kv * head_dim, "attn_q_norm.weight": head_dim, "attn_k_norm.weight": head_dim,
                  "post_attention_norm.weight": n_embd, "post_ffw_norm.weight": n_embd}
+        biases = {"attn_output.bias": (n_embd,), "ffn_gate_inp.bias": (n_expert,), "ffn_gate_exps.bias": (n_expert, n_ff),
+                  "ffn_up_exps.bias": (n_expert, n_ff), "ffn_down_exps.bias": (n_expert, n_embd)}
         for name in (row.layer_tensors() if row else ()):
-            if name in sizes:
+            if name in sizes and name != row.ffn_norm:
                 vec(b + name, sizes[name])
+            elif name in biases:
+                w.add_tensor(b + name, (0.5 * rng.standard_normal(biases[name])).astype(np.float32))
+            elif name == "attn_sinks.weight":
+                w.add_tensor(b + name, (1.5 * rng.standard_normal(n_head)).astype(np.float32))
     if row is not None and row.longrope:       # longrope's factors: ~1 near the high frequencies, growing
         grow = np.linspace(0.0, 1.0, head_dim // 2)
         w.add_tensor("rope_factors_long.weight", (1.0 + 30.0 * grow ** 2).astype(np.float32))

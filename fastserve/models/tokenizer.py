@@ -60,7 +60,7 @@ _PRE_GROUPS: list[tuple[tuple[str, ...], list[str], bool, bool]] = [
     (("dbrx", "smaug-bpe"), [_LLAMA3], False, False),
     (("qwen2", "deepseek-r1-qwen", "kormo", "megrez", "stablelm2", "hunyuan", "grok-2"), [_QWEN2], False, False),
     (("tekken",), [_TEKKEN], True, True),
-    (("llama4",), [_GPT4O], False, False),
+    (("gpt-4o", "llama4", "kanana2", "talkie"), [_GPT4O], False, False),
     (("falcon",), [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"], False, False),
 ]
 _PRE = {name: (res, ign, bos) for names, res, ign, bos in _PRE_GROUPS for name in names}
@@ -73,6 +73,7 @@ _EOG_TEXTS = frozenset([
     "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
     "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
     "<｜end▁of▁sentence｜>", "[e~["])
+_ALWAYS_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")    # gpt-oss's harmony format
 _DETECTED = {  # role -> (GGUF keys, newest first; texts)
     "eot": (("eot_token_id",), ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
             "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>")),
@@ -194,8 +195,15 @@ class Tokenizer:
                 self._attr[self._id[t]] |= CONTROL
         if self.eos_id is not None:
             eog.add(self.eos_id)
-        # (llama.cpp's further fixes by token text concern gpt-oss, solar-open and gemma4, whose
-        # pre-tokenizers are not supported here)
+        for t in _ALWAYS_RENDERED:      # llama.cpp's fix for gpt-oss's harmony tokens: rendered, matched in any text
+            if t in self._id:
+                self._attr[self._id[t]] = USER_DEFINED
+        texts = {self._text[i] for i in eog}
+        end = self._id.get("<|end|>")       # o200k_harmony (solar-open): <|end|> ends a message, not the generation
+        if end in eog and texts & {"<|call|>", "<|calls|>"} and texts & {"<|return|>", "<|flush|>"}:
+            eog.discard(end)
+            self._attr[end] = USER_DEFINED
+        # (llama.cpp's further fixes by token text concern gemma4, whose pre-tokenizer is not supported here)
         return frozenset(eog)
 
     def _special_cache(self, model_name: str) -> list[tuple[int, str, bool]]:

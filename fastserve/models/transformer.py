@@ -1,5 +1,5 @@
 """Transformer hyperparameters and weights, read from a GGUF file, for every family of the
-architecture table (models/architecture.py: llama, qwen2, qwen3, gemma3, granite, smollm3, phi3, qwen3moe): RMSNorm,
+architecture table (models/architecture.py: llama, qwen2, qwen3, gemma3, granite, smollm3, phi3, qwen3moe, gpt-oss): RMSNorm,
 RoPE, grouped-query attention, a gated FFN (or a mixture of experts), tied or separate output matrix, and what the
 row adds.
 
@@ -48,7 +48,7 @@ class ModelConfig:
     head_dim: int           # key and value head size (need not be n_embd / n_head)
     rope_dim: int
     rope_base: float
-    rope_scale: float       # linear position scaling (1.0 = none)
+    rope_scale: float       # position scaling (1.0 = none): linear, or YaRN's factor when rope_yarn
     rope_attn_factor: float # RoPE's cos and sin multiplied by it (<arch>.rope.scaling.attn_factor; 1.0 = none)
     n_ctx_orig: int         # the context the model was trained at before its RoPE scaling (longrope's choice)
     rope_layers: tuple[bool, ...]   # [n_layer]: True where the layer rotates q and k
@@ -64,6 +64,8 @@ class ModelConfig:
     n_expert: int = 0       # a mixture of experts' FFNs per layer (0: one dense FFN)
     n_expert_used: int = 0  # the experts each token runs (its top k by router probability)
     expert_weights_scale: float = 1.0   # the normalised expert weights multiplied by it
+    rope_yarn: bool = False         # <arch>.rope.scaling.type yarn: rope_scale is YaRN's factor over n_ctx_orig
+    rope_scale_local: float = 1.0   # the local layers' position scaling (gpt-oss: the global one)
 
     @property
     def rope_neox(self) -> bool:
@@ -105,6 +107,9 @@ class ModelConfig:
             raise ModelLoadError(f"GGUF metadata: {name}.attention.value_length differs from key_length "
                                  f"({head_dim}); fastserve runs models whose K and V heads have one size")
         scaling = md.get(f"{name}.rope.scaling.type", "none")
+        if scaling not in ("none", "linear", "longrope", "yarn"):
+            raise ModelLoadError(f"GGUF metadata: RoPE scaling {scaling!r} is not one fastserve runs "
+                                 "(none, linear, longrope, yarn)")
         factor = number("rope.scaling.factor", 1.0) or 1.0
         window, local = 0, (False,) * n_layer
         if arch.sliding_window:
@@ -147,7 +152,9 @@ class ModelConfig:
             head_dim=head_dim,
             rope_dim=count("rope.dimension_count", head_dim),
             rope_base=number("rope.freq_base", 10000.0),
-            rope_scale=factor if scaling in ("linear", "longrope") else 1.0,
+            rope_scale=factor if scaling in ("linear", "longrope", "yarn") else 1.0,
+            rope_yarn=scaling == "yarn",
+            rope_scale_local=factor if arch.swa_rope_global and scaling in ("linear", "yarn") else 1.0,
             rope_attn_factor=number("rope.scaling.attn_factor", 1.0),
             n_ctx_orig=count("rope.scaling.original_context_length", n_ctx_train),
             # llama.cpp's smollm3.cpp: layer i rotates unless (i + 1) % n_no_rope_layer_step == 0
@@ -158,7 +165,8 @@ class ModelConfig:
             embd_scale=embd_scale,
             sliding_window=window,
             local_layers=local,
-            rope_base_local=number("rope.freq_base_swa", arch.swa_rope_base) if window else 0.0,
+            rope_base_local=number("rope.freq_base_swa", number("rope.freq_base", 10000.0) if arch.swa_rope_global
+                                   else arch.swa_rope_base) if window else 0.0,
             logit_softcap=number("final_logit_softcapping", 0.0) if arch.logit_softcap else 0.0,
             residual_scale=residual_scale,
             logit_scale=logit_scale,
@@ -189,6 +197,12 @@ class LayerWeights:
     router: object | None = None              # [n_expert, n_embd]
     experts_gate_up: list | None = None       # n_expert x [2*n_ff, n_embd]: expert e's gate rows, then its up rows
     experts_down: list | None = None          # n_expert x [n_embd, n_ff]
+    # gpt-oss's biases and sinks
+    out_bias: np.ndarray | None = None        # [n_embd]: o's bias
+    attn_sinks: np.ndarray | None = None      # [n_head]: each head's sink logit
+    router_bias: np.ndarray | None = None     # [n_expert]
+    experts_gate_up_bias: np.ndarray | None = None   # [n_expert, 2*n_ff]: expert e's gate biases, then its up ones
+    experts_down_bias: np.ndarray | None = None      # [n_expert, n_embd]
 
 
 @dataclass
@@ -306,7 +320,10 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig) -> ModelWeights:
                  "attn_q_norm.weight": (D,), "attn_k_norm.weight": (D,),
                  "post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,),
                  "ffn_gate_inp.weight": (cfg.n_expert, d), "ffn_gate_exps.weight": (cfg.n_expert, cfg.n_ff, d),
-                 "ffn_up_exps.weight": (cfg.n_expert, cfg.n_ff, d), "ffn_down_exps.weight": (cfg.n_expert, d, cfg.n_ff)}
+                 "ffn_up_exps.weight": (cfg.n_expert, cfg.n_ff, d), "ffn_down_exps.weight": (cfg.n_expert, d, cfg.n_ff),
+                 "attn_output.bias": (d,), "attn_sinks.weight": (cfg.n_head,), "ffn_gate_inp.bias": (cfg.n_expert,),
+                 "ffn_gate_exps.bias": (cfg.n_expert, cfg.n_ff), "ffn_up_exps.bias": (cfg.n_expert, cfg.n_ff),
+                 "ffn_down_exps.bias": (cfg.n_expert, d)}
     expected = {"token_embd.weight": (cfg.n_vocab, d), "output_norm.weight": (d,), "output.weight": (cfg.n_vocab, d),
                 "rope_freqs.weight": (cfg.rope_dim // 2,), "rope_factors_long.weight": (cfg.rope_dim // 2,),
                 "rope_factors_short.weight": (cfg.rope_dim // 2,)}
@@ -321,7 +338,10 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig) -> ModelWeights:
     def vec(name):
         return dequantize(t[name], gf.path).reshape(-1) if name in t else None
 
-    gf.will_need([n for n in t if len(t[n].shape) == 1])        # norms and biases: read together, not fault by fault
+    def rows(*names):       # 2-D tensors [n_expert, width] side by side (an expert's biases), or None
+        return np.concatenate([dequantize(t[n], gf.path) for n in names], axis=1) if names[0] in t else None
+
+    gf.will_need([n for n in t if len(t[n].shape) == 1 or n.endswith(".bias")])   # norms and biases: read together
     progress = _Progress(cfg.n_layer + 1, "loading weights")
     layers = []
     for i in range(cfg.n_layer):
@@ -344,9 +364,14 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig) -> ModelWeights:
             attn_norm=vec(b + "attn_norm.weight"),
             wqkv=block_matrix([t[b + n] for n in arch.qkv_tensors()], gf.path),
             wo=block_matrix([t[b + "attn_output.weight"]], gf.path),
-            ffn_norm=vec(b + "ffn_norm.weight"),
+            ffn_norm=vec(b + arch.ffn_norm),
             qkv_bias=bias, q_norm=vec(b + "attn_q_norm.weight"), k_norm=vec(b + "attn_k_norm.weight"),
-            post_attn_norm=vec(b + "post_attention_norm.weight"), post_ffn_norm=vec(b + "post_ffw_norm.weight"),
+            post_attn_norm=vec(b + "post_attention_norm.weight") if arch.sandwich_norms else None,
+            post_ffn_norm=vec(b + "post_ffw_norm.weight"),
+            out_bias=vec(b + "attn_output.bias"), attn_sinks=vec(b + "attn_sinks.weight"),
+            router_bias=vec(b + "ffn_gate_inp.bias"),
+            experts_gate_up_bias=rows(b + "ffn_gate_exps.bias", b + "ffn_up_exps.bias"),
+            experts_down_bias=rows(b + "ffn_down_exps.bias"),
             **ffn))
         progress.step()
     tok = block_matrix([t["token_embd.weight"]], gf.path)

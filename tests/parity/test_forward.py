@@ -12,10 +12,13 @@ import pytest
 
 import fastserve
 from fastserve.backends.cpu.backend import CpuBackend
+from fastserve.models.architecture import TOPK_SOFTMAX
 from fastserve.models.synthetic import write_llama_gguf
 
 FAMILIES = {"llama": {}, "qwen2": {}, "qwen3": {}, "gemma3": {"sliding_window": 5}, "granite": {},
-            "smollm3": {"n_layer": 4}, "phi3": {"head_dim": 16}, "qwen3moe": {"n_expert": 8, "n_expert_used": 2}}
+            "smollm3": {"n_layer": 4}, "phi3": {"head_dim": 16}, "qwen3moe": {"n_expert": 8, "n_expert_used": 2},
+            "gpt-oss": {"n_expert": 8, "n_expert_used": 4, "sliding_window": 5, "yarn": (32.0, 4096)}}
+MOE = ("qwen3moe", "gpt-oss")
 
 
 SHAPE = dict(n_embd=64, n_head=4, n_head_kv=2, head_dim=32, n_ff=96, n_layer=3)
@@ -65,7 +68,7 @@ def test_logit_softcap_and_linear_rope_scaling(models):
         assert np.abs(g).max() < 3.0
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "granite", "smollm3", "phi3", "qwen3moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "granite", "smollm3", "phi3", "qwen3moe", "gpt-oss"])
 def test_a_tokens_logits_do_not_depend_on_its_batch_chunk_or_threads(models, arch):
     model = models[arch]
     cfg = model.config
@@ -85,11 +88,12 @@ def test_a_tokens_logits_do_not_depend_on_its_batch_chunk_or_threads(models, arc
         assert np.array_equal(r, results[0])
 
 
+@pytest.mark.parametrize("arch", MOE)
 @pytest.mark.parametrize("reference", [False, True])
-def test_a_mixture_of_experts_token_is_the_same_alone_and_among_other_rows(models, reference):
-    """qwen3moe (8 experts, top 2): 12 decode rows of 12 slots, whose experts overlap (each selected expert runs
-    once over all its rows), give each row the logits it gets alone."""
-    model = models["qwen3moe"]
+def test_a_mixture_of_experts_token_is_the_same_alone_and_among_other_rows(models, reference, arch):
+    """qwen3moe (8 experts, top 2), gpt-oss (top 4, biases, its gating): 12 decode rows of 12 slots, whose
+    experts overlap (each selected expert runs once over all its rows), give each row the logits it gets alone."""
+    model = models[arch]
     cfg = model.config
     rng = np.random.default_rng(4)
     prompts = rng.integers(0, cfg.n_vocab, (12, 6))
@@ -105,17 +109,18 @@ def test_a_mixture_of_experts_token_is_the_same_alone_and_among_other_rows(model
     h = rng.standard_normal((12, cfg.n_embd)).astype(np.float32)
     logits = np.zeros((12, cfg.n_expert), np.float32)
     be._mm(h, model.weights.layers[0].router, logits)
-    experts, _ = route(logits, cfg.n_expert_used, 1.0)
+    experts, _ = route(logits, cfg.n_expert_used, 1.0, cfg.arch.moe_gating)
     assert len(np.unique(experts)) < experts.size      # some expert was chosen by several rows
 
 
-def test_tied_experts_are_the_reference_bit_for_bit(models):
+@pytest.mark.parametrize("arch", MOE)
+def test_tied_experts_are_the_reference_bit_for_bit(models, arch):
     """A router of zeros (every expert tied on every row: the lower ids win) in the C forward and the reference."""
     from fastserve.backends.cpu._matmul import BlockMatrix
-    model = models["qwen3moe"]
+    model = models[arch]
     cfg, w = model.config, model.weights
     zero = BlockMatrix.from_float(np.zeros((cfg.n_expert, cfg.n_embd), np.float32))
-    tied = dataclasses.replace(w, layers=[dataclasses.replace(lw, router=zero) for lw in w.layers])
+    tied = dataclasses.replace(w, layers=[dataclasses.replace(lw, router=zero, router_bias=None) for lw in w.layers])
     model = types.SimpleNamespace(weights=tied)
     for got, want in zip(_run(model, cfg, threads=2), _run(model, cfg, reference=True)):
         assert np.array_equal(got, want)
@@ -134,6 +139,20 @@ def test_expert_routes_softmax_top_k_renormalised():
     assert np.allclose(route(logits.copy(), 2, 2.5)[1], 2.5 * w)
     alone = [route(logits[i:i + 1].copy(), 2, 1.0) for i in range(3)]
     assert all(np.array_equal(a[0][0], experts[i]) and np.array_equal(a[1][0], w[i]) for i, a in enumerate(alone))
+
+
+def test_expert_routes_top_k_then_softmax():
+    """gpt-oss's gating (TOPK_SOFTMAX, llama.cpp's softmax-weight): the k largest logits, ties to the lower id, then
+    the softmax over those k (the others' logits play no part), times the scale."""
+    from fastserve.backends.cpu.ref.forward import route
+    logits = np.array([[0.0, 2.0, 1.0, 2.0], [5.0, 5.0, 5.0, 5.0], [-1.0, 0.0, 3.0, 1.0]], np.float32)
+    experts, w = route(logits.copy(), 2, 1.0, TOPK_SOFTMAX)
+    assert experts.tolist() == [[1, 3], [0, 1], [2, 3]]
+    assert np.allclose(w[:2], 0.5) and np.allclose(w[2], [1 / (1 + np.exp(-2.0)), np.exp(-2.0) / (1 + np.exp(-2.0))])
+    other = logits.copy()
+    other[2, :2] = -50.0                                # the unselected logits: the same weights
+    assert np.array_equal(route(other, 2, 1.0, TOPK_SOFTMAX)[1][2], w[2])
+    assert np.allclose(route(logits.copy(), 2, 2.5, TOPK_SOFTMAX)[1], 2.5 * w)
 
 
 def test_a_ring_is_the_reference_bit_for_bit(models):

@@ -26,8 +26,8 @@ def models(tmp_path_factory):
     for name in ARCHITECTURES:
         out[name] = fastserve.load_model(write_llama_gguf(
             d / f"{name}.gguf", architecture=name, n_layer={"gemma3": 7, "smollm3": 5}.get(name, 2), head_dim=24,
-            sliding_window=8 if name == "gemma3" else 0, tied=name == "gemma3",
-            rope_scale=4.0 if name == "gemma3" else 1.0))
+            sliding_window=8 if name in ("gemma3", "gpt-oss") else 0, tied=name == "gemma3",
+            rope_scale=4.0 if name == "gemma3" else 1.0, yarn=(32.0, 4096) if name == "gpt-oss" else None))
     return out
 
 
@@ -229,29 +229,47 @@ def _reference_logits(model, ids) -> np.ndarray:
         factors = w.rope_factors(cfg, n)        # model.logits' slot: the sequence's length
         if factors is not None:
             theta = theta / factors[:half]
-        c, s = (np.cos(theta) * cfg.rope_attn_factor)[:, None], (np.sin(theta) * cfg.rope_attn_factor)[:, None]
+        mag = cfg.rope_attn_factor
+        if cfg.rope_yarn and scale != 1:        # YaRN (llama.cpp's rope_yarn): pairs that turn fewer than beta_slow
+            # times over the original context interpolated (pos / scale), more than beta_fast extrapolated (pos),
+            # a linear ramp between; cos and sin times 1 + 0.1 ln(scale)
+            def dim(turns):
+                return cfg.rope_dim * np.log(cfg.n_ctx_orig / (turns * 2 * np.pi)) / (2 * np.log(base))
+            lo, hi = max(0, np.floor(dim(32.0))), min(cfg.rope_dim - 1, np.ceil(dim(1.0)))
+            extrapolated = 1 - np.clip((np.arange(half) - lo) / max(0.001, hi - lo), 0, 1)
+            theta = theta * scale * (extrapolated + (1 - extrapolated) / scale)
+            mag = mag * (1 + 0.1 * np.log(scale))
+        c, s = (np.cos(theta) * mag)[:, None], (np.sin(theta) * mag)[:, None]
         i0, i1 = (np.arange(half), np.arange(half, 2 * half)) if cfg.rope_neox else (np.arange(0, 2 * half, 2),
                                                                                   np.arange(1, 2 * half, 2))
         out = x.copy()
         out[..., i0], out[..., i1] = x[..., i0] * c - x[..., i1] * s, x[..., i0] * s + x[..., i1] * c
         return out
 
-    def ffn(h, w_gate_up, w_down):
-        gu = h @ w_gate_up.to_float().T
+    def ffn(h, w_gate_up, w_down, gu_bias=0, down_bias=0):
+        gu = h @ w_gate_up.to_float().T + gu_bias
         g, u = gu[:, :cfg.n_ff], gu[:, cfg.n_ff:]
+        if cfg.arch.ffn_act == "swiglu_oai":        # gpt-oss: the gate clamped above at 7, up to [-7, 7]
+            g, u = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0) + 1
+            return (g / (1 + np.exp(-1.702 * g)) * u) @ w_down.to_float().T + down_bias
         act = (0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3))) if cfg.ffn_gelu
                else g / (1 + np.exp(-g)))
-        return (act * u) @ w_down.to_float().T
+        return (act * u) @ w_down.to_float().T + down_bias
 
-    def moe(h, lw):         # the router's softmax, each row's top k, their weights renormalised
-        logits = h @ lw.router.to_float().T
+    def moe(h, lw):         # the router's softmax, each row's top k, their weights renormalised (gpt-oss: its
+        logits = h @ lw.router.to_float().T      # logits' (biased) top k, then their softmax)
+        if lw.router_bias is not None:
+            logits = logits + lw.router_bias
         p = np.exp(logits - logits.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
         out = np.zeros_like(h)
         for i, row in enumerate(p):
             top = np.argsort(-row)[:cfg.n_expert_used]
             for e in top:
-                out[i] += row[e] / row[top].sum() * ffn(h[i:i + 1], lw.experts_gate_up[e], lw.experts_down[e])[0]
+                biases = {} if lw.router_bias is None else dict(gu_bias=lw.experts_gate_up_bias[e],
+                                                                down_bias=lw.experts_down_bias[e])
+                out[i] += row[e] / row[top].sum() * ffn(h[i:i + 1], lw.experts_gate_up[e], lw.experts_down[e],
+                                                        **biases)[0]
         return out
 
     x = w.tok_embd.to_float().astype(np.float64)[ids] * cfg.embd_scale
@@ -264,8 +282,10 @@ def _reference_logits(model, ids) -> np.ndarray:
         v = qkv[:, (H + Hkv) * D:].reshape(n, Hkv, D)
         if lw.q_norm is not None:
             q, k = norm(q, lw.q_norm), norm(k, lw.k_norm)
-        # local layers: their own base, no position scaling (llama.cpp's rope_freq_scale_train_swa = 1)
-        base, scale = (cfg.rope_base_local, 1.0) if cfg.local_layers[li] else (cfg.rope_base, cfg.rope_scale)
+        # local layers: their own base, no position scaling (llama.cpp's rope_freq_scale_train_swa = 1; gpt-oss's
+        # the global ones)
+        base, scale = ((cfg.rope_base_local, cfg.rope_scale_local) if cfg.local_layers[li]
+                       else (cfg.rope_base, cfg.rope_scale))
         if cfg.rope_layers[li]:
             q, k = rope(q, base, scale), rope(k, base, scale)
         visible = kpos <= qpos
@@ -274,9 +294,14 @@ def _reference_logits(model, ids) -> np.ndarray:
         k, v = np.repeat(k, H // Hkv, axis=1), np.repeat(v, H // Hkv, axis=1)
         s = np.einsum("qhd,khd->hqk", q, k) * cfg.attn_scale
         s = np.where(visible, s, -np.inf)
-        p = np.exp(s - s.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
+        m = s.max(-1, keepdims=True)
+        if lw.attn_sinks is not None:       # gpt-oss: a logit per head in the denominator only
+            m = np.maximum(m, lw.attn_sinks[:, None, None])
+        p = np.exp(s - m)
+        p /= p.sum(-1, keepdims=True) + (np.exp(lw.attn_sinks[:, None, None] - m) if lw.attn_sinks is not None else 0)
         a = np.einsum("hqk,khd->qhd", p, v).reshape(n, H * D) @ lw.wo.to_float().T
+        if lw.out_bias is not None:
+            a = a + lw.out_bias
         x = x + r * (norm(a, lw.post_attn_norm) if lw.post_attn_norm is not None else a)
         h = norm(x, lw.ffn_norm)
         f = ffn(h, lw.w_gate_up, lw.w_down) if not cfg.n_expert else moe(h, lw)

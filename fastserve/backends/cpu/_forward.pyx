@@ -1,7 +1,8 @@
 # cython: language_level=3
 """The CPU forward pass of a batch in one call, in C without the GIL: embedding rows, every layer
-(norms, products, biases, q/k norms, RoPE where the layer has it, KV store, attention, GLU or a mixture of
-experts, sandwich norms, residual multiplier and adds), the final norm of the out rows, the output product,
+(norms, products, biases, q/k norms, RoPE where the layer has it, KV store, attention (with gpt-oss's sinks),
+GLU or a mixture of experts (its router's gating and biases from the row), sandwich norms, residual multiplier
+and adds), the final norm of the out rows, the output product,
 the logit multiplier and softcap; or, for embeddings, the out rows' final hidden states (after the output norm)
 instead of their logits (hidden=True: no output product).
 
@@ -37,6 +38,7 @@ from fastserve.backends.cpu._matmul cimport BlockMatrix, Matmul, fs_matrix, matr
 from fastserve.backends.cpu._attention cimport Attention, kv_layer, store_rows
 
 from fastserve.backends.cpu import _attention
+from fastserve.models.architecture import TOPK_SOFTMAX
 
 cdef extern from "_layer_ops.h" nogil:
     void fs_rms_norm(const float *x, int64_t d, const float *w, float eps, float *out)
@@ -72,6 +74,11 @@ cdef struct fs_layer:
     const float *k_norm
     const float *post_attn          # [d], or NULL
     const float *post_ffn
+    const float *out_bias           # [d] o's bias, or NULL
+    const float *sinks              # [H] the heads' attention sinks, or NULL
+    const float *router_bias        # [n_expert], or NULL
+    const float *egu_bias           # [n_expert, 2 n_ff] each expert's gate | up biases, or NULL
+    const float *edown_bias         # [n_expert, d] each expert's down biases, or NULL
     fs_matrix wqkv, wo, wgu, wdown   # wgu, wdown: a dense FFN's
     fs_matrix router                # a mixture of experts': [n_expert, d]
     const fs_matrix *egu            # [n_expert] each expert's gate | up rows, or NULL (a dense FFN)
@@ -88,6 +95,7 @@ cdef struct fs_fwd:
     int64_t d, H, Hkv, D, q_dim, kv_dim, n_ff, rope_dim, n_layer
     int64_t n_expert, n_used        # a mixture of experts (0: dense FFNs), the experts a token runs
     int neox, glu                   # glu: GLU_KINDS' value of the row's ffn_act
+    int topk_softmax                # the router's gating: 1 TOPK_SOFTMAX, 0 SOFTMAX (models/architecture.py)
     float eps, embd_scale, softcap, attn_scale, residual_scale, logit_scale, expert_scale
     fs_layer *layers
     fs_matrix *experts              # [n_layer, 2, n_expert]: the layers' egu, edown
@@ -169,6 +177,10 @@ cdef inline void _residual(fs_fwd *f, int64_t b, int64_t e, const float *post, c
 
 cdef void _attn_out(void *ctx, int64_t b, int64_t e) noexcept nogil:
     cdef fs_fwd *f = <fs_fwd *>ctx
+    cdef int64_t i
+    if f.layer.out_bias != NULL:
+        for i in range(b, e):
+            fs_add(f.y + i * f.d, f.layer.out_bias, f.d)
     _residual(f, b, e, f.layer.post_attn, f.layer.ffn_norm)
 
 
@@ -185,15 +197,21 @@ cdef void _glu(void *ctx, int64_t b, int64_t e) noexcept nogil:
 
 
 cdef void _route(void *ctx, int64_t b, int64_t e) noexcept nogil:
-    """Each row's experts and weights from its router logits, as llama.cpp's softmax gating with normalised
-    weights: p = softmax(logits) (summed in expert order); the n_used largest p, ties to the lower id;
-    w = p / max(their sum, MIN_WEIGHT_SUM) (summed in rank order), times the expert scale."""
+    """Each row's experts and weights from its router logits (+ the router's bias), as llama.cpp's softmax
+    gating with normalised weights: p = softmax(logits) (summed in expert order); the n_used largest p, ties to
+    the lower id; w = p / max(their sum, MIN_WEIGHT_SUM) (summed in rank order), times the expert scale; or, for
+    a TOPK_SOFTMAX row, _route_topk's."""
     cdef fs_fwd *f = <fs_fwd *>ctx
     cdef int64_t i, x, r, best, E = f.n_expert, k = f.n_used
     cdef float *p
     cdef float mx, total
     for i in range(b, e):
         p = f.route + i * E
+        if f.layer.router_bias != NULL:
+            fs_add(p, f.layer.router_bias, E)
+        if f.topk_softmax:
+            _route_topk(f, i)
+            continue
         mx = p[0]
         for x in range(1, E):
             if p[x] > mx:
@@ -219,6 +237,38 @@ cdef void _route(void *ctx, int64_t b, int64_t e) noexcept nogil:
             f.wts[i * k + r] = f.wts[i * k + r] / total
             if f.expert_scale != 1.0:
                 f.wts[i * k + r] = f.wts[i * k + r] * f.expert_scale
+
+
+cdef inline void _route_topk(fs_fwd *f, int64_t i) noexcept nogil:
+    """Row i's TOPK_SOFTMAX route (gpt-oss): the n_used largest logits, ties to the lower id; w = their softmax
+    (e^(l - l_first), summed in rank order), times the expert scale."""
+    cdef int64_t x, r, best, E = f.n_expert, k = f.n_used
+    cdef float *p = f.route + i * E
+    cdef float total = 0.0
+    for r in range(k):
+        best = -1
+        for x in range(E):
+            if p[x] == p[x] and (best < 0 or p[x] > p[best]) and not _taken(f.sel + i * k, r, x):
+                best = x
+        best = best if best >= 0 else 0
+        f.sel[i * k + r], f.wts[i * k + r] = best, p[best]
+    cdef float mx = f.wts[i * k]                # the largest
+    for r in range(k):
+        f.wts[i * k + r] = fs_exp_neg(f.wts[i * k + r] - mx)
+        total = total + f.wts[i * k + r]
+    for r in range(k):
+        f.wts[i * k + r] = f.wts[i * k + r] / total
+        if f.expert_scale != 1.0:
+            f.wts[i * k + r] = f.wts[i * k + r] * f.expert_scale
+
+
+cdef inline bint _taken(const int64_t *sel, int64_t r, int64_t x) noexcept nogil:
+    """Expert x among the first r chosen."""
+    cdef int64_t j
+    for j in range(r):
+        if sel[j] == x:
+            return True
+    return False
 
 
 cdef void _moe_sum(void *ctx, int64_t b, int64_t e) noexcept nogil:
@@ -305,6 +355,7 @@ cdef class Forward:
         f.eps, f.embd_scale, f.softcap, f.attn_scale = cfg.norm_eps, cfg.embd_scale, cfg.logit_softcap, cfg.attn_scale
         f.residual_scale, f.logit_scale = cfg.residual_scale, cfg.logit_scale
         f.n_expert, f.n_used, f.expert_scale = cfg.n_expert, cfg.n_expert_used, cfg.expert_weights_scale
+        f.topk_softmax = cfg.arch.moe_gating == TOPK_SOFTMAX
         if f.n_expert and not 0 < f.n_used <= f.n_expert:
             raise ValueError(f"Forward: {f.n_used} experts used of {f.n_expert}")
         if f.n_layer < 1 or f.H % f.Hkv:
@@ -329,6 +380,7 @@ cdef class Forward:
             if (L.q_norm == NULL) != (L.k_norm == NULL):
                 raise ValueError(f"Forward: layer {li} has a q norm or a k norm, not both")
             L.post_attn, L.post_ffn = self._vec(lw.post_attn_norm, f.d), self._vec(lw.post_ffn_norm, f.d)
+            L.out_bias, L.sinks = self._vec(lw.out_bias, f.d), self._vec(lw.attn_sinks, f.H)
             L.wqkv = self._matrix(lw.wqkv, f.q_dim + 2 * f.kv_dim, f.d)
             L.wo = self._matrix(lw.wo, f.d, f.q_dim)
             self._ffn(L, lw, li)
@@ -356,6 +408,7 @@ cdef class Forward:
         memset(&L.wdown, 0, sizeof(fs_matrix))
         memset(&L.router, 0, sizeof(fs_matrix))
         L.egu = L.edown = NULL
+        L.router_bias = L.egu_bias = L.edown_bias = NULL
         if not E:
             L.wgu = self._matrix(lw.w_gate_up, 2 * f.n_ff, f.d)
             L.wdown = self._matrix(lw.w_down, f.d, f.n_ff)
@@ -368,6 +421,10 @@ cdef class Forward:
             gu[e] = self._matrix(lw.experts_gate_up[e], 2 * f.n_ff, f.d)
             down[e] = self._matrix(lw.experts_down[e], f.d, f.n_ff)
         L.egu, L.edown = gu, down
+        L.router_bias = self._vec(lw.router_bias, E)
+        L.egu_bias = self._vec(None if lw.experts_gate_up_bias is None else lw.experts_gate_up_bias.reshape(-1),
+                               E * 2 * f.n_ff)
+        L.edown_bias = self._vec(None if lw.experts_down_bias is None else lw.experts_down_bias.reshape(-1), E * f.d)
 
     cdef const float *_vec(self, a, int64_t n) except? NULL:
         """A float32 vector of n (kept), or NULL for None."""
@@ -521,6 +578,9 @@ cdef class Forward:
         if self.mm.run_groups(f.xe, d, f.start, E, L.egu, f.gu, 2 * f.n_ff) < 0:
             return -1
         self._lap(0)
+        if L.egu_bias != NULL:
+            for t in range(n * k):
+                fs_add(f.gu + t * 2 * f.n_ff, L.egu_bias + f.sel[f.order[t]] * 2 * f.n_ff, 2 * f.n_ff)
         self._stage(_glu, n * k)
         if self.mm.run_groups(f.act, f.n_ff, f.start, E, L.edown, f.ye, d) < 0:
             return -1
@@ -528,6 +588,8 @@ cdef class Forward:
         for t in range(n * k):
             j = f.order[t]
             w, src, dst = f.wts[j], f.ye + t * d, f.moe + j * d
+            if L.edown_bias != NULL:
+                fs_add(src, L.edown_bias + f.sel[j] * d, d)
             for c in range(d):
                 dst[c] = src[c] * w
         self._stage(_moe_sum, n)
@@ -546,7 +608,7 @@ cdef class Forward:
             if self._product(f.h, f.d, n, &L.wqkv, f.qkv, wq, 0) < 0:
                 return -1
             self._stage(_qkv, n)
-            if self.attn.run(f.q, n, f.H, &L.kv, f.slots, f.pos, f.att, f.attn_scale, L.window, NULL) < 0:
+            if self.attn.run(f.q, n, f.H, &L.kv, f.slots, f.pos, f.att, f.attn_scale, L.window, L.sinks) < 0:
                 return -1
             self._lap(1)
             if self._product(f.att, f.q_dim, n, &L.wo, f.y, f.d, 0) < 0:

@@ -1,9 +1,9 @@
 """The forward pass written out in NumPy: the readable reference of fastserve.backends.cpu._forward (which runs it in
 one C call), composed of the element-wise twins (fastserve.backends.cpu.ref.layer_ops) and the backend's products
 and attention called from Python, so that the two agree bit for bit (tests/parity/test_forward.py).
-It reads what a family adds (biases, q/k norms, sandwich norms, GeGLU, NeoX RoPE, local layers, layers
-without RoPE, residual and logit multipliers, a mixture of experts) from cfg (models/architecture.py), never
-from the architecture's name.
+It reads what a family adds (biases, q/k norms, sandwich norms, GeGLU or gpt-oss's SwiGLU, NeoX RoPE, local
+layers, layers without RoPE, residual and logit multipliers, attention sinks, a mixture of experts and its
+gating and biases) from cfg (models/architecture.py), never from the architecture's name.
 
 A mixture of experts (moe_ffn): each row's experts and weights from its own router logits (route), each
 selected expert run once over the rows that chose it (rows in batch order), each row's weighted expert outputs
@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layer_ops import apply_rope, exp_neg, geglu, head_norm, rms_norm, softcap, swiglu
+from ....models.architecture import GELU, SILU, SWIGLU_OAI, TOPK_SOFTMAX
+from .layer_ops import apply_rope, exp_neg, geglu, head_norm, rms_norm, softcap, swiglu, swiglu_oai
 
 F32 = np.float32
 # llama.cpp's build_moe_ffn: the sum of a row's top-k weights clamped to the smallest normal f16 before dividing
@@ -46,10 +47,25 @@ class Activations:
             self.moe = np.zeros((rows, cfg.n_expert_used, cfg.n_embd), np.float32)  # weighted, by rank
 
 
-def route(logits: np.ndarray, k: int, scale: float) -> tuple[np.ndarray, np.ndarray]:
-    """Router logits float32 [n, n_expert] -> (experts int64 [n, k] by rank, weights float32 [n, k]), as
+ACTIVATIONS = {SILU: swiglu, GELU: geglu, SWIGLU_OAI: swiglu_oai}
+
+
+def route(logits: np.ndarray, k: int, scale: float, gating: str = "softmax") -> tuple[np.ndarray, np.ndarray]:
+    """Router logits float32 [n, n_expert] -> (experts int64 [n, k] by rank, weights float32 [n, k]). SOFTMAX:
     llama.cpp's softmax gating with normalised weights: p = softmax(logits) (sums in expert order); the k
-    largest p, ties to the lower id; w = p / max(sum of the k, MIN_WEIGHT_SUM) (sums in rank order), * scale."""
+    largest p, ties to the lower id; w = p / max(sum of the k, MIN_WEIGHT_SUM) (sums in rank order), * scale.
+    TOPK_SOFTMAX (gpt-oss's "softmax weight"): the k largest logits, ties to the lower id; w = their softmax
+    (the sum in rank order), * scale."""
+    if gating == TOPK_SOFTMAX:
+        experts = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+        p = exp_neg(np.take_along_axis(logits, experts, axis=1) - logits.max(axis=1, keepdims=True))
+        total = p[:, 0].copy()
+        for r in range(1, k):
+            total += p[:, r]
+        w = p / total[:, None]
+        if scale != 1.0:
+            w *= F32(scale)
+        return experts, w
     p = exp_neg(logits - logits.max(axis=1, keepdims=True))
     total = p[:, 0].copy()
     for e in range(1, p.shape[1]):
@@ -70,7 +86,9 @@ def moe_ffn(be, cfg, lw, a, h: np.ndarray, y: np.ndarray, act_fn) -> None:
     """y [n, d] = the mixture of experts of h [n, d]: each selected expert once over its rows."""
     n, nf = len(h), cfg.n_ff
     be._mm(h, lw.router, a.route[:n])
-    experts, weights = route(a.route[:n], cfg.n_expert_used, cfg.expert_weights_scale)
+    if lw.router_bias is not None:
+        a.route[:n] += lw.router_bias
+    experts, weights = route(a.route[:n], cfg.n_expert_used, cfg.expert_weights_scale, cfg.arch.moe_gating)
     out = a.moe[:n]
     for e in range(cfg.n_expert):
         rows, ranks = np.nonzero(experts == e)          # by row: a row picks an expert at most once
@@ -80,8 +98,12 @@ def moe_ffn(be, cfg, lw, a, h: np.ndarray, y: np.ndarray, act_fn) -> None:
         xe, gu, act, ye = a.xe[:m], a.gu[:m], a.act[:m], a.ye[:m]
         np.take(h, rows, axis=0, out=xe)
         be._mm(xe, lw.experts_gate_up[e], gu)
+        if lw.experts_gate_up_bias is not None:
+            gu += lw.experts_gate_up_bias[e]
         act_fn(gu[:, :nf], gu[:, nf:], act)
         be._mm(act, lw.experts_down[e], ye)
+        if lw.experts_down_bias is not None:
+            ye += lw.experts_down_bias[e]
         out[rows, ranks] = ye * weights[rows, ranks][:, None]
     np.copyto(y, out[:, 0])
     for r in range(1, cfg.n_expert_used):
@@ -107,7 +129,7 @@ def forward(be, tokens, positions, slots, out_rows, logits: np.ndarray, hidden: 
     w.tok_embd.get_rows(np.asarray(tokens, dtype=np.int64), out=x)
     if cfg.embd_scale != 1.0:
         x *= np.float32(cfg.embd_scale)
-    act_fn = geglu if cfg.ffn_gelu else swiglu
+    act_fn = ACTIVATIONS[cfg.arch.ffn_act]
     for li, lw in enumerate(w.layers):
         local = cfg.local_layers[li]
         rms_norm(x, lw.attn_norm, cfg.norm_eps, out=h)
@@ -127,8 +149,10 @@ def forward(be, tokens, positions, slots, out_rows, logits: np.ndarray, hidden: 
         be.kv.store(li, k, v, slots, positions)
         # a local layer's query at q sees keys q - window < p <= q (llama.cpp's is_masked_swa, standard)
         be._attn(q, be.kv.k[li], be.kv.v[li], be.kv.type_k, be.kv.type_v, slots, positions, attn,
-                 cfg.attn_scale, window=cfg.sliding_window if local else 0, ring=be.kv.rings[li])
+                 cfg.attn_scale, window=cfg.sliding_window if local else 0, ring=be.kv.rings[li], sinks=lw.attn_sinks)
         be._mm(attn, lw.wo, y)
+        if lw.out_bias is not None:
+            y += lw.out_bias
         if lw.post_attn_norm is not None:
             rms_norm(y, lw.post_attn_norm, cfg.norm_eps, out=y)
         if cfg.residual_scale != 1.0:
