@@ -1,5 +1,5 @@
 """Record llama.cpp's outputs on the synthetic models of the families without a small real model (granite,
-smollm3, phi3, qwen3moe, qwen3moe-mxfp4: tests/golden/synthetic_families.py) into
+smollm3, phi3, qwen3moe, qwen3moe-mxfp4, gpt-oss, gpt-oss-mxfp4: tests/golden/synthetic_families.py) into
 tests/golden/data/<family>_synth_llamacpp_greedy.json, which tests/golden/test_families.py compares fastserve against.
 
 As ../shared/reference/README.md records its references: llama-server `-c 2048 -t 2 --parallel 1`, CPU
@@ -20,7 +20,7 @@ A family in LONG_CONTEXT is also recorded at that context (its completions only,
 <family>_synth_ctx<N>_llamacpp_greedy.json): phi3's longrope factors switch from short to long when a
 slot's context passes the model's original one (4096), which the default -c 2048 does not.
 
-Run: python bench/record_family_references.py --llama-bin DIR [--families granite,smollm3,phi3,qwen3moe]
+Run: python bench/record_family_references.py --llama-bin DIR [--families granite,smollm3,phi3,qwen3moe,gpt-oss]
      [--dir /tmp/fastserve-families] [--out tests/golden/data]      (DIR holds llama-server; or LLAMA_BIN=DIR)
 """
 from __future__ import annotations

@@ -5,7 +5,8 @@
     granite, smollm3, phi3 tests/golden/synthetic_families.py's models (random weights, SmolLM2's vocabulary:
     qwen3moe               written at test time, byte for byte the file llama.cpp's outputs in tests/golden/data
     qwen3moe-mxfp4         were recorded on by bench/record_family_references.py; qwen3moe-mxfp4: qwen3moe with
-                           MXFP4 experts, llama-quantize's MXFP4_MOE: test_mxfp4_family.py)
+    gpt-oss                MXFP4 experts, llama-quantize's MXFP4_MOE: test_mxfp4_family.py; gpt-oss: the o200k
+    gpt-oss-mxfp4          pre-tokenizer over that vocabulary; gpt-oss-mxfp4: with MXFP4 experts likewise)
     gemma3                 Gemma 3 270M Q4_K_M (`fastserve pull gemma3-270m`, pulled on first use, as the
                            default model's tests do) and llama.cpp's outputs in tests/golden/data
 
@@ -30,7 +31,7 @@ NEAR_TIE = 0.02
 OWN_FLIPS_NEAR_TIE = 0.1
 SYNTHETIC = ("qwen2", "qwen3", "llama3")
 REGENERATED = tuple(synthetic_families.SPECS)
-BATCH_CHECKED = ("qwen3", "gemma3", "qwen3moe", "qwen3moe-mxfp4")     # the MoEs: issue 30's batch invariance
+BATCH_CHECKED = ("qwen3", "gemma3", "qwen3moe", "qwen3moe-mxfp4", "gpt-oss", "gpt-oss-mxfp4")   # the MoEs: issue 30's
 # Gemma 3 270M's first divergences outside the bar (issue 13: not met on these 3 of 13 prompts), pinned so
 # that any other divergence, or these moving, fails. Measured, not a bug (bench/bench_rounding_sensitivity.py,
 # bench/bench_layer_op_variants.py): the int8 activation rounding before every product makes this model's

@@ -1,4 +1,4 @@
-"""qwen3moe-mxfp4 (tests/golden/synthetic_families.py: qwen3moe with MXFP4 experts, gpt-oss's expert type): the file
+"""qwen3moe-mxfp4 and gpt-oss-mxfp4 (tests/golden/synthetic_families.py: with MXFP4 experts, gpt-oss's type): the file
 llama.cpp's outputs were recorded on is llama-quantize's, and fastserve runs its MXFP4 blocks as they are.
 
 tests/golden/test_families.py holds fastserve to llama.cpp on it (the bars of every family). Here: the file's
@@ -22,7 +22,7 @@ from fastserve.models.gguf_file import GGUFFile
 from tests.golden import synthetic_families
 from tests.reference_data import GOLDEN_DATA, default_model_or_skip, load_reference
 
-FAMILY = "qwen3moe-mxfp4"
+FAMILIES = ("qwen3moe-mxfp4", "gpt-oss-mxfp4")
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away, there lived a king"
 
 
@@ -34,14 +34,15 @@ def llama_quantize() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
+@pytest.fixture(scope="module", params=FAMILIES)
+def models(tmp_path_factory, request):
     """(the family's file, checked against the record's sha256; the same weights in F32)."""
-    vocab = default_model_or_skip(f"{FAMILY}'s synthetic model")
-    path = synthetic_families.write(FAMILY, tmp_path_factory.mktemp("mxfp4"), vocab)
-    want = load_reference(GOLDEN_DATA / f"{FAMILY}_synth_llamacpp_greedy.json")["metadata"]["model_sha256"]
+    family = request.param
+    vocab = default_model_or_skip(f"{family}'s synthetic model")
+    path = synthetic_families.write(family, tmp_path_factory.mktemp("mxfp4"), vocab)
+    want = load_reference(GOLDEN_DATA / f"{family}_synth_llamacpp_greedy.json")["metadata"]["model_sha256"]
     assert synthetic_families.sha256(path) == want, "not the file llama.cpp's outputs were recorded on"
-    return path, synthetic_families.write(FAMILY, tmp_path_factory.mktemp("f32"), vocab, weight_type="F32")
+    return path, synthetic_families.write(family, tmp_path_factory.mktemp("f32"), vocab, weight_type="F32")
 
 
 @pytest.mark.skipif(llama_quantize() is None, reason="llama-quantize is not built here ($LLAMA_QUANTIZE, PATH, "
@@ -58,7 +59,8 @@ def test_the_file_is_llama_quantizes(models, tmp_path):
     assert not differ, differ
     assert {t.type_name for t in ours.values()} == {"MXFP4", "Q8_0", "F32"}
     assert [n for n, t in ours.items() if t.type_name == "MXFP4"] == [
-        f"blk.{i}.ffn_{k}_exps.weight" for i in range(3) for k in ("gate", "up", "down")]
+        f"blk.{i}.ffn_{k}_exps.weight" for i in range(fastserve.load_model(f32).config.n_layer)
+        for k in ("gate", "up", "down")]
 
 
 def test_experts_run_as_mxfp4_blocks(models):
