@@ -115,7 +115,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     Architecture("phi3", "Phi-3, Phi-3.5, Phi-4", NEOX, SILU, fused_qkv=True, fused_gate_up=True, longrope=True),
     Architecture("qwen3moe", "Qwen 3 MoE", NEOX, SILU, qk_norm=True, moe=True),
     Architecture("gpt-oss", "gpt-oss-20b, gpt-oss-120b", NEOX, SWIGLU_OAI, qkv_bias=True, out_bias=True,
-                 attn_sinks=True, ffn_norm="post_attention_norm.weight", sliding_window=True, swa_period=2, swa_rope_global=True,
+                 attn_sinks=True, ffn_norm="post_attention_norm.weight", sliding_window=True, swa_period=2,
+                 swa_rope_global=True,
                  moe=True, moe_gating=TOPK_SOFTMAX, moe_biases=True),
 )}
 
