@@ -25,7 +25,8 @@ def yarn(cfg: ModelConfig, base: float, scale: float) -> tuple[np.ndarray, float
     half, f32 = cfg.rope_dim // 2, np.float32
 
     def corr_dim(rotations):    # ggml_rope_yarn_corr_dim, in float32 as ggml
-        return f32(cfg.rope_dim) * f32(np.log(f32(cfg.n_ctx_orig / (rotations * 2 * np.pi)))) / f32(2 * np.log(f32(base)))
+        turns = f32(np.log(f32(cfg.n_ctx_orig / (rotations * 2 * np.pi))))
+        return f32(cfg.rope_dim) * turns / f32(2 * np.log(f32(base)))
     low = max(0.0, float(np.floor(corr_dim(YARN_BETA_FAST))))
     high = min(cfg.rope_dim - 1.0, float(np.ceil(corr_dim(YARN_BETA_SLOW))))
     ramp = 1.0 - np.clip((np.arange(half, dtype=np.float64) - low) / max(0.001, high - low), 0.0, 1.0)

@@ -194,8 +194,9 @@ def write_llama_gguf(path: str | os.PathLike, *, n_layer: int = 2, n_embd: int =
         sizes = {"attn_q.bias": n_head * head_dim, "attn_k.bias": n_head_kv * head_dim,
                  "attn_v.bias": n_head_kv * head_dim, "attn_q_norm.weight": head_dim, "attn_k_norm.weight": head_dim,
                  "post_attention_norm.weight": n_embd, "post_ffw_norm.weight": n_embd}
-        biases = {"attn_output.bias": (n_embd,), "ffn_gate_inp.bias": (n_expert,), "ffn_gate_exps.bias": (n_expert, n_ff),
-                  "ffn_up_exps.bias": (n_expert, n_ff), "ffn_down_exps.bias": (n_expert, n_embd)}
+        biases = {"attn_output.bias": (n_embd,), "ffn_gate_inp.bias": (n_expert,),
+                  "ffn_gate_exps.bias": (n_expert, n_ff), "ffn_up_exps.bias": (n_expert, n_ff),
+                  "ffn_down_exps.bias": (n_expert, n_embd)}
         for name in (row.layer_tensors() if row else ()):
             if name in sizes and name != row.ffn_norm:
                 vec(b + name, sizes[name])

@@ -1,7 +1,7 @@
 """Transformer hyperparameters and weights, read from a GGUF file, for every family of the
-architecture table (models/architecture.py: llama, qwen2, qwen3, gemma3, granite, smollm3, phi3, qwen3moe, gpt-oss): RMSNorm,
-RoPE, grouped-query attention, a gated FFN (or a mixture of experts), tied or separate output matrix, and what the
-row adds.
+architecture table (models/architecture.py: llama, qwen2, qwen3, gemma3, granite, smollm3, phi3, qwen3moe,
+gpt-oss): RMSNorm, RoPE, grouped-query attention, a gated FFN (or a mixture of experts), tied or separate output
+matrix, and what the row adds.
 
 The matrices stay as the file stores them (memory-mapped): fastserve.backends.cpu._matmul.BlockMatrix views of the
 tensors' blocks, on which the CPU products run directly (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K,
