@@ -455,7 +455,7 @@ def _kernel_breakdown(be) -> dict:
     # norm_gemm / norm_gemm_swiglu: the fused launches at batch 1 (their cuBLAS fallback, which calls
     # rms_norm / gemm / swiglu and would be counted twice, is not taken here).
     names = ("embed_rows", "rms_norm", "gemm", "norm_gemm", "norm_gemm_swiglu", "rope_store", "attention", "swiglu",
-             "argmax_rows")
+             "argmax_rows", "moe_route", "moe_group", "moe_gemm_swiglu", "moe_gemm", "moe_sum")
     spans: list = []
     saved = {n: getattr(K, n) for n in names if hasattr(K, n)}
 
@@ -572,6 +572,8 @@ def phase_families(c: Check) -> dict:
     be = CupyBackend(model.config, model.weights, n_slots=32, n_ctx_slot=1024 if not c.dry else 512, max_tokens=512)
     bw = c.results.get("bandwidth_Bps")
     floor_ms = be.weight_bytes_per_step() / bw * 1e3 if bw else float("nan")
+    c.results.setdefault("models", {})[label] = {"weight_bytes": be.weight_bytes_per_step(),
+                                                 "kernels_b1_us": _kernel_breakdown(be)}
     rows = c.results.setdefault("timing", [])
     for b in BATCHES if not c.dry else (1, 8):
         _time_batch(c, be, label, b, 4, floor_ms, rows)
