@@ -448,9 +448,10 @@ def test_outputs_bit_exact(type_name, ragged):
 
 @pytest.mark.parametrize("type_name", TYPES)
 def test_small_batches_bit_exact(type_name):
-    """n = 1..4 rows (the fused kernels' batches, fused_types()), with odd block counts and row
-    counts that leave a partial panel of 16: the twin's bits with the fused path and with staging,
-    on 1 to 3 threads."""
+    """n = 1..6 rows (the fused kernels' batches, fused_types(); on avx2 n = 5, 6 of these narrow matrices
+    run fused in groups of FUSED_MAX_N rows, each group's activations and outputs offset), with odd block
+    counts and row counts that leave a partial panel of 16: the twin's bits with the fused path and with
+    staging, on 1 to 3 threads."""
     m = c_mod()
     rng = np.random.default_rng(14)
     per = B.TYPES[type_name][0]
@@ -459,7 +460,7 @@ def test_small_batches_bit_exact(type_name):
     for n_out, blocks in ((37, 1), (16, 3), (53, 2 if per == 256 else 5)):
         n_in = n_in_for(type_name, blocks, ragged=True)
         raw = random_blocks(type_name, n_out, n_in, seed=15 + blocks)
-        x = rand(rng, m.FUSED_MAX_N, n_in)
+        x = rand(rng, m.FUSED_GROUPS_MAX_N, n_in)
         x[1, :32] = 0.0
         x[2, -32:] *= np.float32(1e30)
         want = product(twin(), x, matrix(twin(), [(type_name, raw)], n_in))
@@ -467,7 +468,7 @@ def test_small_batches_bit_exact(type_name):
         for isa, threads in kernels():
             for fused in (True, False):
                 mm = m.Matmul(threads=threads, isa=isa, fused=fused)
-                for n in range(1, m.FUSED_MAX_N + 1):
+                for n in range(1, m.FUSED_GROUPS_MAX_N + 1):
                     got = mm(x[:n], wc, np.full((n, n_out), np.nan, np.float32))
                     assert_same(got, want[:n], f"{type_name} {n_out}x{n_in} n={n} {isa} {threads} threads fused={fused}")
 

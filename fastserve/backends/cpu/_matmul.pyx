@@ -67,6 +67,7 @@ cdef extern from "_matmul_kernels.h" nogil:
     int fs_fused_ok(int isa, int type, int64_t n, int valid)
     enum:
         FS_FUSED_MAX_N
+        FS_FUSED_GROUPS_MAX_N
     int fs_best_isa()
     fs_kernel fs_kernel_for(int isa, int kind)
     void fs_product_task(void *ctx, int64_t begin, int64_t end) noexcept
@@ -97,6 +98,7 @@ def fused_types(str isa="auto"):
 
 
 FUSED_MAX_N = FS_FUSED_MAX_N
+FUSED_GROUPS_MAX_N = FS_FUSED_GROUPS_MAX_N    # avx2, narrow matrices: up to this many rows fused, in groups
 
 
 def best_isa():
@@ -334,7 +336,8 @@ cdef class Matmul:
     """y = x . W^T for BlockMatrix weights. pool: a fastserve.backends.cpu._pool.Pool whose threads the products
     run on (shared with the backend's other loops), or None: then threads (the calling thread plus
     threads - 1 helpers spinning spin_us after a call) makes one of its own. isa: "auto" (the best
-    kernel of this machine) or a name from isas(). fused: small batches (n <= 4) of the types the
+    kernel of this machine) or a name from isas(). fused: small batches (n <= 4; on avx2 up to 6 rows of
+    narrow matrices, in groups of 4) of the types the
     isa has a fused kernel for (fused_types()) compute straight from the file's rows instead of
     staging panels (the same bits; False: always stage, for comparison). Holds the activation scratch and one staging
     panel per task (grown on demand, never shrunk). (Attributes: _matmul.pxd.)"""

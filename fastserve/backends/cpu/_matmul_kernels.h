@@ -29,8 +29,9 @@
  * file into a small staging buffer in the kernels' layout (_gguf_blocks.h, L1/L2-sized: 16 rows x
  * nb blocks), then the kernel runs every activation row over it (up to 8 rows per pass), so the
  * weights come from memory once per product and no decoded copy of a matrix ever exists. At small n
- * (<= 4; fewer for some types) the types of fs_fused_ok skip the staging and are read straight from the file's blocks
- * (_matmul_fused.h), with the same numbers.
+ * (<= 4; fewer for some types; on AVX2 up to 6 of narrow matrices, in groups: fs_fused_group) the types of
+ * fs_fused_ok skip the staging and are read straight from the file's blocks (_matmul_fused.h), with the
+ * same numbers.
  */
 #ifndef FASTSERVE_MATMUL_KERNELS_H
 #define FASTSERVE_MATMUL_KERNELS_H
@@ -821,6 +822,45 @@ static void fs_stage_panel(int isa, int type, const uint8_t *rows, int64_t row_b
     fs_stage_panel_scalar(type, rows, row_bytes, valid, n_in, stage, fs_stage_bias(isa == FS_ISA_AVX2, type));
 }
 
+/* The fused kernels hold at most FS_FUSED_MAX_N activation rows in registers. On AVX2 a few more rows of narrow
+ * matrices (n_in <= FS_FUSED_GROUPS_MAX_IN) still take them, in groups of that many over the same panel (its
+ * rows in L1 after the first group): there a panel's staging costs more than the fused kernels' extra work
+ * per row. Measured on the Zen 2 (2 threads, products fused / staged): 576 inputs, Q4_0 / Q4_1 / Q5_0 / Q8_0
+ * 0.92 / 0.88 / 0.87 / 0.71 at n = 5, 1.00 / 0.91 / 0.94 / 0.75 at 6, 1.10 / 1.01 / 1.03 / 0.80 at 8; 2048
+ * inputs Q4_0 1.11 at n = 5; the default model's verification of 4 drafts 37.2 -> 33.8 ms at 3,100 tokens
+ * of context (bench/bench_verify_cost.py). Each row's bits are its own either way. */
+#define FS_FUSED_GROUPS_MAX_N 6
+#define FS_FUSED_GROUPS_MAX_IN 1536
+
+/* The rows n that fs_fused_ok is asked about: a group's when the product's rows run in groups. */
+static inline int64_t fs_fused_group(const fs_product *pr, int64_t n)
+{
+    return pr->isa == FS_ISA_AVX2 && n > FS_FUSED_MAX_N && n <= FS_FUSED_GROUPS_MAX_N &&
+           pr->n_in <= FS_FUSED_GROUPS_MAX_IN ? FS_FUSED_MAX_N : n;
+}
+
+/* A panel's product by the fused kernel, its rows in groups of at most FS_FUSED_MAX_N (fs_fused_group). */
+static void fs_fused_rows(int isa, int type, const fs_job *j, const uint8_t *rows, int64_t row_bytes,
+                          const uint8_t *next)
+{
+    if (j->n <= FS_FUSED_MAX_N) {
+        fs_fused_panel(isa, type, j, rows, row_bytes, next);
+        return;
+    }
+    for (int64_t r0 = 0; r0 < j->n; r0 += FS_FUSED_MAX_N) {
+        fs_job g = *j;
+        const int64_t o = r0 * j->nb;
+        g.n = j->n - r0 < FS_FUSED_MAX_N ? j->n - r0 : FS_FUSED_MAX_N;
+        g.xq = j->xq + o * FS_QK;
+        g.dx = j->dx + o;
+        g.xs = j->xs + o;
+        g.xh = j->xh + o;
+        g.sx = j->sx + o;
+        g.y = j->y + r0 * j->ldy;
+        fs_fused_panel(isa, type, &g, rows, row_bytes, r0 == 0 ? next : NULL);
+    }
+}
+
 /* Panels [begin, end) of the product: fs_task_fn for fs_pool_run. Task t (begin = t * chunk, or
  * the whole range without helpers) stages into its own buffer. */
 static void fs_product_task(void *ctx, int64_t begin, int64_t end)
@@ -837,7 +877,8 @@ static void fs_product_task(void *ctx, int64_t begin, int64_t end)
         fs_job j = pr->act;
         j.valid = valid;
         j.y = pr->act.y + pt->col0 + r0;
-        const int direct = pt->kind == FS_KIND_F, fused = !direct && pr->fused && fs_fused_ok(pr->isa, pt->type, j.n, valid);
+        const int direct = pt->kind == FS_KIND_F,
+                  fused = !direct && pr->fused && fs_fused_ok(pr->isa, pt->type, fs_fused_group(pr, j.n), valid);
         /* Rows `ahead` panels ahead (in this part) come into L2 while this panel is decoded; a
          * task's first panel also asks for the ones between. */
         const int64_t ahead = fused || direct ? FS_PREFETCH_PANELS_FUSED : FS_PREFETCH_PANELS;
@@ -852,7 +893,7 @@ static void fs_product_task(void *ctx, int64_t begin, int64_t end)
             continue;
         }
         if (fused) {
-            fs_fused_panel(pr->isa, pt->type, &j, pt->data + r0 * pt->row_bytes, pt->row_bytes, next);
+            fs_fused_rows(pr->isa, pt->type, &j, pt->data + r0 * pt->row_bytes, pt->row_bytes, next);
             continue;
         }
         fs_stage_panel(pr->isa, pt->type, pt->data + r0 * pt->row_bytes, pt->row_bytes, valid, pr->n_in, stage, next);
