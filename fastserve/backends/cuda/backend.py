@@ -54,8 +54,8 @@ CuPy's stream synchronisation releases the GIL while it waits.
 It reads the same description as the CPU backend (ModelConfig and its architecture row,
 models/architecture.py): the rows of CHECKED_ARCHITECTURES run (each checked on tests/gpu's emulators
 against the CPU backend). What a model asks for that these kernels do not run (unsupported_features: a row
-not in CHECKED_ARCHITECTURES, e.g. gpt-oss, heads over 256 wide, more than 8 query heads per KV head,
-qwen3moe's mixture of experts) is refused at construction, naming it, and `auto` picks the CPU for such a model.
+not in CHECKED_ARCHITECTURES, e.g. gpt-oss, heads over 256 wide, more than 8 query heads per KV head, over
+512 experts) is refused at construction, naming it, and `auto` picks the CPU for such a model.
 
 Importing this module needs no CuPy; building a CupyBackend does.
 """
