@@ -57,30 +57,27 @@ static void fs_float_panel_scalar(const fs_job *j, int type, const uint8_t *rows
 #if defined(FS_X86)
 #define FS_FLOAT256 __attribute__((target("avx2,fma,f16c")))
 
-/* 8 weights of a row from input i (all < n_in) as float32. */
+/* 8 weights of a row from input i as float32 (all < n_in). */
 FS_FLOAT256 FS_INLINE __m256 fs_float8_avx2(const int type, const uint8_t *row, int64_t i)
 {
     if (type == FS_T_F32)
         return _mm256_loadu_ps((const float *)row + i);
-    const __m128i h = _mm_loadu_si128((const __m128i *)(row + 2 * i));
     if (type == FS_T_F16)
-        return _mm256_cvtph_ps(h);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i)));
+    /* BF16 is a float32's high half (a byte shuffle would do it in one instruction, but its constant takes
+     * the register the 2 x 3 tile has not got: GCC then keeps two sums in memory) */
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * i))), 16));
 }
 
-/* A row's 16 weights from input i, n_in - i of them real (fewer than 16 only at the row's end). */
-FS_FLOAT256 FS_INLINE void fs_float16_avx2(const int type, const uint8_t *row, int64_t i, int64_t n_in, __m256 w[2])
+/* The same at the row's end: n_in - i of them real, zeros past them. */
+FS_FLOAT256 FS_INLINE __m256 fs_float8_end_avx2(const int type, const uint8_t *row, int64_t i, int64_t n_in)
 {
-    if (n_in - i >= 16) {
-        w[0] = fs_float8_avx2(type, row, i);
-        w[1] = fs_float8_avx2(type, row, i + 8);
-        return;
-    }
-    float t[16] = {0};
+    if (n_in - i >= 8)
+        return fs_float8_avx2(type, row, i);
+    float t[8] = {0};
     for (int64_t k = i; k < n_in; k++)
         t[k - i] = fs_float_at(type, row, k);
-    w[0] = _mm256_loadu_ps(t);
-    w[1] = _mm256_loadu_ps(t + 8);
+    return _mm256_loadu_ps(t);
 }
 
 /* The tree of 16 sums held as a (p_0..7) and b (p_8..15). */
@@ -92,40 +89,66 @@ FS_FLOAT256 FS_INLINE float fs_fold16_avx2(__m256 a, __m256 b)
     return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
 
+/* 16 inputs from i (end: the row's last 16, maybe partial) of rows l .. l + RW - 1 times activation rows
+ * r .. r + RA - 1 into the sums p, as two halves of 8 (p_0..7, then p_8..15), so that RW weights, one
+ * activation and the 2 RW RA sums fit the 16 registers (2 x 3: 12 sums, each weight serving 3 rows and
+ * each activation 2; 2 x 2 before measured ~20 % slower in prefill). */
+FS_FLOAT256 FS_INLINE void fs_float_step_avx2(const fs_job *j, const int type, const uint8_t *rows, int64_t row_bytes,
+                                              int l, int64_t r, const int RW, const int RA, int64_t i, int64_t n_in,
+                                              const int end, __m256 p[4][3][2])
+{
+    const int64_t K = j->nb * FS_QK;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        __m256 w[4];
+#pragma GCC unroll 4
+        for (int a = 0; a < RW; a++)
+            w[a] = end ? fs_float8_end_avx2(type, rows + (l + a) * row_bytes, i + 8 * h, n_in)
+                       : fs_float8_avx2(type, rows + (l + a) * row_bytes, i + 8 * h);
+#pragma GCC unroll 3
+        for (int b = 0; b < RA; b++) {
+            __m256 x = _mm256_loadu_ps(j->xf + (r + b) * K + i + 8 * h);
+            __asm__("" : "+x"(x));      /* one load for the RW rows, not a memory operand in each */
+#pragma GCC unroll 4
+            for (int a = 0; a < RW; a++)
+                p[a][b][h] = _mm256_fmadd_ps(w[a], x, p[a][b][h]);
+        }
+    }
+}
+
 /* Rows l .. l + RW - 1 of the panel times activation rows r .. r + RA - 1, inputs [i0, i1): the sums
- * start at zero (i0 = 0) or from keep, and go to keep, or folded to y at the row's end. */
+ * start at zero (i0 = 0) or from keep, and go to keep, or folded to y at the row's end. The loop over
+ * whole 16s has no test of the row's end; the next panel's prefetch goes per step at batch 1 (reading
+ * the weights is the whole cost there), at the tile's start above batch 1. */
 FS_FLOAT256 FS_INLINE void fs_float_tile_avx2(const fs_job *j, const int type, const uint8_t *rows, int64_t row_bytes,
                                               int l, int64_t r, const int RW, const int RA, int64_t i0, int64_t i1,
                                               float *keep, fs_prefetcher *pf)
 {
-    const int64_t K = j->nb * FS_QK, n_in = fs_float_inputs(type, row_bytes);
-    __m256 p[4][2][2];
+    const int64_t n_in = fs_float_inputs(type, row_bytes), whole = n_in & ~(int64_t)15, i2 = i1 < whole ? i1 : whole;
+    __m256 p[4][3][2];
 #pragma GCC unroll 4
     for (int a = 0; a < RW; a++)
-#pragma GCC unroll 2
+#pragma GCC unroll 3
         for (int b = 0; b < RA; b++)
             for (int h = 0; h < 2; h++)
                 p[a][b][h] = i0 ? _mm256_loadu_ps(keep + ((l + a) * FS_FA + b) * 16 + 8 * h) : _mm256_setzero_ps();
-    for (int64_t i = i0; i < i1; i += 16) {
-        fs_prefetch_step(pf);
-        __m256 w[4][2];
-#pragma GCC unroll 4
-        for (int a = 0; a < RW; a++)
-            fs_float16_avx2(type, rows + (l + a) * row_bytes, i, n_in, w[a]);
-#pragma GCC unroll 2
-        for (int b = 0; b < RA; b++) {
-            const float *x = j->xf + (r + b) * K + i;
-            const __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8);
-#pragma GCC unroll 4
-            for (int a = 0; a < RW; a++) {
-                p[a][b][0] = _mm256_fmadd_ps(w[a][0], x0, p[a][b][0]);
-                p[a][b][1] = _mm256_fmadd_ps(w[a][1], x1, p[a][b][1]);
-            }
-        }
+    if (RA > 1)
+        for (int64_t i = i0; i < i1; i += 16)
+            fs_prefetch_step(pf);
+    int64_t i = i0;
+    for (; i < i2; i += 16) {
+        if (RA == 1)
+            fs_prefetch_step(pf);
+        fs_float_step_avx2(j, type, rows, row_bytes, l, r, RW, RA, i, n_in, 0, p);
+    }
+    for (; i < i1; i += 16) {
+        if (RA == 1)
+            fs_prefetch_step(pf);
+        fs_float_step_avx2(j, type, rows, row_bytes, l, r, RW, RA, i, n_in, 1, p);
     }
 #pragma GCC unroll 4
     for (int a = 0; a < RW; a++)
-#pragma GCC unroll 2
+#pragma GCC unroll 3
         for (int b = 0; b < RA; b++) {
             if (i1 >= n_in) {
                 j->y[(r + b) * j->ldy + l + a] = fs_fold16_avx2(p[a][b][0], p[a][b][1]);
@@ -136,30 +159,31 @@ FS_FLOAT256 FS_INLINE void fs_float_tile_avx2(const fs_job *j, const int type, c
         }
 }
 
-/* Batch 1: 4 rows at a time (8 chains); more rows: 2 x 2 (the 16 registers hold 8 sums then). */
+#define FS_FT(RW, RA) fs_float_tile_avx2(j, type, rows, row_bytes, l, r, RW, RA, i0, i1, keep, p)
+
+/* Batch 1: 4 rows at a time (8 chains); more: 2 rows x up to 3 activation rows. */
 FS_FLOAT256 FS_INLINE void fs_float_rows_avx2(const fs_job *j, const int type, const uint8_t *rows, int64_t row_bytes,
                                               fs_prefetcher *pf)
 {
     const int64_t n_in = fs_float_inputs(type, row_bytes);
     float keep[FS_LANES * FS_FA * 16];
-    for (int64_t r = 0; r < j->n; r += 2) {
-        const int ra = j->n - r >= 2 ? 2 : 1;
+    for (int64_t r = 0; r < j->n; r += 3) {
+        const int ra = (int)(j->n - r >= 3 ? 3 : j->n - r);
         fs_prefetcher idle = fs_prefetch_plan(NULL, 0, 0), *p = r == 0 ? pf : &idle;    /* one pass prefetches */
         for (int64_t i0 = 0; i0 < n_in; i0 += FS_FKB) {
             const int64_t i1 = i0 + FS_FKB < n_in ? i0 + FS_FKB : n_in;
             int l = 0;
             if (ra == 1)
                 for (; l + 4 <= j->valid; l += 4)
-                    fs_float_tile_avx2(j, type, rows, row_bytes, l, r, 4, 1, i0, i1, keep, p);
+                    FS_FT(4, 1);
             for (; l + 2 <= j->valid; l += 2)
-                ra == 2 ? fs_float_tile_avx2(j, type, rows, row_bytes, l, r, 2, 2, i0, i1, keep, p)
-                        : fs_float_tile_avx2(j, type, rows, row_bytes, l, r, 2, 1, i0, i1, keep, p);
+                ra == 3 ? FS_FT(2, 3) : ra == 2 ? FS_FT(2, 2) : FS_FT(2, 1);
             for (; l < j->valid; l++)
-                ra == 2 ? fs_float_tile_avx2(j, type, rows, row_bytes, l, r, 1, 2, i0, i1, keep, p)
-                        : fs_float_tile_avx2(j, type, rows, row_bytes, l, r, 1, 1, i0, i1, keep, p);
+                ra == 3 ? FS_FT(1, 3) : ra == 2 ? FS_FT(1, 2) : FS_FT(1, 1);
         }
     }
 }
+#undef FS_FT
 
 FS_FLOAT256 static void fs_float_panel_avx2(const fs_job *j, int type, const uint8_t *rows, int64_t row_bytes,
                                             fs_prefetcher *pf)
