@@ -275,6 +275,8 @@ GLOBAL_STATE = {
     ("fastserve.backends.cuda.kernels", "_modules"): "each kernel family compiled once per device, under _lock: "
                                                      "the same code whichever call fills it",
     ("fastserve.backends.cuda.kernels", "_functions"): "the compiled kernels' handles, as _modules",
+    ("fastserve.backends.cuda.kernels", "_SCALARS"): "cuBLAS's alpha as a host float32 [1], one per value (a "
+                                                     "model has one or two), the same array whichever call makes it",
 }
 
 
