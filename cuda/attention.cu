@@ -31,9 +31,13 @@
 //   part_o   float32 [n, H, S, D]   unnormalised sum of p * v over the split
 //   part_ml  float32 [n, H, S, 2]   (max score in log2 units, sum of 2^(score - max)) over the split
 //   out      [n, H * D] type TOut (what the output projection reads)
+//   sinks    float32 [H] or NULL: each query head's attention sink (gpt-oss), a logit in natural-log units
 // attention_split_<T>_d<8 LPK>_g<G>: grid (S, Hkv, n), block ATTN_WARPS * 32 threads; LPK lanes per
 // key: 4 for D <= 32, 8 for D <= 64, 16 for D <= 128, 32 (a whole warp) for D <= 256.
-// attention_combine_*: grid (H, n), block ATTN_COMBINE_THREADS.
+// attention_combine_*: grid (H, n), block ATTN_COMBINE_THREADS. With sinks, head h's sink joins the
+// softmax's denominator only, as the CPU's (_attention_kernels.h): sg = sinks[h] * log2(e) is one more
+// score of no value, M = max(max over splits of m, sg), out = sum_s 2^(m_s - M) o_s / (sum_s 2^(m_s - M) l_s
+// + 2^(sg - M)), the sink's term added last; NULL: no term (the sum's bits are those without sinks).
 #include "common.cuh"
 
 #define ATTN_WARPS 4
@@ -283,7 +287,8 @@ __device__ __forceinline__ void attention_split(const float* __restrict__ qkv, c
 // their part_o loads are in flight together), and row 0 adds the R sums, all in fixed orders.
 template <typename TOut>
 __device__ __forceinline__ void attention_combine(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                                  TOut* __restrict__ out, int n_head, int head_dim, int n_split) {
+                                                  const float* __restrict__ sinks, TOut* __restrict__ out,
+                                                  int n_head, int head_dim, int n_split) {
     __shared__ float s_w[ATTN_COMBINE_THREADS];      // weight of each split of the tile (0: empty split)
     __shared__ float s_l[ATTN_COMBINE_THREADS];      // its l
     __shared__ float s_o[ATTN_COMBINE_THREADS];      // the rows' sums, [R][D']
@@ -301,6 +306,8 @@ __device__ __forceinline__ void attention_combine(const float* __restrict__ part
     __syncthreads();
     mx = -FS_INF;
     for (int w = 0; w < (int)(blockDim.x >> 5); ++w) mx = fmaxf(mx, s_red[w]);
+    const float sg = sinks != nullptr ? sinks[h] * ATTN_LOG2E : -FS_INF;   // the sink's score, log2 units
+    if (sinks != nullptr) mx = fmaxf(mx, sg);
 
     float o = 0.0f, lsum = 0.0f;
     for (int s0 = 0; s0 < n_split; s0 += blockDim.x) {
@@ -328,6 +335,7 @@ __device__ __forceinline__ void attention_combine(const float* __restrict__ part
     if (r == 0 && d < head_dim) {
         float sum = 0.0f;
         for (int i = 0; i < rows; ++i) sum += s_o[i * dp + d];
+        if (sinks != nullptr) lsum += exp2f(sg - mx);      // the sink: in the denominator only, last
         out[((size_t)t * n_head + h) * head_dim + d] = from_float<TOut>(sum / lsum);
     }
 }
@@ -441,17 +449,17 @@ ATTENTION_SPLIT(attention_split_f32_d256_g6, float, 32, 6)
 ATTENTION_SPLIT(attention_split_f32_d256_g7, float, 32, 7)
 ATTENTION_SPLIT(attention_split_f32_d256_g8, float, 32, 8)
 
-extern "C" __global__ void attention_combine_f16(const float* part_o, const float* part_ml, f16* out, int n_head,
-                                                 int head_dim, int n_split) {
-    attention_combine(part_o, part_ml, out, n_head, head_dim, n_split);
+extern "C" __global__ void attention_combine_f16(const float* part_o, const float* part_ml, const float* sinks,
+                                                 f16* out, int n_head, int head_dim, int n_split) {
+    attention_combine(part_o, part_ml, sinks, out, n_head, head_dim, n_split);
 }
 
-extern "C" __global__ void attention_combine_bf16(const float* part_o, const float* part_ml, bf16* out, int n_head,
-                                                  int head_dim, int n_split) {
-    attention_combine(part_o, part_ml, out, n_head, head_dim, n_split);
+extern "C" __global__ void attention_combine_bf16(const float* part_o, const float* part_ml, const float* sinks,
+                                                  bf16* out, int n_head, int head_dim, int n_split) {
+    attention_combine(part_o, part_ml, sinks, out, n_head, head_dim, n_split);
 }
 
-extern "C" __global__ void attention_combine_f32(const float* part_o, const float* part_ml, float* out, int n_head,
-                                                 int head_dim, int n_split) {
-    attention_combine(part_o, part_ml, out, n_head, head_dim, n_split);
+extern "C" __global__ void attention_combine_f32(const float* part_o, const float* part_ml, const float* sinks,
+                                                 float* out, int n_head, int head_dim, int n_split) {
+    attention_combine(part_o, part_ml, sinks, out, n_head, head_dim, n_split);
 }

@@ -74,7 +74,9 @@ __device__ __forceinline__ float silu_mul(float g, float u) { return g / (1.0f +
 
 // gelu_mul: GELU's tanh form times u, as fastserve/backends/cpu/ref/layer_ops.geglu writes it:
 // 0.5 g (1 + tanh(sqrt(2/pi) g (1 + 0.044715 g^2))) = g sigmoid(2 sqrt(2/pi) g (1 + 0.044715 g^2)).
-// gate_mul: the gated FFN's activation, silu_mul (SwiGLU) or gelu_mul (GeGLU, gelu != 0).
+// oai_mul: gpt-oss's SwiGLU, as fastserve/backends/cpu/_layer_ops.h's fs_swiglu_oai (llama.cpp's swiglu_oai):
+// x = min(g, 7), y = clamp(u, -7, 7), x sigmoid(1.702 x) (y + 1); the clamps are comparisons, so a NaN stays NaN.
+// gate_mul: the gated FFN's activation by glu: 0 silu_mul (SwiGLU), 1 gelu_mul (GeGLU), 2 oai_mul (gpt-oss).
 #define FS_GELU_K 1.5957691216057308f     // 2 sqrt(2 / pi)
 #define FS_GELU_C 0.044715f
 
@@ -83,7 +85,18 @@ __device__ __forceinline__ float gelu_mul(float g, float u) {
     return g / (1.0f + expf(-(y * FS_GELU_K))) * u;
 }
 
-__device__ __forceinline__ float gate_mul(int gelu, float g, float u) { return gelu ? gelu_mul(g, u) : silu_mul(g, u); }
+#define FS_OAI_ALPHA 1.702f
+#define FS_OAI_LIMIT 7.0f
+
+__device__ __forceinline__ float oai_mul(float g, float u) {
+    const float x = g > FS_OAI_LIMIT ? FS_OAI_LIMIT : g;
+    const float y = u > FS_OAI_LIMIT ? FS_OAI_LIMIT : u < -FS_OAI_LIMIT ? -FS_OAI_LIMIT : u;
+    return x / (1.0f + expf(-(FS_OAI_ALPHA * x))) * (y + 1.0f);
+}
+
+__device__ __forceinline__ float gate_mul(int glu, float g, float u) {
+    return glu == 2 ? oai_mul(g, u) : glu ? gelu_mul(g, u) : silu_mul(g, u);
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

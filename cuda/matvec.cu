@@ -36,7 +36,9 @@
 // rank) pairs that chose it, grouped by cuda/moe.cu's moe_group: block row blockIdx.y takes its tile (expert
 // e, first grouped position t0, up to MAXN positions of e) against expert e's matrix of the 3-D weights
 // (moe_matvec below states the layouts). A pair's sums are a matvec's, in the order k fixes: a row's expert
-// outputs do not depend on which rows share its experts.
+// outputs do not depend on which rows share its experts. Expert biases (gpt-oss; NULL: none): bias [E, 2 F]
+// (gate, then up) is added to expert e's float32 gate and up sums before the GLU, glu 2 is gpt-oss's
+// swiglu_oai (common.cuh oai_mul); bias [E, m] to moe_matvec's float32 sums, as the CPU's _forward._moe.
 //
 // Grid: (ceil(m / MATVEC_WARPS), ceil(n / MAXN)) blocks of MATVEC_WARPS * 32 threads (m = F for
 // norm_matvec_swiglu and moe_matvec_swiglu; the moe kernels: (ceil(m / MATVEC_WARPS), n_tiles)).
@@ -232,12 +234,14 @@ __device__ __forceinline__ bool matvec_rows(const T* __restrict__ w, int r_strid
 // out[j, row] (+)= the warp's sums times scale, j < nj (out: the group's first row).
 template <int MAXN>
 __device__ __forceinline__ void store_rows(float (&acc)[1][MAXN], float* __restrict__ out, int nj, int m,
-                                           int accumulate, float scale) {
+                                           int accumulate, float scale, const float* __restrict__ bias) {
     const int row = blockIdx.x * MATVEC_WARPS + (threadIdx.x >> 5);
+    const float b = bias != nullptr ? bias[row] : 0.0f;
 #pragma unroll
     for (int j = 0; j < MAXN; ++j) {
         if (j < nj) {
-            const float s = warp_sum(acc[0][j]) * scale;
+            float s = warp_sum(acc[0][j]) * scale;
+            if (bias != nullptr) s += b;
             if ((threadIdx.x & 31) == 0) {
                 float* o = out + (size_t)j * m + row;
                 *o = accumulate ? *o + s : s;
@@ -246,15 +250,22 @@ __device__ __forceinline__ void store_rows(float (&acc)[1][MAXN], float* __restr
     }
 }
 
-// act[j, row] = gate_mul(gelu, gate sum, up sum) rounded to T, j < nj (act: the group's first row, [*, m]).
+// act[j, row] = gate_mul(glu, gate sum [+ bias[row]], up sum [+ bias[m + row]]) rounded to T, j < nj (act:
+// the group's first row, [*, m]; bias: [2 m] or NULL).
 template <typename T, int MAXN>
-__device__ __forceinline__ void store_gated(float (&acc)[2][MAXN], T* __restrict__ act, int nj, int m, int gelu) {
+__device__ __forceinline__ void store_gated(float (&acc)[2][MAXN], T* __restrict__ act, int nj, int m, int glu,
+                                            const float* __restrict__ bias) {
     const int row = blockIdx.x * MATVEC_WARPS + (threadIdx.x >> 5);
+    const float bg = bias != nullptr ? bias[row] : 0.0f, bu = bias != nullptr ? bias[m + row] : 0.0f;
 #pragma unroll
     for (int j = 0; j < MAXN; ++j) {
         if (j < nj) {
-            const float g = warp_sum(acc[0][j]), u = warp_sum(acc[1][j]);
-            if ((threadIdx.x & 31) == 0) act[(size_t)j * m + row] = from_float<T>(gate_mul(gelu, g, u));
+            float g = warp_sum(acc[0][j]), u = warp_sum(acc[1][j]);
+            if (bias != nullptr) {
+                g += bg;
+                u += bu;
+            }
+            if ((threadIdx.x & 31) == 0) act[(size_t)j * m + row] = from_float<T>(gate_mul(glu, g, u));
         }
     }
 }
@@ -267,7 +278,7 @@ __device__ __forceinline__ void matvec(const T* __restrict__ w, const T* __restr
     StoredRows<T> in{x + (size_t)j0 * k, k};
     float acc[1][MAXN];
     if (matvec_rows<T, MAXN, 1>(w, 0, m, k, in, nj, acc))
-        store_rows<MAXN>(acc, out + (size_t)j0 * m, nj, m, accumulate, scale);
+        store_rows<MAXN>(acc, out + (size_t)j0 * m, nj, m, accumulate, scale, nullptr);
 }
 
 // R = 1: out[j, row] = the product (float32 [n, m]); R = 2: w holds 2 m rows (gate, then up) and
@@ -286,9 +297,9 @@ __device__ __forceinline__ void norm_matvec(const T* __restrict__ w, const float
     float acc[R][MAXN];
     if (!matvec_rows<T, MAXN, R>(w, m, m, k, in, nj, acc)) return;
     if constexpr (R == 1) {
-        store_rows<MAXN>(acc, out + (size_t)j0 * m, nj, m, 0, 1.0f);
+        store_rows<MAXN>(acc, out + (size_t)j0 * m, nj, m, 0, 1.0f, nullptr);
     } else {
-        store_gated<T, MAXN>(acc, act + (size_t)j0 * m, nj, m, gelu);
+        store_gated<T, MAXN>(acc, act + (size_t)j0 * m, nj, m, gelu, nullptr);
     }
 }
 
@@ -313,28 +324,31 @@ struct GatheredRows {
 
 // The tile blockIdx.y of cuda/moe.cu's moe_group: expert e's grouped positions t0 .. t0 + nj - 1 against
 // its matrix w + e * R * m * k. R = 2 (moe_matvec_swiglu): x = h [n, k] read through `order` (GatheredRows),
-// w [E, 2 m, k] (each expert's gate rows, then its up rows), act[t, row] = gate_mul(gelu, gate, up) rounded
-// to T ([n_pairs, m], grouped order). R = 1 (moe_matvec): x = act [n_pairs, k] in grouped order, w [E, m, k],
-// out[t, row] = the product (float32 [n_pairs, m], grouped order). An unused tile (e < 0) does nothing.
+// w [E, 2 m, k] (each expert's gate rows, then its up rows), act[t, row] = gate_mul(glu, gate [+ bias],
+// up [+ bias]) rounded to T ([n_pairs, m], grouped order; bias [E, 2 m] or NULL). R = 1 (moe_matvec): x = act
+// [n_pairs, k] in grouped order, w [E, m, k], out[t, row] = the product [+ bias[e, row]] (float32 [n_pairs,
+// m], grouped order; bias [E, m] or NULL). An unused tile (e < 0) does nothing.
 template <typename T, int MAXN, int R>
 __device__ __forceinline__ void moe_matvec(const T* __restrict__ w, const T* __restrict__ x,
                                            const int* __restrict__ start, const int* __restrict__ order,
-                                           const int* __restrict__ tiles, float* __restrict__ out,
-                                           T* __restrict__ act, int m, int k, int k_used, int gelu) {
+                                           const int* __restrict__ tiles, const float* __restrict__ bias,
+                                           float* __restrict__ out, T* __restrict__ act, int m, int k, int k_used,
+                                           int glu) {
     __shared__ int src[MAXN];
     const int e = tiles[2 * blockIdx.y], t0 = tiles[2 * blockIdx.y + 1];
     if (e < 0) return;                              // the whole block: before any barrier
     const int nj = min(MAXN, start[e + 1] - t0);
     const T* we = w + (size_t)e * R * m * k;
+    const float* be = bias != nullptr ? bias + (size_t)e * R * m : nullptr;
     float acc[R][MAXN];
     if constexpr (R == 1) {
         StoredRows<T> in{x + (size_t)t0 * k, k};
         if (matvec_rows<T, MAXN, 1>(we, 0, m, k, in, nj, acc))
-            store_rows<MAXN>(acc, out + (size_t)t0 * m, nj, m, 0, 1.0f);
+            store_rows<MAXN>(acc, out + (size_t)t0 * m, nj, m, 0, 1.0f, be);
     } else {
         GatheredRows<T> in{x, k, order, t0, k_used, src};
         if (matvec_rows<T, MAXN, 2>(we, m, m, k, in, nj, acc))
-            store_gated<T, MAXN>(acc, act + (size_t)t0 * m, nj, m, gelu);
+            store_gated<T, MAXN>(acc, act + (size_t)t0 * m, nj, m, glu, be);
     }
 }
 
@@ -360,15 +374,16 @@ __device__ __forceinline__ void moe_matvec(const T* __restrict__ w, const T* __r
 
 #define MOE_MATVEC(NAME, T, MAXN)                                                                     \
     extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32, 1)                                  \
-    NAME(const T* w, const T* x, const int* start, const int* tiles, float* out, int m, int k) {       \
-        moe_matvec<T, MAXN, 1>(w, x, start, nullptr, tiles, out, nullptr, m, k, 1, 0);                 \
+    NAME(const T* w, const T* x, const int* start, const int* tiles, const float* bias, float* out, int m, \
+         int k) {                                                                                      \
+        moe_matvec<T, MAXN, 1>(w, x, start, nullptr, tiles, bias, out, nullptr, m, k, 1, 0);           \
     }
 
 #define MOE_MATVEC_SWIGLU(NAME, T, MAXN)                                                              \
     extern "C" __global__ void __launch_bounds__(MATVEC_WARPS * 32, 1)                                  \
-    NAME(const T* w, const T* x, const int* start, const int* order, const int* tiles, T* act, int n_ff, \
-         int k, int k_used, int gelu) {                                                                \
-        moe_matvec<T, MAXN, 2>(w, x, start, order, tiles, nullptr, act, n_ff, k, k_used, gelu);        \
+    NAME(const T* w, const T* x, const int* start, const int* order, const int* tiles, const float* bias, \
+         T* act, int n_ff, int k, int k_used, int glu) {                                               \
+        moe_matvec<T, MAXN, 2>(w, x, start, order, tiles, bias, nullptr, act, n_ff, k, k_used, glu);   \
     }
 
 // MAXN: the x rows one block takes (the launcher picks the smallest that fits n, or 32 per block row).

@@ -6,6 +6,9 @@
 // their weights wts [n, k] float32, llama.cpp's softmax gating with normalised weights:
 //     p = softmax(route[i]) (the sum in expert order), the k largest p (ties to the lower id), by rank;
 //     w_r = p_r / max(sum of the k p_r in rank order, 2^-14) * scale (expert_weights_scale; 1: none).
+// With bias (gpt-oss's router bias, [E] float32; NULL: none) the logits are route[i] + bias first. topk_softmax
+// (gpt-oss's gating, as _forward._route_topk): the k largest logits by rank (ties to the lower id, a NaN never
+// chosen; no candidate left: expert 0), w_r = e^(l_r - l_0) / (their sum in rank order) * scale.
 // Grid: n blocks, one per row; block: any multiple of 32 (the exponentials shared, the rest on thread 0:
 // E * k comparisons). E <= MOE_MAX_EXPERTS.
 //
@@ -27,27 +30,56 @@
 #define MOE_MAX_EXPERTS 512
 #define MOE_MIN_WEIGHT_SUM 6.103515625e-5f     // llama.cpp's build_moe_ffn: the smallest normal f16
 
-extern "C" __global__ void moe_route_f32(const float* __restrict__ route, int* __restrict__ sel,
-                                         float* __restrict__ wts, int n_expert, int k, float scale) {
+// Thread 0's TOPK_SOFTMAX route of one row's logits l (see above).
+__device__ void moe_route_topk(const float* l, int* s, float* w, int n_expert, int k, float scale) {
+    for (int rank = 0; rank < k; ++rank) {
+        int best = -1;
+        for (int e = 0; e < n_expert; ++e) {
+            bool taken = false;
+            for (int j = 0; j < rank; ++j) taken = taken || s[j] == e;
+            if (l[e] == l[e] && (best < 0 || l[e] > l[best]) && !taken) best = e;
+        }
+        best = best >= 0 ? best : 0;
+        s[rank] = best;
+        w[rank] = l[best];
+    }
+    const float mx = w[0];
+    float total = 0.0f;
+    for (int rank = 0; rank < k; ++rank) {
+        w[rank] = expf(w[rank] - mx);
+        total += w[rank];
+    }
+    for (int rank = 0; rank < k; ++rank) w[rank] = w[rank] / total * scale;
+}
+
+extern "C" __global__ void moe_route_f32(const float* __restrict__ route, const float* __restrict__ bias,
+                                         int* __restrict__ sel, float* __restrict__ wts, int n_expert, int k,
+                                         float scale, int topk_softmax) {
     __shared__ float p[MOE_MAX_EXPERTS];
     __shared__ float top;
     const int i = blockIdx.x;
     const float* r = route + (size_t)i * n_expert;
+    int* s = sel + (size_t)i * k;
+    float* w = wts + (size_t)i * k;
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) p[e] = bias != nullptr ? r[e] + bias[e] : r[e];
+    __syncthreads();
+    if (topk_softmax) {
+        if (threadIdx.x == 0) moe_route_topk(p, s, w, n_expert, k, scale);
+        return;
+    }
     if (threadIdx.x == 0) {
-        float mx = r[0];
+        float mx = p[0];
         for (int e = 1; e < n_expert; ++e)
-            if (r[e] > mx) mx = r[e];
+            if (p[e] > mx) mx = p[e];
         top = mx;
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) p[e] = expf(r[e] - top);
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) p[e] = expf(p[e] - top);
     __syncthreads();
     if (threadIdx.x != 0) return;
     float total = 0.0f;
     for (int e = 0; e < n_expert; ++e) total += p[e];
     for (int e = 0; e < n_expert; ++e) p[e] = p[e] / total;
-    int* s = sel + (size_t)i * k;
-    float* w = wts + (size_t)i * k;
     float sum = 0.0f;
     for (int rank = 0; rank < k; ++rank) {
         int best = 0;

@@ -274,9 +274,20 @@ def _k_norm_matvec_swiglu(grid, args):
 
 def _k_moe_route(grid, args):
     """fastserve/backends/cpu/_forward.pyx's _route, row by row."""
-    route, sel, wts, E, k, scale = args
+    route, bias, sel, wts, E, k, scale, topk_softmax = args
     for i in range(_rows_of(grid)):
-        p = np.exp(np.asarray(route[i], np.float32) - route[i].max())
+        logits = np.asarray(route[i], np.float32)
+        if isinstance(bias, ndarray):
+            logits = logits + np.asarray(bias)
+        if int(topk_softmax):                                   # _route_topk: top k logits, softmax over them
+            top = np.argsort(-logits, kind="stable")[:int(k)]   # ties to the lower id
+            w = np.exp(logits[top] - logits[top[0]])
+            total = np.float32(0)
+            for v in w:                                         # in rank order
+                total = np.float32(total + v)
+            sel[i], wts[i] = top, w / total * scale
+            continue
+        p = np.exp(logits - logits.max())
         p = p / np.float32(p.sum(dtype=np.float32))
         top = np.argsort(-p, kind="stable")[:int(k)]            # ties to the lower id
         w = p[top]
@@ -308,16 +319,20 @@ def _moe_tiles(start, tiles, m, grid):
 
 
 def _k_moe_matvec_swiglu(grid, args):
-    w, h, start, order, tiles, act, n_ff, k, k_used, gelu = args
+    w, h, start, order, tiles, bias, act, n_ff, k, k_used, glu = args
     for e, ts in _moe_tiles(start, tiles, int(n_ff), grid):
         gu = _rows_dot(h[np.asarray(order[ts]) // int(k_used)], w[e])
-        act[ts] = from_f32(_glu(gu, int(n_ff), gelu), act)
+        if isinstance(bias, ndarray):
+            gu = gu + np.asarray(bias[e])
+        act[ts] = from_f32(_glu(gu, int(n_ff), glu), act)
 
 
 def _k_moe_matvec(grid, args):
-    w, x, start, tiles, out, m, k = args
+    w, x, start, tiles, bias, out, m, k = args
     for e, ts in _moe_tiles(start, tiles, int(m), grid):
         out[ts] = _rows_dot(x[ts], w[e])
+        if isinstance(bias, ndarray):
+            out[ts] = out[ts] + np.asarray(bias[e])
 
 
 def _k_moe_sum(grid, args):
@@ -357,21 +372,31 @@ def _k_attention_split(grid, args):
 
 
 def _k_attention_combine(grid, args):
-    part_o, part_ml, out, H, D, S = args
+    part_o, part_ml, sinks, out, H, D, S = args
     n = int(grid[1])
     H, D = int(H), int(D)
+    sg = np.asarray(sinks, np.float32) if isinstance(sinks, ndarray) else None   # natural-log units, like m here
     for t in range(n):
         m = part_ml[t, :, :, 0]                     # [H, S]
         mx = m.max(axis=1, keepdims=True)
+        if sg is not None:                          # the sink: one more score, of no value
+            mx = np.maximum(mx, sg[:, None])
         f = np.where(np.isneginf(m), 0.0, np.exp(m - mx)).astype(np.float32)
         lsum = (part_ml[t, :, :, 1] * f).sum(axis=1)
+        if sg is not None:                          # in the denominator only
+            lsum = lsum + np.exp(sg - mx[:, 0])
         o = (part_o[t] * f[:, :, None]).sum(axis=1) / lsum[:, None]
         out[t] = from_f32(o.reshape(H * D), out)
 
 
 def _glu(gu, n_ff: int, gelu) -> np.ndarray:
-    """gate_mul over rows of gate | up sums [n, 2 n_ff]: SwiGLU, or GeGLU (gelu)."""
+    """gate_mul over rows of gate | up sums [n, 2 n_ff]: SwiGLU, GeGLU (gelu 1) or swiglu_oai (2)."""
     g, u = gu[:, :n_ff], gu[:, n_ff:2 * n_ff]
+    if int(gelu) == 2:  # gpt-oss: x sigmoid(1.702 x) (y + 1), x = min(g, 7), y = clamp(u, -7, 7); NaN kept
+        x = np.where(g > np.float32(7.0), np.float32(7.0), g)
+        y = np.where(u > np.float32(7.0), np.float32(7.0), np.where(u < np.float32(-7.0), np.float32(-7.0), u))
+        with np.errstate(over="ignore"):
+            return x / (np.float32(1.0) + np.exp(-(np.float32(1.702) * x))) * (y + np.float32(1.0))
     if int(gelu):       # GeGLU: g sigmoid(2 sqrt(2/pi) g (1 + 0.044715 g^2))
         z = ((g * g) * np.float32(0.044715) + np.float32(1.0)) * g * np.float32(2 * np.sqrt(2 / np.pi))
     else:
@@ -384,6 +409,11 @@ def _k_swiglu(grid, args):
     gu, out, n, n_ff, gelu = args
     n = int(n)
     out[:n] = from_f32(_glu(np.asarray(gu[:n]), int(n_ff), gelu), out)
+
+
+def _k_add_bias(grid, args):
+    x, bias, n, d = args
+    x[:int(n)] += np.asarray(bias)
 
 
 def _k_cast(grid, args):
@@ -441,6 +471,7 @@ _EMULATIONS = [("embed_rows_", _k_embed_rows), ("rms_norm_add_", _k_rms_norm_add
                ("moe_route_", _k_moe_route), ("moe_group", _k_moe_group), ("moe_sum_", _k_moe_sum),
                ("attention_split_", _k_attention_split),
                ("attention_combine_", _k_attention_combine), ("swiglu_", _k_swiglu), ("cast_f32_", _k_cast),
+               ("add_bias_f32", _k_add_bias),
                ("argmax_rows_", _k_argmax_rows), ("sample_chain_", _k_sample_chain)]
 
 

@@ -57,6 +57,7 @@ def synthetic_family(directory, family: str):
     instead of SmolLM2's 49,152 tokens (which needs the default model, and minutes a step on the emulator)."""
     import fastserve
     from fastserve.models.synthetic import write_llama_gguf
-    from tests.golden.synthetic_families import SPECS
+    from tests.golden.synthetic_families import ARCHITECTURE, SPECS
     spec = {k: v for k, v in SPECS[family].items() if k != "pre"}
-    return fastserve.load_model(write_llama_gguf(Path(directory) / f"{family}.gguf", architecture=family, **spec))
+    return fastserve.load_model(write_llama_gguf(Path(directory) / f"{family}.gguf",
+                                                 architecture=ARCHITECTURE.get(family, family), **spec))

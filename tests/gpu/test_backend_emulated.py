@@ -6,6 +6,7 @@ products' column-major arguments, bucketed CUDA-graph capture and replay with pa
 batches, KV save/restore, and the math as a whole against the NumPy backend (the kernels emulated
 in NumPy). The kernels themselves are checked on a GPU by the other tests in this folder.
 """
+import dataclasses
 import inspect
 
 import numpy as np
@@ -210,15 +211,16 @@ def test_engine_runs_on_the_backend(fake, request, model_name):
     assert got == want
 
 
-def _row_against_numpy(cfg, w, lengths) -> float:
+def _row_against_numpy(cfg, w, lengths, gpu_weights=None) -> float:
     """Prompts of `lengths` prefilled into slots 0.., then 6 decode steps of them all (through graphs) on
-    CupyBackend and on the NumPy backend (the weights rounded as the GPU holds them): the worst relative
-    error of a step's logits."""
+    CupyBackend (with gpu_weights when given) and on the NumPy backend (the weights rounded as the GPU holds
+    them): the worst relative error of a step's logits."""
     from fastserve.backends.cuda.backend import CupyBackend, unsupported_features
     assert unsupported_features(cfg) == []
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, cfg.n_vocab, n).astype(np.int32) for n in lengths]
-    gpu = CupyBackend(cfg, w, n_slots=4, n_ctx_slot=64, dtype="f16", attn_chunk=4)
+    gpu = CupyBackend(cfg, w if gpu_weights is None else gpu_weights, n_slots=4, n_ctx_slot=64, dtype="f16",
+                      attn_chunk=4)
     ref = _cpu_backend(cfg, rounded_weights(w, "f16"), 4, 64)
     got = _prefill_then_decode(gpu, prompts, 6, rng)
     want = _prefill_then_decode(ref, prompts, 6, rng)
@@ -256,3 +258,33 @@ def test_family_rows_match_cpu_backend(fake, tmp_path, family):
     model = synthetic_family(tmp_path, family)
     worst = _row_against_numpy(model.config, model.weights, (7, 3, 12))
     assert worst <= 1e-2, f"{family}: worst per-step relative error {worst:.2e}"
+
+
+@pytest.mark.parametrize("family", ["gpt-oss", "gpt-oss-mxfp4"])
+def test_gpt_oss_row_matches_cpu_backend(fake, tmp_path, family):
+    """gpt-oss's row (Q8_0, and MXFP4 experts dequantized on upload): q/k/v biases (qk_prep), o's bias
+    (add_bias), attention sinks (attention_combine), local layers of a 16-key window rotating with the global
+    YaRN tables, the router's bias and TOPK_SOFTMAX gating (moe_route), the experts' biases and swiglu_oai (the
+    grouped products), over a prompt past the window, decode steps in graphs."""
+    model = synthetic_family(tmp_path, family)
+    worst = _row_against_numpy(model.config, model.weights, (21, 3, 12))
+    assert worst <= 1e-2, f"{family}: worst per-step relative error {worst:.2e}"
+
+
+@pytest.mark.parametrize("dropped", ["attn_sinks", "out_bias", "router_bias", "experts_gate_up_bias",
+                                     "experts_down_bias"])
+def test_gpt_oss_row_is_off_without_each_of_its_tensors(fake, tmp_path, dropped):
+    """Each of gpt-oss's own tensors is really applied on the device: the run without one of them (the others
+    as they are) is off the CPU's by far more than the run with all of them. The synthetic model's sinks
+    (N(0, 1.5^2) beside its scores) move its logits by less than the rounding (measured: 4.73e-4 without them,
+    4.75e-4 with), so for them the device gets sinks 8 higher instead of none."""
+    model = synthetic_family(tmp_path, "gpt-oss")
+    w = model.weights
+
+    def changed(lw):
+        return None if dropped != "attn_sinks" else lw.attn_sinks + np.float32(8.0)
+    without = dataclasses.replace(w, layers=[dataclasses.replace(lw, **{dropped: changed(lw)}) for lw in w.layers])
+    worst = _row_against_numpy(model.config, w, (21, 3, 12), gpu_weights=without)
+    matched = _row_against_numpy(model.config, w, (21, 3, 12))
+    print(f"without {dropped}: {worst:.2e}, with it: {matched:.2e}")
+    assert worst > 10 * matched, f"without {dropped}: worst per-step relative error {worst:.2e}, with {matched:.2e}"

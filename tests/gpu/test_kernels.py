@@ -171,9 +171,10 @@ def test_kv_store(cupy, storage):
     assert np.count_nonzero(np.abs(k).sum(axis=(2, 3))) == n
 
 
-def _attention_ref(q, k, v, slots, pos, H, Hkv, window=0):
+def _attention_ref(q, k, v, slots, pos, H, Hkv, window=0, sinks=None):
     """float64 causal GQA attention: q [n, H, D]; k, v [n_slots, n_ctx, Hkv, D] float32; window > 0: the
-    query at p sees keys p - window < k <= p (the CPU's contract for a local layer)."""
+    query at p sees keys p - window < k <= p (the CPU's contract for a local layer); sinks [H]: head h's
+    softmax gets one more logit sinks[h] whose column is dropped (it only adds to the denominator)."""
     n, _, D = q.shape
     G = H // Hkv
     out = np.zeros((n, H, D))
@@ -183,8 +184,10 @@ def _attention_ref(q, k, v, slots, pos, H, Hkv, window=0):
             kk = k[slots[t], first:pos[t] + 1, h // G].astype(np.float64)
             vv = v[slots[t], first:pos[t] + 1, h // G].astype(np.float64)
             s = kk @ q[t, h].astype(np.float64) / np.sqrt(D)
-            p = np.exp(s - s.max())
-            out[t, h] = p @ vv / p.sum()
+            mx = s.max() if sinks is None else max(s.max(), float(sinks[h]))
+            p = np.exp(s - mx)
+            extra = 0.0 if sinks is None else np.exp(float(sinks[h]) - mx)
+            out[t, h] = p @ vv / (p.sum() + extra)
     return out.reshape(n, H * D)
 
 
@@ -197,7 +200,7 @@ def _attention_inputs(rng, storage, H, Hkv, D, n_ctx, n, n_slots=3):
     return qkv, k, v, slots, pos
 
 
-def _run_attention(cupy, storage, qkv, k, v, slots, pos, H, chunk, window=0):
+def _run_attention(cupy, storage, qkv, k, v, slots, pos, H, chunk, window=0, sinks=None):
     """K.attention on fresh poisoned scratch and output; returns out as stored (f32 for f32 KV)."""
     n, (_, n_ctx, _, D) = len(slots), k.shape
     S = K.attention_splits(n_ctx, chunk)
@@ -205,7 +208,8 @@ def _run_attention(cupy, storage, qkv, k, v, slots, pos, H, chunk, window=0):
     out = _poisoned(cupy, (n, H * D), _np_storage(out_storage))
     K.attention(cupy.asarray(qkv), _to_storage(cupy, k, storage), _to_storage(cupy, v, storage),
                 cupy.asarray(slots), cupy.asarray(pos), _poisoned(cupy, (n, H, S, D), np.float32),
-                _poisoned(cupy, (n, H, S, 2), np.float32), out, n, H, chunk, float(1 / np.sqrt(D)), window=window)
+                _poisoned(cupy, (n, H, S, 2), np.float32), out, n, H, chunk, float(1 / np.sqrt(D)), window=window,
+                sinks=None if sinks is None else cupy.asarray(np.asarray(sinks, np.float32)))
     return out, out_storage
 
 
@@ -261,6 +265,43 @@ def test_attention_sliding_window(cupy, storage, H, Hkv, D, n_ctx, chunk, window
     assert rel_err(got[past], _attention_ref(q, k, v, slots, pos, H, Hkv)[past]) > 10 * _ATTN_TOL[storage]
 
 
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("H,Hkv,D,n_ctx,chunk,window", [(4, 2, 16, 64, 8, 0), (8, 1, 64, 300, 32, 16),
+                                                        (2, 1, 32, 1040, 4, 0), (4, 4, 128, 160, 1000, 0)])
+def test_attention_sinks(cupy, storage, H, Hkv, D, n_ctx, chunk, window):
+    """gpt-oss's attention sinks (one logit per query head, in the denominator only), full and local
+    layers, splits past one combine tile: a sink under the scores, one above them all (the max is the
+    sink's), one far below (no effect); the answer differs from the one without sinks (so they are
+    really applied), and sinks of -inf give the bits of no sinks."""
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
+    n = 9
+    qkv, k, v, slots, pos = _attention_inputs(rng, storage, H, Hkv, D, n_ctx, n)
+    pos[:4] = [0, 1, min(chunk, n_ctx - 1), n_ctx - 1]
+    sinks = rng.uniform(2.0, 6.0, H).astype(np.float32)
+    sinks[0], sinks[-1] = 40.0, -40.0
+    q = qkv[:, :H * D].reshape(n, H, D)
+    out, out_storage = _run_attention(cupy, storage, qkv, k, v, slots, pos, H, chunk, window, sinks)
+    got = _from_storage(out, out_storage)
+    assert rel_err(got, _attention_ref(q, k, v, slots, pos, H, Hkv, window, sinks)) <= _ATTN_TOL[storage]
+    assert rel_err(got, _attention_ref(q, k, v, slots, pos, H, Hkv, window)) > 10 * _ATTN_TOL[storage]
+    if n_ctx > 1000:
+        return                          # the emulator's time: the bits of -inf sinks are checked on the others
+    none, _ = _run_attention(cupy, storage, qkv, k, v, slots, pos, H, chunk, window)
+    off, _ = _run_attention(cupy, storage, qkv, k, v, slots, pos, H, chunk, window, np.full(H, -np.inf))
+    np.testing.assert_array_equal(off.get(), none.get())
+
+
+def test_attention_sinks_checked(cupy):
+    """A sinks array of the wrong length or type is refused before any launch."""
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
+    qkv, k, v, slots, pos = _attention_inputs(rng, "f32", 4, 2, 16, 64, 3)
+    for bad in (np.zeros(3, np.float32), np.zeros(4, np.float64)):
+        with pytest.raises((TypeError, ValueError), match="sinks"):
+            K.attention(cupy.asarray(qkv), cupy.asarray(k), cupy.asarray(v), cupy.asarray(slots), cupy.asarray(pos),
+                        cupy.zeros((3, 4, 8, 16), np.float32), cupy.zeros((3, 4, 8, 2), np.float32),
+                        cupy.zeros((3, 64), np.float32), 3, 4, 8, 0.25, sinks=cupy.asarray(bad))
+
+
 @pytest.mark.parametrize("storage", ["f16", "f32"])
 def test_attention_token_does_not_depend_on_the_batch(cupy, storage):
     """A token's output is bitwise the same alone and among other tokens (other slots, positions)."""
@@ -275,6 +316,20 @@ def test_attention_token_does_not_depend_on_the_batch(cupy, storage):
         batch, _ = _run_attention(cupy, storage, qkv, k, v, slots, pos, H, chunk)
         np.testing.assert_array_equal(batch.get()[4], alone.get()[0])
         qkv[:4], pos[5:] = rng.standard_normal((4, qkv.shape[1])), rng.integers(0, n_ctx, n - 5)
+
+
+def test_add_bias(cupy):
+    """x[t] += bias for the first n rows only; a bias of the wrong length is refused."""
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
+    n, d = 5, 300
+    x0 = rng.standard_normal((n + 2, d)).astype(np.float32)
+    bias = rng.standard_normal(d).astype(np.float32)
+    x = cupy.asarray(x0)
+    K.add_bias(x, cupy.asarray(bias), n)
+    np.testing.assert_array_equal(x.get()[:n], x0[:n] + bias)
+    np.testing.assert_array_equal(x.get()[n:], x0[n:])
+    with pytest.raises(ValueError, match="bias|x"):
+        K.add_bias(x, cupy.asarray(bias[:7]), n)
 
 
 def _gated(g, u, gelu: bool):
@@ -579,6 +634,30 @@ def test_moe_route(cupy):
     assert (sel.get()[n] == np.iinfo(np.int32).max).all()             # rows past n untouched
 
 
+def test_moe_route_topk_softmax_with_bias(cupy):
+    """gpt-oss's routing: the router's bias added to the logits, the top k logits (ties to the lower id),
+    the softmax over those k, times scale; without the bias the experts differ (so it is really added)."""
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
+    n, E, k = 9, 8, 4
+    route = (rng.standard_normal((n + 1, E)) * 2).astype(np.float32)
+    bias = (rng.integers(-8, 9, E) / 4).astype(np.float32)        # quarters: route[2] + bias is exact
+    route[2] = np.array([1.0, 3.0, 3.0, 0.0, 3.0, 3.0, -1.0, 2.0], np.float32) - bias   # ties after the bias
+    sel, wts = _poisoned(cupy, (n + 1, k), np.int32), _poisoned(cupy, (n + 1, k), np.float32)
+    K.moe_route(cupy.asarray(route), sel, wts, n, scale=1.5, bias=cupy.asarray(bias), topk_softmax=True)
+    logits = route[:n].astype(np.float64) + bias
+    want_sel = np.argsort(-logits, axis=1, kind="stable")[:, :k]
+    top = np.take_along_axis(logits, want_sel, axis=1)
+    want_w = np.exp(top - top[:, :1]) / np.exp(top - top[:, :1]).sum(axis=1, keepdims=True) * 1.5
+    np.testing.assert_array_equal(sel.get()[:n], want_sel)
+    np.testing.assert_array_equal(sel.get()[2], [1, 2, 4, 5])
+    np.testing.assert_allclose(wts.get()[:n], want_w, rtol=2e-6)
+    assert (sel.get()[n] == np.iinfo(np.int32).max).all()             # rows past n untouched
+    K.moe_route(cupy.asarray(route), sel, wts, n, scale=1.5, topk_softmax=True)
+    assert (sel.get()[:n] != want_sel).any()
+    with pytest.raises(ValueError, match="bias"):
+        K.moe_route(cupy.asarray(route), sel, wts, n, bias=cupy.asarray(bias[:3]), topk_softmax=True)
+
+
 @pytest.mark.parametrize("n", [1, 3, 40])
 def test_moe_group_is_a_counting_sort(cupy, n):
     """Pairs grouped by expert (batch order within one), pos its inverse, the tiles cover each expert's pairs
@@ -602,16 +681,18 @@ def test_moe_group_is_a_counting_sort(cupy, n):
     assert (tiles.get()[len(cover):, 0] == -1).all()
 
 
-def _moe_ffn(cupy, storage, h, wgu, wd, sel, wts, base):
-    """The device's moe_group, grouped products and moe_sum over the rows of h: base + each row's sum."""
+def _moe_ffn(cupy, storage, h, wgu, wd, sel, wts, base, oai=False, bgu=None, bd=None):
+    """The device's moe_group, grouped products and moe_sum over the rows of h: base + each row's sum (oai:
+    gpt-oss's swiglu_oai; bgu [E, 2 F], bd [E, d]: the experts' biases)."""
     n, k, E = len(h), sel.shape[1], len(wgu)
     F, d = wd.shape[2], wd.shape[1]
     start, order, pos = cupy.zeros(E + 1, np.int32), cupy.zeros(n * k, np.int32), cupy.zeros(n * k, np.int32)
     tiles = cupy.zeros((K.moe_tiles(n, k, E), 2), np.int32)
     act, ye = _poisoned(cupy, (n * k, F), _np_storage(storage)), _poisoned(cupy, (n * k, d), np.float32)
     K.moe_group(cupy.asarray(sel), n, E, start, order, pos, tiles)
-    K.moe_gemm_swiglu(_to_storage(cupy, h, storage), wgu, start, order, tiles, act, n, k)
-    K.moe_gemm(act, wd, start, tiles, ye, n, k)
+    K.moe_gemm_swiglu(_to_storage(cupy, h, storage), wgu, start, order, tiles, act, n, k, oai=oai,
+                      bias=None if bgu is None else cupy.asarray(bgu))
+    K.moe_gemm(act, wd, start, tiles, ye, n, k, bias=None if bd is None else cupy.asarray(bd))
     x = cupy.asarray(base)
     K.moe_sum(ye, pos, cupy.asarray(wts), x, n, accumulate=True, scale=0.5)
     return x.get()
@@ -642,4 +723,55 @@ def test_moe_ffn_and_its_batch_invariance(cupy, storage):
         return                          # the NumPy emulation's sums are not batch-invariant (BLAS)
     for i in (0, 17):
         alone = _moe_ffn(cupy, storage, h[i:i + 1], wgu, wd, sel[i:i + 1], wts[i:i + 1], base[i:i + 1])
+        np.testing.assert_array_equal(alone[0], got[i], err_msg=f"row {i}")
+
+
+def _swiglu_oai(g, u):
+    """gpt-oss's SwiGLU in float64: x sigmoid(1.702 x) (y + 1), x = min(g, 7), y = clamp(u, -7, 7)."""
+    x, y = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
+    return x / (1 + np.exp(-1.702 * x)) * (y + 1)
+
+
+@pytest.mark.parametrize("storage", ["f16", "bf16"])
+def test_moe_ffn_gpt_oss(cupy, storage):
+    """gpt-oss's experts: gate | up biases before swiglu_oai (its clamps bite: sums past +-7), down biases
+    after the down product, against float64 on the rounded inputs; without the biases, or with plain SwiGLU,
+    the answer is far off (so each is really applied); a row bitwise the same alone and among 29."""
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
+    n, d, F, E, k = 29, 64, 48, 6, 3
+    h = round_to(rng.standard_normal((n, d)).astype(np.float32), storage)
+    wgu_h = round_to((rng.standard_normal((E, 2 * F, d)) * 5 / np.sqrt(d)).astype(np.float32), storage)
+    wd_h = round_to((rng.standard_normal((E, d, F)) / np.sqrt(F)).astype(np.float32), storage)
+    wgu, wd = _to_storage(cupy, wgu_h, storage), _to_storage(cupy, wd_h, storage)
+    bgu = (rng.standard_normal((E, 2 * F)) * 2).astype(np.float32)
+    bd = (rng.standard_normal((E, d)) * 4).astype(np.float32)
+    sel = np.stack([rng.choice(E, k, replace=False) for _ in range(n)]).astype(np.int32)
+    wts = rng.random((n, k)).astype(np.float32)
+    base = rng.standard_normal((n, d)).astype(np.float32)
+    got = _moe_ffn(cupy, storage, h, wgu, wd, sel, wts, base, oai=True, bgu=bgu, bd=bd)
+
+    def want(glu, biases):
+        out, seen = base.astype(np.float64).copy(), []
+        for i in range(n):
+            for r in range(k):
+                e = sel[i, r]
+                gu = wgu_h[e].astype(np.float64) @ h[i] + (bgu[e] if biases else 0.0)
+                seen.append(gu)
+                act = round_to(glu(gu[:F], gu[F:]).astype(np.float32), storage).astype(np.float64)
+                out[i] += 0.5 * wts[i, r] * (wd_h[e].astype(np.float64) @ act + (bd[e] if biases else 0.0))
+        return out, np.array(seen)
+
+    full, seen = want(_swiglu_oai, True)
+    assert (seen[:, :F] > 7).any() and (seen[:, F:] > 7).any() and (seen[:, F:] < -7).any()   # the clamps bite
+    tol = {"f16": 2e-3, "bf16": 1e-2}[storage]
+    assert rel_err(got - base, full - base) <= tol
+    assert rel_err(got - base, want(_swiglu_oai, False)[0] - base) > 10 * tol
+    assert rel_err(got - base, want(lambda g, u: _gated(g, u, False), True)[0] - base) > 10 * tol
+    with pytest.raises(ValueError, match="bias"):
+        _moe_ffn(cupy, storage, h, wgu, wd, sel, wts, base, oai=True, bgu=bgu[:, :F], bd=bd)
+    if getattr(cupy, "fake_kernels", "") == "numpy":
+        return                          # the NumPy emulation's sums are not batch-invariant (BLAS)
+    for i in (0, 11):
+        alone = _moe_ffn(cupy, storage, h[i:i + 1], wgu, wd, sel[i:i + 1], wts[i:i + 1], base[i:i + 1], oai=True,
+                         bgu=bgu, bd=bd)
         np.testing.assert_array_equal(alone[0], got[i], err_msg=f"row {i}")

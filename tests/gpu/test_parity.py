@@ -243,10 +243,10 @@ def test_gemma3_270m_logits_within_bar_of_numpy(cupy, gemma3_on_disk):
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory):
     d = tmp_path_factory.mktemp("families")
-    return {f: synthetic_family(d, f) for f in ("granite", "smollm3", "qwen3moe")}
+    return {f: synthetic_family(d, f) for f in ("granite", "smollm3", "qwen3moe", "gpt-oss")}
 
 
-@pytest.mark.parametrize("family", ["granite", "smollm3", "qwen3moe"])
+@pytest.mark.parametrize("family", ["granite", "smollm3", "qwen3moe", "gpt-oss"])
 def test_family_rows_within_bar_of_numpy(cupy, family_models, family):
     """granite's residual and logit multipliers, smollm3's layers without RoPE, qwen3moe's experts (router,
     routing, grouping and grouped products on the device) on the kernels themselves: a prefill of three slots

@@ -193,18 +193,26 @@ def test_the_gpu_backend_reads_the_same_rows(models):
         got = unsupported_features(m.config)
         if name in CHECKED_ARCHITECTURES:
             assert got == [], name
-        else:           # a row not checked on CUDA (gpt-oss, landing on the CPU) is refused by its name
+        else:           # a row not checked on CUDA (none today) is refused by its name
             assert got and got[0].startswith(f"the {name!r} architecture's row"), name
+    assert set(models) <= set(CHECKED_ARCHITECTURES)
     moe = dataclasses.replace(models["qwen3moe"].config, n_expert=600)
     assert unsupported_features(moe) == ["600 experts (cuda/moe.cu: at most 512)"]
     with pytest.raises(DeviceUnavailable, match=r"does not run 600 experts.*'qwen3moe'.*--device cpu"):
         CupyBackend(moe, models["qwen3moe"].weights, 1, 16)
-    # a row the CUDA backend has not been checked on (gpt-oss, added to the table for the CPU) is refused by name
-    new_row = dataclasses.replace(models["llama"].config.arch, name="gpt-oss")
+    # a row the CUDA backend has not been checked on (a family added to the table for the CPU) is refused by name
+    new_row = dataclasses.replace(models["llama"].config.arch, name="deepseek2")
     cfg = dataclasses.replace(models["llama"].config, arch=new_row)
-    assert len(unsupported_features(cfg)) == 1 and "'gpt-oss'" in unsupported_features(cfg)[0]
-    with pytest.raises(DeviceUnavailable, match=r"does not run the 'gpt-oss' architecture's row.*--device cpu"):
+    assert len(unsupported_features(cfg)) == 1 and "'deepseek2'" in unsupported_features(cfg)[0]
+    with pytest.raises(DeviceUnavailable, match=r"does not run the 'deepseek2' architecture's row.*--device cpu"):
         CupyBackend(cfg, models["llama"].weights, 1, 16)
+    # gpt-oss's o bias beside a sandwich norm, and its swiglu_oai in a dense FFN: refused, named
+    oss = models["gpt-oss"].config
+    llama_oai = dataclasses.replace(models["llama"].config.arch, ffn_act="swiglu_oai")
+    for arch, named in ((dataclasses.replace(oss.arch, sandwich_norms=True), "an output bias beside sandwich norms"),
+                        (llama_oai, "swiglu_oai in a dense")):
+        base = oss if arch.moe else models["llama"].config
+        assert any(named in f for f in unsupported_features(dataclasses.replace(base, arch=arch))), named
     g = models["gemma3"]
     for change, named in ((dict(head_dim=512), "head_dim 512"), (dict(head_dim=260), "head_dim 260"),
                           (dict(n_head=16, n_head_kv=1), "16 query heads per KV head")):

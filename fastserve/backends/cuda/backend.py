@@ -4,15 +4,19 @@ Same contract as CpuBackend (fastserve/backends/base.py); same math, in this ord
 bracketed steps where the architecture row asks for them (models/architecture.py, read through cfg):
     x = embedding rows [* embd_scale]
     h = rmsnorm(x) -> qkv = h Wqkv^T -> [+ bias, per-head q/k RMSNorm: qk_prep] -> [RoPE(q, k) (a local
-      layer: its own base; none on smollm3's every 4th layer)] -> K, V into the cache -> attention (a local
-      layer: keys q - window < p <= q) -> y = a Wo^T -> [y = rmsnorm(y): post-attention norm] -> x += [r *] y
+      layer: its own base, or gpt-oss's: the global tables, YaRN included; none on smollm3's every 4th layer)]
+      -> K, V into the cache -> attention (a local layer: keys q - window < p <= q; gpt-oss: each head's sink
+      in the softmax's denominator) -> y = a Wo^T -> [y = rmsnorm(y): post-attention norm] -> x += [r *] y
+      [-> x += o's bias: add_bias]
     h = rmsnorm(x) -> gu = h Wgu^T -> s = silu(g) * u (GeGLU: gelu(g) * u) -> y = s Wdown^T
       -> [y = rmsnorm(y): post-FFN norm] -> x += [r *] y
-      (a mixture of experts, _moe: router logits h Wr^T -> each row's top-k experts and weights (cuda/moe.cu,
-      one block a row) -> the (row, rank) pairs grouped by expert on the device (a counting sort into tiles
-      whose number n fixes: no host wait, so a decode step stays one graph) -> each selected expert once over
-      its pairs (cuda/matvec.cu's grouped products, the file's 3-D expert tensors) -> y = each row's weighted
-      expert outputs summed in rank order, as the CPU's _forward._moe)
+      (a mixture of experts, _moe: router logits h Wr^T [+ bias] -> each row's top-k experts and weights
+      (cuda/moe.cu, one block a row; gpt-oss: the softmax over the top k logits) -> the (row, rank) pairs
+      grouped by expert on the device (a counting sort into tiles whose number n fixes: no host wait, so a
+      decode step stays one graph) -> each selected expert once over its pairs (cuda/matvec.cu's grouped
+      products, the file's 3-D expert tensors, MXFP4 ones dequantized on upload like any matrix; gpt-oss: the
+      experts' gate/up and down biases, swiglu_oai) -> y = each row's weighted expert outputs summed in rank
+      order, as the CPU's _forward._moe)
 then the final norm on the output rows only, logits = [l *] h Wout^T [-> c tanh(logits / c): soft-capping]
 (r, l: granite's residual and logit multipliers, taken into the products' and logit_out's launches).
 Products of up to matvec_max_n rows (decode) form h as they read it and gate/up's warp writes s: h and
@@ -54,8 +58,8 @@ CuPy's stream synchronisation releases the GIL while it waits.
 It reads the same description as the CPU backend (ModelConfig and its architecture row,
 models/architecture.py): the rows of CHECKED_ARCHITECTURES run (each checked on tests/gpu's emulators
 against the CPU backend). What a model asks for that these kernels do not run (unsupported_features: a row
-not in CHECKED_ARCHITECTURES, e.g. gpt-oss, heads over 256 wide, more than 8 query heads per KV head, over
-512 experts) is refused at construction, naming it, and `auto` picks the CPU for such a model.
+not in CHECKED_ARCHITECTURES, heads over 256 wide, more than 8 query heads per KV head, over 512 experts) is
+refused at construction, naming it, and `auto` picks the CPU for such a model.
 
 Importing this module needs no CuPy; building a CupyBackend does.
 """
@@ -68,6 +72,7 @@ import numpy as np
 from . import kernels as K
 from ...config import MAX_LOGIT_BIAS, MAX_N_PROBS, MAX_PENALTY_WINDOW, SamplingParams
 from ...errors import FastserveError
+from ...models.architecture import SWIGLU_OAI, TOPK_SOFTMAX
 from ...models.transformer import ModelConfig, ModelWeights
 from ..base import StepOutput
 
@@ -100,16 +105,18 @@ def cuda_status() -> tuple[bool, str]:
 
 
 # The rows of models/architecture.py this backend runs, each checked against the CPU backend on the emulators
-# (tests/gpu/test_backend_emulated.py, test_parity.py): a row added to the table (e.g. gpt-oss, with its
-# attention sinks) is refused here until its steps have kernels and a test.
-CHECKED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "granite", "smollm3", "phi3", "qwen3moe")
+# (tests/gpu/test_backend_emulated.py, test_parity.py): a row added to the table is refused here until its
+# steps have kernels and a test.
+CHECKED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "granite", "smollm3", "phi3", "qwen3moe", "gpt-oss")
 
 
 def unsupported_features(cfg: ModelConfig) -> list[str]:
     """What cfg asks for that the CUDA kernels do not run (empty: all of it runs). The features of the
     checked rows (GeGLU, sandwich norms, the embedding scale, sliding-window layers, soft-capping, fused
     tensors, RoPE factors, granite's multipliers, smollm3's layers without RoPE) run; what is left are rows
-    not checked here, shapes the attention kernel has no instance for, and qwen3moe's experts."""
+    not checked here, shapes the attention kernel has no instance for, expert counts and widths the grouped
+    products do not take, and combinations no row has (gpt-oss's o bias beside sandwich norms or granite's
+    multiplier, swiglu_oai in a dense FFN)."""
     name = cfg.arch.name
     wanted = [(name not in CHECKED_ARCHITECTURES,
                f"the {name!r} architecture's row (not checked on CUDA; it runs {', '.join(CHECKED_ARCHITECTURES)})"),
@@ -118,7 +125,10 @@ def unsupported_features(cfg: ModelConfig) -> list[str]:
               (cfg.n_head // cfg.n_head_kv > 8, f"{cfg.n_head // cfg.n_head_kv} query heads per KV head (at most 8)"),
               (cfg.n_expert > K.MOE_MAX_EXPERTS, f"{cfg.n_expert} experts (cuda/moe.cu: at most {K.MOE_MAX_EXPERTS})"),
               (cfg.n_expert > 0 and not K.matvec_fits("f16", cfg.n_ff),
-               f"experts {cfg.n_ff} wide (the grouped products: a multiple of 8)")]
+               f"experts {cfg.n_ff} wide (the grouped products: a multiple of 8)"),
+              (cfg.arch.ffn_act == SWIGLU_OAI and not cfg.n_expert, "swiglu_oai in a dense FFN (experts only)"),
+              (cfg.arch.out_bias and (cfg.arch.sandwich_norms or cfg.arch.multipliers),
+               "an output bias beside sandwich norms or a residual multiplier")]
     return [name for needed, name in wanted if needed]
 
 
@@ -264,6 +274,7 @@ class CupyBackend:
                 window=c.sliding_window if local else 0, rope=c.rope_layers[li],
                 post_attn_norm=opt(lw.post_attn_norm, slice(None)), post_ffn_norm=opt(lw.post_ffn_norm, slice(None)),
                 attn_norm=self._to_device(lw.attn_norm, "f32"),
+                out_bias=opt(lw.out_bias, slice(None)), sinks=opt(lw.attn_sinks, slice(None)),
                 wqkv=self._to_device(lw.wqkv.to_float()[order] if c.rope_neox else lw.wqkv, dt),
                 wo=self._to_device(lw.wo, dt), ffn_norm=self._to_device(lw.ffn_norm, "f32"),
                 qkv_bias=opt(lw.qkv_bias, order), q_norm=opt(lw.q_norm, qk), k_norm=opt(lw.k_norm, qk),
@@ -285,8 +296,12 @@ class CupyBackend:
             for e, m in enumerate(mats):
                 out[e] = self._to_device(m, dt)
             return out
+
+        def bias(v):
+            return None if v is None else self._to_device(v, "f32")
         return dict(router=self._to_device(lw.router, dt), experts_gate_up=stacked(lw.experts_gate_up),
-                    experts_down=stacked(lw.experts_down))
+                    experts_down=stacked(lw.experts_down), router_bias=bias(lw.router_bias),
+                    experts_gate_up_bias=bias(lw.experts_gate_up_bias), experts_down_bias=bias(lw.experts_down_bias))
 
     def weight_bytes_per_step(self) -> int:
         """Bytes of weights one decode step of one token reads (every matrix once, of a mixture of experts the
@@ -643,8 +658,8 @@ class CupyBackend:
             else:           # smollm3's every 4th layer: q and k as they are
                 K.kv_store(self.qkv, kc, vc, self.slots_d, self.positions_d, n, c.n_head)
             K.attention(self.qkv, kc, vc, self.slots_d, self.positions_d, self.part_o, self.part_ml, self.attn,
-                        n, c.n_head, self.attn_chunk, self.scale, window=lw["window"])
-            self._add_product(self.attn, lw["wo"], lw["post_attn_norm"], n)
+                        n, c.n_head, self.attn_chunk, self.scale, window=lw["window"], sinks=lw["sinks"])
+            self._add_product(self.attn, lw["wo"], lw["post_attn_norm"], n, bias=lw["out_bias"])
             if c.n_expert:
                 self._moe(lw, n)
                 continue
@@ -669,11 +684,13 @@ class CupyBackend:
         c, k = self.cfg, self.cfg.n_expert_used
         K.rms_norm(self.x, lw["ffn_norm"], self.h, n, c.norm_eps)
         K.gemm(self.h, lw["router"], self.route, n, matvec_max_n=self.matvec_max_n)
-        K.moe_route(self.route, self.sel, self.wts, n, c.expert_weights_scale)
+        K.moe_route(self.route, self.sel, self.wts, n, c.expert_weights_scale, bias=lw["router_bias"],
+                    topk_softmax=c.arch.moe_gating == TOPK_SOFTMAX)
         K.moe_group(self.sel, n, c.n_expert, self.moe_start, self.moe_order, self.moe_pos, self.moe_tiles)
         K.moe_gemm_swiglu(self.h, lw["experts_gate_up"], self.moe_start, self.moe_order, self.moe_tiles, self.act_e,
-                          n, k, gelu=c.ffn_gelu)
-        K.moe_gemm(self.act_e, lw["experts_down"], self.moe_start, self.moe_tiles, self.ye, n, k)
+                          n, k, gelu=c.ffn_gelu, oai=c.arch.ffn_act == SWIGLU_OAI, bias=lw["experts_gate_up_bias"])
+        K.moe_gemm(self.act_e, lw["experts_down"], self.moe_start, self.moe_tiles, self.ye, n, k,
+                   bias=lw["experts_down_bias"])
         post = lw["post_ffn_norm"]
         if post is None:
             K.moe_sum(self.ye, self.moe_pos, self.wts, self.x, n, accumulate=True, scale=c.residual_scale)
@@ -681,12 +698,16 @@ class CupyBackend:
             K.moe_sum(self.ye, self.moe_pos, self.wts, self.y, n, accumulate=False)
             K.rms_norm_add(self.y, post, self.x, n, c.norm_eps, scale=c.residual_scale)
 
-    def _add_product(self, a, w, post_norm, n: int) -> None:
-        """x[:n] += r * a[:n] @ w.T, or (a sandwich norm) x[:n] += r * rmsnorm(a[:n] @ w.T) * post_norm (r: the
-        residual multiplier, 1 but for granite)."""
+    def _add_product(self, a, w, post_norm, n: int, bias=None) -> None:
+        """x[:n] += r * a[:n] @ w.T [+ bias], or (a sandwich norm) x[:n] += r * rmsnorm(a[:n] @ w.T) * post_norm
+        (r: the residual multiplier, 1 but for granite; bias: gpt-oss's o bias, added to x after the product's sum,
+        where the CPU adds it to the product first: one float32 rounding apart. A row with a bias and a sandwich
+        norm or r is refused by unsupported_features)."""
         r = self.cfg.residual_scale
         if post_norm is None:
             K.gemm(a, w, self.x, n, accumulate=True, matvec_max_n=self.matvec_max_n, scale=r)
+            if bias is not None:
+                K.add_bias(self.x, bias, n)
             return
         K.gemm(a, w, self.y, n, matvec_max_n=self.matvec_max_n)
         K.rms_norm_add(self.y, post_norm, self.x, n, self.cfg.norm_eps, scale=r)

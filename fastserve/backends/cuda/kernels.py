@@ -53,6 +53,7 @@ _S3 = ("f16", "bf16", "f32")
 KERNELS = {
     "attention": [f"attention_split_{s}_d{d}_g{g}" for s in _S3 for d in ATTN_HEAD_DIMS for g in ATTN_GROUPS]
                  + [f"attention_combine_{s}" for s in _S3],
+    "bias": ["add_bias_f32"],
     "cast": ["cast_f32_f16", "cast_f32_bf16"],
     "embedding": [f"embed_rows_{s}" for s in _S3],
     "kv_cache": [f"kv_store_{s}" for s in _S3] + [f"rope_store_{s}" for s in _S3],
@@ -355,14 +356,16 @@ def attention_splits(n_ctx_slot: int, chunk: int) -> int:
 
 
 def attention(qkv, k_cache, v_cache, slots, positions, part_o, part_ml, out, n: int, n_head: int,
-              chunk: int, scale: float, window: int = 0) -> None:
+              chunk: int, scale: float, window: int = 0, sinks=None) -> None:
     """out[t] = causal GQA attention of token t's Q heads (in qkv f32 [>=n, (H + 2 Hkv) D]) over keys
     0..positions[t] of slot slots[t] (window > 0, a sliding-window layer: keys p - window < k <= p, p =
     positions[t]). k_cache, v_cache [n_slots, n_ctx_slot, Hkv, D], 16-byte aligned,
     D a multiple of 8, at most 256, H / Hkv at most 8; part_o f32 [>=n, H, S, D] and part_ml f32
     [>=n, H, S, 2] scratch with S = ceil(n_ctx_slot / chunk) blocks per (token, KV head), each taking
     an even share of the token's keys in whole steps of 2048 / D' keys (D' = 32, 64, 128 or 256 >= D);
-    out [>=n, H * D] f16/bf16/f32. A token's result depends on its position, its slot's KV and S, not on the batch."""
+    out [>=n, H * D] f16/bf16/f32. sinks f32 [H] (gpt-oss's attention sinks, natural-log logits) or None: head
+    h's sink joins its softmax's denominator only. A token's result depends on its position, its slot's KV
+    and S, not on the batch."""
     Hkv, D = k_cache.shape[-2:]
     if n_head % Hkv or n_head // Hkv not in ATTN_GROUPS:
         raise ValueError(f"n_head {n_head} must be a multiple of n_head_kv {Hkv}, at most {ATTN_GROUPS[-1]} times")
@@ -378,6 +381,8 @@ def attention(qkv, k_cache, v_cache, slots, positions, part_o, part_ml, out, n: 
     _check("part_ml", part_ml, np.float32, (None, n_head, S, 2), min_rows=n)
     out_storage = storage_of(out)
     _check("out", out, _dtype_of(out_storage), (None, n_head * D), min_rows=n)
+    if sinks is not None:
+        _check("sinks", sinks, np.float32, (n_head,))
     for name, a in (("k_cache", k_cache), ("v_cache", v_cache), ("qkv", qkv)):
         if a.data.ptr % 16:
             raise ValueError(f"{name}: not 16-byte aligned (the kernel reads K/V rows and Q in 16-byte words)")
@@ -389,7 +394,8 @@ def attention(qkv, k_cache, v_cache, slots, positions, part_o, part_ml, out, n: 
         (qkv, k_cache, v_cache, slots, positions, part_o, part_ml, _i32(stride), _i32(n_head), _i32(Hkv),
          _i32(D), _i32(n_ctx), _i32(chunk), _f32(scale), _i32(window)))
     function("attention", f"attention_combine_{out_storage}")(
-        (n_head, n), (ATTN_COMBINE_THREADS,), (part_o, part_ml, out, _i32(n_head), _i32(D), _i32(S)))
+        (n_head, n), (ATTN_COMBINE_THREADS,),
+        (part_o, part_ml, _NULL if sinks is None else sinks, out, _i32(n_head), _i32(D), _i32(S)))
 
 
 def swiglu(gu, out, n: int, gelu: bool = False) -> None:
@@ -404,6 +410,15 @@ def swiglu(gu, out, n: int, gelu: bool = False) -> None:
         blocks = min(-(-total // 256), 65535)
         function("swiglu", f"swiglu_{storage}")((blocks,), (256,), (gu, out, _i32(n), _i32(n_ff),
                                                                     _i32(1 if gelu else 0)))
+
+
+def add_bias(x, bias, n: int) -> None:
+    """x[t] += bias for t < n: x f32 [>=n, d], bias f32 [d] (gpt-oss's attention-output bias)."""
+    d = bias.shape[0] if bias.ndim == 1 else -1
+    _check("x", x, np.float32, (None, d), min_rows=n)
+    _check("bias", bias, np.float32, (d,))
+    if n:
+        function("bias", "add_bias_f32")((min(-(-n * d // 256), 65535),), (256,), (x, bias, _i32(n), _i32(d)))
 
 
 def cast_from_f32(src, dst) -> None:
@@ -584,17 +599,22 @@ def moe_tiles(n: int, k: int, n_expert: int) -> int:
     return min(n_expert, n * k) + n * k // moe_tile_rows(n)
 
 
-def moe_route(route, sel, wts, n: int, scale: float = 1.0) -> None:
+def moe_route(route, sel, wts, n: int, scale: float = 1.0, bias=None, topk_softmax: bool = False) -> None:
     """Each row's experts by rank, sel int32 [>=n, k], and weights, wts f32 [>=n, k], from its router logits
-    route f32 [>=n, E] (softmax, top k ties to the lower id, normalised over the k, times scale)."""
+    route f32 [>=n, E] [+ bias f32 [E]] (softmax, top k ties to the lower id, normalised over the k, times scale;
+    topk_softmax: the top k logits, then the softmax over those k, times scale)."""
     E, k = route.shape[1], sel.shape[1]
     _check("route", route, np.float32, (None, E), min_rows=n)
     _check("sel", sel, np.int32, (None, k), min_rows=n)
     _check("wts", wts, np.float32, (None, k), min_rows=n)
+    if bias is not None:
+        _check("bias", bias, np.float32, (E,))
     if not 0 < k <= E <= MOE_MAX_EXPERTS:
         raise ValueError(f"{k} experts used of {E}: cuda/moe.cu takes 0 < k <= E <= {MOE_MAX_EXPERTS}")
     if n:
-        function("moe", "moe_route_f32")((n,), (_threads(E, 256),), (route, sel, wts, _i32(E), _i32(k), _f32(scale)))
+        function("moe", "moe_route_f32")((n,), (_threads(E, 256),),
+                                         (route, _NULL if bias is None else bias, sel, wts, _i32(E), _i32(k),
+                                          _f32(scale), _i32(1 if topk_softmax else 0)))
 
 
 def moe_group(sel, n: int, n_expert: int, start, order, pos, tiles) -> None:
@@ -613,10 +633,15 @@ def moe_group(sel, n: int, n_expert: int, start, order, pos, tiles) -> None:
                                       order, pos, tiles))
 
 
-def moe_gemm_swiglu(h, w_gate_up, start, order, tiles, act, n: int, k: int, gelu: bool = False) -> None:
+GLU_SILU, GLU_GELU, GLU_OAI = 0, 1, 2     # cuda/common.cuh gate_mul's glu: SwiGLU, GeGLU, gpt-oss's swiglu_oai
+
+
+def moe_gemm_swiglu(h, w_gate_up, start, order, tiles, act, n: int, k: int, gelu: bool = False, oai: bool = False,
+                    bias=None) -> None:
     """Each expert's gate | up product over the rows that chose it, then the GLU: act[t] = swiglu(h[order[t] //
-    k] @ w_gate_up[e].T) for the grouped positions t of each expert e (moe_group's start, order, tiles of n
-    rows). h [>=n, d] f16/bf16; w_gate_up [E, 2 F, d] in its storage (gate rows, then up rows); act [>=n k, F]."""
+    k] @ w_gate_up[e].T [+ bias[e]]) for the grouped positions t of each expert e (moe_group's start, order,
+    tiles of n rows). h [>=n, d] f16/bf16; w_gate_up [E, 2 F, d] in its storage (gate rows, then up rows);
+    act [>=n k, F]. gelu: GeGLU; oai: gpt-oss's swiglu_oai; bias f32 [E, 2 F] (gate, then up) or None."""
     E, m2, d = w_gate_up.shape
     storage = _same_storage(("h", h), ("w_gate_up", w_gate_up), ("act", act))
     F, n_tiles = m2 // 2, moe_tiles(n, k, E)
@@ -624,24 +649,34 @@ def moe_gemm_swiglu(h, w_gate_up, start, order, tiles, act, n: int, k: int, gelu
     _check("h", h, _dtype_of(storage), (None, d), min_rows=n)
     _check("order", order, np.int32, (None,), min_rows=n * k)
     _check("act", act, _dtype_of(storage), (None, F), min_rows=n * k)
+    if bias is not None:
+        _check("bias", bias, np.float32, (E, 2 * F))
+    if gelu and oai:
+        raise ValueError("one GLU: GeGLU (gelu) or swiglu_oai (oai), not both")
+    glu = GLU_OAI if oai else GLU_GELU if gelu else GLU_SILU
     if n:
         function("matvec", f"moe_matvec_swiglu_{storage}_n{moe_tile_rows(n)}")(
             (-(-F // MATVEC_WARPS), n_tiles), (MATVEC_WARPS * 32,),
-            (w_gate_up, h, start, order, tiles, act, _i32(F), _i32(d), _i32(k), _i32(1 if gelu else 0)))
+            (w_gate_up, h, start, order, tiles, _NULL if bias is None else bias, act, _i32(F), _i32(d), _i32(k),
+             _i32(glu)))
 
 
-def moe_gemm(act, w_down, start, tiles, out, n: int, k: int) -> None:
-    """Each expert's down product over its grouped positions: out[t] = act[t] @ w_down[e].T. act [>=n k, F]
-    f16/bf16 and w_down [E, d, F] in one storage; out f32 [>=n k, d], grouped order as act."""
+def moe_gemm(act, w_down, start, tiles, out, n: int, k: int, bias=None) -> None:
+    """Each expert's down product over its grouped positions: out[t] = act[t] @ w_down[e].T [+ bias[e]]. act
+    [>=n k, F] f16/bf16 and w_down [E, d, F] in one storage; out f32 [>=n k, d], grouped order as act; bias f32
+    [E, d] or None."""
     E, d, F = w_down.shape
     storage = _same_storage(("act", act), ("w_down", w_down))
     n_tiles = moe_tiles(n, k, E)
     _check_moe(storage, F, act, w_down, start, tiles, n_tiles, E)
     _check("act", act, _dtype_of(storage), (None, F), min_rows=n * k)
     _check("out", out, np.float32, (None, d), min_rows=n * k)
+    if bias is not None:
+        _check("bias", bias, np.float32, (E, d))
     if n:
         function("matvec", f"moe_matvec_{storage}_n{moe_tile_rows(n)}")(
-            (-(-d // MATVEC_WARPS), n_tiles), (MATVEC_WARPS * 32,), (w_down, act, start, tiles, out, _i32(d), _i32(F)))
+            (-(-d // MATVEC_WARPS), n_tiles), (MATVEC_WARPS * 32,),
+            (w_down, act, start, tiles, _NULL if bias is None else bias, out, _i32(d), _i32(F)))
 
 
 def _check_moe(storage, k_in, x, w, start, tiles, n_tiles, E) -> None:
