@@ -70,12 +70,13 @@ cdef class Sampler:
     cdef int32_t _first_max(self, const float *row, float m) noexcept nogil
     cdef Py_ssize_t _select_top(self, const float *row, Py_ssize_t k, Cand *out) noexcept nogil
     cdef uint64_t _mass(self, const float *row, float m, double temp) noexcept nogil
-    cdef void _pre_probs(self, const float *row, Py_ssize_t n_probs, int32_t *pids, float *pp) noexcept nogil
+    cdef uint64_t _pre_probs(self, const float *row, Py_ssize_t n_probs, int32_t *pids, float *pp,
+                             float *m_out) noexcept nogil
     cdef void _apply_mask(self, const uint32_t *w, const float *row) noexcept nogil
     cdef Py_ssize_t _adjust(self, SlotParams *sp, Py_ssize_t slot, float *row) noexcept nogil
     cdef int32_t _sample_row(self, SlotParams *sp, Py_ssize_t slot, const uint32_t *mask, float *row,
-                             int32_t *pids, float *pprobs) noexcept nogil
+                             int32_t *pids, float *pprobs, bint own_entry) noexcept nogil
     cdef int32_t _sample_top_k(self, SlotParams *sp, const float *row, float m,
-                               int32_t *pids, float *pprobs) noexcept nogil
+                               int32_t *pids, float *pprobs, float *own) noexcept nogil
     cdef int32_t _sample_full(self, SlotParams *sp, const float *row, float m,
-                              int32_t *pids, float *pprobs) noexcept nogil
+                              int32_t *pids, float *pprobs, float *own) noexcept nogil

@@ -138,6 +138,18 @@ cdef inline uint64_t _weight(float x, float m, double temp, double scale) noexce
     return <uint64_t><int64_t>(exp((<double>x - <double>m) / temp) * scale)
 
 
+cdef inline float _own_prob(float x, float m, double temp, double scale, uint64_t total) noexcept nogil:
+    """The sampled token's own probability in a distribution of mass total (the list's float32(q / total)); a
+    weight truncated to 0 (a token far below the max: pre-sampling, a hot temperature) by the same exp untruncated."""
+    cdef uint64_t q
+    if not (x > -INFINITY) or total == 0:
+        return 0.0
+    q = _weight(x, m, temp, scale)
+    if q != 0:
+        return <float>(<double>q / <double>total)
+    return <float>(exp((<double>x - <double>m) / temp) * scale / <double>total)
+
+
 cdef inline uint64_t _target(double p, uint64_t total) noexcept nogil:
     cdef uint64_t t = <uint64_t>ceil(p * <double>total)
     return t if t < total else total
@@ -398,7 +410,10 @@ cdef class Sampler:
         logits [>= n_rows, n_vocab] float32 (restored before return), row_slot [n_rows]
         int32, out_ids [>= n_rows] int32. Only rows whose slot has n_probs = n > 0 write
         probs_ids[r, :n] (int32 ids, -1 past the candidates) and probs[r, :n] (float32);
-        both may be None when no slot in the call asked for probabilities.
+        both may be None when no slot in the call asked for probabilities. Where the arrays have
+        more than n columns, column n gets the sampled token's own entry: its id and its probability
+        in the distribution the list is taken from, also when it is not among the n (a hot
+        temperature); probability 0 when the row had no candidate.
         drafts [>= n_rows] int32 (speculative decoding; the batch's row_draft), or None: drafts[r] >= 0 is
         the token the next row (same slot) was fed; when row r's sample differs from it, the rows after r
         up to the slot's last one (drafts == -1) are not sampled (out_ids REJECTED, -2): no draw, no
@@ -409,7 +424,7 @@ cdef class Sampler:
         cdef int32_t *pids
         cdef float *pp
         cdef const int32_t *dr = NULL
-        cdef bint skip = False
+        cdef bint skip = False, own_entry
         cdef Py_ssize_t j = 0           # a row's place in its slot's run of drafted rows
         cdef const uint32_t *mask
         if drafts is not None and n_rows > 0:
@@ -446,12 +461,14 @@ cdef class Sampler:
                 sp = &self._params[s]
                 pids = NULL
                 pp = NULL
+                own_entry = False
                 if sp.n_probs > 0:
                     pids = &probs_ids[r, 0]
                     pp = &probs[r, 0]
+                    own_entry = probs_ids.shape[1] > sp.n_probs and probs.shape[1] > sp.n_probs
                 mask = self._mask + s * self.n_mask_words if j == 0 else \
                     self._draft_mask + (s * N_DRAFT_MASKS + j - 1) * self.n_mask_words
-                out_ids[r] = self._sample_row(sp, s, mask, &logits[r, 0], pids, pp)
+                out_ids[r] = self._sample_row(sp, s, mask, &logits[r, 0], pids, pp, own_entry)
                 skip = dr != NULL and dr[r] >= 0 and out_ids[r] != dr[r]
 
     # -- one row (nogil) ---------------------------------------------------------
@@ -532,20 +549,24 @@ cdef class Sampler:
                     total += _weight(x, m, temp, self._scale)
         return total
 
-    cdef void _pre_probs(self, const float *row, Py_ssize_t n_probs, int32_t *pids, float *pp) noexcept nogil:
-        """Top n_probs of softmax(raw row), temperature 1, over the whole vocab."""
+    cdef uint64_t _pre_probs(self, const float *row, Py_ssize_t n_probs, int32_t *pids, float *pp,
+                             float *m_out) noexcept nogil:
+        """Top n_probs of softmax(raw row), temperature 1, over the whole vocab; returns its mass (0: no
+        candidate) and its max in m_out (for the sampled token's own probability)."""
         cdef float m = self._block_max(row)
         cdef Py_ssize_t j, n
         cdef uint64_t total
+        m_out[0] = m
         if m == -INFINITY:
             _write_empty(pids, pp, 0, n_probs)
-            return
+            return 0
         total = self._mass(row, m, 1.0)
         n = self._select_top(row, n_probs, self._cand)
         for j in range(n):
             pids[j] = self._cand[j].id
             pp[j] = <float>(<double>_weight(self._cand[j].v, m, 1.0, self._scale) / <double>total)
         _write_empty(pids, pp, n, n_probs)
+        return total
 
     cdef void _apply_mask(self, const uint32_t *w, const float *row) noexcept nogil:
         """_masked = row where the mask w allows, -inf elsewhere."""
@@ -595,16 +616,18 @@ cdef class Sampler:
         return n
 
     cdef int32_t _sample_row(self, SlotParams *sp, Py_ssize_t slot, const uint32_t *mask, float *row,
-                             int32_t *pids, float *pprobs) noexcept nogil:
+                             int32_t *pids, float *pprobs, bint own_entry) noexcept nogil:
+        """own_entry: pids[n_probs] / pprobs[n_probs] get the sampled token's own entry."""
         cdef Py_ssize_t n_saved, i
-        cdef float m
+        cdef float m, m_raw = -INFINITY, own = 0.0
+        cdef uint64_t total_raw = 0
         cdef int32_t tok
         cdef int32_t *h
         if sp.constrained:      # the unconstrained row's one branch
             self._apply_mask(mask, row)
             row = self._masked
         if sp.n_probs > 0 and not sp.post_probs:
-            self._pre_probs(row, sp.n_probs, pids, pprobs)
+            total_raw = self._pre_probs(row, sp.n_probs, pids, pprobs, &m_raw)
         n_saved = self._adjust(sp, slot, row)
         m = self._block_max(row)
         if m == -INFINITY:      # no candidate (a constrained row: none allowed)
@@ -613,18 +636,24 @@ cdef class Sampler:
                 _write_empty(pids, pprobs, 0, sp.n_probs)
         elif sp.greedy:
             tok = self._first_max(row, m)
+            own = 1.0
             if sp.n_probs > 0 and sp.post_probs:
                 pids[0] = tok
                 pprobs[0] = 1.0
                 _write_empty(pids, pprobs, 1, sp.n_probs)
         elif sp.top_k > 0:
-            tok = self._sample_top_k(sp, row, m, pids, pprobs)
+            tok = self._sample_top_k(sp, row, m, pids, pprobs, &own)
         else:
-            tok = self._sample_full(sp, row, m, pids, pprobs)
+            tok = self._sample_full(sp, row, m, pids, pprobs, &own)
         i = n_saved - 1
         while i >= 0:   # backwards: a token both biased and penalized gets its first saved value
             row[self._saved_ids[i]] = self._saved_vals[i]
             i -= 1
+        if own_entry:
+            if not sp.post_probs:   # the raw row's softmax, as the list: row[tok] is raw again
+                own = _own_prob(row[tok], m_raw, 1.0, self._scale, total_raw) if tok >= 0 else 0.0
+            pids[sp.n_probs] = tok
+            pprobs[sp.n_probs] = own
         if sp.window > 0 and tok >= 0:
             h = self._hist + slot * self.max_penalty_window
             h[sp.hist_pos] = tok
@@ -634,7 +663,8 @@ cdef class Sampler:
         return tok
 
     cdef int32_t _sample_top_k(self, SlotParams *sp, const float *row, float m,
-                               int32_t *pids, float *pprobs) noexcept nogil:
+                               int32_t *pids, float *pprobs, float *own) noexcept nogil:
+        """The kept set's draw; own: the drawn token's share of the kept set."""
         cdef Cand *c = self._cand
         cdef Py_ssize_t n, i
         cdef uint64_t total = 0, target, cum = 0, r
@@ -672,13 +702,14 @@ cdef class Sampler:
         for i in range(n):
             cum += c[i].q
             if cum > r:
+                own[0] = <float>(<double>c[i].q / <double>total)
                 return c[i].id
         return c[n - 1].id   # unreachable: r < total
 
     cdef int32_t _sample_full(self, SlotParams *sp, const float *row, float m,
-                              int32_t *pids, float *pprobs) noexcept nogil:
+                              int32_t *pids, float *pprobs, float *own) noexcept nogil:
         """top_k <= 0: the kept set is {min-p} and, with top_p < 1, the rank prefix ending at
-        the boundary token (bv, bid)."""
+        the boundary token (bv, bid); own: the drawn token's share of the kept set."""
         cdef Cand *c = self._cand
         cdef uint64_t *qbuf = self._qbuf
         cdef Py_ssize_t b, j, hi, k, n, i
@@ -772,5 +803,6 @@ cdef class Sampler:
             for j in range(b * BLOCK, hi):
                 cum += qbuf[j]
                 if cum > r:
+                    own[0] = <float>(<double>qbuf[j] / <double>total)
                     return <int32_t>j
         return self._first_max(row, m)   # unreachable: r < total

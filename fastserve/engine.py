@@ -176,6 +176,9 @@ class Engine:
         self._device, self._backend = self._make_backend(None if isinstance(backend, str) else backend)
         if impl["sampling"] is not _sampling and hasattr(self._backend, "init_sampling"):
             self._backend.init_sampling(self._n_slots, n_vocab, n_batch, impl=impl["sampling"])
+        # the host sampler follows a row's top n_probs with the sampled token's own entry (its probability also
+        # when it is not listed); the device's sampler does not yet
+        self._own_prob = int(getattr(self._backend, "reports_own_prob", False))
         eog = np.zeros(n_vocab, np.uint8)
         eog[list(self.tokenizer.eog_ids)] = 1
         self._slots = impl["slots"].SlotTable(self._n_slots, self._n_ctx_slot, eog)
@@ -288,6 +291,8 @@ class Engine:
         compiled beforehand (Engine.constraint(), e.g. in a worker thread), for this request alone.
         speculative: its drafting limits, a DraftLimits or a dict of n_max / n_min / p_min over the engine's
         (llama-server's speculative.* fields); they change the speed only, never the output.
+        n_probs = n: each token's probabilities are its top n, then, on the host sampler (CPU backend), the
+        sampled token's own (id, probability), also when it is not among the n.
         The prompt's token ids, its room in a slot and max_tokens are checked here only (the server leaves
         them to this call). Raises RequestError (bad request; ContextExceeded: a prompt its slot cannot
         hold), ServerBusy (queue full), EngineClosed."""
@@ -314,7 +319,8 @@ class Engine:
             raise ServerBusy(f"server busy: {self._n_slots} slots running and {self._max_queue} requests waiting")
         # The caller's side (a Reader and its text) and the decode thread's (the Request) share the buffer only.
         job_id = next(request_ids)
-        reader = Reader(self._n_ctx_slot, params.n_probs, on_cancel=partial(self.cancel, job_id),
+        n_cols = params.n_probs + self._own_prob if params.n_probs else 0
+        reader = Reader(self._n_ctx_slot, n_cols, on_cancel=partial(self.cancel, job_id),
                         impl=self._impl["delivery"])
         job = Request(job_id, ids, params, max_tokens, reader.buffer, cache_prompt=bool(cache_prompt),
                       id_slot=id_slot, constraint=constraint, draft=draft)

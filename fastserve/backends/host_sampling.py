@@ -19,6 +19,7 @@ class HostSampling:
 
     samples_on_device = False
     verifies_drafts = True          # its sampler checks drafted rows in order (speculative decoding)
+    reports_own_prob = True         # a row's probabilities end with the sampled token's own entry (column n_probs)
 
     def init_sampling(self, n_slots: int, n_vocab: int, max_rows: int, impl=None) -> None:
         """The sampler and the step's outputs, for steps of up to max_rows output rows (more: grown once).
@@ -32,8 +33,9 @@ class HostSampling:
 
     def _alloc_outputs(self, rows: int) -> None:
         self._ids = np.zeros(rows, np.int32)                       # [rows] sampled ids
-        self._probs_ids = np.zeros((rows, MAX_N_PROBS), np.int32)  # [rows, MAX_N_PROBS]
-        self._probs = np.zeros((rows, MAX_N_PROBS), np.float32)
+        # [rows, MAX_N_PROBS + 1]: a row's top n_probs, then the sampled token's own entry
+        self._probs_ids = np.zeros((rows, MAX_N_PROBS + 1), np.int32)
+        self._probs = np.zeros((rows, MAX_N_PROBS + 1), np.float32)
 
     def configure(self, slot: int, params: SamplingParams, history, constrained: bool = False) -> None:
         self.sampler.configure_checked(slot, params.slot_config(history), constrained)

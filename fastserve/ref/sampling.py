@@ -39,6 +39,9 @@ Rules both implementations follow exactly (they are what makes parity exact):
 - Probabilities reported: float32(q / total) (both as doubles). Pre-sampling:
   raw logits, whole vocab, temperature 1. Post-sampling: the kept set after
   temperature. Entries past the available candidates are id -1, prob 0.0.
+  Arrays wider than n_probs get the sampled token's own entry in column n_probs (its id, its
+  probability in the same distribution, whether or not it is listed; a weight truncated to 0
+  is taken untruncated there); probability 0 when the row had no candidate.
 """
 import math
 
@@ -72,6 +75,17 @@ def weight(x, m, temp, scale):
     if x == m:  # also covers x == m == +inf
         return int(scale)
     return int(math.exp((float(x) - float(m)) / temp) * scale)
+
+
+def own_prob(x, m, temp, scale, total):
+    """The sampled token's own probability: float32(q / total) as the lists', or, where its weight q
+    truncates to 0 (a token far below the max), the same exp untruncated."""
+    if not x > -math.inf or total == 0:
+        return 0.0
+    q = weight(x, m, temp, scale)
+    if q:
+        return float(q) / float(total)
+    return math.exp((float(x) - float(m)) / temp) * scale / float(total)
 
 
 def top_p_target(top_p, total):
@@ -174,7 +188,8 @@ class Sampler:
     def sample(self, logits, row_slot, out_ids, probs_ids=None, probs=None, drafts=None):
         """Sample one token per row r for slot row_slot[r] into out_ids[r] and append it to
         that slot's penalty history. Slots with n_probs > 0 also get their top-n_probs
-        ids/probabilities in probs_ids[r, :n] / probs[r, :n]; other rows are left alone.
+        ids/probabilities in probs_ids[r, :n] / probs[r, :n], and, where the arrays have more than n
+        columns, the sampled token's own entry in column n; other rows are left alone.
         drafts (speculative decoding): drafts[r] >= 0 is the token the next row was fed; a row whose
         sample differs from it leaves the slot's following rows up to its last (drafts[r] == -1)
         unsampled: REJECTED (-2), no draw, no history."""
@@ -202,8 +217,11 @@ class Sampler:
             if st.constrained:
                 s = int(row_slot[r])
                 row = self._masked(s, row, None if runs[r] == 0 else self.draft_masks[s, runs[r] - 1])
-            tok = self._sample_row(st, row, pids, pp)
+            tok, own = self._sampled(st, row, pids, pp)
             out_ids[r] = tok
+            if st.n_probs and probs_ids.shape[1] > st.n_probs and probs.shape[1] > st.n_probs:
+                probs_ids[r, st.n_probs] = tok
+                probs[r, st.n_probs] = np.float32(own)
             if st.repeat_last_n and tok >= 0:
                 st.hist.append(tok)
                 del st.hist[:-st.repeat_last_n]
@@ -240,31 +258,40 @@ class Sampler:
         return ids[np.lexsort((ids, -x[ids]))]
 
     def _sample_row(self, st, row, pids, pp):
-        scale = self._scale
-        if st.n_probs and not st.post_sampling_probs:
-            raw = np.asarray(row, dtype=np.float32)
-            order = self._rank(raw)
-            if len(order):
-                m = raw[order[0]]
-                total = sum(weight(v, m, 1.0, scale) for v in raw[order].tolist())
-                top = [(int(t), float(weight(raw[t], m, 1.0, scale)) / float(total))
-                       for t in order[:st.n_probs]]
-            else:
-                top = []
-            _write_probs(top, st.n_probs, pids, pp)
+        """The row's token (tests/gpu/fake_cupy.py's emulation of the device sampler calls it)."""
+        return self._sampled(st, row, pids, pp)[0]
 
+    def _sampled(self, st, row, pids, pp):
+        """(token, its own probability in the distribution n_probs lists)."""
+        if not (st.n_probs and not st.post_sampling_probs):
+            return self._draw_row(st, row, pids, pp)
+        scale = self._scale
+        raw = np.asarray(row, dtype=np.float32)
+        order = self._rank(raw)
+        m, total = -math.inf, 0
+        if len(order):
+            m = raw[order[0]]
+            total = sum(weight(v, m, 1.0, scale) for v in raw[order].tolist())
+        _write_probs([(int(t), float(weight(raw[t], m, 1.0, scale)) / float(total)) for t in order[:st.n_probs]],
+                     st.n_probs, pids, pp)
+        tok, _ = self._draw_row(st, row, pids, pp)
+        return tok, own_prob(raw[tok], m, 1.0, scale, total) if tok >= 0 else 0.0
+
+    def _draw_row(self, st, row, pids, pp):
+        """(token, its share of the kept set: 1 greedy, 0 with no candidate); pre-sampling lists are the caller's."""
+        scale = self._scale
         x = self._effective(st, row)
         order = self._rank(x)
         if len(order) == 0:
             if st.n_probs and st.post_sampling_probs:
                 _write_probs([], st.n_probs, pids, pp)
-            return -1 if st.constrained else 0
+            return (-1 if st.constrained else 0), 0.0
         m = x[order[0]]
         if st.greedy:
             tok = int(order[0])
             if st.n_probs and st.post_sampling_probs:
                 _write_probs([(tok, 1.0)], st.n_probs, pids, pp)
-            return tok
+            return tok, 1.0
 
         if st.top_k > 0:
             order = order[:st.top_k]
@@ -295,7 +322,7 @@ class Sampler:
         for t in sorted(q2):
             cum += q2[t]
             if cum > r:
-                return t
+                return t, float(q2[t]) / float(total2)
         raise AssertionError("unreachable: r < total2")
 
 

@@ -28,7 +28,7 @@ from .errors import HttpError
 class Delta(NamedTuple):
     text: str
     ids: list            # token ids behind this text
-    probs: list | None   # per id: (top_ids list, top_probs list) when the request asked for them
+    probs: list | None   # per id: (top_ids list, top_probs list, own probability or None) when asked for
 
 
 class Generation:
@@ -81,7 +81,7 @@ class Generation:
                 async for got in batches:
                     if n_probs:
                         ids, top_ids, top_probs = got
-                        probs = [_valid(top_ids[i].tolist(), top_probs[i].tolist()) for i in range(len(ids))]
+                        probs = [_entry(top_ids[i].tolist(), top_probs[i].tolist(), n_probs) for i in range(len(ids))]
                     else:
                         ids, probs = got, None
                     delta = self._feed(ids, probs)
@@ -224,9 +224,10 @@ class Generation:
         return {"draft_n": buf.draft_n, "draft_n_accepted": buf.draft_n_accepted} if buf.draft_n else {}
 
 
-def _valid(ids: list, probs: list) -> tuple:
-    """Drop the padding (id -1) of a top-N row that had fewer than N candidates."""
-    if ids and ids[-1] < 0:
-        keep = [i for i, t in enumerate(ids) if t >= 0]
-        return [ids[i] for i in keep], [probs[i] for i in keep]
-    return ids, probs
+def _entry(ids: list, probs: list, n: int) -> tuple:
+    """A token's (top ids, top probabilities, own probability) from its row of the engine's n-column list: the list
+    without its padding (id -1: fewer than n candidates), then the sampled token's own probability where the
+    engine gave it (column n), else None."""
+    own = probs[n] if len(ids) > n else None
+    keep = [i for i in range(min(n, len(ids))) if ids[i] >= 0]
+    return [ids[i] for i in keep], [probs[i] for i in keep], own

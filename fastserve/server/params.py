@@ -81,10 +81,11 @@ MAX_PROMPTS = 16                # prompts in one request (each takes a slot)
 MAX_CHOICES = 16                # OpenAI's n x prompts per request (each takes a slot)
 MAX_TOP_LOGPROBS = 20           # OpenAI's cap of chat's top_logprobs; vLLM's of /v1/completions' logprobs
                                 # (OpenAI's is 5 there: Ollama's raw /api/generate passes top_logprobs up to 20)
-# Probabilities (n_probs, logprobs): the engine reports the top-N of each step and the sampled token's own is
-# looked up among them (llama-server's is never missing). N covers what sampling can pick: top_k tokens, PROB_POOL
-# when top_k is off or larger (a token sampled beyond those reads 0 / -9999.0), and at least the n shown; greedy
-# picks the first.
+# Probabilities (n_probs, logprobs): the engine reports the top-N of each step and, on the host sampler, the
+# sampled token's own entry after them (llama-server's is never missing). The CUDA sampler gives no own entry: the
+# token's is looked up among the N, which cover what sampling can pick there: top_k tokens, PROB_POOL when top_k is
+# off or larger (a token sampled beyond those reads 0 / -9999.0 on CUDA), and at least the n shown; greedy picks
+# the first.
 PROB_POOL = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256

@@ -1,7 +1,8 @@
 """Token probabilities as each API writes them: llama-server's completion_probabilities, OpenAI's
 legacy logprobs and its chat logprobs. Each takes a generation's ids and, per id, the engine's top-N
-(ids, probabilities) of that step; the sampled token's own probability is found among them (params.prob_pool
-makes N cover what sampling can pick; 0 when it lies outside, which needs top_k off or above 64)."""
+(ids, probabilities) of that step and the sampled token's own probability (generation._entry): its true one,
+listed or not, from the host sampler; None from the CUDA sampler, which gives none: then it is looked up among
+the N (params.prob_pool makes N cover what sampling can pick; 0 when it lies outside: top_k off or above 64)."""
 from __future__ import annotations
 
 import math
@@ -11,8 +12,9 @@ def logprob(p: float) -> float:
     return math.log(p) if p > 0 else -9999.0
 
 
-def _own(tid: int, top_ids: list, top_ps: list) -> float:
-    return next((q for t, q in zip(top_ids, top_ps) if t == tid), 0.0)
+def _own(tid: int, top_ids: list, top_ps: list, own) -> float:
+    """The sampled token's probability: the engine's own where it gave one, else the listed one."""
+    return own if own is not None else next((q for t, q in zip(top_ids, top_ps) if t == tid), 0.0)
 
 
 def _text(tok, tid: int) -> str:
@@ -21,7 +23,7 @@ def _text(tok, tid: int) -> str:
 
 def completion_probabilities(tok, ids: list, probs: list, post: bool, k: int) -> list:
     """llama-server's entries of k alternatives: probabilities after sampling (post_sampling_probs), else
-    logprobs; the sampled token's own is looked for among all the engine reported (params.prob_pool)."""
+    logprobs; the sampled token's own is the engine's (or looked for among all it listed: params.prob_pool)."""
     key, top_key = ("prob", "top_probs") if post else ("logprob", "top_logprobs")
     value = (lambda p: p) if post else logprob
 
@@ -30,9 +32,9 @@ def completion_probabilities(tok, ids: list, probs: list, post: bool, k: int) ->
         return {"id": tid, "token": b.decode("utf-8", "replace"), "bytes": list(b)}
 
     out = []
-    for tid, (top_ids, top_ps) in zip(ids, probs):
+    for tid, (top_ids, top_ps, own) in zip(ids, probs):
         e = token(tid)
-        e[key] = value(_own(tid, top_ids, top_ps))
+        e[key] = value(_own(tid, top_ids, top_ps, own))
         e[top_key] = [{**token(t), key: value(q)} for t, q in zip(top_ids[:k], top_ps[:k])]
         out.append(e)
     return out
@@ -41,10 +43,10 @@ def completion_probabilities(tok, ids: list, probs: list, post: bool, k: int) ->
 def legacy_logprobs(tok, ids: list, probs: list, k: int, offset: int) -> dict:
     """OpenAI's /v1/completions logprobs of k alternatives; offset: the text's offset in the choice's text."""
     tokens, token_lp, top, offsets = [], [], [], []
-    for tid, (top_ids, top_ps) in zip(ids, probs):
+    for tid, (top_ids, top_ps, own) in zip(ids, probs):
         text = _text(tok, tid)
         tokens.append(text)
-        token_lp.append(logprob(_own(tid, top_ids, top_ps)))
+        token_lp.append(logprob(_own(tid, top_ids, top_ps, own)))
         alts = {}       # most probable first: of two tokens that read alike (byte tokens read as U+FFFD), the first
         for t, q in zip(top_ids[:k], top_ps[:k]):
             alts.setdefault(_text(tok, t), logprob(q))
@@ -75,10 +77,10 @@ def prompt_logprobs(tok, ids: list, scores, k: int) -> dict:
 def chat_logprobs(tok, ids: list, probs: list, k: int) -> list:
     """OpenAI's chat logprobs content of k alternatives."""
     out = []
-    for tid, (top_ids, top_ps) in zip(ids, probs):
+    for tid, (top_ids, top_ps, own) in zip(ids, probs):
         b = tok.token_bytes(tid)
         out.append({"token": b.decode("utf-8", "replace"), "bytes": list(b),
-                    "logprob": logprob(_own(tid, top_ids, top_ps)),
+                    "logprob": logprob(_own(tid, top_ids, top_ps, own)),
                     "top_logprobs": [{"token": _text(tok, t), "bytes": list(tok.token_bytes(t)), "logprob": logprob(q)}
                                      for t, q in zip(top_ids[:k], top_ps[:k])]})
     return out

@@ -149,6 +149,34 @@ def test_each_sampled_token_has_its_logprob_on_every_api(http, oai):
     assert all(-30 < c.logprob <= 0 for c in content)
 
 
+def test_a_token_sampled_outside_every_list_has_its_true_probability(http):
+    """top_k off and a hot temperature sample far outside the 64 probabilities the engine used to look the
+    sampled token up in (it read 0 / -9999 then): its logprob is finite, below the 100th listed, and where it is
+    listed, the listed one; post-sampling its prob is never 0."""
+    body = {"prompt": "my fox", "n_probs": 100, "temperature": 8.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+            "n_predict": 16, "seed": 7}
+    probs = http.post("/completion", json=body).json()["completion_probabilities"]
+    outside = [p for p in probs if p["id"] not in [t["id"] for t in p["top_logprobs"]]]
+    assert len(outside) > 8, probs
+    assert all(-60 < p["logprob"] <= p["top_logprobs"][-1]["logprob"] for p in outside), outside
+    assert all(p["logprob"] == next(t["logprob"] for t in p["top_logprobs"] if t["id"] == p["id"])
+               for p in probs if p not in outside)
+    post = http.post("/completion", json={**body, "n_probs": 1, "post_sampling_probs": True}).json()
+    assert [p["id"] for p in post["completion_probabilities"]] == [p["id"] for p in probs]
+    assert all(0 < p["prob"] < 1 for p in post["completion_probabilities"])
+
+
+def test_a_list_with_fewer_candidates_than_asked_shows_each_once(http):
+    """A grammar allows fewer tokens than n_probs: the list is the allowed ones, each once (its padding and the
+    sampled token's own entry after it are not shown), and the sampled token's logprob is its listed one."""
+    body = {"prompt": "my fox", "n_probs": 100, "temperature": 1.0, "n_predict": 6, "seed": 3,
+            "grammar": 'root ::= [ab]+'}
+    probs = http.post("/completion", json=body).json()["completion_probabilities"]
+    for p in probs:
+        listed = {t["id"]: t["logprob"] for t in p["top_logprobs"]}
+        assert 0 < len(listed) == len(p["top_logprobs"]) < 100 and p["logprob"] == listed[p["id"]], p
+
+
 def test_stream_equals_non_stream_for_a_seed(http):
     body = {"prompt": "zebra song", "n_predict": 24, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
             "seed": 1234, "return_tokens": True, "n_probs": 2}

@@ -354,11 +354,12 @@ def test_probs_written_only_for_slots_that_asked(impl):
     s.configure(0, seed=0)
     s.configure(1, seed=1, n_probs=3)
     s.configure(2, seed=2, n_probs=5, post_sampling_probs=True)
-    _, pids, pp = draw(s, logits, slots=[0, 1, 2, 0], n_probs=6)
+    ids, pids, pp = draw(s, logits, slots=[0, 1, 2, 0], n_probs=6)
     for r in (0, 3):
         assert (pids[r] == -9).all() and (pp[r] == -9.0).all()
-    assert (pids[1, :3] >= 0).all() and (pids[1, 3:] == -9).all()
-    assert (pids[2, :5] != -9).all() and (pids[2, 5:] == -9).all()
+    # the list, then the sampled token's own entry in the column after it (the arrays are wider), then nothing
+    assert (pids[1, :3] >= 0).all() and pids[1, 3] == ids[1] and (pids[1, 4:] == -9).all()
+    assert (pids[2, :5] != -9).all() and pids[2, 5] == ids[2]
     # nobody asks: the probability arrays may be omitted
     out = np.zeros(2, np.int32)
     s.sample(logits[:2], np.array([0, 0], np.int32), out)
