@@ -22,12 +22,17 @@ Phases, in order (--phases picks some; each is timed; a failing phase is reporte
             device time of one graph replay, the weight-read floor (weight bytes / copy bandwidth)
   engine    the Engine at 32 slots on each model, closed loop: host share of the step from the tracer
   pool      CuPy's device and pinned pools over 1,000 decode steps on the 1.1B model
-  families  the synthetic granite, smollm3 and qwen3moe models (tests/golden/synthetic_families.py's shapes, a small
-            vocabulary): logits of 3 slots (prefill, then 4 decode steps through graphs) against the CPU backend on
-            the same f16-rounded weights (bar 1e-2), slot 0's logits alone = among the others bit for bit; then a
-            Qwen3-30B-A3B-shaped mixture of experts cut to 2 of its 48 layers (hidden 2048, 128 experts of 768,
-            top 8, F16): decode step at batch 1, 8, 32 (rows of the table; its floor: the attention matrices,
-            the router and 8 experts a layer, so batch 1's)
+  families  the synthetic granite, smollm3, qwen3moe, gpt-oss and gpt-oss-mxfp4 models (tests/golden/
+            synthetic_families.py's shapes, a small vocabulary; gpt-oss-mxfp4: its experts MXFP4, dequantized on
+            upload): logits of 3 slots (prefill, then 4 decode steps through graphs) against the CPU backend on
+            the same f16-rounded weights (bar 1e-2), slot 0's logits alone = among the others bit for bit; then
+            two mixtures of experts cut to 2 layers, F16: Qwen3-30B-A3B's shape (hidden 2048, 128 experts of
+            768, top 8) and gpt-oss-20b's (hidden 2880, 64 heads of 64 over 8 KV heads, a 128-key window then
+            full attention, sinks, biases, YaRN, top 4 of 8 of its 32 experts of 2880: a batch-1 step reads
+            what the real one does, larger batches touch at most 8 experts a layer; F16, not its MXFP4, which
+            the device holds in f16 alike and which takes minutes to write): decode step at batch 1, 8, 32
+            (rows of the table; the floor: the attention matrices, the router and the used experts a layer, so
+            batch 1's) and each launcher's device time of a batch-1 step (add_bias, qk_prep, moe_router too)
   gemma3    Gemma 3 270M (the pulled file from $FASTSERVE_GEMMA3_MODEL or the cache; else a synthetic model of
             its shape): logits of a prompt past the window (3 slots) and 4 decode steps through graphs against
             the CPU backend on the weights in float32 (the same math; on the file's quantized blocks the CPU
@@ -76,13 +81,23 @@ DRY_GEMMA3 = dict(SYNTH_GEMMA3, n_layer=6, n_embd=64, n_ff=128, n_vocab=320, n_c
 # Bars against the CPU backend in f32: tests/gpu/test_parity.py's for f16; bf16's 3e-2 because rounding the real
 # 270M's weights to bf16 alone moves its logits by 1.6e-2 (its worst row 2.4e-2 on the kernels' NumPy emulation).
 GEMMA3_BAR = {"f16": 1e-2, "bf16": 3e-2}
-FAMILIES = ("granite", "smollm3", "qwen3moe")      # rows the CUDA backend gained after issue 6: parity and timing
+# rows the CUDA backend gained after issue 6: parity and timing
+FAMILIES = ("granite", "smollm3", "qwen3moe", "gpt-oss", "gpt-oss-mxfp4")
 FAMILY_BAR = 1e-2
 # Qwen3-30B-A3B's shape cut to 2 of its 48 layers (each 1.2 GB of experts in F16), a 32000-token vocabulary (its
 # 151936 would only add output rows); --dry-run's: the same row small.
 SYNTH_MOE = dict(architecture="qwen3moe", n_layer=2, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_ff=768,
                  n_expert=128, n_expert_used=8, n_vocab=32000, n_ctx=4096, rope_base=1e6)
 DRY_MOE = dict(SYNTH_MOE, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=32, n_expert=16, n_vocab=320, n_ctx=512)
+# gpt-oss-20b's shape cut to 2 of its 24 layers (one local, one global) and 8 of its 32 experts (each 50 MB in F16),
+# a 32000-token vocabulary (its 201088 would only add output rows); --dry-run's: the same row small.
+SYNTH_GPT_OSS = dict(architecture="gpt-oss", n_layer=2, n_embd=2880, n_head=64, n_head_kv=8, head_dim=64, n_ff=2880,
+                     n_expert=8, n_expert_used=4, n_vocab=32000, n_ctx=131072, rope_base=150000.0, sliding_window=128,
+                     yarn=(32.0, 4096))
+DRY_GPT_OSS = dict(SYNTH_GPT_OSS, n_embd=64, n_head=4, n_head_kv=2, head_dim=16, n_ff=32, n_vocab=320,
+                   sliding_window=8)
+MOE_TIMINGS = (("synth_moe", "synthetic 30B-A3B 2 layers", SYNTH_MOE, DRY_MOE, 7),
+               ("synth_gpt_oss", "synthetic gpt-oss-20b 2 layers", SYNTH_GPT_OSS, DRY_GPT_OSS, 8))
 
 
 class Check:
@@ -268,7 +283,8 @@ def phase_tests(c: Check) -> dict:
     if c.tests_k:
         cmd += ["-k", c.tests_k]
     try:
-        p = sh(cmd, max(60.0, min(300.0, c.left() - 150)), cwd=REPO, env=env)
+        # dry: no device time at stake, and the CPU-run kernels and nvcc take minutes on a shared 2-core machine
+        p = sh(cmd, max(60.0, min(300.0, c.left() - 150)) if not c.dry else 1800.0, cwd=REPO, env=env)
     except subprocess.TimeoutExpired as exc:      # keep what pytest printed before the limit
         def text(b):
             return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
@@ -454,8 +470,9 @@ def _kernel_breakdown(be) -> dict:
     cp = be.cp
     # norm_gemm / norm_gemm_swiglu: the fused launches at batch 1 (their cuBLAS fallback, which calls
     # rms_norm / gemm / swiglu and would be counted twice, is not taken here).
-    names = ("embed_rows", "rms_norm", "gemm", "norm_gemm", "norm_gemm_swiglu", "rope_store", "attention", "swiglu",
-             "argmax_rows", "moe_route", "moe_group", "moe_gemm_swiglu", "moe_gemm", "moe_sum")
+    names = ("embed_rows", "rms_norm", "gemm", "norm_gemm", "norm_gemm_swiglu", "qk_prep", "rope_store", "kv_store",
+             "attention", "add_bias", "swiglu", "rms_norm_add", "logit_out", "argmax_rows", "moe_router", "moe_route",
+             "moe_group", "moe_gemm_swiglu", "moe_gemm", "moe_sum")
     spans: list = []
     saved = {n: getattr(K, n) for n in names if hasattr(K, n)}
 
@@ -564,11 +581,21 @@ def phase_families(c: Check) -> dict:
         del be
     c.results["families"] = info
     c.save()
-    path = STAGE / ("synth_moe.gguf" if not c.dry else "synth_moe_dry.gguf")
-    if not path.exists():
-        write_llama_gguf(path, weight_type="F16", seed=7, **(SYNTH_MOE if not c.dry else DRY_MOE))
-    label = "synthetic 30B-A3B 2 layers" if not c.dry else "synthetic moe (dry)"
-    model = fastserve.load_model(path)
+    for stem, label, shape, dry_shape, seed in MOE_TIMINGS:
+        path = STAGE / (f"{stem}.gguf" if not c.dry else f"{stem}_dry.gguf")
+        if not path.exists():
+            t = time.monotonic()
+            write_llama_gguf(path, weight_type="F16", seed=seed, **(shape if not c.dry else dry_shape))
+            c.log(f"wrote {path.name} ({path.stat().st_size / 1e9:.2f} GB) in {time.monotonic() - t:.0f} s")
+        _time_moe(c, fastserve.load_model(path), label if not c.dry else f"{label} (dry)")
+        cp.get_default_memory_pool().free_all_blocks()
+    ok = all(v["rel_err"] <= FAMILY_BAR and v["alone_equals_among"] for v in info.values())
+    return {"status": "ok" if ok else "failed", **{f: v["rel_err"] for f, v in info.items()}}
+
+
+def _time_moe(c: Check, model, label: str) -> None:
+    """A mixture of experts' rows of the table: its launchers' device time of a batch-1 step, its decode steps."""
+    from fastserve.backends.cuda.backend import CupyBackend
     be = CupyBackend(model.config, model.weights, n_slots=32, n_ctx_slot=1024 if not c.dry else 512, max_tokens=512)
     bw = c.results.get("bandwidth_Bps")
     floor_ms = be.weight_bytes_per_step() / bw * 1e3 if bw else float("nan")
@@ -578,10 +605,6 @@ def phase_families(c: Check) -> dict:
     for b in BATCHES if not c.dry else (1, 8):
         _time_batch(c, be, label, b, 4, floor_ms, rows)
         c.save()
-    del be
-    cp.get_default_memory_pool().free_all_blocks()
-    ok = all(v["rel_err"] <= FAMILY_BAR and v["alone_equals_among"] for v in info.values())
-    return {"status": "ok" if ok else "failed", **{f: v["rel_err"] for f, v in info.items()}}
 
 
 def _gemma3_model(c: Check):
@@ -776,7 +799,7 @@ def main(argv=None) -> int:
     c = Check(out, budget, args.dry_run)
     c.tests_k = args.tests_k
     need = {"setup": 0, "build": 60, "nvcc": 15, "stash": 0, "model": 5, "tests": 90, "bandwidth": 5,
-            "timing": 60, "engine": 40, "pool": 20, "families": 90,
+            "timing": 60, "engine": 40, "pool": 20, "families": 150,
             "gemma3": 90}
     fns = {p: globals()[f"phase_{p}"] for p in PHASES}
     if args.dry_run:

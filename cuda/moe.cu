@@ -2,15 +2,26 @@
 // fastserve/backends/cpu/_forward.pyx's _route, _moe and _moe_sum compute them, each row on its own (a row's
 // experts, weights and output do not depend on the other rows of the batch).
 //
+// moe_router_f32: the router's logits route [n, E] float32 = h @ router^T, h = rmsnorm(x) * norm_w, every operand
+// float32 as the CPU's (x the residual stream [n, d], norm_w [d], router [E, d] as the file keeps it, F32): the
+// experts' h is rounded to the weights' f16 / bf16, but a routing decided on those would flip at near-ties the CPU
+// decides otherwise. h's elements are formed where they are used (common.cuh rms_apply<float>, as rms_norm.cu);
+// each block's rms over the row (block_sum: an order fixed by the block size alone), then each warp one expert's
+// sum, lanes strided over d, then warp_sum. Grid: (n, ceil(E / MOE_ROUTER_WARPS)); block: MOE_ROUTER_WARPS * 32.
+// Each block reads its experts' router rows, so a batch of n reads the router n times (from L2: 1 MiB a layer at
+// Qwen3-30B-A3B's 128 x 2048).
+//
 // moe_route_f32: route [n, E] float32, a row's router logits -> its k experts sel [n, k] int32 by rank and
 // their weights wts [n, k] float32, llama.cpp's softmax gating with normalised weights:
-//     p = softmax(route[i]) (the sum in expert order), the k largest p (ties to the lower id), by rank;
+//     p = softmax(route[i]), the k largest p (ties to the lower id), by rank;
 //     w_r = p_r / max(sum of the k p_r in rank order, 2^-14) * scale (expert_weights_scale; 1: none).
 // With bias (gpt-oss's router bias, [E] float32; NULL: none) the logits are route[i] + bias first. topk_softmax
 // (gpt-oss's gating, as _forward._route_topk): the k largest logits by rank (ties to the lower id, a NaN never
 // chosen; no candidate left: expert 0), w_r = e^(l_r - l_0) / (their sum in rank order) * scale.
-// Grid: n blocks, one per row; block: any multiple of 32 (the exponentials shared, the rest on thread 0:
-// E * k comparisons). E <= MOE_MAX_EXPERTS.
+// Grid: n blocks, one per row; block: a multiple of 32 up to 1024. The block works together: the softmax's max and
+// sum (block_sum: its order fixed by the block size; the CPU sums in expert order, within rounding) and each
+// rank's choice (moe_block_best: every thread its strided experts, then each warp's, then the block's); thread 0
+// only the k weights. E <= MOE_MAX_EXPERTS.
 //
 // moe_group: the n_pairs = n * k (row, rank) pairs j = i * k + r grouped by expert, a counting sort in one
 // block with pairs in batch order within an expert: start [E + 1] (expert e's pairs are the grouped
@@ -30,66 +41,112 @@
 #define MOE_MAX_EXPERTS 512
 #define MOE_MIN_WEIGHT_SUM 6.103515625e-5f     // llama.cpp's build_moe_ffn: the smallest normal f16
 
-// Thread 0's TOPK_SOFTMAX route of one row's logits l (see above).
-__device__ void moe_route_topk(const float* l, int* s, float* w, int n_expert, int k, float scale) {
-    for (int rank = 0; rank < k; ++rank) {
-        int best = -1;
-        for (int e = 0; e < n_expert; ++e) {
-            bool taken = false;
-            for (int j = 0; j < rank; ++j) taken = taken || s[j] == e;
-            if (l[e] == l[e] && (best < 0 || l[e] > l[best]) && !taken) best = e;
-        }
-        best = best >= 0 ? best : 0;
-        s[rank] = best;
-        w[rank] = l[best];
+#define MOE_ROUTER_WARPS 8
+
+extern "C" __global__ void moe_router_f32(const float* __restrict__ x, const float* __restrict__ norm_w,
+                                          const float* __restrict__ router, float* __restrict__ route, int d,
+                                          int n_expert, float eps) {
+    __shared__ float scratch[32];
+    const int i = blockIdx.x, e = blockIdx.y * MOE_ROUTER_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const float* xr = x + (size_t)i * d;
+    float s = 0.0f;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) s += xr[c] * xr[c];
+    const float inv = rms_inv(block_sum(s, scratch), d, eps);
+    if (e >= n_expert) return;
+    const float* w = router + (size_t)e * d;
+    float acc = 0.0f;
+    for (int c = lane; c < d; c += 32) acc += rms_apply<float>(xr[c], inv, norm_w[c]) * w[c];
+    acc = warp_sum(acc);
+    if (lane == 0) route[(size_t)i * n_expert + e] = acc;
+}
+
+// (v, e) becomes (v2, e2) where that is the better candidate: the larger value, ties to the lower id (e < 0: none).
+__device__ __forceinline__ void moe_better(float& v, int& e, float v2, int e2) {
+    if (e2 >= 0 && (e < 0 || v2 > v || (v2 == v && e2 < e))) {
+        v = v2;
+        e = e2;
     }
-    const float mx = w[0];
-    float total = 0.0f;
-    for (int rank = 0; rank < k; ++rank) {
-        w[rank] = expf(w[rank] - mx);
-        total += w[rank];
+}
+
+// The block's best expert of v [n_expert] not taken (the largest value, ties to the lower id, a NaN never; -1:
+// none), every thread's answer. sv, se: 32 floats and 32 ints of shared memory, reusable after the call.
+__device__ int moe_block_best(const float* v, const unsigned char* taken, int n_expert, float* sv, int* se) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    float best_v = 0.0f;
+    int best = -1;
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x)
+        if (v[e] == v[e] && !taken[e]) moe_better(best_v, best, v[e], e);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_down_sync(0xffffffffu, best_v, o);
+        const int oe = __shfl_down_sync(0xffffffffu, best, o);
+        moe_better(best_v, best, ov, oe);
     }
-    for (int rank = 0; rank < k; ++rank) w[rank] = w[rank] / total * scale;
+    if (lane == 0) {
+        sv[warp] = best_v;
+        se[warp] = best;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < n_warps; ++w) moe_better(sv[0], se[0], sv[w], se[w]);
+    }
+    __syncthreads();
+    best = se[0];
+    __syncthreads();
+    return best;
 }
 
 extern "C" __global__ void moe_route_f32(const float* __restrict__ route, const float* __restrict__ bias,
                                          int* __restrict__ sel, float* __restrict__ wts, int n_expert, int k,
                                          float scale, int topk_softmax) {
     __shared__ float p[MOE_MAX_EXPERTS];
-    __shared__ float top;
+    __shared__ unsigned char taken[MOE_MAX_EXPERTS];
+    __shared__ float sv[32];
+    __shared__ int se[32];
     const int i = blockIdx.x;
     const float* r = route + (size_t)i * n_expert;
     int* s = sel + (size_t)i * k;
     float* w = wts + (size_t)i * k;
-    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) p[e] = bias != nullptr ? r[e] + bias[e] : r[e];
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+        p[e] = bias != nullptr ? r[e] + bias[e] : r[e];
+        taken[e] = 0;
+    }
     __syncthreads();
-    if (topk_softmax) {
-        if (threadIdx.x == 0) moe_route_topk(p, s, w, n_expert, k, scale);
+    if (!topk_softmax) {                        // p = softmax(p)
+        const int top = moe_block_best(p, taken, n_expert, sv, se);
+        const float mx = p[top >= 0 ? top : 0];
+        __syncthreads();                        // every thread has read it before p is overwritten
+        float part = 0.0f;
+        for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+            p[e] = expf(p[e] - mx);
+            part += p[e];
+        }
+        const float total = block_sum(part, sv);
+        for (int e = threadIdx.x; e < n_expert; e += blockDim.x) p[e] = p[e] / total;
+        __syncthreads();
+    }
+    for (int rank = 0; rank < k; ++rank) {
+        const int best = moe_block_best(p, taken, n_expert, sv, se);
+        if (threadIdx.x == 0) {
+            s[rank] = best >= 0 ? best : 0;
+            w[rank] = p[best >= 0 ? best : 0];
+            if (best >= 0) taken[best] = 1;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x != 0) return;
+    if (topk_softmax) {                         // the softmax of the k logits
+        const float mx = w[0];
+        float total = 0.0f;
+        for (int rank = 0; rank < k; ++rank) {
+            w[rank] = expf(w[rank] - mx);
+            total += w[rank];
+        }
+        for (int rank = 0; rank < k; ++rank) w[rank] = w[rank] / total * scale;
         return;
     }
-    if (threadIdx.x == 0) {
-        float mx = p[0];
-        for (int e = 1; e < n_expert; ++e)
-            if (p[e] > mx) mx = p[e];
-        top = mx;
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) p[e] = expf(p[e] - top);
-    __syncthreads();
-    if (threadIdx.x != 0) return;
-    float total = 0.0f;
-    for (int e = 0; e < n_expert; ++e) total += p[e];
-    for (int e = 0; e < n_expert; ++e) p[e] = p[e] / total;
     float sum = 0.0f;
-    for (int rank = 0; rank < k; ++rank) {
-        int best = 0;
-        for (int e = 1; e < n_expert; ++e)
-            if (p[e] > p[best]) best = e;
-        s[rank] = best;
-        w[rank] = p[best];
-        p[best] = -1.0f;                    // taken (probabilities are >= 0)
-        sum += w[rank];
-    }
+    for (int rank = 0; rank < k; ++rank) sum += w[rank];
     if (sum < MOE_MIN_WEIGHT_SUM) sum = MOE_MIN_WEIGHT_SUM;
     for (int rank = 0; rank < k; ++rank) w[rank] = w[rank] / sum * scale;
 }

@@ -272,6 +272,14 @@ def _k_norm_matvec_swiglu(grid, args):
     _k_swiglu(grid, (gu, act, n, n_ff, gelu))
 
 
+def _k_moe_router(grid, args):
+    x, nw, router, route, d, E, eps = args
+    n = _rows_of(grid)
+    if int(grid[1]) * 8 < int(E):
+        raise ValueError("moe_router: the grid must cover the experts")
+    route[:n] = _rows_dot(_normed(x, None, nw, n, eps, router), router)
+
+
 def _k_moe_route(grid, args):
     """fastserve/backends/cpu/_forward.pyx's _route, row by row."""
     route, bias, sel, wts, E, k, scale, topk_softmax = args
@@ -468,7 +476,7 @@ _EMULATIONS = [("embed_rows_", _k_embed_rows), ("rms_norm_add_", _k_rms_norm_add
                ("kv_store_", _k_kv_store), ("rope_store_", _k_rope_store), ("qk_prep_", _k_qk_prep), ("matvec_", _k_matvec),
                ("norm_matvec_swiglu_", _k_norm_matvec_swiglu), ("norm_matvec_", _k_norm_matvec),
                ("moe_matvec_swiglu_", _k_moe_matvec_swiglu), ("moe_matvec_", _k_moe_matvec),
-               ("moe_route_", _k_moe_route), ("moe_group", _k_moe_group), ("moe_sum_", _k_moe_sum),
+               ("moe_router_", _k_moe_router), ("moe_route_", _k_moe_route), ("moe_group", _k_moe_group), ("moe_sum_", _k_moe_sum),
                ("attention_split_", _k_attention_split),
                ("attention_combine_", _k_attention_combine), ("swiglu_", _k_swiglu), ("cast_f32_", _k_cast),
                ("add_bias_f32", _k_add_bias),

@@ -34,15 +34,16 @@ def round_to(a: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def rounded_weights(w: ModelWeights, dtype: str) -> ModelWeights:
-    """The weights as CupyBackend holds them: matrices (a mixture of experts' router and experts too) and the
-    embedding rounded to dtype (as F32 BlockMatrix, which the NumPy backend multiplies in float32), norms float32."""
+    """The weights as CupyBackend holds them: matrices (a mixture of experts' experts too) and the embedding
+    rounded to dtype (as F32 BlockMatrix, which the NumPy backend multiplies in float32); norms and a mixture of
+    experts' router float32 (as the file's)."""
     def rounded(m):
         return BlockMatrix.from_float(round_to(m.to_float(), dtype))
 
     def ffn(lw):
         if lw.router is None:
             return dict(w_gate_up=rounded(lw.w_gate_up), w_down=rounded(lw.w_down))
-        return dict(router=rounded(lw.router), experts_gate_up=[rounded(m) for m in lw.experts_gate_up],
+        return dict(experts_gate_up=[rounded(m) for m in lw.experts_gate_up],
                     experts_down=[rounded(m) for m in lw.experts_down])
 
     layers = [dataclasses.replace(lw, wqkv=rounded(lw.wqkv), wo=rounded(lw.wo), **ffn(lw)) for lw in w.layers]

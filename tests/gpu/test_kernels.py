@@ -658,6 +658,63 @@ def test_moe_route_topk_softmax_with_bias(cupy):
         K.moe_route(cupy.asarray(route), sel, wts, n, bias=cupy.asarray(bias[:3]), topk_softmax=True)
 
 
+def test_moe_router_is_the_cpus_float32_product(cupy):
+    """The router's logits from the float32 residual stream, its norm and a float32 router (E = 20: the last
+    block's warps partly past the experts): within float32 rounding of the CPU's RMSNorm then product in float64,
+    each row's logits the same alone as among the others (bit for bit), rows past n untouched."""
+    from fastserve.backends.cpu.ref.layer_ops import rms_norm
+    rng = np.random.default_rng(1234)   # fixed: a failure must reproduce
+    n, d, E = 5, 96, 20
+    x = (rng.standard_normal((n + 1, d)) * 3).astype(np.float32)
+    norm_w = rng.uniform(0.5, 1.5, d).astype(np.float32)
+    router = (rng.standard_normal((E, d)) / np.sqrt(d)).astype(np.float32)
+    route = _poisoned(cupy, (n + 1, E), np.float32)
+    xd, nwd, rd = cupy.asarray(x), cupy.asarray(norm_w), cupy.asarray(router)
+    K.moe_router(xd, nwd, rd, route, n, 1e-6)
+    want = rms_norm(x[:n], norm_w, 1e-6).astype(np.float64) @ router.T.astype(np.float64)
+    np.testing.assert_allclose(route.get()[:n], want, rtol=1e-5, atol=1e-5)
+    assert np.isnan(route.get()[n]).all()                               # rows past n untouched
+    alone = _poisoned(cupy, (1, E), np.float32)
+    K.moe_router(cupy.asarray(x[3:4]), nwd, rd, alone, 1, 1e-6)
+    np.testing.assert_array_equal(alone.get()[0], route.get()[3])
+    with pytest.raises(TypeError, match="router"):
+        K.moe_router(xd, nwd, cupy.asarray(router.astype(np.float16)), route, n, 1e-6)
+
+
+@pytest.mark.parametrize("E, k", [(128, 8), (512, 8), (40, 40)])
+@pytest.mark.parametrize("gating", ["softmax", "topk_softmax"])
+def test_moe_route_many_experts_is_the_cpus(cupy, E, k, gating):
+    """The block's choice with the experts spread over several warps (E = 128: 4 warps of one expert per thread;
+    512: 8 warps of two; 40: every expert chosen) is the CPU's (fastserve/backends/cpu/ref/forward.py route, which
+    _forward.pyx's _route equals bit for bit): the same experts in the same order, ties across warps to the lower
+    id, weights within float32 rounding (exp and the softmax's sum in another order)."""
+    from fastserve.backends.cpu.ref.forward import route as cpu_route
+    rng = np.random.default_rng(E + k)   # fixed: a failure must reproduce
+    n = 6
+    logits = (rng.standard_normal((n + 1, E)) * 2).astype(np.float32)
+    logits[1] = np.round(logits[1])                                    # ties everywhere
+    logits[2] = 0.0
+    logits[2, [E - 1, E // 2, 33, 3]] = 5.0                            # tied leaders in different warps
+    logits[3, ::2] = np.nan                                            # a NaN is never chosen (top k)
+    rows = [0, 1, 2, 4, 5]          # row 3 apart: the twin's NaN handling is not _forward.pyx's (its max, its order)
+    sel, wts = _poisoned(cupy, (n + 1, k), np.int32), _poisoned(cupy, (n + 1, k), np.float32)
+    K.moe_route(cupy.asarray(logits), sel, wts, n, scale=1.5, topk_softmax=gating == "topk_softmax")
+    want_sel, want_w = cpu_route(logits[:n], k, 1.5, gating)
+    np.testing.assert_array_equal(sel.get()[rows], want_sel[rows])
+    np.testing.assert_allclose(wts.get()[rows], want_w[rows], rtol=2e-6)
+    np.testing.assert_array_equal(sel.get()[2, :4], sorted([E - 1, E // 2, 33, 3]))
+    assert (sel.get()[n] == np.iinfo(np.int32).max).all()             # rows past n untouched
+    if gating == "topk_softmax":    # _route_topk's: the valid logits' top k, their softmax; no candidate left: 0
+        valid = min(k, E // 2)
+        np.testing.assert_array_equal(sel.get()[3, :valid], want_sel[3, :valid])
+        assert (sel.get()[3, valid:] == 0).all()
+        top = logits[3, want_sel[3, :valid]].astype(np.float64)
+        want_w3 = np.exp(top - top[0]) / np.exp(top - top[0]).sum() * 1.5
+        if valid < k:               # expert 0's logit, NaN here, in the softmax: every weight NaN, as the CPU's
+            want_w3[:] = np.nan
+        np.testing.assert_allclose(wts.get()[3, :valid], want_w3, rtol=2e-6)
+
+
 @pytest.mark.parametrize("n", [1, 3, 40])
 def test_moe_group_is_a_counting_sort(cupy, n):
     """Pairs grouped by expert (batch order within one), pos its inverse, the tiles cover each expert's pairs

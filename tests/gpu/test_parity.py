@@ -269,6 +269,52 @@ def test_family_rows_within_bar_of_numpy(cupy, family_models, family):
     np.testing.assert_array_equal(alone, among)
 
 
+@pytest.mark.parametrize("family", ["qwen3moe", "gpt-oss"])
+def test_moe_routing_is_the_cpu_backends(cupy, family_models, family, monkeypatch):
+    """The device's routing is the CPU backend's on the same values: each MoE layer's residual stream x, as the
+    device has it before the FFN, routed as the CPU routes it (its float32 RMSNorm, its product on the file's
+    float32 router, the router's bias and the row's gating: fastserve/backends/cpu/ref/forward.py) chooses the
+    experts the device chose, in the same order, with the same weights within float32 rounding, over a prefill
+    of three slots and 4 decode steps. Printed beside: the rows where h and the router rounded to f16 (the device
+    before it kept them in float32) would choose otherwise."""
+    from fastserve.backends.cpu.ref.forward import route
+    from fastserve.backends.cpu.ref.layer_ops import rms_norm
+    from fastserve.backends.cuda import kernels as K
+    from .helpers import round_to
+    cfg, w = family_models[family].config, family_models[family].weights
+    seen = []
+    router, moe_route = K.moe_router, K.moe_route
+
+    def record_x(x, norm_w, r, logits, n, eps):
+        seen.append([x[:n].get()])
+        router(x, norm_w, r, logits, n, eps)
+
+    def record_choice(logits, sel, wts, n, *args, **kw):
+        moe_route(logits, sel, wts, n, *args, **kw)
+        seen[-1] += [sel[:n].get(), wts[:n].get()]
+
+    monkeypatch.setattr(K, "moe_router", record_x)
+    monkeypatch.setattr(K, "moe_route", record_choice)
+    _logit_steps(_cupy_backend(cfg, w, 4, 64, attn_chunk=8, graphs=False), _gemma_prompts(cfg), 4,
+                 np.random.default_rng(5))
+    cpu = _cpu_backend(cfg, w, 1, 64)
+    assert len(seen) == 5 * cfg.n_layer, "a prefill and 4 decode steps, each through every layer's router"
+    rows = flips = 0
+    for i, (x, sel, wts) in enumerate(seen):
+        lw = w.layers[i % cfg.n_layer]
+        want, want_f16 = (np.zeros((len(x), cfg.n_expert), np.float32) for _ in range(2))
+        cpu._mm(rms_norm(x, lw.ffn_norm, cfg.norm_eps), lw.router, want)
+        want_f16[...] = round_to(rms_norm(x, lw.ffn_norm, cfg.norm_eps), "f16") @ round_to(lw.router.to_float(), "f16").T
+        bias = 0 if lw.router_bias is None else lw.router_bias
+        want_sel, want_w = route(want + bias, cfg.n_expert_used, cfg.expert_weights_scale, cfg.arch.moe_gating)
+        f16_sel, _ = route(want_f16 + bias, cfg.n_expert_used, cfg.expert_weights_scale, cfg.arch.moe_gating)
+        np.testing.assert_array_equal(sel, want_sel, err_msg=f"layer {i % cfg.n_layer}, pass {i // cfg.n_layer}")
+        np.testing.assert_allclose(wts, want_w, rtol=1e-5, atol=1e-7)
+        rows, flips = rows + len(x), flips + int((f16_sel != want_sel).any(axis=1).sum())
+    print(f"{family}: the device's experts = the CPU's on {rows}/{rows} routed rows; h and the router in f16 "
+          f"would choose otherwise on {flips}")
+
+
 # -- the default model (SmolLM2-135M-Instruct Q4_1) ---------------------------------------------
 
 @pytest.mark.parametrize("dtype", ["f16", "bf16"])

@@ -10,10 +10,10 @@ bracketed steps where the architecture row asks for them (models/architecture.py
       [-> x += o's bias: add_bias]
     h = rmsnorm(x) -> gu = h Wgu^T -> s = silu(g) * u (GeGLU: gelu(g) * u) -> y = s Wdown^T
       -> [y = rmsnorm(y): post-FFN norm] -> x += [r *] y
-      (a mixture of experts, _moe: router logits h Wr^T [+ bias] -> each row's top-k experts and weights
-      (cuda/moe.cu, one block a row; gpt-oss: the softmax over the top k logits) -> the (row, rank) pairs
-      grouped by expert on the device (a counting sort into tiles whose number n fixes: no host wait, so a
-      decode step stays one graph) -> each selected expert once over its pairs (cuda/matvec.cu's grouped
+      (a mixture of experts, _moe: router logits h Wr^T [+ bias], h and Wr float32 as the CPU's -> each row's
+      top-k experts and weights (cuda/moe.cu, one block a row; gpt-oss: the softmax over the top k logits) -> the
+      (row, rank) pairs grouped by expert on the device (a counting sort into tiles whose number n fixes: no host
+      wait, so a decode step stays one graph) -> each selected expert once over its pairs (cuda/matvec.cu's grouped
       products, the file's 3-D expert tensors, MXFP4 ones dequantized on upload like any matrix; gpt-oss: the
       experts' gate/up and down biases, swiglu_oai) -> y = each row's weighted expert outputs summed in rank
       order, as the CPU's _forward._moe)
@@ -29,7 +29,7 @@ attention output, SwiGLU output) is rounded to `dtype`; the KV cache is `dtype`.
 
 Device memory, all allocated here, once (sizes for N = max_tokens, M = max_out rows):
     weights                          per layer wqkv [(H+2Hkv)D, d], wo [d, HD], w_gate_up [2F, d],
-                                     w_down [d, F] (a mixture of experts: router [E, d], experts_gate_up
+                                     w_down [d, F] (a mixture of experts: router [E, d] f32, experts_gate_up
                                      [E, 2F, d], experts_down [E, d, F]) in dtype; norms f32; tok_embd
                                      [V, d] dtype (the same array as the output matrix when the model ties them)
     kv     [L, 2, n_slots + 1, n_ctx_slot, Hkv, D] dtype   (slot n_slots: scratch for padding rows).
@@ -284,7 +284,8 @@ class CupyBackend:
         self.out_norm = self._to_device(w.out_norm, "f32")
 
     def _ffn_weights(self, lw) -> dict:
-        """A layer's FFN on the device: a dense one's w_gate_up, w_down; a mixture of experts' router [E, d] and
+        """A layer's FFN on the device: a dense one's w_gate_up, w_down; a mixture of experts' router [E, d] (float32,
+        as the file keeps it: the routing decided on the CPU's values, cuda/moe.cu moe_router_f32) and
         its experts stacked as the file's 3-D tensors, experts_gate_up [E, 2F, d] (each expert's gate rows, then
         its up rows) and experts_down [E, d, F], uploaded one expert at a time."""
         dt = self.dtype
@@ -299,7 +300,7 @@ class CupyBackend:
 
         def bias(v):
             return None if v is None else self._to_device(v, "f32")
-        return dict(router=self._to_device(lw.router, dt), experts_gate_up=stacked(lw.experts_gate_up),
+        return dict(router=self._to_device(lw.router, "f32"), experts_gate_up=stacked(lw.experts_gate_up),
                     experts_down=stacked(lw.experts_down), router_bias=bias(lw.router_bias),
                     experts_gate_up_bias=bias(lw.experts_gate_up_bias), experts_down_bias=bias(lw.experts_down_bias))
 
@@ -678,12 +679,13 @@ class CupyBackend:
 
     def _moe(self, lw, n: int) -> None:
         """x[:n] += r * the mixture of experts of rmsnorm(x[:n]) (as the CPU's _forward._moe): the router's
-        logits, each row's experts and weights (moe_route), the (row, rank) pairs grouped by expert on the device
-        (moe_group: sizes fixed by n, no wait for the host, so a graph captures it), each selected expert once over
-        its pairs (the grouped products), then each row's weighted outputs summed in rank order (moe_sum)."""
+        logits from x, its norm and the router in float32 (moe_router; h, rounded to dtype, feeds the experts only),
+        each row's experts and weights (moe_route), the (row, rank) pairs grouped by expert on the device (moe_group:
+        sizes fixed by n, no wait for the host, so a graph captures it), each selected expert once over its pairs
+        (the grouped products), then each row's weighted outputs summed in rank order (moe_sum)."""
         c, k = self.cfg, self.cfg.n_expert_used
         K.rms_norm(self.x, lw["ffn_norm"], self.h, n, c.norm_eps)
-        K.gemm(self.h, lw["router"], self.route, n, matvec_max_n=self.matvec_max_n)
+        K.moe_router(self.x, lw["ffn_norm"], lw["router"], self.route, n, c.norm_eps)     # float32, not h
         K.moe_route(self.route, self.sel, self.wts, n, c.expert_weights_scale, bias=lw["router_bias"],
                     topk_softmax=c.arch.moe_gating == TOPK_SOFTMAX)
         K.moe_group(self.sel, n, c.n_expert, self.moe_start, self.moe_order, self.moe_pos, self.moe_tiles)

@@ -34,6 +34,7 @@ MATVEC_WARPS = 4        # cuda/matvec.cu: MATVEC_WARPS
 MATVEC_MAX_N = 32       # the largest matvec_*_n<N> instantiated: x rows per block (more: more blocks)
 MATVEC_ROWS = (1, 2, 4, 8, 16, 32)
 MOE_MAX_EXPERTS = 512  # cuda/moe.cu: MOE_MAX_EXPERTS
+MOE_ROUTER_WARPS = 8   # cuda/moe.cu: MOE_ROUTER_WARPS (experts per block of moe_router_f32, a warp each)
 SAMPLE_THREADS = 512    # cuda/sampling.cu: SAMPLE_THREADS
 SAMPLE_MAX_PROBS = 128  # cuda/sampling.cu: SAMPLE_MAX_PROBS
 SAMPLE_GREEDY, SAMPLE_POST_PROBS, SAMPLE_PENALIZE = 1, 2, 4       # SampleRow.flags
@@ -61,7 +62,7 @@ KERNELS = {
     "matvec": [f"{kind}_{s}_n{n}" for kind in ("matvec", "norm_matvec", "norm_matvec_swiglu", "moe_matvec",
                                                "moe_matvec_swiglu")
                for s in ("f16", "bf16") for n in MATVEC_ROWS],
-    "moe": ["moe_route_f32", "moe_group", "moe_sum_f32"],
+    "moe": ["moe_router_f32", "moe_route_f32", "moe_group", "moe_sum_f32"],
     "qk_prep": ["qk_prep_f32"],
     "rms_norm": [f"rms_norm_{s}" for s in _S3] + ["rms_norm_add_f32"],
     "rope": ["rope_qk_f32"],
@@ -597,6 +598,19 @@ def moe_tiles(n: int, k: int, n_expert: int) -> int:
     """Tiles of moe_group over n rows of k pairs: enough for any routing (min(E, n k) experts used, each
     its pairs in tiles of moe_tile_rows(n)), fixed by n alone."""
     return min(n_expert, n * k) + n * k // moe_tile_rows(n)
+
+
+def moe_router(x, norm_w, router, route, n: int, eps: float) -> None:
+    """The router's logits in float32 throughout, as the CPU's: route[:n] = (rmsnorm(x[:n]) * norm_w) @ router.T.
+    x f32 [>=n, d] (the residual stream); norm_w f32 [d]; router f32 [E, d]; route f32 [>=n, E]."""
+    E, d = router.shape
+    _check("router", router, np.float32, (E, d))
+    _check("norm_w", norm_w, np.float32, (d,))
+    _check("x", x, np.float32, (None, d), min_rows=n)
+    _check("route", route, np.float32, (None, E), min_rows=n)
+    if n:
+        function("moe", "moe_router_f32")((n, -(-E // MOE_ROUTER_WARPS)), (MOE_ROUTER_WARPS * 32,),
+                                          (x, norm_w, router, route, _i32(d), _i32(E), _f32(eps)))
 
 
 def moe_route(route, sel, wts, n: int, scale: float = 1.0, bias=None, topk_softmax: bool = False) -> None:
