@@ -92,8 +92,8 @@ class ModelConfig:
         def count(key, default=None) -> int:      # a size: a positive integer that fits an int32
             return int(value(key, default, (int, np.integer), lambda v: 0 < v < 2**31))
 
-        def number(key, default) -> float:
-            return float(value(key, default, (int, float, np.number), lambda v: bool(np.isfinite(v))))
+        def number(key, default, ok=lambda v: True) -> float:
+            return float(value(key, default, (int, float, np.number), lambda v: bool(np.isfinite(v)) and ok(v)))
 
         n_embd = count("embedding_length")
         n_layer = count("block_count")
@@ -110,7 +110,7 @@ class ModelConfig:
         if scaling not in ("none", "linear", "longrope", "yarn"):
             raise ModelLoadError(f"GGUF metadata: RoPE scaling {scaling!r} is not one fastserve runs "
                                  "(none, linear, longrope, yarn)")
-        factor = number("rope.scaling.factor", 1.0) or 1.0
+        factor = number("rope.scaling.factor", 1.0, lambda v: v >= 0) or 1.0      # 0: none, as llama.cpp
         window, local = 0, (False,) * n_layer
         if arch.sliding_window:
             window = int(value("attention.sliding_window", 0, (int, np.integer), lambda v: 0 <= v < 2**31))
@@ -151,7 +151,7 @@ class ModelConfig:
             n_ctx_train=n_ctx_train,
             head_dim=head_dim,
             rope_dim=count("rope.dimension_count", head_dim),
-            rope_base=number("rope.freq_base", 10000.0),
+            rope_base=number("rope.freq_base", 10000.0, lambda v: v > 0),
             rope_scale=factor if scaling in ("linear", "longrope", "yarn") else 1.0,
             rope_yarn=scaling == "yarn",
             rope_scale_local=factor if arch.swa_rope_global and scaling in ("linear", "yarn") else 1.0,
@@ -166,7 +166,7 @@ class ModelConfig:
             sliding_window=window,
             local_layers=local,
             rope_base_local=number("rope.freq_base_swa", number("rope.freq_base", 10000.0) if arch.swa_rope_global
-                                   else arch.swa_rope_base) if window else 0.0,
+                                   else arch.swa_rope_base, lambda v: v > 0) if window else 0.0,
             logit_softcap=number("final_logit_softcapping", 0.0) if arch.logit_softcap else 0.0,
             residual_scale=residual_scale,
             logit_scale=logit_scale,

@@ -53,6 +53,19 @@ def test_a_dense_ffn_norm_or_an_unknown_rope_scaling_is_refused(path, tmp_path):
         ModelConfig.from_metadata(md, 512)
 
 
+@pytest.mark.parametrize("key, value", [("rope.scaling.factor", -32.0), ("rope.freq_base", 0.0),
+                                        ("rope.freq_base", -150000.0), ("rope.freq_base_swa", -1.0)])
+def test_a_rope_scale_or_base_that_is_not_positive_is_refused(path, key, value):
+    """A negative YaRN factor or a base <= 0 made NaN RoPE tables (the log of a negative scale, a negative base to
+    a fractional power) without a word; the file is refused naming the key (a factor of 0 means none, as llama.cpp)."""
+    md = dict(GGUFFile(path).metadata)
+    md[f"gpt-oss.{key}"] = value
+    with pytest.raises(ModelLoadError, match=rf"'gpt-oss.{key}' is {value!r}, not a usable value"):
+        ModelConfig.from_metadata(md, 512)
+    md[f"gpt-oss.{key}"] = 0.0 if key == "rope.scaling.factor" else 1e4
+    assert ModelConfig.from_metadata(md, 512).rope_scale >= 1.0
+
+
 def test_the_cuda_backend_runs_gpt_oss(path):
     """The CUDA backend's kernels run every step of gpt-oss's row (checked on the emulators against the CPU:
     tests/gpu/test_backend_emulated.py, test_parity.py), so nothing is refused for it."""
