@@ -272,9 +272,19 @@ FS_AVX2 FS_INLINE void fs_store_half_avx2(const fs_job *j, int h, int64_t r, __m
     }
 }
 
+/* Each lane's int16 sub-scale twice (the two int16 of its dword), from the int32 one: madd by it scales a lane's
+ * maddubs pair sums in one step, exactly (|pair sum| < 2^15, |s| <= 128). */
+FS_AVX2 FS_INLINE __m256i fs_pair16_avx2(__m256i s)
+{
+    return _mm256_blend_epi16(s, _mm256_slli_epi32(s, 16), 0xAA);
+}
+
 /* AVX2 (no VNNI): one half panel (8 outputs) times R rows; G: fs_avx2_group's, off: fs_q_offset's (the panel
  * was staged as q + fs_stage_bias(1, type): q + off for G > 0, the plain int8 q for G = 0). The integer
- * result is VNNI's exact dot either way. */
+ * result is VNNI's exact dot either way. G > 0: each row's sum starts at minus what the offset adds,
+ * -off * sum(q_x) (sub-scaled kinds: -off * (s_0 * sum of inputs 0..15 + s_1 * sum of 16..31), one madd of
+ * the int16 pairs (-off s_0, -off s_1) and (sum 0..15, sum 16..31)), and a group's pair sums are widened by a
+ * madd with ones, or with its half's sub-scale: no int32 multiply per row. */
 FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, int h, int64_t r0, const int R, const int kind, const int G,
                                     const int32_t off)
 {
@@ -290,10 +300,27 @@ FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, int h, int64_t r0, const in
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *pb = wp + b * pbb;
         const int8_t *xb = j->xq + r0 * K + b * FS_QK;
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-            a[r] = ah[r] = _mm256_setzero_si256();
         if (G) {
+            __m256i sc[2] = {ones, ones}, offs = ones;
+            if (S) {
+                const __m256i s0 = _mm256_loadu_si256((const __m256i *)(pb + 576));
+                const __m256i s1 = _mm256_loadu_si256((const __m256i *)(pb + 640));
+                sc[0] = fs_pair16_avx2(s0);
+                sc[1] = fs_pair16_avx2(s1);
+                if (off)      /* (-off s_0, -off s_1): |off s| <= 4096 */
+                    offs = _mm256_mullo_epi16(_mm256_blend_epi16(s0, _mm256_slli_epi32(s1, 16), 0xAA),
+                                              _mm256_set1_epi16((int16_t)-off));
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) {
+                const int64_t o = (r0 + r) * nb + b;
+                if (off && S) {
+                    const uint32_t xs2 = (uint16_t)j->xh[o] | (uint32_t)(j->xs[o] - j->xh[o]) << 16;
+                    a[r] = _mm256_madd_epi16(offs, _mm256_set1_epi32((int32_t)xs2));
+                } else {
+                    a[r] = off ? _mm256_set1_epi32(-off * j->xs[o]) : _mm256_setzero_si256();
+                }
+            }
 #pragma GCC unroll 8
             for (int k0 = 0; k0 < 8; k0 += G) {
                 __m256i s16[4];
@@ -308,30 +335,13 @@ FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, int h, int64_t r0, const in
                         s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(fs_load4(xb + r * K + k * 4))));
                 }
 #pragma GCC unroll 4
-                for (int r = 0; r < R; r++) {
-                    const __m256i m = _mm256_madd_epi16(s16[r], ones);
-                    if (S && k0 >= 4)
-                        ah[r] = _mm256_add_epi32(ah[r], m);
-                    else
-                        a[r] = _mm256_add_epi32(a[r], m);
-                }
-            }
-            if (off) {
-                const __m256i offv = _mm256_set1_epi32(off);
-#pragma GCC unroll 4
-                for (int r = 0; r < R; r++) {
-                    const int64_t o = (r0 + r) * nb + b;
-                    const __m256i xs = _mm256_set1_epi32(j->xs[o]);
-                    if (S) {
-                        const __m256i xh = _mm256_set1_epi32(j->xh[o]);
-                        a[r] = _mm256_sub_epi32(a[r], _mm256_mullo_epi32(xh, offv));
-                        ah[r] = _mm256_sub_epi32(ah[r], _mm256_mullo_epi32(_mm256_sub_epi32(xs, xh), offv));
-                    } else {
-                        a[r] = _mm256_sub_epi32(a[r], _mm256_mullo_epi32(xs, offv));
-                    }
-                }
+                for (int r = 0; r < R; r++)
+                    a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(s16[r], sc[k0 >= 4]));
             }
         } else {
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                a[r] = ah[r] = _mm256_setzero_si256();
 #pragma GCC unroll 2
             for (int k = 0; k < 8; k++) {
                 __m256i ws = _mm256_loadu_si256((const __m256i *)(pb + k * 64));
@@ -346,14 +356,14 @@ FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, int h, int64_t r0, const in
                         a[r] = _mm256_add_epi32(a[r], m);
                 }
             }
-        }
-        if (S) {
-            /* half h's 8 sub-scales sit h*32 bytes into them, as its quants into each chunk */
-            __m256i s0 = _mm256_loadu_si256((const __m256i *)(pb + 576));
-            __m256i s1 = _mm256_loadu_si256((const __m256i *)(pb + 640));
+            if (S) {
+                /* half h's 8 sub-scales sit h*32 bytes into them, as its quants into each chunk */
+                __m256i s0 = _mm256_loadu_si256((const __m256i *)(pb + 576));
+                __m256i s1 = _mm256_loadu_si256((const __m256i *)(pb + 640));
 #pragma GCC unroll 4
-            for (int r = 0; r < R; r++)
-                a[r] = _mm256_add_epi32(_mm256_mullo_epi32(a[r], s0), _mm256_mullo_epi32(ah[r], s1));
+                for (int r = 0; r < R; r++)
+                    a[r] = _mm256_add_epi32(_mm256_mullo_epi32(a[r], s0), _mm256_mullo_epi32(ah[r], s1));
+            }
         }
         __m256 dw = _mm256_loadu_ps((const float *)(pb + 512));
         __m256 mw = M ? _mm256_loadu_ps((const float *)(pb + 576)) : dw;
@@ -401,10 +411,11 @@ FS_AVX2 FS_INLINE void fs_panel_avx2(const fs_job *j, const int kind)
     for (int h = 0; h < 2; h++) {
         if (j->valid <= h * 8)
             break;
+        /* off = 0 a constant where it is 0 (Q4_1, Q4_K, ...): no offset code in their loops */
         switch (G) {
-        case 8: fs_half_avx2(j, h, kind, 8, off); break;
-        case 4: fs_half_avx2(j, h, kind, 4, off); break;
-        case 2: fs_half_avx2(j, h, kind, 2, off); break;
+        case 8: off ? fs_half_avx2(j, h, kind, 8, off) : fs_half_avx2(j, h, kind, 8, 0); break;
+        case 4: off ? fs_half_avx2(j, h, kind, 4, off) : fs_half_avx2(j, h, kind, 4, 0); break;
+        case 2: off ? fs_half_avx2(j, h, kind, 2, off) : fs_half_avx2(j, h, kind, 2, 0); break;
         default: fs_half_avx2(j, h, kind, 0, 0); break;
         }
     }
