@@ -30,6 +30,7 @@ from ..errors import ModelLoadError
 ADJACENT, NEOX = "adjacent", "neox"     # RoPE: pairs (2i, 2i+1) (llama.cpp "normal") or (i, i + D/2)
 SILU, GELU = "silu", "gelu"             # the FFN's gate: SwiGLU or GeGLU (tanh-approximated GELU)
 SWIGLU_OAI = "swiglu_oai"               # gpt-oss's SwiGLU: min(g, 7) sigmoid(1.702 min(g, 7)) (clamp(u, -7, 7) + 1)
+FFN_ACTS = (SILU, GELU, SWIGLU_OAI)
 SOFTMAX, TOPK_SOFTMAX = "softmax", "topk_softmax"   # a router's gating (the docstring above)
 
 
@@ -69,6 +70,13 @@ class Architecture:
                                     # blk.N.ffn_{gate,up,down}_exps [n_expert, ...]; no dense ffn_{gate,up,down}
     moe_gating: str = SOFTMAX       # SOFTMAX or TOPK_SOFTMAX (the docstring above)
     moe_biases: bool = False        # blk.N.ffn_gate_inp.bias [n_expert], ffn_{gate,up,down}_exps.bias [n_expert, ...]
+
+    def __post_init__(self):
+        # the backends test these by equality: a misspelt value would silently run the other kind
+        for field, value, kinds in (("rope", self.rope, (ADJACENT, NEOX)), ("ffn_act", self.ffn_act, FFN_ACTS),
+                                    ("moe_gating", self.moe_gating, (SOFTMAX, TOPK_SOFTMAX))):
+            if value not in kinds:
+                raise ValueError(f"architecture {self.name!r}: {field} {value!r} is not one of {', '.join(kinds)}")
 
     def layer_tensors(self) -> tuple[str, ...]:
         """The per-layer tensor names this row reads (without the blk.N. prefix)."""

@@ -139,6 +139,14 @@ def test_unknown_architecture_names_it_and_lists_the_table(tmp_path):
     assert "'mamba'" in msg and all(name in msg for name in ARCHITECTURES)
 
 
+@pytest.mark.parametrize("field, value", [("rope", "gptj"), ("ffn_act", "relu"), ("moe_gating", "sigmoid")])
+def test_a_row_with_a_kind_the_backends_do_not_know_is_refused(field, value):
+    """The backends test rope, ffn_act and moe_gating by equality (rope_neox, topk_softmax): a misspelt or new
+    kind would silently run another one; the row is refused where it is written."""
+    with pytest.raises(ValueError, match=rf"'qwen3moe': {field} '{value}' is not one of"):
+        dataclasses.replace(ARCHITECTURES["qwen3moe"], **{field: value})
+
+
 def test_a_tensor_the_row_does_not_know_is_refused(tmp_path):
     path = write_llama_gguf(tmp_path / "m.gguf", extra_tensors=("blk.0.attn_sinks.weight",))
     with pytest.raises(ModelLoadError, match=r"tensor blk\.0\.attn_sinks\.weight is not one the 'llama' "
