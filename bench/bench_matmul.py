@@ -1,6 +1,7 @@
 """The matrix products on the GGUF file's blocks (fastserve.backends.cpu._matmul), on the default model.
 
 Run: python bench/bench_matmul.py [--model PATH] [--rounds 5] [--busy] [--old-so PATH]
+     python bench/bench_matmul.py --rows [TYPE:OUTxIN,...] [--ns 1,2,...] [--before DIR] [--rounds N]
      pytest bench/bench_matmul.py --benchmark-only -p no:cacheprovider -s
 
 Prints (1) each weight matrix's product at n = 1, 2, 4, 8, 32 rows for every kernel this machine runs
@@ -12,7 +13,9 @@ once, from memory) against the floor; (3) a decode step of the whole model (CpuB
 slots holding 64 tokens each) at batch 1, 8 and 32 on 1 and 2 threads (batch 1 also staged), with the
 machine's read bandwidth measured in the same run (a NumPy sum over 256 MB, on 1 and 2 threads) and
 the floor it sets for batch 1 (weight bytes / bandwidth); (4) where a batch-1 step's time goes
-(the C forward's phase clocks: products, attention, element-wise ops, output product). The configurations
+(the C forward's phase clocks: products, attention, element-wise ops, output product). --rows prints only
+(5): products of n rows (prefill, a verification's 1 + k rows) on matrices of given types and shapes, random
+blocks, 2 threads, beside another checkout's (--before) in one run. The configurations
 take turns within each round, so the ratios compare runs made under the same load; a shared machine
 still moves every figure, so read medians over rounds. --busy adds a process that keeps one core
 busy and measures everything again beside it.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -145,6 +149,50 @@ def type_table(reps: int = 7) -> list[str]:
             tf, ts = (_best(lambda: _matmul.Matmul(1, best, fused=f)(x, w, y), reps) for f in (True, False))
             cells.append(f"n={n} {w.nbytes / tf / 1e9:5.1f} / {w.nbytes / ts / 1e9:5.1f} ({ts / tf:4.2f})")
         lines.append(f"  {t:5s} " + "   ".join(cells))
+    return lines
+
+
+ROW_SHAPES = "Q4_K:16384x2048,Q6_K:2048x8192,Q8_0:2048x8192,Q4_1:3072x576,Q4_1:576x1536,Q8_0:49152x576"
+
+
+def rows_times(shapes: str, ns: list[int], threads: int = 2) -> dict:
+    """Best seconds of one product per 'TYPE:OUTxIN' of shapes (random blocks) and n activation rows."""
+    from fastserve.backends.cpu import _matmul
+    from fastserve.backends.cpu._pool import Pool
+    mm, rng, out = _matmul.Matmul(pool=Pool(threads)), np.random.default_rng(0), {}
+    for spec in shapes.split(","):
+        t, shape = spec.split(":")
+        n_out, n_in = map(int, shape.split("x"))
+        w = random_matrix(t, n_out, n_in)
+        for n in ns:
+            x = rng.standard_normal((n, n_in)).astype(np.float32)
+            y = np.empty((n, n_out), np.float32)
+            out[f"{spec} n={n}"] = _best(lambda: mm(x, w, y), max(3, min(30, int(2e8 / (n * n_out * n_in)))))
+    return out
+
+
+def rows_table(shapes: str, ns: list[int], rounds: int, before: str | None) -> list[str]:
+    """Products of n rows (prefill, a verification's 1 + k rows) on 2 threads, GOP/s; with before (another
+    checkout, built in place) its times beside, the two taking turns each round (in subprocesses)."""
+    roots = ([before] if before else []) + [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    best: dict = {r: {} for r in roots}
+    code = ("import sys, json; sys.path.insert(0, {root!r}); sys.path.insert(1, {bench!r}); import bench_matmul as B; "
+            "print(json.dumps(B.rows_times({shapes!r}, {ns!r})))")
+    for _ in range(rounds):
+        for r in roots:
+            run = code.format(root=r, bench=os.path.dirname(os.path.abspath(__file__)), shapes=shapes, ns=ns)
+            got = json.loads(subprocess.run([sys.executable, "-c", run], check=True, capture_output=True,
+                                            text=True).stdout)
+            best[r] = {k: min(v, best[r].get(k, v)) for k, v in got.items()}
+    lines = [f"products of n rows, 2 threads, random blocks, best of {rounds} rounds: ms (GOP/s)"
+             + (f"; before = {before}" if before else "")]
+    for k, t in best[roots[-1]].items():
+        (o, i), n = map(int, k.split(":")[1].split()[0].split("x")), int(k.split("n=")[1])
+        cell = f"{t * 1e3:9.3f} ms ({2 * n * o * i / t / 1e9:5.1f})"
+        if before:
+            tb = best[before][k]
+            cell += f"   before {tb * 1e3:9.3f} ms   after / before {t / tb:5.3f}"
+        lines.append(f"  {k:24s} {cell}")
     return lines
 
 
@@ -299,7 +347,14 @@ def main(argv=None) -> int:
     ap.add_argument("--busy", action="store_true", help="also measure beside a process that keeps a core busy")
     ap.add_argument("--no-matrices", action="store_true", help="skip the per-matrix table")
     ap.add_argument("--old-so", help="an older build's fastserve/backends/cpu/_matmul*.so (int8 copies) to compare with")
+    ap.add_argument("--rows", nargs="?", const=ROW_SHAPES, help="only the products of n rows, per TYPE:OUTxIN "
+                    f"(random blocks; default {ROW_SHAPES})")
+    ap.add_argument("--ns", default="1,2,4,5,8,9,17,33,64,256", help="--rows: the rows n")
+    ap.add_argument("--before", help="--rows: another checkout (built in place) measured beside, taking turns")
     args = ap.parse_args(argv)
+    if args.rows:
+        print("\n".join(rows_table(args.rows, [int(v) for v in args.ns.split(",")], args.rounds, args.before)))
+        return 0
     import fastserve
     from fastserve.backends.cpu import _matmul
 

@@ -6,6 +6,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #define FS_HAVE_STAGE_AVX2 1
 #define FS_STAGE256 __attribute__((target("avx2,f16c")))
+#define FS_STAGE_INLINE static inline __attribute__((always_inline))
 
 /* z[g] (g < 8) = [16 bytes a of row g | 16 bytes b of row g] -> out[k] = dword k of rows 0..7. */
 FS_STAGE256 static inline void fs_transpose8x8_avx2(const __m256i z[8], __m256i out[8])
@@ -54,10 +55,30 @@ FS_STAGE256 static inline __m256i fs_fifth_bits_avx2(__m256i qh, int k)
     return _mm256_and_si256(set, _mm256_set1_epi8(16));
 }
 
+/* The f16 d at byte `at` of each of 16 rows -> 16 floats at dst, and the f16 m after it -> dst_m unless NULL
+ * (Q4_1, Q5_1): one gather of the dword at `at` per 8 rows, its low and high halves (in bounds: the blocks
+ * that start with d are longer than 4 bytes), instead of 16 scalar loads and stores per f16. */
+FS_STAGE256 static inline void fs_dm16_avx2(const uint8_t *rows, int64_t row_bytes, int64_t at, uint8_t *dst,
+                                            uint8_t *dst_m)
+{
+    const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)row_bytes));
+    const __m256i low = _mm256_set1_epi32(0xFFFF);
+    const __m256i v0 = _mm256_i32gather_epi32((const int *)(rows + at), idx, 1);
+    const __m256i v1 = _mm256_i32gather_epi32((const int *)(rows + 8 * row_bytes + at), idx, 1);
+    for (int half = 0; half < (dst_m ? 2 : 1); half++) {
+        const __m256i a = half ? _mm256_srli_epi32(v0, 16) : _mm256_and_si256(v0, low);
+        const __m256i b = half ? _mm256_srli_epi32(v1, 16) : _mm256_and_si256(v1, low);
+        const __m256i h16 = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);     /* rows 0..15 in order */
+        float *o = (float *)(half ? dst_m : dst);
+        _mm256_storeu_ps(o, _mm256_cvtph_ps(_mm256_castsi256_si128(h16)));
+        _mm256_storeu_ps(o + 8, _mm256_cvtph_ps(_mm256_extracti128_si256(h16, 1)));
+    }
+}
+
 /* Q4_0 / Q4_1 / Q5_0 / Q5_1 (two blocks per transpose; Q5's 32 fifth bits before the quants) and
- * Q8_0 (one). */
-FS_STAGE256 static void fs_stage_q48_avx2(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
-                                          const uint8_t *next)
+ * Q8_0 (one); type a constant (fs_stage_q48_avx2): no test of it per block. */
+FS_STAGE256 FS_STAGE_INLINE void fs_stage_q48_type_avx2(const int type, const uint8_t *rows, int64_t row_bytes, int64_t nb,
+                                                        uint8_t *stage, const uint8_t *next)
 {
     const int q8 = type == FS_T_Q8_0, has_m = type == FS_T_Q4_1 || type == FS_T_Q5_1;
     const int five = type == FS_T_Q5_0 || type == FS_T_Q5_1;
@@ -104,10 +125,20 @@ FS_STAGE256 static void fs_stage_q48_avx2(int type, const uint8_t *rows, int64_t
         }
         for (int e = 0; e < step && b + e < nb; e++) {
             uint8_t *pb = stage + (b + e) * pbb;
-            fs_f16x16_avx2(rows, row_bytes, (b + e) * bb, pb + 512);
-            if (has_m)
-                fs_f16x16_avx2(rows, row_bytes, (b + e) * bb + 2, pb + 576);
+            fs_dm16_avx2(rows, row_bytes, (b + e) * bb, pb + 512, has_m ? pb + 576 : NULL);
         }
+    }
+}
+
+FS_STAGE256 static void fs_stage_q48_avx2(int type, const uint8_t *rows, int64_t row_bytes, int64_t nb, uint8_t *stage,
+                                          const uint8_t *next)
+{
+    switch (type) {
+    case FS_T_Q4_0: fs_stage_q48_type_avx2(FS_T_Q4_0, rows, row_bytes, nb, stage, next); return;
+    case FS_T_Q4_1: fs_stage_q48_type_avx2(FS_T_Q4_1, rows, row_bytes, nb, stage, next); return;
+    case FS_T_Q5_0: fs_stage_q48_type_avx2(FS_T_Q5_0, rows, row_bytes, nb, stage, next); return;
+    case FS_T_Q5_1: fs_stage_q48_type_avx2(FS_T_Q5_1, rows, row_bytes, nb, stage, next); return;
+    default: fs_stage_q48_type_avx2(FS_T_Q8_0, rows, row_bytes, nb, stage, next); return;
     }
 }
 
