@@ -31,7 +31,8 @@ def yarn(cfg: ModelConfig, base: float, scale: float) -> tuple[np.ndarray, float
     high = min(cfg.rope_dim - 1.0, float(np.ceil(corr_dim(YARN_BETA_SLOW))))
     ramp = 1.0 - np.clip((np.arange(half, dtype=np.float64) - low) / max(0.001, high - low), 0.0, 1.0)
     mscale = f32(0.1) * f32(np.log(f32(scale))) + f32(1.0)
-    attn = mscale * (f32(1.0) / mscale)     # get_mscale(factor, 1) / (1 + 0.1 ln factor), as float32 rounds it
+    # get_mscale(factor, 1) / (1 + 0.1 ln factor), as float32 rounds it; get_mscale is 1 for a factor <= 1
+    attn = (mscale if scale > 1.0 else f32(1.0)) * (f32(1.0) / mscale)
     return (1.0 / scale) * (1.0 - ramp) + ramp, float(f32(attn * f32(cfg.rope_attn_factor)) * mscale)
 
 

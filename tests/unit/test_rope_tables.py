@@ -56,3 +56,12 @@ def test_yarn_keeps_fast_pairs_and_interpolates_slow_ones():
     np.testing.assert_allclose(sin[:, -4:], np.sin(pos / 8.0 * theta[-4:]) * mag, atol=2e-6)
     plain = rope_tables(_cfg(local=False), n, None)[1]
     np.testing.assert_allclose(plain[:, -4:], np.sin(pos / 8.0 * theta[-4:]) * 1.19, atol=2e-6)
+
+
+def test_yarn_below_a_factor_of_one_keeps_the_magnitude():
+    """llama.cpp's get_mscale is 1 for a factor <= 1, so the attn_factor it passes (1 / (1 + 0.1 ln factor)) undoes
+    ggml's magnitude (1 + 0.1 ln factor): cos and sin keep rope.scaling.attn_factor alone (they were scaled by
+    1 + 0.1 ln 0.5 = 0.93 here)."""
+    cfg = SimpleNamespace(**{**vars(_cfg(local=False, yarn=True)), "rope_scale": 0.5})
+    cos, sin = rope_tables(cfg, 300, None)
+    np.testing.assert_allclose(np.hypot(cos, sin), 1.19, rtol=2e-6)
