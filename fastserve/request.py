@@ -43,7 +43,8 @@ class Completion:
     prompt_tokens: int = 0
     stopping_word: str = ""
     error: str | None = None
-    probs: list | None = None              # per generated token: [(id, prob), ...] when n_probs > 0
+    probs: list | None = None              # per generated token: [(id, prob), ...] when n_probs > 0: the top n,
+                                           # then the sampled token's own (id, prob) on the host sampler (CPU)
     timings: dict = field(default_factory=dict)   # total_ms, first_token_ms, cache_n, prompt_n (llama.cpp's names)
     tokens_cached: int = 0                 # tokens the slot's KV holds at the end: prompt + generated (llama.cpp)
     id_slot: int = -1                      # the slot that ran it
