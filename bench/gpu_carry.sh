@@ -9,7 +9,13 @@
 #   1. carry .devcarry/wheels .devcarry/model.part0
 #      run   PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --budget-s 420      (timeout_s 480)
 #      (everything: build, nvcc, GPU tests, bandwidth, timings on a synthetic model of the default
-#      model's shape and on a 1.1B, engine, pools; it also stashes model.part0 on the device)
+#      model's shape and on a 1.1B, engine, pools, then families and gemma3 if the budget still allows;
+#      it also stashes model.part0 on the device)
+#      If the table says families or gemma3 "skipped" (the budget ran out), the same machine, same carry:
+#      run   PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --phases setup,build,bandwidth,families,gemma3 \
+#            --budget-s 420      (timeout_s 480)
+#      (the synthetic families' parity, gpt-oss and its MXFP4 experts included, then the 30B-A3B- and
+#      gpt-oss-20b-shaped mixtures of experts timed, each written to the device's disk first: ~4 GB)
 #   2. carry .devcarry/wheels .devcarry/model.part1
 #      run   PYTHONUNBUFFERED=1 python3 bench/gpu_check.py --phases setup,build,stash,model,tests --tests-k default
 #      (assembles the default model from both parts, sha256 checked, and runs its GPU parity tests)

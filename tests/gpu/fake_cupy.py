@@ -472,12 +472,13 @@ def _k_sample_chain(grid, args):
             out_probs[int(rec["probs_row"]), 1, :st.n_probs] = pp.view(np.int32)
 
 
-_EMULATIONS = [("embed_rows_", _k_embed_rows), ("rms_norm_add_", _k_rms_norm_add), ("rms_norm_", _k_rms_norm), ("logit_out_", _k_logit_out), ("rope_qk_", _k_rope_qk),
-               ("kv_store_", _k_kv_store), ("rope_store_", _k_rope_store), ("qk_prep_", _k_qk_prep), ("matvec_", _k_matvec),
+_EMULATIONS = [("embed_rows_", _k_embed_rows), ("rms_norm_add_", _k_rms_norm_add), ("rms_norm_", _k_rms_norm),
+               ("logit_out_", _k_logit_out), ("rope_qk_", _k_rope_qk), ("kv_store_", _k_kv_store),
+               ("rope_store_", _k_rope_store), ("qk_prep_", _k_qk_prep), ("matvec_", _k_matvec),
                ("norm_matvec_swiglu_", _k_norm_matvec_swiglu), ("norm_matvec_", _k_norm_matvec),
                ("moe_matvec_swiglu_", _k_moe_matvec_swiglu), ("moe_matvec_", _k_moe_matvec),
-               ("moe_router_", _k_moe_router), ("moe_route_", _k_moe_route), ("moe_group", _k_moe_group), ("moe_sum_", _k_moe_sum),
-               ("attention_split_", _k_attention_split),
+               ("moe_router_", _k_moe_router), ("moe_route_", _k_moe_route), ("moe_group", _k_moe_group),
+               ("moe_sum_", _k_moe_sum), ("attention_split_", _k_attention_split),
                ("attention_combine_", _k_attention_combine), ("swiglu_", _k_swiglu), ("cast_f32_", _k_cast),
                ("add_bias_f32", _k_add_bias),
                ("argmax_rows_", _k_argmax_rows), ("sample_chain_", _k_sample_chain)]

@@ -270,6 +270,21 @@ def test_family_rows_within_bar_of_numpy(cupy, family_models, family):
 
 
 @pytest.mark.parametrize("family", ["qwen3moe", "gpt-oss"])
+def test_moe_graphs_equal_eager(cupy, family_models, family):
+    """A mixture of experts' decode steps replayed from CUDA graphs (routing, grouping and the grouped products
+    captured once with the batch padded to its bucket, 3 rows to 4, replayed at later positions with other tokens
+    and so other experts) give the eager launches' logits bit for bit."""
+    cfg, w = family_models[family].config, family_models[family].weights
+    prompts = _gemma_prompts(cfg)
+    graphed = _cupy_backend(cfg, w, 4, 64, attn_chunk=8, graphs=True)
+    a = _logit_steps(graphed, prompts, 4, np.random.default_rng(6))
+    b = _logit_steps(_cupy_backend(cfg, w, 4, 64, attn_chunk=8, graphs=False), prompts, 4, np.random.default_rng(6))
+    assert sorted(graphed._graphs) == [4], "the decode steps did not replay a graph of bucket 4"
+    for step, (x, y) in enumerate(zip(a, b)):
+        np.testing.assert_array_equal(x, y, err_msg=f"step {step}")
+
+
+@pytest.mark.parametrize("family", ["qwen3moe", "gpt-oss"])
 def test_moe_routing_is_the_cpu_backends(cupy, family_models, family, monkeypatch):
     """The device's routing is the CPU backend's on the same values: each MoE layer's residual stream x, as the
     device has it before the FFN, routed as the CPU routes it (its float32 RMSNorm, its product on the file's
@@ -299,20 +314,31 @@ def test_moe_routing_is_the_cpu_backends(cupy, family_models, family, monkeypatc
                  np.random.default_rng(5))
     cpu = _cpu_backend(cfg, w, 1, 64)
     assert len(seen) == 5 * cfg.n_layer, "a prefill and 4 decode steps, each through every layer's router"
-    rows = flips = 0
+    k, rows, total, flips, gaps = cfg.n_expert_used, 0, 0, 0, []
     for i, (x, sel, wts) in enumerate(seen):
         lw = w.layers[i % cfg.n_layer]
         want, want_f16 = (np.zeros((len(x), cfg.n_expert), np.float32) for _ in range(2))
         cpu._mm(rms_norm(x, lw.ffn_norm, cfg.norm_eps), lw.router, want)
-        want_f16[...] = round_to(rms_norm(x, lw.ffn_norm, cfg.norm_eps), "f16") @ round_to(lw.router.to_float(), "f16").T
-        bias = 0 if lw.router_bias is None else lw.router_bias
-        want_sel, want_w = route(want + bias, cfg.n_expert_used, cfg.expert_weights_scale, cfg.arch.moe_gating)
-        f16_sel, _ = route(want_f16 + bias, cfg.n_expert_used, cfg.expert_weights_scale, cfg.arch.moe_gating)
-        np.testing.assert_array_equal(sel, want_sel, err_msg=f"layer {i % cfg.n_layer}, pass {i // cfg.n_layer}")
-        np.testing.assert_allclose(wts, want_w, rtol=1e-5, atol=1e-7)
-        rows, flips = rows + len(x), flips + int((f16_sel != want_sel).any(axis=1).sum())
-    print(f"{family}: the device's experts = the CPU's on {rows}/{rows} routed rows; h and the router in f16 "
-          f"would choose otherwise on {flips}")
+        h16, r16 = round_to(rms_norm(x, lw.ffn_norm, cfg.norm_eps), "f16"), round_to(lw.router.to_float(), "f16")
+        want_f16[...] = h16 @ r16.T
+        want += 0 if lw.router_bias is None else lw.router_bias
+        want_f16 += 0 if lw.router_bias is None else lw.router_bias
+        want_sel, want_w = route(want, k, cfg.expert_weights_scale, cfg.arch.moe_gating)
+        f16_sel, _ = route(want_f16, k, cfg.expert_weights_scale, cfg.arch.moe_gating)
+        # A tie closer than float32 sums in another order can tell apart would make the test flaky on a GPU
+        # (FMA, another order): such rows are left out, a few at most (the count is printed).
+        top = -np.sort(-want, axis=1)[:, :k + 1]
+        gap = (top[:, :-1] - top[:, 1:]).min(axis=1) / np.maximum(1.0, np.abs(top[:, 0]))
+        sharp = gap > 1e-5
+        assert sharp.mean() >= 0.95, f"{(~sharp).sum()} of {len(x)} rows near-tied: pick other inputs"
+        np.testing.assert_array_equal(sel[sharp], want_sel[sharp],
+                                      err_msg=f"layer {i % cfg.n_layer}, pass {i // cfg.n_layer}")
+        np.testing.assert_allclose(wts[sharp], want_w[sharp], rtol=1e-5, atol=1e-7)
+        rows, total, gaps = rows + int(sharp.sum()), total + len(x), gaps + [gap]
+        flips += int((f16_sel != want_sel).any(axis=1).sum())
+    print(f"{family}: the device's experts = the CPU's on {rows}/{total} routed rows (the closest "
+          f"gap between ranks {np.concatenate(gaps).min():.1e}); h and the router in f16 would choose otherwise "
+          f"on {flips}")
 
 
 # -- the default model (SmolLM2-135M-Instruct Q4_1) ---------------------------------------------
