@@ -154,6 +154,9 @@ def test_unknown_and_missing_models(models_dir, tmp_path):
             t.join()
         assert [r.status_code for r in errors] == [500, 500] and "could not be loaded" in errors[0].json()["error"]
         assert _chat(c, "smollm2", 2)["choices"]
+        assert _loaded(c) == {"gemma3", "smollm2"}
+        r = c.get("/props")                      # two loaded: a GET without a model cannot pick one
+        assert r.status_code == 400 and "'model' is required" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("flags, says", [
