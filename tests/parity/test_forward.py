@@ -47,6 +47,7 @@ def _run(model, cfg, **kw):
     be = CpuBackend(cfg, model.weights, 2, 64, max_tokens=8, **kw)
     if not be.reference:
         be._forward.parallel_rows = 16              # the prefill of 20 splits its element-wise stages
+        be._forward.glu_split = 16                  # the smaller batches their GLU's 96 columns
     return [be.forward(*s).copy() for s in _steps(cfg.n_vocab)]
 
 
@@ -77,6 +78,7 @@ def test_a_tokens_logits_do_not_depend_on_its_batch_chunk_or_threads(models, arc
     for threads, chunk in ((1, 24), (2, 24), (2, 5), (1, 1)):
         be = CpuBackend(cfg, model.weights, 3, 64, threads=threads, max_tokens=4)
         be._forward.parallel_rows = 4                   # batches of 4 rows and more split over the threads
+        be._forward.glu_split = 16                      # smaller ones their GLU's columns
         out = []
         for c in range(0, 24, chunk):                       # slot 1's prompt in chunks, beside slot 0's decode
             n = min(chunk, 24 - c)

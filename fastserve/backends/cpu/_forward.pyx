@@ -33,7 +33,7 @@ from libc.stdlib cimport free, malloc
 from libc.string cimport memcpy, memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
-from fastserve.backends.cpu._pool cimport Pool, fs_task_fn, pool_run
+from fastserve.backends.cpu._pool cimport Pool, fs_task_fn, pool_run, pool_then
 from fastserve.backends.cpu._matmul cimport BlockMatrix, Matmul, fs_matrix, matrix_rows
 from fastserve.backends.cpu._attention cimport Attention, kv_layer, store_rows
 
@@ -57,6 +57,11 @@ cdef extern from "_layer_ops.h" nogil:
 # model, threads 2): a 32-row batch was ~5 % slower split, a 256-row prefill chunk ~2 % faster (within
 # the noise): the stages are ~0.15 ms a row against ~2 ms of products, so only big chunks split.
 PARALLEL_ROWS = 64
+# The first bytes of the next product that idle threads prefetch while this one ends and the
+# element-wise ops, attention and the next quantization run (pool_then): about what a thread reads
+# in one such gap, and well within a core's L2.
+DEF THEN_BYTES = 256 * 1024
+GLU_SPLIT = 1024        # a small batch's GLU this wide or wider is split by columns (narrower: not worth a hand-off)
 # the FFN's gate by the row's ffn_act (models/architecture.py): SwiGLU, GeGLU, gpt-oss's SwiGLU
 DEF GLU_SILU = 0
 DEF GLU_GELU = 1
@@ -95,6 +100,7 @@ cdef struct fs_fwd:
     int64_t d, H, Hkv, D, q_dim, kv_dim, n_ff, rope_dim, n_layer
     int64_t n_expert, n_used        # a mixture of experts (0: dense FFNs), the experts a token runs
     int neox, glu                   # glu: GLU_KINDS' value of the row's ffn_act
+    int64_t glu_rows                # _glu_cols' rows
     int topk_softmax                # the router's gating: 1 TOPK_SOFTMAX, 0 SOFTMAX (models/architecture.py)
     float eps, embd_scale, softcap, attn_scale, residual_scale, logit_scale, expert_scale
     fs_layer *layers
@@ -184,16 +190,32 @@ cdef void _attn_out(void *ctx, int64_t b, int64_t e) noexcept nogil:
     _residual(f, b, e, f.layer.post_attn, f.layer.ffn_norm)
 
 
+cdef inline void _glu_span(fs_fwd *f, int64_t i, int64_t c0, int64_t c1) noexcept nogil:
+    """Row i's GLU outputs [c0, c1): each is its own gate and up element's alone."""
+    cdef int64_t nf = f.n_ff
+    cdef const float *g = f.gu + i * 2 * nf + c0
+    if f.glu == GLU_GELU:
+        fs_geglu(g, g + nf, c1 - c0, f.act + i * nf + c0)
+    elif f.glu == GLU_SWIGLU_OAI:
+        fs_swiglu_oai(g, g + nf, c1 - c0, f.act + i * nf + c0)
+    else:
+        fs_swiglu(g, g + nf, c1 - c0, f.act + i * nf + c0)
+
+
 cdef void _glu(void *ctx, int64_t b, int64_t e) noexcept nogil:
     cdef fs_fwd *f = <fs_fwd *>ctx
-    cdef int64_t i, nf = f.n_ff
+    cdef int64_t i
     for i in range(b, e):
-        if f.glu == GLU_GELU:
-            fs_geglu(f.gu + i * 2 * nf, f.gu + i * 2 * nf + nf, nf, f.act + i * nf)
-        elif f.glu == GLU_SWIGLU_OAI:
-            fs_swiglu_oai(f.gu + i * 2 * nf, f.gu + i * 2 * nf + nf, nf, f.act + i * nf)
-        else:
-            fs_swiglu(f.gu + i * 2 * nf, f.gu + i * 2 * nf + nf, nf, f.act + i * nf)
+        _glu_span(f, i, 0, f.n_ff)
+
+
+cdef void _glu_cols(void *ctx, int64_t b, int64_t e) noexcept nogil:
+    """Columns [b, e) of the GLU of the batch's f.glu_rows rows: a small batch's GLU split across threads
+    (per element, so the split changes no bit)."""
+    cdef fs_fwd *f = <fs_fwd *>ctx
+    cdef int64_t i
+    for i in range(f.glu_rows):
+        _glu_span(f, i, b, e)
 
 
 cdef void _route(void *ctx, int64_t b, int64_t e) noexcept nogil:
@@ -330,6 +352,7 @@ cdef class Forward:
     cdef list _bufs                 # the activations' arrays
     cdef readonly int64_t rows
     cdef public int64_t parallel_rows   # batches of this many rows split their element-wise stages over the pool
+    cdef public int64_t glu_split       # smaller batches split a GLU of this many columns or more (_glu_stage)
     cdef int64_t n_vocab, n_slots, n_ctx
     cdef public bint profile            # add each phase's time to _phase (phase_seconds)
     cdef double _phase[N_PHASES]
@@ -397,6 +420,7 @@ cdef class Forward:
         self.rows = 0
         self._grow(max(1, rows))
         self.parallel_rows = PARALLEL_ROWS
+        self.glu_split = GLU_SPLIT
 
     cdef _ffn(self, fs_layer *L, lw, int64_t li):
         """Layer li's FFN matrices: a dense one's, or a mixture of experts' router and experts (egu, edown)."""
@@ -536,8 +560,13 @@ cdef class Forward:
             stage(&self.f, 0, n)
 
     cdef inline int _product(self, const float *x, int64_t ldx, int64_t n, const fs_matrix *w, float *y,
-                             int64_t ldy, int phase) noexcept nogil:
-        """y = x . w^T (Matmul.run), its time to phase; < 0: out of memory."""
+                             int64_t ldy, int phase, const fs_matrix *then) noexcept nogil:
+        """y = x . w^T (Matmul.run), its time to phase; then (or NULL): the product after it, whose first
+        rows the threads that wait prefetch from this one's start on. < 0: out of memory."""
+        cdef int64_t nbytes = 0
+        if then != NULL and then.n_parts > 0:
+            nbytes = min(THEN_BYTES, then.parts[0].rows * then.parts[0].row_bytes)
+        pool_then(self.pool.pl, then.parts[0].data if nbytes else NULL, nbytes)
         cdef int rc = self.mm.run(x, ldx, n, w, y, ldy)
         self._lap(phase)
         return rc
@@ -546,6 +575,17 @@ cdef class Forward:
         """An element-wise stage over rows [0, n) (_rows), its time to the element-wise phase."""
         self._rows(stage, n)
         self._lap(2)
+
+    cdef void _glu_stage(self, int64_t n) noexcept nogil:
+        """The GLU of rows [0, n): a batch too small to split by rows is split by columns (at one row, the
+        n_ff exponentials are the longest element-wise stage: ~23 us of 8192 on the Zen 2)."""
+        cdef int threads = self.pool.threads
+        if threads > 1 and n < self.parallel_rows and self.f.n_ff >= self.glu_split:
+            self.f.glu_rows = n
+            pool_run(self.pool.pl, _glu_cols, &self.f, self.f.n_ff, (self.f.n_ff + 2 * threads - 1) // (2 * threads))
+            self._lap(2)
+        else:
+            self._stage(_glu, n)
 
     cdef int _moe(self, int64_t n, const fs_layer *L) noexcept nogil:
         """y [n, d] = the mixture of experts of h [n, d]: the rows' routes (_route), the (row, rank) pairs grouped
@@ -558,7 +598,7 @@ cdef class Forward:
         cdef float w
         cdef float *src
         cdef float *dst
-        if self._product(f.h, d, n, &L.router, f.route, E, 0) < 0:
+        if self._product(f.h, d, n, &L.router, f.route, E, 0, NULL) < 0:
             return -1
         self._stage(_route, n)
         memset(f.start, 0, (E + 1) * sizeof(int64_t))
@@ -581,7 +621,7 @@ cdef class Forward:
         if L.egu_bias != NULL:
             for t in range(n * k):
                 fs_add(f.gu + t * 2 * f.n_ff, L.egu_bias + f.sel[f.order[t]] * 2 * f.n_ff, 2 * f.n_ff)
-        self._stage(_glu, n * k)
+        self._glu_stage(n * k)
         if self.mm.run_groups(f.act, f.n_ff, f.start, E, L.edown, f.ye, d) < 0:
             return -1
         self._lap(0)
@@ -605,23 +645,24 @@ cdef class Forward:
         for li in range(f.n_layer):
             L = &f.layers[li]
             f.layer, f.next = L, (&f.layers[li + 1] if li + 1 < f.n_layer else NULL)
-            if self._product(f.h, f.d, n, &L.wqkv, f.qkv, wq, 0) < 0:
+            if self._product(f.h, f.d, n, &L.wqkv, f.qkv, wq, 0, &L.wo) < 0:
                 return -1
             self._stage(_qkv, n)
             if self.attn.run(f.q, n, f.H, &L.kv, f.slots, f.pos, f.att, f.attn_scale, L.window, L.sinks) < 0:
                 return -1
             self._lap(1)
-            if self._product(f.att, f.q_dim, n, &L.wo, f.y, f.d, 0) < 0:
+            if self._product(f.att, f.q_dim, n, &L.wo, f.y, f.d, 0, &L.wgu if L.egu == NULL else NULL) < 0:
                 return -1
             self._stage(_attn_out, n)
             if L.egu != NULL:
                 if self._moe(n, L) < 0:
                     return -1
             else:
-                if self._product(f.h, f.d, n, &L.wgu, f.gu, 2 * f.n_ff, 0) < 0:
+                if self._product(f.h, f.d, n, &L.wgu, f.gu, 2 * f.n_ff, 0, &L.wdown) < 0:
                     return -1
-                self._stage(_glu, n)
-                if self._product(f.act, f.n_ff, n, &L.wdown, f.y, f.d, 0) < 0:
+                self._glu_stage(n)
+                if self._product(f.act, f.n_ff, n, &L.wdown, f.y, f.d, 0,
+                                 &f.layers[li + 1].wqkv if li + 1 < f.n_layer else &f.output) < 0:
                     return -1
             self._stage(_ffn_out, n)
         if m == 0:
@@ -629,7 +670,7 @@ cdef class Forward:
         self._stage(_out_norm, m)
         if f.hidden:
             return 0
-        if self._product(f.h, f.d, m, &f.output, f.logits, f.ld_logits, 3) < 0:
+        if self._product(f.h, f.d, m, &f.output, f.logits, f.ld_logits, 3, &f.layers[0].wqkv) < 0:
             return -1
         if f.softcap > 0 or f.logit_scale != 1.0:
             self._stage(_logits_out, m)

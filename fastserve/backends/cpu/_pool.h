@@ -9,7 +9,13 @@
  * Between runs a helper spins for spin_ns (the next loop of a decode step usually comes within
  * tens of microseconds, and waking a sleeping thread costs about as much), then sleeps on a
  * condition variable; the caller spins as long for the last running task before it sleeps.
- * One caller at a time: the pool belongs to one thread (the decode thread). */
+ * One caller at a time: the pool belongs to one thread (the decode thread).
+ *
+ * Between a decode step's products the memory is idle: a helper waits while the caller quantizes the
+ * next activations or runs the element-wise ops, and at a product's end one thread waits for the
+ * other's last task. fs_pool_then(pl, p, bytes) names the first bytes of the caller's next product;
+ * from the start of the next run on, a thread that would spin prefetches them instead, a slice at a
+ * time (a prefetch never faults and changes no number), so the next product starts on cached rows. */
 #ifndef FASTSERVE_POOL_H
 #define FASTSERVE_POOL_H
 
@@ -37,8 +43,13 @@ typedef struct fs_pool {
     fs_task_fn fn;
     void *ctx;
     int64_t n_items, chunk, n_tasks, next;
+    const uint8_t *then;             /* fs_pool_then's region: written by the owner, read unlocked */
+    int64_t then_bytes, then_at;     /* then_at: the next slice to prefetch, claimed atomically */
+    uint64_t then_gen;               /* armed from this run on (gen >= then_gen) */
     pthread_t th[FS_POOL_MAX_THREADS];
 } fs_pool;
+
+#define FS_POOL_THEN_SLICE 2048      /* bytes a waiting thread prefetches between two looks at its wait */
 
 static inline int64_t fs_now_ns(void)
 {
@@ -56,26 +67,56 @@ static inline void fs_relax(void)
 #endif
 }
 
-/* Spins (unlocked) until *word == 0 or spin_ns pass; returns 1 when it got there. */
-static inline int fs_spin_until_zero(const int *word, int64_t spin_ns)
+/* One slice of the armed fs_pool_then region into the cache, else a pause. A reader may see the
+ * region of the call before (the owner rewrites it unlocked): then it prefetches old rows, harmless. */
+static inline void fs_pool_wait_step(fs_pool *pl)
+{
+    const int64_t n = __atomic_load_n(&pl->then_bytes, __ATOMIC_ACQUIRE);
+    if (__atomic_load_n(&pl->gen, __ATOMIC_ACQUIRE) < __atomic_load_n(&pl->then_gen, __ATOMIC_ACQUIRE) ||
+        __atomic_load_n(&pl->then_at, __ATOMIC_RELAXED) >= n) {
+        fs_relax();
+        return;
+    }
+    const int64_t at = __atomic_fetch_add(&pl->then_at, FS_POOL_THEN_SLICE, __ATOMIC_RELAXED);
+    const uint8_t *p = __atomic_load_n(&pl->then, __ATOMIC_RELAXED);
+    for (int64_t off = at; off < at + FS_POOL_THEN_SLICE && off < n; off += 64)
+        __builtin_prefetch(p + off, 0, 2);
+}
+
+/* The owner's next product reads [p, p + bytes) first: prefetched by waiting threads from the next
+ * run's start (not before: while the caller prepares that run they would fetch ahead of it). */
+static inline void fs_pool_then(fs_pool *pl, const uint8_t *p, int64_t bytes)
+{
+    if (!pl)
+        return;
+    __atomic_store_n(&pl->then_gen, UINT64_MAX, __ATOMIC_RELEASE);
+    __atomic_store_n(&pl->then_bytes, 0, __ATOMIC_RELEASE);
+    __atomic_store_n(&pl->then, p, __ATOMIC_RELAXED);
+    __atomic_store_n(&pl->then_at, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&pl->then_bytes, p ? bytes : 0, __ATOMIC_RELEASE);
+    __atomic_store_n(&pl->then_gen, pl->gen + 1, __ATOMIC_RELEASE);
+}
+
+/* Spins (unlocked) until the pool's running tasks are done or spin_ns pass; returns 1 when they are. */
+static inline int fs_spin_until_idle(fs_pool *pl)
 {
     int64_t t0 = fs_now_ns();
     for (int i = 1;; i++) {
-        if (__atomic_load_n(word, __ATOMIC_ACQUIRE) == 0)
+        if (__atomic_load_n(&pl->active, __ATOMIC_ACQUIRE) == 0)
             return 1;
-        fs_relax();
-        if ((i & 63) == 0 && fs_now_ns() - t0 > spin_ns)
+        fs_pool_wait_step(pl);
+        if ((i & 63) == 0 && fs_now_ns() - t0 > pl->spin_ns)
             return 0;
     }
 }
 
-static inline int fs_spin_while_gen(const fs_pool *pl, uint64_t seen)
+static inline int fs_spin_while_gen(fs_pool *pl, uint64_t seen)
 {
     int64_t t0 = fs_now_ns();
     for (int i = 1;; i++) {
         if (__atomic_load_n(&pl->gen, __ATOMIC_ACQUIRE) != seen || __atomic_load_n(&pl->stop, __ATOMIC_ACQUIRE))
             return 1;
-        fs_relax();
+        fs_pool_wait_step(pl);
         if ((i & 63) == 0 && fs_now_ns() - t0 > pl->spin_ns)
             return 0;
     }
@@ -191,7 +232,7 @@ static inline void fs_pool_run(fs_pool *pl, fs_task_fn fn, void *ctx, int64_t n_
     }
     if (pl->active > 0 && pl->spin_ns > 0) {
         pthread_mutex_unlock(&pl->mu);
-        fs_spin_until_zero(&pl->active, pl->spin_ns);
+        fs_spin_until_idle(pl);
         pthread_mutex_lock(&pl->mu);
     }
     while (pl->active > 0)

@@ -2,19 +2,24 @@
 """Pool(threads): the caller plus threads - 1 helper threads, shared by the parallel loops of a
 decode step (matrix products, attention). Loops reach it from C with pool_run (see _pool.pxd);
 Python only creates, passes and closes it. A Pool serves one calling thread at a time."""
-from libc.stdint cimport int64_t
+from libc.stdint cimport int64_t, uint8_t
 
 cdef extern from "_pool.h" nogil:
     int FS_POOL_MAX_THREADS
     fs_pool *fs_pool_new(int n_threads, int64_t spin_ns)
     void fs_pool_free(fs_pool *pl)
     void fs_pool_run(fs_pool *pl, fs_task_fn fn, void *ctx, int64_t n_items, int64_t chunk)
+    void fs_pool_then(fs_pool *pl, const uint8_t *p, int64_t nbytes)
 
 MAX_THREADS = FS_POOL_MAX_THREADS
 
 
 cdef void pool_run(fs_pool *pl, fs_task_fn fn, void *ctx, int64_t n_items, int64_t chunk) noexcept nogil:
     fs_pool_run(pl, fn, ctx, n_items, chunk)
+
+
+cdef void pool_then(fs_pool *pl, const uint8_t *p, int64_t nbytes) noexcept nogil:
+    fs_pool_then(pl, p, nbytes)
 
 
 cdef class Pool:
@@ -32,6 +37,18 @@ cdef class Pool:
             self.pl = fs_pool_new(threads, <int64_t>(max(spin_us, 0.0) * 1000))
             if self.pl == NULL:
                 raise MemoryError(f"Pool: could not start {threads - 1} helper threads")
+
+    def prefetch_then(self, data):
+        """data (a C-contiguous buffer, or None): the bytes the next loop after the next run will read
+        first; from that run's start, threads with nothing to do prefetch them (no number changes)."""
+        cdef const uint8_t[::1] raw
+        if data is None:
+            self._then = None
+            fs_pool_then(self.pl, NULL, 0)
+            return
+        raw = memoryview(data).cast("B")
+        self._then = data
+        fs_pool_then(self.pl, &raw[0] if raw.shape[0] else NULL, raw.shape[0])
 
     def close(self):
         """Stops and joins the helpers (also done when the Pool is collected)."""

@@ -9,6 +9,11 @@ class Pool:
             raise ValueError(f"threads must be in 1..{MAX_THREADS}, got {threads}")
         self.threads, self.spin_us = threads, spin_us
 
+    def prefetch_then(self, data):
+        """Nothing to prefetch on one thread; data is checked as the C pool checks it (a buffer, or None)."""
+        if data is not None:
+            memoryview(data).cast("B")
+
     def close(self):
         pass
 
