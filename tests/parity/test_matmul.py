@@ -380,6 +380,30 @@ def test_quantization_bit_exact():
         np.testing.assert_array_equal(a, b)
 
 
+def test_quantization_isas_bit_exact():
+    """The SIMD quantizers (AVX2: the avx2 and avx512vnni products') give the portable one's bytes: against the twin
+    on ordinary, zero, tiny, denormal, huge and ragged rows; against the portable C on inf and NaN (no twin rule)."""
+    m = c_mod()
+    rng = np.random.default_rng(5)
+    x = rand(rng, 12, 200, scale=3.0)
+    x[0, :40] = 0.0
+    x[1, 7] = -x[1, 7] * 1e4                         # one input sets the block's scale, its sign negative
+    x[2] *= np.float32(1e-30)
+    x[3] *= np.float32(1e-39)
+    x[4, :] = np.float32(3e38) * np.sign(x[4])
+    x[5, ::2] = 0.5                                  # halves: v * 127 / amax at .5 rounds to even
+    odd = x.copy()
+    odd[6, 3], odd[7, 40], odd[8, 100], odd[8, 130] = np.inf, np.nan, -np.inf, np.nan
+    for isa in m.isas():
+        for n_in in (200, 32, 1, 45):
+            xs = np.ascontiguousarray(x[:, :n_in])
+            for a, b in zip(m.quantize_rows(xs, isa), twin().quantize_rows(xs)):
+                assert a.shape == b.shape and np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes(), \
+                    f"{isa}, {n_in} inputs"
+        for a, b in zip(m.quantize_rows(odd, isa), m.quantize_rows(odd, "scalar")):
+            assert np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes(), f"{isa}, inf and NaN"
+
+
 @pytest.mark.parametrize("type_name,ragged", TYPE_SHAPES)
 def test_decode_bit_exact(type_name, ragged):
     """What each isa's decoder stages (q, d, m, s per lane and block) is the twin's decode."""

@@ -60,6 +60,8 @@ cdef extern from "_matmul_kernels.h" nogil:
     void fs_dequantize_row(int type, const uint8_t *row, int64_t n_in, float *out)
     void fs_quantize_rows(const float *x, int64_t n, int64_t n_in, int64_t ldx, int8_t *q, float *d,
                           int32_t *qsum, int32_t *qhalf, float *sx)
+    void fs_quantize_rows_isa(int isa, const float *x, int64_t n, int64_t n_in, int64_t ldx, int8_t *q, float *d,
+                              int32_t *qsum, int32_t *qhalf, float *sx)
     void fs_pad_rows(const float *x, int64_t n, int64_t n_in, int64_t ldx, float *xf)
     void fs_stage_panel(int isa, int type, const uint8_t *rows, int64_t row_bytes, int valid,
                         int64_t n_in, uint8_t *stage, const uint8_t *next)
@@ -144,9 +146,11 @@ cdef inline int64_t _blocks(int64_t n_in) noexcept nogil:
     return (n_in + FS_QK - 1) // FS_QK
 
 
-def quantize_rows(const float[:, ::1] x):
-    """x [n, in] float32 -> (q int8 [n, in], d float32 [n, ceil(in/32)]): the activation quantization."""
+def quantize_rows(const float[:, ::1] x, str isa="scalar"):
+    """x [n, in] float32 -> (q int8 [n, in], d float32 [n, ceil(in/32)]): the activation quantization, with the
+    instructions the isa's products use (the same numbers whichever)."""
     cdef int64_t n = x.shape[0], n_in = x.shape[1], nb = _blocks(n_in)
+    cdef int isa_id = _isa_id(isa)
     q = np.zeros((n, nb * FS_QK), np.int8)
     d = np.zeros((n, nb), np.float32)
     s = np.zeros((n, nb), np.int32)
@@ -159,7 +163,8 @@ def quantize_rows(const float[:, ::1] x):
     cdef float[:, ::1] xv = sx
     if n > 0 and n_in > 0:
         with nogil:
-            fs_quantize_rows(&x[0, 0], n, n_in, n_in, &qv[0, 0], &dv[0, 0], &sv[0, 0], &hv[0, 0], &xv[0, 0])
+            fs_quantize_rows_isa(isa_id, &x[0, 0], n, n_in, n_in, &qv[0, 0], &dv[0, 0], &sv[0, 0], &hv[0, 0],
+                                 &xv[0, 0])
     return q[:, :n_in], d
 
 
@@ -424,7 +429,7 @@ cdef class Matmul:
         pr.act.n, pr.act.y, pr.act.ldy = n, y, ldy
         pr.stage, pr.stage_bytes = self.stage, w.stage_bytes
         if w.has_int:
-            fs_quantize_rows(x, n, w.n_in, ldx, self.xq, self.dx, self.xs, self.xh, self.sx)
+            fs_quantize_rows_isa(self.isa_id, x, n, w.n_in, ldx, self.xq, self.dx, self.xs, self.xh, self.sx)
         if w.has_float:
             fs_pad_rows(x, n, w.n_in, ldx, self.xf)
         pool_run(self.pool.pl, fs_product_task, &pr, w.n_panels, pr.chunk)
@@ -466,7 +471,7 @@ cdef class Matmul:
             return -1
         gs.stage = self.stage
         if ws[0].has_int:
-            fs_quantize_rows(x, n, ws[0].n_in, ldx, self.xq, self.dx, self.xs, self.xh, self.sx)
+            fs_quantize_rows_isa(self.isa_id, x, n, ws[0].n_in, ldx, self.xq, self.dx, self.xs, self.xh, self.sx)
         if ws[0].has_float:
             fs_pad_rows(x, n, ws[0].n_in, ldx, self.xf)
         for g in range(n_groups):

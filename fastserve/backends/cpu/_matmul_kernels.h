@@ -127,6 +127,79 @@ static void fs_quantize_rows(const float *x, int64_t n, int64_t n_in, int64_t ld
                         qhalf + r * nb, sx + r * nb);
 }
 
+#if defined(FS_X86)
+#define FS_QUANT_AVX2 __attribute__((target("avx2")))
+
+FS_QUANT_AVX2 static inline int32_t fs_hsum8_avx2(__m256i v)
+{
+    __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4E));
+    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xB1));
+    return _mm_cvtsi128_si32(x);
+}
+
+/* fs_quantize_row, 32 inputs at a time: the same float32 operations on each input (IEEE: the same bits). max_ps(a, m)
+ * is the scalar a > m ? a : m (a NaN never wins), so amax is the same whatever the order; q is the low byte of the
+ * truncated int32 (masked, then packed without saturation), as the scalar cast; the sums wrap alike. */
+FS_QUANT_AVX2 static void fs_quantize_row_avx2(const float *x, int64_t n_in, int8_t *q, float *d, int32_t *qsum,
+                                               int32_t *qhalf, float *sx)
+{
+    const int64_t nb = (n_in + FS_QK - 1) / FS_QK;
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), magic = _mm256_set1_ps(12582912.0f);
+    const __m256i low = _mm256_set1_epi32(0xFF), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + b * FS_QK;
+        float pad[FS_QK];
+        if (n_in - b * FS_QK < FS_QK) {
+            const int64_t m = n_in - b * FS_QK;
+            memset(pad, 0, sizeof pad);
+            memcpy(pad, xb, (size_t)m * sizeof(float));
+            xb = pad;
+        }
+        __m256 v[4], mx = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            mx = _mm256_max_ps(_mm256_and_ps(v[i], abs_mask), mx);
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ps(m4, _mm_shuffle_ps(m4, m4, 1));
+        float amax = _mm_cvtss_f32(m4);
+        if (!(amax >= FS_TINY))
+            amax = 0.0f;
+        const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256i qi[4];
+        for (int i = 0; i < 4; i++)
+            qi[i] = _mm256_cvttps_epi32(_mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v[i], id), magic), magic));
+        const __m256i ab = _mm256_packus_epi32(_mm256_and_si256(qi[0], low), _mm256_and_si256(qi[1], low));
+        const __m256i cd = _mm256_packus_epi32(_mm256_and_si256(qi[2], low), _mm256_and_si256(qi[3], low));
+        _mm256_storeu_si256((__m256i *)(q + b * FS_QK), _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd), order));
+        const int32_t h = fs_hsum8_avx2(_mm256_add_epi32(qi[0], qi[1]));
+        const int32_t s = h + fs_hsum8_avx2(_mm256_add_epi32(qi[2], qi[3]));
+        d[b] = amax / 127.0f;
+        qsum[b] = s;
+        qhalf[b] = h;
+        sx[b] = d[b] * (float)s;
+    }
+}
+#endif
+
+/* fs_quantize_rows with the isa's instructions (the same numbers): AVX2 where the products run AVX2 or AVX-512. */
+static void fs_quantize_rows_isa(int isa, const float *x, int64_t n, int64_t n_in, int64_t ldx,
+                                 int8_t *q, float *d, int32_t *qsum, int32_t *qhalf, float *sx)
+{
+#if defined(FS_X86)
+    if (isa == FS_ISA_AVX2 || isa == FS_ISA_AVX512VNNI) {
+        const int64_t nb = (n_in + FS_QK - 1) / FS_QK;
+        for (int64_t r = 0; r < n; r++)
+            fs_quantize_row_avx2(x + r * ldx, n_in, q + r * nb * FS_QK, d + r * nb, qsum + r * nb, qhalf + r * nb,
+                                 sx + r * nb);
+        return;
+    }
+#endif
+    fs_quantize_rows(x, n, n_in, ldx, q, d, qsum, qhalf, sx);
+}
+
 /* x [n, ldx] (n_in used) -> xf [n, nb*32], zero padded: what the float kernels read. */
 static void fs_pad_rows(const float *x, int64_t n, int64_t n_in, int64_t ldx, float *xf)
 {
