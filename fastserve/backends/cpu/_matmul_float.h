@@ -11,20 +11,33 @@
  *     p_k = p_k + p_(k+8) (k < 8);   p_k = p_k + p_(k+4) (k < 4);   p_k = p_k + p_(k+2) (k < 2);   y = p_0 + p_1.
  * Nothing depends on n, the ISA or the thread. The 16 sums are one AVX-512 register, two AVX2 ones, four
  * NEON ones; rows go a few at a time (independent chains, each weight converted once for up to 4
- * activation rows). The fused multiply-add is half the instructions of a product and a sum. At many
- * activation rows (prefill) the inputs go in blocks of FS_FKB, the sums kept in a small buffer between
- * blocks, so that the activations' block stays in L1 while every row of the panel passes over it.
+ * activation rows; 6 on AVX2, whose 16 registers hold 12 sums of one half at a time). The fused
+ * multiply-add is half the instructions of a product and a sum. At many activation rows (prefill) the
+ * inputs go in blocks of FS_FKB, the sums kept in a small buffer between blocks, so that the activations'
+ * block stays in L1 while every row of the panel passes over it.
  */
 #ifndef FASTSERVE_MATMUL_FLOAT_H
 #define FASTSERVE_MATMUL_FLOAT_H
 
 #define FS_FA 4                 /* activation rows per pass */
-#define FS_FKB 512              /* inputs per block: 4 activation rows' 8 KB + 16 BF16 rows' 16 KB stay in L1 */
+#define FS_FKB 512              /* inputs per block: 4-6 activation rows' 8-12 KB stay in L1 while the rows pass */
+#define FS_FA_HALF 6            /* activation rows per pass of a half (AVX2 above batch 1) */
 
 /* Elements per row of a float type's row_bytes. */
 static inline int64_t fs_float_inputs(int type, int64_t row_bytes)
 {
     return row_bytes / (type == FS_T_F32 ? 4 : 2);
+}
+
+/* steps of fs_prefetch_step at once (above batch 1 a tile asks for its share at its start). */
+static inline void fs_prefetch_steps(fs_prefetcher *p, int64_t steps)
+{
+    if (!p->next || p->at >= p->total)
+        return;
+    const int64_t to = p->at + steps * p->per < p->total ? p->at + steps * p->per : p->total;
+    for (int64_t off = p->at; off < to; off += 64)
+        __builtin_prefetch(p->next + off, 0, 2);
+    p->at = to;
 }
 
 static inline float fs_fold16(float p[16])
@@ -89,13 +102,11 @@ FS_FLOAT256 FS_INLINE float fs_fold16_avx2(__m256 a, __m256 b)
     return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
 }
 
-/* 16 inputs from i (end: the row's last 16, maybe partial) of rows l .. l + RW - 1 times activation rows
- * r .. r + RA - 1 into the sums p, as two halves of 8 (p_0..7, then p_8..15), so that RW weights, one
- * activation and the 2 RW RA sums fit the 16 registers (2 x 3: 12 sums, each weight serving 3 rows and
- * each activation 2; 2 x 2 before measured ~20 % slower in prefill). */
+/* 16 inputs from i (end: the row's last 16, maybe partial) of rows l .. l + RW - 1 times activation row r
+ * into the sums p, as two halves of 8 (p_0..7, then p_8..15). */
 FS_FLOAT256 FS_INLINE void fs_float_step_avx2(const fs_job *j, const int type, const uint8_t *rows, int64_t row_bytes,
-                                              int l, int64_t r, const int RW, const int RA, int64_t i, int64_t n_in,
-                                              const int end, __m256 p[4][3][2])
+                                              int l, int64_t r, const int RW, int64_t i, int64_t n_in, const int end,
+                                              __m256 p[4][2])
 {
     const int64_t K = j->nb * FS_QK;
 #pragma GCC unroll 2
@@ -105,84 +116,159 @@ FS_FLOAT256 FS_INLINE void fs_float_step_avx2(const fs_job *j, const int type, c
         for (int a = 0; a < RW; a++)
             w[a] = end ? fs_float8_end_avx2(type, rows + (l + a) * row_bytes, i + 8 * h, n_in)
                        : fs_float8_avx2(type, rows + (l + a) * row_bytes, i + 8 * h);
-#pragma GCC unroll 3
-        for (int b = 0; b < RA; b++) {
-            __m256 x = _mm256_loadu_ps(j->xf + (r + b) * K + i + 8 * h);
-            __asm__("" : "+x"(x));      /* one load for the RW rows, not a memory operand in each */
+        __m256 x = _mm256_loadu_ps(j->xf + r * K + i + 8 * h);
+        __asm__("" : "+x"(x));      /* one load for the RW rows, not a memory operand in each */
 #pragma GCC unroll 4
-            for (int a = 0; a < RW; a++)
-                p[a][b][h] = _mm256_fmadd_ps(w[a], x, p[a][b][h]);
-        }
+        for (int a = 0; a < RW; a++)
+            p[a][h] = _mm256_fmadd_ps(w[a], x, p[a][h]);
     }
 }
 
-/* Rows l .. l + RW - 1 of the panel times activation rows r .. r + RA - 1, inputs [i0, i1): the sums
- * start at zero (i0 = 0) or from keep, and go to keep, or folded to y at the row's end. The loop over
- * whole 16s has no test of the row's end; the next panel's prefetch goes per step at batch 1 (reading
- * the weights is the whole cost there), at the tile's start above batch 1. */
+/* Rows l .. l + RW - 1 of the panel times activation row r (batch 1, or a batch's last odd row), inputs
+ * [i0, i1): the sums start at zero (i0 = 0) or from keep, and go to keep, or folded to y at the row's
+ * end. The loop over whole 16s has no test of the row's end; the next panel's prefetch goes per step
+ * (reading the weights is the whole cost at batch 1). */
 FS_FLOAT256 FS_INLINE void fs_float_tile_avx2(const fs_job *j, const int type, const uint8_t *rows, int64_t row_bytes,
-                                              int l, int64_t r, const int RW, const int RA, int64_t i0, int64_t i1,
-                                              float *keep, fs_prefetcher *pf)
+                                              int l, int64_t r, const int RW, int64_t i0, int64_t i1, float *keep,
+                                              fs_prefetcher *pf)
 {
     const int64_t n_in = fs_float_inputs(type, row_bytes), whole = n_in & ~(int64_t)15, i2 = i1 < whole ? i1 : whole;
-    __m256 p[4][3][2];
+    __m256 p[4][2];
 #pragma GCC unroll 4
     for (int a = 0; a < RW; a++)
-#pragma GCC unroll 3
-        for (int b = 0; b < RA; b++)
-            for (int h = 0; h < 2; h++)
-                p[a][b][h] = i0 ? _mm256_loadu_ps(keep + ((l + a) * FS_FA + b) * 16 + 8 * h) : _mm256_setzero_ps();
-    if (RA > 1)
-        for (int64_t i = i0; i < i1; i += 16)
-            fs_prefetch_step(pf);
+        for (int h = 0; h < 2; h++)
+            p[a][h] = i0 ? _mm256_loadu_ps(keep + (l + a) * 16 + 8 * h) : _mm256_setzero_ps();
     int64_t i = i0;
     for (; i < i2; i += 16) {
-        if (RA == 1)
-            fs_prefetch_step(pf);
-        fs_float_step_avx2(j, type, rows, row_bytes, l, r, RW, RA, i, n_in, 0, p);
+        fs_prefetch_step(pf);
+        fs_float_step_avx2(j, type, rows, row_bytes, l, r, RW, i, n_in, 0, p);
     }
     for (; i < i1; i += 16) {
-        if (RA == 1)
-            fs_prefetch_step(pf);
-        fs_float_step_avx2(j, type, rows, row_bytes, l, r, RW, RA, i, n_in, 1, p);
+        fs_prefetch_step(pf);
+        fs_float_step_avx2(j, type, rows, row_bytes, l, r, RW, i, n_in, 1, p);
     }
 #pragma GCC unroll 4
-    for (int a = 0; a < RW; a++)
-#pragma GCC unroll 3
-        for (int b = 0; b < RA; b++) {
-            if (i1 >= n_in) {
-                j->y[(r + b) * j->ldy + l + a] = fs_fold16_avx2(p[a][b][0], p[a][b][1]);
-                continue;
-            }
-            for (int h = 0; h < 2; h++)
-                _mm256_storeu_ps(keep + ((l + a) * FS_FA + b) * 16 + 8 * h, p[a][b][h]);
+    for (int a = 0; a < RW; a++) {
+        if (i1 >= n_in) {
+            j->y[r * j->ldy + l + a] = fs_fold16_avx2(p[a][0], p[a][1]);
+            continue;
         }
+        for (int h = 0; h < 2; h++)
+            _mm256_storeu_ps(keep + (l + a) * 16 + 8 * h, p[a][h]);
+    }
 }
 
-#define FS_FT(RW, RA) fs_float_tile_avx2(j, type, rows, row_bytes, l, r, RW, RA, i0, i1, keep, p)
+/* 8 inputs from i (end: maybe past the row's end) of rows l .. l + RW - 1 times activation rows
+ * r .. r + RA - 1 into the sums p of one half. */
+FS_FLOAT256 FS_INLINE void fs_float_half_step_avx2(const fs_job *j, const int type, const uint8_t *rows,
+                                                   int64_t row_bytes, int l, int64_t r, const int RW, const int RA,
+                                                   int64_t i, int64_t n_in, const int end, __m256 p[2][FS_FA_HALF])
+{
+    const int64_t K = j->nb * FS_QK;
+    __m256 w[2];
+#pragma GCC unroll 2
+    for (int a = 0; a < RW; a++)
+        w[a] = end ? fs_float8_end_avx2(type, rows + (l + a) * row_bytes, i, n_in)
+                   : fs_float8_avx2(type, rows + (l + a) * row_bytes, i);
+#pragma GCC unroll 6
+    for (int b = 0; b < RA; b++) {
+        __m256 x = _mm256_loadu_ps(j->xf + (r + b) * K + i);
+        __asm__("" : "+x"(x));      /* one load for the RW rows, not a memory operand in each */
+#pragma GCC unroll 2
+        for (int a = 0; a < RW; a++)
+            p[a][b] = _mm256_fmadd_ps(w[a], x, p[a][b]);
+    }
+}
 
-/* Batch 1: 4 rows at a time (8 chains); more: 2 rows x up to 3 activation rows. */
+/* Rows l .. l + RW - 1 times activation rows r .. r + RA - 1 above batch 1, inputs [i0, i1), in two
+ * passes: p_0..7 of every sum, then p_8..15 (the halves never meet before the fold, so their order
+ * between them is free). Holding one half at a time fits 2 x 6 sums in 12 registers beside 2 weights
+ * and 1 activation: each converted weight serves 6 rows, twice the 2 x 3 tile of both halves. The
+ * first half's sums wait in keep for the fold; both halves go to keep between blocks of inputs. */
+FS_FLOAT256 FS_INLINE void fs_float_halves_avx2(const fs_job *j, const int type, const uint8_t *rows,
+                                                int64_t row_bytes, int l, int64_t r, const int RW, const int RA,
+                                                int64_t i0, int64_t i1, float *keep, fs_prefetcher *pf)
+{
+    const int64_t n_in = fs_float_inputs(type, row_bytes), whole = n_in & ~(int64_t)15, i2 = i1 < whole ? i1 : whole;
+    fs_prefetch_steps(pf, (i1 - i0 + 15) / 16);
+#pragma GCC unroll 1
+    for (int h = 0; h < 2; h++) {       /* one copy of the loop: two took the register of a sum */
+        __m256 p[2][FS_FA_HALF];
+#pragma GCC unroll 2
+        for (int a = 0; a < RW; a++)
+#pragma GCC unroll 6
+            for (int b = 0; b < RA; b++)
+                p[a][b] = i0 ? _mm256_loadu_ps(keep + ((l + a) * FS_FA_HALF + b) * 16 + 8 * h) : _mm256_setzero_ps();
+        int64_t i = i0;
+        for (; i < i2; i += 16)
+            fs_float_half_step_avx2(j, type, rows, row_bytes, l, r, RW, RA, i + 8 * h, n_in, 0, p);
+        for (; i < i1; i += 16)
+            fs_float_half_step_avx2(j, type, rows, row_bytes, l, r, RW, RA, i + 8 * h, n_in, 1, p);
+#pragma GCC unroll 2
+        for (int a = 0; a < RW; a++)
+#pragma GCC unroll 6
+            for (int b = 0; b < RA; b++) {
+                float *k = keep + ((l + a) * FS_FA_HALF + b) * 16;
+                if (h == 1 && i1 >= n_in)
+                    j->y[(r + b) * j->ldy + l + a] = fs_fold16_avx2(_mm256_loadu_ps(k), p[a][b]);
+                else
+                    _mm256_storeu_ps(k + 8 * h, p[a][b]);
+            }
+    }
+}
+
+#define FS_FT(RW) fs_float_tile_avx2(j, type, rows, row_bytes, l, r, RW, i0, i1, keep, p)
+#define FS_FH(RW, RA) fs_float_halves_avx2(j, type, rows, row_bytes, l, r, RW, RA, i0, i1, keep, p)
+#define FS_FLOAT_HALVES_BY_RA(RW)                                                                    \
+    switch (ra) {                                                                                    \
+    case 6: FS_FH(RW, 6); break;                                                                     \
+    case 5: FS_FH(RW, 5); break;                                                                     \
+    case 4: FS_FH(RW, 4); break;                                                                     \
+    case 3: FS_FH(RW, 3); break;                                                                     \
+    default: FS_FH(RW, 2); break;                                                                    \
+    }
+
+/* Activation row r alone (batch 1, or a batch's last after its tiles of 6): 4 rows at a time, both halves
+ * (8 chains). */
+FS_FLOAT256 FS_INLINE void fs_float_row_avx2(const fs_job *j, const int type, const uint8_t *rows, int64_t row_bytes,
+                                             int64_t r, float *keep, fs_prefetcher *p)
+{
+    const int64_t n_in = fs_float_inputs(type, row_bytes);
+    for (int64_t i0 = 0; i0 < n_in; i0 += FS_FKB) {
+        const int64_t i1 = i0 + FS_FKB < n_in ? i0 + FS_FKB : n_in;
+        int l = 0;
+        for (; l + 4 <= j->valid; l += 4)
+            FS_FT(4);
+        for (; l < j->valid; l++)
+            FS_FT(1);
+    }
+}
+
+/* Batch 1 a row at a time; more: 2 rows x up to 6 activation rows, a half at a time. */
 FS_FLOAT256 FS_INLINE void fs_float_rows_avx2(const fs_job *j, const int type, const uint8_t *rows, int64_t row_bytes,
                                               fs_prefetcher *pf)
 {
     const int64_t n_in = fs_float_inputs(type, row_bytes);
-    float keep[FS_LANES * FS_FA * 16];
-    for (int64_t r = 0; r < j->n; r += 3) {
-        const int ra = (int)(j->n - r >= 3 ? 3 : j->n - r);
+    float keep[FS_LANES * FS_FA_HALF * 16];
+    for (int64_t r = 0; r < j->n; r += FS_FA_HALF) {
+        const int ra = (int)(j->n - r >= FS_FA_HALF ? FS_FA_HALF : j->n - r);
         fs_prefetcher idle = fs_prefetch_plan(NULL, 0, 0), *p = r == 0 ? pf : &idle;    /* one pass prefetches */
+        if (ra == 1) {
+            fs_float_row_avx2(j, type, rows, row_bytes, r, keep, p);
+            continue;
+        }
         for (int64_t i0 = 0; i0 < n_in; i0 += FS_FKB) {
             const int64_t i1 = i0 + FS_FKB < n_in ? i0 + FS_FKB : n_in;
             int l = 0;
-            if (ra == 1)
-                for (; l + 4 <= j->valid; l += 4)
-                    FS_FT(4, 1);
             for (; l + 2 <= j->valid; l += 2)
-                ra == 3 ? FS_FT(2, 3) : ra == 2 ? FS_FT(2, 2) : FS_FT(2, 1);
+                FS_FLOAT_HALVES_BY_RA(2)
             for (; l < j->valid; l++)
-                ra == 3 ? FS_FT(1, 3) : ra == 2 ? FS_FT(1, 2) : FS_FT(1, 1);
+                FS_FLOAT_HALVES_BY_RA(1)
         }
     }
 }
+#undef FS_FLOAT_HALVES_BY_RA
+#undef FS_FH
 #undef FS_FT
 
 FS_FLOAT256 static void fs_float_panel_avx2(const fs_job *j, int type, const uint8_t *rows, int64_t row_bytes,
