@@ -128,3 +128,40 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     __syncthreads();
     return v;
 }
+
+// The block's best (value, index) pair: the larger value, equal values to the lower index, NaN never (a
+// -inf value still beats no candidate); each thread passes its own best pair (NO_TOKEN: none) and every thread
+// gets the winner's index, 0 when no thread had one. s_v, s_i: 32 floats and 32 ints of shared memory, reusable
+// after the call. cuda/sampling.cu's greedy rows and cuda/moe.cu's top-k ranks.
+#define NO_TOKEN 0x7fffffff
+
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
+    return v > bv || (v == bv && i < bi);     // NaN compares false: never better
+}
+
+__device__ __forceinline__ int block_argmax(float v, int i, float* s_v, int* s_i) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (better(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+    if (lane == 0) { s_v[warp] = v; s_i[warp] = i; }
+    __syncthreads();
+    if (warp == 0) {
+        v = lane < n_warps ? s_v[lane] : -FS_INF;
+        i = lane < n_warps ? s_i[lane] : NO_TOKEN;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+            const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+            if (better(ov, oi, v, i)) { v = ov; i = oi; }
+        }
+        if (lane == 0) s_i[0] = i == NO_TOKEN ? 0 : i;
+    }
+    __syncthreads();
+    const int best = s_i[0];
+    __syncthreads();
+    return best;
+}

@@ -20,8 +20,8 @@
 // chosen; no candidate left: expert 0), w_r = e^(l_r - l_0) / (their sum in rank order) * scale.
 // Grid: n blocks, one per row; block: a multiple of 32 up to 1024. The block works together: the softmax's max and
 // sum (block_sum: its order fixed by the block size; the CPU sums in expert order, within rounding) and each
-// rank's choice (moe_block_best: every thread its strided experts, then each warp's, then the block's); thread 0
-// only the k weights. E <= MOE_MAX_EXPERTS.
+// rank's choice (moe_best: every thread its strided experts, then common.cuh block_argmax); thread 0 only the k
+// weights. E <= MOE_MAX_EXPERTS.
 //
 // moe_group: the n_pairs = n * k (row, rank) pairs j = i * k + r grouped by expert, a counting sort in one
 // block with pairs in batch order within an expert: start [E + 1] (expert e's pairs are the grouped
@@ -60,40 +60,18 @@ extern "C" __global__ void moe_router_f32(const float* __restrict__ x, const flo
     if (lane == 0) route[(size_t)i * n_expert + e] = acc;
 }
 
-// (v, e) becomes (v2, e2) where that is the better candidate: the larger value, ties to the lower id (e < 0: none).
-__device__ __forceinline__ void moe_better(float& v, int& e, float v2, int e2) {
-    if (e2 >= 0 && (e < 0 || v2 > v || (v2 == v && e2 < e))) {
-        v = v2;
-        e = e2;
+// The block's best expert of v [n_expert] not taken (the largest value, ties to the lower id, a NaN never), every
+// thread's answer; 0 when none is left. s_v, s_i: common.cuh block_argmax's shared memory.
+__device__ int moe_best(const float* v, const unsigned char* taken, int n_expert, float* s_v, int* s_i) {
+    float bv = -FS_INF;
+    int bi = NO_TOKEN;
+    for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
+        if (!taken[e] && better(v[e], e, bv, bi)) {
+            bv = v[e];
+            bi = e;
+        }
     }
-}
-
-// The block's best expert of v [n_expert] not taken (the largest value, ties to the lower id, a NaN never; -1:
-// none), every thread's answer. sv, se: 32 floats and 32 ints of shared memory, reusable after the call.
-__device__ int moe_block_best(const float* v, const unsigned char* taken, int n_expert, float* sv, int* se) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-    float best_v = 0.0f;
-    int best = -1;
-    for (int e = threadIdx.x; e < n_expert; e += blockDim.x)
-        if (v[e] == v[e] && !taken[e]) moe_better(best_v, best, v[e], e);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_down_sync(0xffffffffu, best_v, o);
-        const int oe = __shfl_down_sync(0xffffffffu, best, o);
-        moe_better(best_v, best, ov, oe);
-    }
-    if (lane == 0) {
-        sv[warp] = best_v;
-        se[warp] = best;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < n_warps; ++w) moe_better(sv[0], se[0], sv[w], se[w]);
-    }
-    __syncthreads();
-    best = se[0];
-    __syncthreads();
-    return best;
+    return block_argmax(bv, bi, s_v, s_i);
 }
 
 extern "C" __global__ void moe_route_f32(const float* __restrict__ route, const float* __restrict__ bias,
@@ -113,8 +91,7 @@ extern "C" __global__ void moe_route_f32(const float* __restrict__ route, const 
     }
     __syncthreads();
     if (!topk_softmax) {                        // p = softmax(p)
-        const int top = moe_block_best(p, taken, n_expert, sv, se);
-        const float mx = p[top >= 0 ? top : 0];
+        const float mx = p[moe_best(p, taken, n_expert, sv, se)];
         __syncthreads();                        // every thread has read it before p is overwritten
         float part = 0.0f;
         for (int e = threadIdx.x; e < n_expert; e += blockDim.x) {
@@ -126,11 +103,11 @@ extern "C" __global__ void moe_route_f32(const float* __restrict__ route, const 
         __syncthreads();
     }
     for (int rank = 0; rank < k; ++rank) {
-        const int best = moe_block_best(p, taken, n_expert, sv, se);
+        const int best = moe_best(p, taken, n_expert, sv, se);
         if (threadIdx.x == 0) {
-            s[rank] = best >= 0 ? best : 0;
-            w[rank] = p[best >= 0 ? best : 0];
-            if (best >= 0) taken[best] = 1;
+            s[rank] = best;
+            w[rank] = p[best];
+            taken[best] = 1;                    // none left (best 0): every later rank finds none too
         }
         __syncthreads();
     }

@@ -33,45 +33,12 @@
 //   Grid: m blocks, one per row; block: SAMPLE_THREADS threads. probs_cap <= SAMPLE_MAX_PROBS.
 #include "common.cuh"
 
-#define NO_TOKEN 0x7fffffff
 #define SAMPLE_THREADS 512
 #define SAMPLE_MAX_PROBS 128
 #define SAMPLE_GREEDY 1           // SampleRow.flags
 #define SAMPLE_POST_PROBS 2
 #define SAMPLE_PENALIZE 4
 #define WEIGHT_FLOOR (-45.5)      // exp(d) * 2^63 < 1 below it: the weight is 0 whatever QBITS
-
-__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
-    return v > bv || (v == bv && i < bi);     // NaN compares false: never better
-}
-
-// Argmax over the block of (value, index) pairs; every thread gets the winner's index.
-__device__ __forceinline__ int block_argmax(float v, int i, float* s_v, int* s_i) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-        const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-        if (better(ov, oi, v, i)) { v = ov; i = oi; }
-    }
-    if (lane == 0) { s_v[warp] = v; s_i[warp] = i; }
-    __syncthreads();
-    if (warp == 0) {
-        v = lane < n_warps ? s_v[lane] : -FS_INF;
-        i = lane < n_warps ? s_i[lane] : NO_TOKEN;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float ov = __shfl_xor_sync(0xffffffffu, v, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, i, o);
-            if (better(ov, oi, v, i)) { v = ov; i = oi; }
-        }
-        if (lane == 0) s_i[0] = i == NO_TOKEN ? 0 : i;
-    }
-    __syncthreads();
-    const int best = s_i[0];
-    __syncthreads();
-    return best;
-}
 
 // The row's greedy token: the lowest id of the largest candidate; 0 without a candidate.
 __device__ __forceinline__ int row_argmax(const float* row, int n_vocab, float* s_v, int* s_i) {
