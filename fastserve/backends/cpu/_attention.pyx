@@ -29,6 +29,9 @@ from libc.string cimport memcpy, memset
 
 from fastserve.backends.cpu._pool cimport Pool, fs_pool, fs_task_fn, pool_run
 
+cdef extern from "<stdlib.h>" nogil:
+    void *aligned_alloc(size_t alignment, size_t size)
+
 cdef extern from "_attention_kernels.h" nogil:
     enum:
         FS_KT
@@ -308,8 +311,8 @@ cdef class Attention:
         """Grows the scratch to fit; -1 when out of memory."""
         cdef int64_t need = (fs_attn_scratch_floats(D, Dp) * 4 + 63) // 64 * 64
         if need > self.scratch_bytes:
-            free(self.scratch)
-            self.scratch = <uint8_t *>malloc(need * self.n_scratch)
+            free(self.scratch)         # cache-line aligned: the tiles' vector loads never straddle two lines
+            self.scratch = <uint8_t *>aligned_alloc(64, need * self.n_scratch)
             if self.scratch == NULL:
                 self.scratch_bytes = 0
                 return -1

@@ -311,7 +311,8 @@ typedef struct fs_attn_isa {
     void (*qk)(const float *const *q, const float *kt, int64_t D, float *const *s, int nr, const fs_attn_next *nx);
     void (*qk_f16)(const float *const *q, const uint16_t *kt, int64_t D, float *const *s, int nr,
                    const fs_attn_next *nx);                                                    /* fp16 tile */
-    void (*probs)(float *s, int64_t n, float *m, float *l, float *acc, int64_t Dp);
+    void (*probs)(float *const *s, const int64_t *n, float *const *m, float *const *l, float *const *acc, int64_t Dp,
+                  int64_t na);                                                               /* na rows */
     void (*pv)(float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1,
                const float *vt, int64_t Dp, int nr, const fs_attn_next *nx);
     void (*pv_f16)(float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1,
@@ -448,11 +449,10 @@ static void fs_attn_key_tile(const fs_attn_job *jb, int64_t b0, int64_t nt, int6
         else
             isa->qk(qp + i, ktile, D, sp + i, nr, i == 0 ? nx : NULL);
     }
-    for (int64_t i = 0; i < na; i++) {
+    for (int64_t i = 0; i < na; i++)
         for (int64_t j = 0; j < lo_row[i]; j++)     /* keys before the window: out of the max, p = 0 */
             sp[i][j] = -INFINITY;
-        isa->probs(sp[i], nk_row[i], mp[i], lp[i], ap[i], Dp);
-    }
+    isa->probs(sp, nk_row, mp, lp, ap, Dp, na);
     const uint8_t *vd = v_direct ? vsrc : NULL;
     const float *const *pp = (const float *const *)sp;
     for (int64_t i = 0; i < na; i += rb) {
