@@ -162,11 +162,11 @@ FS_FLOAT256 FS_INLINE void fs_float_tile_avx2(const fs_job *j, const int type, c
  * r .. r + RA - 1 into the sums p of one half. */
 FS_FLOAT256 FS_INLINE void fs_float_half_step_avx2(const fs_job *j, const int type, const uint8_t *rows,
                                                    int64_t row_bytes, int l, int64_t r, const int RW, const int RA,
-                                                   int64_t i, int64_t n_in, const int end, __m256 p[2][FS_FA_HALF])
+                                                   int64_t i, int64_t n_in, const int end, __m256 p[4][FS_FA_HALF])
 {
     const int64_t K = j->nb * FS_QK;
-    __m256 w[2];
-#pragma GCC unroll 2
+    __m256 w[4];
+#pragma GCC unroll 4
     for (int a = 0; a < RW; a++)
         w[a] = end ? fs_float8_end_avx2(type, rows + (l + a) * row_bytes, i, n_in)
                    : fs_float8_avx2(type, rows + (l + a) * row_bytes, i);
@@ -174,7 +174,7 @@ FS_FLOAT256 FS_INLINE void fs_float_half_step_avx2(const fs_job *j, const int ty
     for (int b = 0; b < RA; b++) {
         __m256 x = _mm256_loadu_ps(j->xf + (r + b) * K + i);
         __asm__("" : "+x"(x));      /* one load for the RW rows, not a memory operand in each */
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int a = 0; a < RW; a++)
             p[a][b] = _mm256_fmadd_ps(w[a], x, p[a][b]);
     }
@@ -193,8 +193,8 @@ FS_FLOAT256 FS_INLINE void fs_float_halves_avx2(const fs_job *j, const int type,
     fs_prefetch_steps(pf, (i1 - i0 + 15) / 16);
 #pragma GCC unroll 1
     for (int h = 0; h < 2; h++) {       /* one copy of the loop: two took the register of a sum */
-        __m256 p[2][FS_FA_HALF];
-#pragma GCC unroll 2
+        __m256 p[4][FS_FA_HALF];
+#pragma GCC unroll 4
         for (int a = 0; a < RW; a++)
 #pragma GCC unroll 6
             for (int b = 0; b < RA; b++)
@@ -204,7 +204,7 @@ FS_FLOAT256 FS_INLINE void fs_float_halves_avx2(const fs_job *j, const int type,
             fs_float_half_step_avx2(j, type, rows, row_bytes, l, r, RW, RA, i + 8 * h, n_in, 0, p);
         for (; i < i1; i += 16)
             fs_float_half_step_avx2(j, type, rows, row_bytes, l, r, RW, RA, i + 8 * h, n_in, 1, p);
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int a = 0; a < RW; a++)
 #pragma GCC unroll 6
             for (int b = 0; b < RA; b++) {
@@ -219,6 +219,15 @@ FS_FLOAT256 FS_INLINE void fs_float_halves_avx2(const fs_job *j, const int type,
 
 #define FS_FT(RW) fs_float_tile_avx2(j, type, rows, row_bytes, l, r, RW, i0, i1, keep, p)
 #define FS_FH(RW, RA) fs_float_halves_avx2(j, type, rows, row_bytes, l, r, RW, RA, i0, i1, keep, p)
+/* rw rows x ra activation rows: at least 8 sums in flight (an FMA takes 5 cycles, two start a cycle) */
+#define FS_FLOAT_HALVES_WIDE()                                                                       \
+    switch (ra) {                                                                                    \
+    case 6: FS_FH(2, 6); break;                                                                      \
+    case 5: FS_FH(2, 5); break;                                                                      \
+    case 4: FS_FH(2, 4); break;                                                                      \
+    case 3: FS_FH(3, 3); break;                                                                      \
+    default: FS_FH(4, 2); break;                                                                     \
+    }
 #define FS_FLOAT_HALVES_BY_RA(RW)                                                                    \
     switch (ra) {                                                                                    \
     case 6: FS_FH(RW, 6); break;                                                                     \
@@ -244,14 +253,14 @@ FS_FLOAT256 FS_INLINE void fs_float_row_avx2(const fs_job *j, const int type, co
     }
 }
 
-/* Batch 1 a row at a time; more: 2 rows x up to 6 activation rows, a half at a time. */
+/* Batch 1 a row at a time; more: 2 rows x up to 6 activation rows (4 x 2, 3 x 3), a half at a time. */
 FS_FLOAT256 FS_INLINE void fs_float_rows_avx2(const fs_job *j, const int type, const uint8_t *rows, int64_t row_bytes,
                                               fs_prefetcher *pf)
 {
     const int64_t n_in = fs_float_inputs(type, row_bytes);
     float keep[FS_LANES * FS_FA_HALF * 16];
     for (int64_t r = 0; r < j->n; r += FS_FA_HALF) {
-        const int ra = (int)(j->n - r >= FS_FA_HALF ? FS_FA_HALF : j->n - r);
+        const int ra = (int)(j->n - r >= FS_FA_HALF ? FS_FA_HALF : j->n - r), rw = ra == 2 ? 4 : ra == 3 ? 3 : 2;
         fs_prefetcher idle = fs_prefetch_plan(NULL, 0, 0), *p = r == 0 ? pf : &idle;    /* one pass prefetches */
         if (ra == 1) {
             fs_float_row_avx2(j, type, rows, row_bytes, r, keep, p);
@@ -260,14 +269,15 @@ FS_FLOAT256 FS_INLINE void fs_float_rows_avx2(const fs_job *j, const int type, c
         for (int64_t i0 = 0; i0 < n_in; i0 += FS_FKB) {
             const int64_t i1 = i0 + FS_FKB < n_in ? i0 + FS_FKB : n_in;
             int l = 0;
-            for (; l + 2 <= j->valid; l += 2)
-                FS_FLOAT_HALVES_BY_RA(2)
+            for (; l + rw <= j->valid; l += rw)
+                FS_FLOAT_HALVES_WIDE()
             for (; l < j->valid; l++)
                 FS_FLOAT_HALVES_BY_RA(1)
         }
     }
 }
 #undef FS_FLOAT_HALVES_BY_RA
+#undef FS_FLOAT_HALVES_WIDE
 #undef FS_FH
 #undef FS_FT
 
