@@ -2,7 +2,9 @@
 
 The default model's shapes (30 layers, 9 query heads, 3 KV heads, head_dim 64; --kv f16 by default), a
 cache of random keys and values per layer: one decode row at each --positions, all layers' attention
-calls, on 1 and 2 threads; then a --prefill-token prompt in chunks of 512 through attention. This
+calls, on 1 and 2 threads; then a speculative verification block (issue 26: --verify-rows rows of one slot
+at --verify-at and after, its decode row and drafts); then a --prefill-token prompt in chunks of 512
+through attention. This
 tree's fastserve.backends.cpu._attention and, with --before TREE, that tree's built extension loaded beside it take
 turns, round by round (noisy shared machines: only ratios from one run mean anything). Reported: the
 minimum and the 10th percentile over --rounds, and the KV bytes read per second at the minimum. On one
@@ -10,6 +12,7 @@ thread the clock is the thread's CPU time (other processes' turns on the core do
 wall time.
 
 Run: python bench/bench_attention.py --before /work/main [--rounds 100] [--positions 100,1000,2000,4000]
+        [--verify-rows 17,33,49 --verify-at 3100]
 """
 from __future__ import annotations
 
@@ -78,15 +81,18 @@ def main() -> None:
     ap.add_argument("--kv", default="f16", choices=tuple(this_tree.KV_TYPES))
     ap.add_argument("--positions", default="100,1000,2000,4000")
     ap.add_argument("--rounds", type=int, default=100)
+    ap.add_argument("--verify-rows", default="17,33", help="rows of a verification block; empty: skip it")
+    ap.add_argument("--verify-at", type=int, default=3100, help="the block's first position")
     ap.add_argument("--prefill-tokens", type=int, default=2048, help="0: skip the prefill part")
     args = ap.parse_args()
     modules = {"this": this_tree, **({"before": load_tree(args.before)} if args.before else {})}
-    positions = [int(p) for p in args.positions.split(",")]
+    positions = [int(p) for p in args.positions.split(",") if p]
+    verify = [int(n) for n in args.verify_rows.split(",") if n]
     rng = np.random.default_rng(0)
-    kv = caches(args.kv, max(positions + [args.prefill_tokens]) + 1, rng)
+    kv = caches(args.kv, max(positions + [args.prefill_tokens, args.verify_at + max(verify, default=0)]) + 1, rng)
     row_bytes = this_tree.row_bytes(args.kv, HEAD_DIM)
     out = np.zeros((CHUNK, HEADS * HEAD_DIM), np.float32)
-    q = rng.standard_normal((max(args.prefill_tokens, 1), HEADS, HEAD_DIM)).astype(np.float32)
+    q = rng.standard_normal((max(args.prefill_tokens, 1, *verify), HEADS, HEAD_DIM)).astype(np.float32)
     slots = np.zeros(CHUNK, np.int64)
     for threads in (1, 2):
         pool = Pool(threads) if threads > 1 else None
@@ -102,6 +108,15 @@ def main() -> None:
             nbytes = (p + 1) * LAYERS * KV_HEADS * row_bytes * 2
             print(line(f"decode row at {p}, {threads} thread(s)", timed(systems, args.rounds, clock, decode), nbytes),
                   flush=True)
+        for n in verify:
+            pos = np.arange(args.verify_at, args.verify_at + n, dtype=np.int64)
+
+            def block(attn):
+                for kc, vc in kv:
+                    attn(q[:n], kc, vc, args.kv, args.kv, slots[:n], pos, out, 0.125)
+
+            print(line(f"verification block of {n} rows at {args.verify_at}, {threads} thread(s)",
+                       timed(systems, max(2, args.rounds // 10), clock, block), None), flush=True)
         if args.prefill_tokens:
             def prefill(attn):
                 for c in range(0, args.prefill_tokens, CHUNK):

@@ -70,6 +70,7 @@
 #ifndef FS_SEG                    /* (the C harness of tests/parity sets it smaller) */
 #define FS_SEG 512                /* keys per segment (positions 0, 512, ...), a multiple of FS_KT */
 #endif
+#define FS_SUMS 8                 /* rows whose sums l run interleaved (fs_row_sums) */
 #define FS_SPLIT_BELOW 4          /* fewer (token tile, KV head) items than this per thread: split by segment */
 #define FS_MAX_DP 1024            /* most head_dim (padded to 16) */
 
@@ -303,7 +304,8 @@ static inline void fs_attn_prefetch(const uint8_t *p, int64_t lo, int64_t hi)
         __builtin_prefetch(p + b, 0, 3);
 }
 
-/* The kernel pieces an ISA provides (see _attention_simd.h): blocks of nr <= rb rows. */
+/* The kernel pieces an ISA provides (see _attention_simd.h): the fp16 products in blocks of nr <= rb rows,
+ * the float32 ones (qk, pv) any number of rows, one at a time. */
 typedef struct fs_attn_isa {
     int rb;                                                                       /* most rows per block */
     const float *(*k_tile)(int type, const uint8_t *src, int64_t D, float *kt);   /* -> [D][KT] f32 */
@@ -311,10 +313,10 @@ typedef struct fs_attn_isa {
     void (*qk)(const float *const *q, const float *kt, int64_t D, float *const *s, int nr, const fs_attn_next *nx);
     void (*qk_f16)(const float *const *q, const uint16_t *kt, int64_t D, float *const *s, int nr,
                    const fs_attn_next *nx);                                                    /* fp16 tile */
-    void (*probs)(float *const *s, const int64_t *n, float *const *m, float *const *l, float *const *acc, int64_t Dp,
-                  int64_t na);                                                               /* na rows */
-    void (*pv)(float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1,
-               const float *vt, int64_t Dp, int nr, const fs_attn_next *nx);
+    void (*probs)(float *const *s, const int64_t *lo, const int64_t *n, float *const *m, float *const *l,
+                  float *const *acc, int64_t Dp, int64_t na);                 /* na rows; lo: sums l too */
+    void (*pv)(float *const *acc, const float *const *p, const int64_t *lo, const int64_t *n, const float *vt,
+               int64_t Dp, int nr, const fs_attn_next *nx);                     /* row r: keys lo..n-1 */
     void (*pv_f16)(float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1,
                    const uint16_t *v, int64_t ldv, int64_t D, int nr, const fs_attn_next *nx); /* fp16 rows */
     void (*finish)(const float *acc, float l, int64_t D, float *out);
@@ -369,18 +371,14 @@ static inline void fs_attn_sink(float *rm, float *rl, float *racc, float sink, i
     *rm = mn;
 }
 
-/* acc += p v over keys j0..j1-1 of nr rows: from the fp16 cache rows (vdirect, ldv values apart) or the
- * float32 tile vt; nothing when j1 <= j0. */
-static inline void fs_attn_pv(const fs_attn_isa *isa, float *const *a, const float *const *p, float *const *l,
-                              int64_t j0, int64_t j1, const uint8_t *vdirect, int64_t ldv, const float *vt, int64_t Dp,
-                              int nr, const fs_attn_next *nx)
+/* acc += p v over keys j0..j1-1 of nr rows from the fp16 cache rows (v, ldv values apart); nothing when
+ * j1 <= j0. */
+static inline void fs_attn_pv_f16(const fs_attn_isa *isa, float *const *a, const float *const *p, float *const *l,
+                                  int64_t j0, int64_t j1, const uint8_t *v, int64_t ldv, int64_t D, int nr,
+                                  const fs_attn_next *nx)
 {
-    if (j1 <= j0)
-        return;
-    if (vdirect)
-        isa->pv_f16(a, p, l, j0, j1, (const uint16_t *)vdirect, ldv, Dp, nr, nx);
-    else
-        isa->pv(a, p, l, j0, j1, vt, Dp, nr, nx);
+    if (j1 > j0)
+        isa->pv_f16(a, p, l, j0, j1, (const uint16_t *)v, ldv, D, nr, nx);
 }
 
 /* Where key tile kt of KV head kvh lies in a slot's K and V caches. */
@@ -428,8 +426,6 @@ static void fs_attn_key_tile(const fs_attn_job *jb, int64_t b0, int64_t nt, int6
         return;
     int64_t krow = fs_k_tile_bytes(jb->type_k, D), vrow = fs_kv_row_bytes(jb->type_v, D);
     int64_t slot = jb->slots[b0];
-    /* One block of rows (a decode step's G heads): the products read the fp16 cache as they go;
-     * more rows share one conversion of the tile to float32. The values are the same. */
     const uint8_t *ksrc, *vsrc;
     fs_attn_tile_src(jb, slot, kt, kvh, &ksrc, &vsrc);
     fs_attn_next next = {NULL, krow / D, NULL, Hkv * vrow, vrow, 0}, *nx = next_kt >= 0 ? &next : NULL;
@@ -437,44 +433,43 @@ static void fs_attn_key_tile(const fs_attn_job *jb, int64_t b0, int64_t nt, int6
         fs_attn_tile_src(jb, slot, next_kt, next_kvh, &next.k, &next.v);
         next.v_rows = maxpos - next_kt * FS_KT + 1 < FS_KT ? maxpos - next_kt * FS_KT + 1 : FS_KT;
     }
+    /* A few rows (a decode step's G heads) read the fp16 cache as they go, in one block; more rows (a
+     * verification block's, a prefill chunk's) share one conversion of the tile to float32, then take it
+     * row by row (fs_qk, fs_pv: fewer broadcasts per product than blocks of rows). The same values. */
     int k_direct = jb->type_k == FS_KV_F16 && na <= rb;
     int v_direct = jb->type_v == FS_KV_F16 && na <= rb && D == Dp;
-    const float *ktile = k_direct ? NULL : isa->k_tile(jb->type_k, ksrc, D, ktbuf);
-    if (!v_direct)
-        isa->v_tile(jb->type_v, vsrc, Hkv * vrow, D, Dp, nk, vt);
-    for (int64_t i = 0; i < na; i += rb) {
-        int nr = (int)(na - i < rb ? na - i : rb);
-        if (k_direct)
-            isa->qk_f16(qp + i, (const uint16_t *)ksrc, D, sp + i, nr, i == 0 ? nx : NULL);
-        else
-            isa->qk(qp + i, ktile, D, sp + i, nr, i == 0 ? nx : NULL);
-    }
+    if (k_direct)
+        isa->qk_f16(qp, (const uint16_t *)ksrc, D, sp, (int)na, nx);
+    else
+        isa->qk(qp, isa->k_tile(jb->type_k, ksrc, D, ktbuf), D, sp, (int)na, nx);
     for (int64_t i = 0; i < na; i++)
         for (int64_t j = 0; j < lo_row[i]; j++)     /* keys before the window: out of the max, p = 0 */
             sp[i][j] = -INFINITY;
-    isa->probs(sp, nk_row, mp, lp, ap, Dp, na);
-    const uint8_t *vd = v_direct ? vsrc : NULL;
+    /* the sums l: fp16 blocks in pv (beside its vector work, the scalar chains cost nothing), row by row in
+     * probs (eight rows' chains interleaved; in pv's row loop they cost ~8 %) */
+    isa->probs(sp, v_direct ? NULL : lo_row, nk_row, mp, lp, ap, Dp, na);
     const float *const *pp = (const float *const *)sp;
-    for (int64_t i = 0; i < na; i += rb) {
-        int nr = (int)(na - i < rb ? na - i : rb);
-        int64_t lmax = lo_row[i], nmin = nk_row[i];
-        for (int k = 1; k < nr; k++) {
-            lmax = lo_row[i + k] > lmax ? lo_row[i + k] : lmax;
-            nmin = nk_row[i + k] < nmin ? nk_row[i + k] : nmin;
-        }
-        if (lmax >= nmin) {                         /* no key common to the block: row by row */
-            for (int k = 0; k < nr; k++)
-                fs_attn_pv(isa, ap + i + k, pp + i + k, lp + i + k, lo_row[i + k], nk_row[i + k], vd, Hkv * D, vt,
-                           Dp, 1, i == 0 ? nx : NULL);
-            continue;
-        }
-        /* keys in order: each row's own before the common ones, those of every row, each row's own after */
-        for (int k = 0; k < nr; k++)
-            fs_attn_pv(isa, ap + i + k, pp + i + k, lp + i + k, lo_row[i + k], lmax, vd, Hkv * D, vt, Dp, 1, i == 0 ? nx : NULL);
-        fs_attn_pv(isa, ap + i, pp + i, lp + i, lmax, nmin, vd, Hkv * D, vt, Dp, nr, i == 0 ? nx : NULL);
-        for (int k = 0; k < nr; k++)
-            fs_attn_pv(isa, ap + i + k, pp + i + k, lp + i + k, nmin, nk_row[i + k], vd, Hkv * D, vt, Dp, 1, i == 0 ? nx : NULL);
+    if (!v_direct) {
+        isa->v_tile(jb->type_v, vsrc, Hkv * vrow, D, Dp, nk, vt);
+        isa->pv(ap, pp, lo_row, nk_row, vt, Dp, (int)na, nx);
+        return;
     }
+    int64_t lmax = lo_row[0], nmin = nk_row[0];
+    for (int64_t k = 1; k < na; k++) {
+        lmax = lo_row[k] > lmax ? lo_row[k] : lmax;
+        nmin = nk_row[k] < nmin ? nk_row[k] : nmin;
+    }
+    if (lmax >= nmin) {                             /* no key common to the rows: row by row */
+        for (int64_t k = 0; k < na; k++)
+            fs_attn_pv_f16(isa, ap + k, pp + k, lp + k, lo_row[k], nk_row[k], vsrc, Hkv * D, D, 1, nx);
+        return;
+    }
+    /* keys in order: each row's own before the common ones, those of every row, each row's own after */
+    for (int64_t k = 0; k < na; k++)
+        fs_attn_pv_f16(isa, ap + k, pp + k, lp + k, lo_row[k], lmax, vsrc, Hkv * D, D, 1, nx);
+    fs_attn_pv_f16(isa, ap, pp, lp, lmax, nmin, vsrc, Hkv * D, D, (int)na, nx);
+    for (int64_t k = 0; k < na; k++)
+        fs_attn_pv_f16(isa, ap + k, pp + k, lp + k, nmin, nk_row[k], vsrc, Hkv * D, D, 1, nx);
 }
 
 /* The keys some row of token tile qt sees: positions *minlo .. *maxpos. */

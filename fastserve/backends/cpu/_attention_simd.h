@@ -211,11 +211,11 @@ FS_ATTR static void FS_S(fs_v_tile)(int type, const uint8_t *src, int64_t stride
     }
 }
 
-/* s[r][0..KT) = sum over d in order of q[r][d] * kt[d][j], for nr (<= RB) rows (vectorised over keys);
- * kt is float32, or (f16 = 1) the cache's own fp16 tile, converted as it is read (the same values). */
-FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_qk_any)(const float *const *q, const void *kt,
-                                                                         int f16, int64_t D, float *const *s, int nr,
-                                                                         const fs_attn_next *nx)
+/* s[r][0..KT) = sum over d in order of q[r][d] * kt[d][j], for nr (<= RB) rows in a block (vectorised over
+ * keys), kt the cache's own fp16 tile, converted as it is read (the same values as a float32 tile's). */
+FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_qk_block)(const float *const *q, const uint16_t *kt,
+                                                                           int64_t D, float *const *s, int nr,
+                                                                           const fs_attn_next *nx)
 {
     for (int64_t j0 = 0; j0 < FS_KT; j0 += NV * VL) {
         int64_t lo = 0, hi = 0;                        /* this pass's share of the next tile's rows */
@@ -231,7 +231,7 @@ FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_qk_any)(const 
             VF kv[NV];
             for (int v = 0; v < NV; v++) {
                 int64_t i = d * FS_KT + j0 + v * VL;
-                kv[v] = f16 ? VLOAD_F16((const uint16_t *)kt + i) : VLOAD((const float *)kt + i);
+                kv[v] = VLOAD_F16(kt + i);
             }
             for (int r = 0; r < nr; r++) {
                 VF qb = VSET1(q[r][d]);
@@ -252,18 +252,42 @@ FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_qk_any)(const 
     switch (nr) { case 1: call(1); break; case 2: call(2); break; case 3: call(3); break; \
                   case 4: call(4 < RB ? 4 : RB); break; case 5: call(5 < RB ? 5 : RB); break; default: call(RB); }
 
+/* One row's scores over a float32 tile, all KT keys at once: KT / VL sums, one broadcast of q[d] per KT / VL
+ * products (Zen 2 AVX2: ~3.3 vector products or sums a cycle this way, ~2.9 in blocks of 6 rows x 2
+ * vectors; a broadcast costs about as much as a product there). pf: read the next K tile ahead. */
+FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_qk_row)(const float *q, const float *kt, int64_t D,
+                                                                         float *s, const fs_attn_next *pf)
+{
+    VF acc[FS_KT / VL];
+    for (int v = 0; v < FS_KT / VL; v++)
+        acc[v] = VSET1(0.0f);
+    for (int64_t d = 0; d < D; d++) {
+        if (pf)
+            fs_attn_prefetch(pf->k + d * pf->k_row, 0, pf->k_row);
+        VF qb = VSET1(q[d]);
+        for (int v = 0; v < FS_KT / VL; v++)
+            acc[v] = VADD(acc[v], VMUL(qb, VLOAD(kt + d * FS_KT + v * VL)));
+    }
+    for (int v = 0; v < FS_KT / VL; v++)
+        VSTORE(s + v * VL, acc[v]);
+}
+
+/* s[r][0..KT) = sum over d in order of q[r][d] * kt[d][j] for nr rows, kt float32, row by row (the first
+ * reads the next tile ahead). */
 FS_ATTR static void FS_S(fs_qk)(const float *const *q, const float *kt, int64_t D, float *const *s, int nr,
                                 const fs_attn_next *nx)
 {
-#define FS_CALL(k) (nx ? FS_S(fs_qk_any)(q, kt, 0, D, s, k, nx) : FS_S(fs_qk_any)(q, kt, 0, D, s, k, NULL))
-    FS_NR_CASES(nr, FS_CALL)
-#undef FS_CALL
+    int r = 0;
+    if (nx)
+        FS_S(fs_qk_row)(q[r], kt, D, s[r], nx), r++;
+    for (; r < nr; r++)
+        FS_S(fs_qk_row)(q[r], kt, D, s[r], NULL);
 }
 
 FS_ATTR static void FS_S(fs_qk_f16)(const float *const *q, const uint16_t *kt, int64_t D, float *const *s, int nr,
                                     const fs_attn_next *nx)
 {
-#define FS_CALL(k) (nx ? FS_S(fs_qk_any)(q, kt, 1, D, s, k, nx) : FS_S(fs_qk_any)(q, kt, 1, D, s, k, NULL))
+#define FS_CALL(k) (nx ? FS_S(fs_qk_block)(q, kt, D, s, k, nx) : FS_S(fs_qk_block)(q, kt, D, s, k, NULL))
     FS_NR_CASES(nr, FS_CALL)
 #undef FS_CALL
 }
@@ -284,11 +308,54 @@ FS_ATTR static inline float FS_S(fs_row_max)(const float *s, int64_t n)
     return mt;
 }
 
+/* l[i] + p[i][j] for j = j0 .. j1 - 1 in order, for k (a constant in each call) rows at once. */
+FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_sums_k)(float *ls, const float *const *p, int64_t j0,
+                                                                         int64_t j1, int k)
+{
+    float a[FS_SUMS];
+    for (int i = 0; i < k; i++)
+        a[i] = ls[i];
+    for (int64_t j = j0; j < j1; j++)
+        for (int i = 0; i < k; i++)
+            a[i] = a[i] + p[i][j];
+    for (int i = 0; i < k; i++)
+        ls[i] = a[i];
+}
+
+/* The row sums of nr (<= FS_SUMS) rows: l[i] + p[i][j] for j = lo[i] .. n[i] - 1 in order, each row's chain
+ * its own; the keys all rows share run interleaved (nr chains in flight, not one add's latency per key). */
+FS_ATTR static void FS_S(fs_row_sums)(const float *const *p, const int64_t *lo, const int64_t *n, float *const *l,
+                                      int64_t nr)
+{
+    float ls[FS_SUMS];
+    int64_t lmax = lo[0], nmin = n[0];
+    for (int64_t i = 0; i < nr; i++) {
+        ls[i] = *l[i];
+        lmax = lo[i] > lmax ? lo[i] : lmax;
+        nmin = n[i] < nmin ? n[i] : nmin;
+    }
+    if (lmax > nmin)                                 /* no key common to the rows */
+        lmax = nmin;
+    for (int64_t i = 0; i < nr; i++)                 /* each row's own keys before the common ones */
+        FS_S(fs_sums_k)(ls + i, p + i, lo[i], lmax > lo[i] ? lmax : lo[i], 1);
+    switch (nr) {
+#define FS_CASE(k) case k: FS_S(fs_sums_k)(ls, p, lmax, nmin, k); break;
+    FS_CASE(1) FS_CASE(2) FS_CASE(3) FS_CASE(4) FS_CASE(5) FS_CASE(6) FS_CASE(7) FS_CASE(8)
+#undef FS_CASE
+    }
+    for (int64_t i = 0; i < nr; i++) {               /* and after them */
+        FS_S(fs_sums_k)(ls + i, p + i, nmin > lo[i] ? nmin : lo[i], n[i], 1);
+        *l[i] = ls[i];
+    }
+}
+
 /* For na rows, row r's tile of n[r] keys: the running max m, scores -> probabilities p (in s), l and acc
- * scaled by alpha = exp2(m - m'). The alphas of VL rows come from one vector exp2 (fs_exp2 lane by lane),
- * and the rows' work is independent, so that no row waits on its own max -> alpha chain. */
-FS_ATTR static void FS_S(fs_probs)(float *const *s, const int64_t *n, float *const *m, float *const *l,
-                                   float *const *acc, int64_t Dp, int64_t na)
+ * scaled by alpha = exp2(m - m'); with lo (not NULL: the keys lo[r] .. n[r] - 1 visible, the scores before
+ * lo[r] -inf), then the visible p added into l (else pv adds them). The alphas of VL rows come from one
+ * vector exp2 (fs_exp2 lane by lane), and the rows' work is independent, so that no row waits on its own
+ * max -> alpha chain. */
+FS_ATTR static void FS_S(fs_probs)(float *const *s, const int64_t *lo, const int64_t *n, float *const *m,
+                                   float *const *l, float *const *acc, int64_t Dp, int64_t na)
 {
     for (int64_t r0 = 0; r0 < na; r0 += VL) {
         int64_t nr = na - r0 < VL ? na - r0 : VL;
@@ -314,14 +381,16 @@ FS_ATTR static void FS_S(fs_probs)(float *const *s, const int64_t *n, float *con
                 VSTORE(ar + d, VMUL(VLOAD(ar + d), ab));
         }
     }
+    for (int64_t r0 = 0; lo && r0 < na; r0 += FS_SUMS)
+        FS_S(fs_row_sums)((const float *const *)s + r0, lo + r0, n + r0, l + r0, na - r0 < FS_SUMS ? na - r0 : FS_SUMS);
 }
 
 /* One group of nv (<= NV) vectors of dimensions from d0 for nr rows; nv a constant where it is NV (the
  * common case). The first group (sums = 1) also adds the keys' p into the row sums l, keys in order: nr
  * independent scalar chains that run beside the vector work. */
 FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_pv_group)(
-    float *const *acc, const float *const *p, float *ls, int sums, int64_t j0, int64_t j1, const void *vsrc,
-    int f16, int64_t ldv, int64_t d0, int nv, int nr, const fs_attn_next *nx, int64_t groups)
+    float *const *acc, const float *const *p, float *ls, int sums, int64_t j0, int64_t j1, const uint16_t *v16,
+    int64_t ldv, int64_t d0, int nv, int nr, const fs_attn_next *nx, int64_t groups)
 {
     VF a[RB][NV];
     for (int r = 0; r < nr; r++)
@@ -338,7 +407,7 @@ FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_pv_group)(
         VF vv[NV];
         for (int v = 0; v < NV; v++) {                  /* (v >= nv: never used, set for the compiler's sake) */
             int64_t i = j * ldv + d0 + v * VL;
-            vv[v] = v >= nv ? VSET1(0.0f) : f16 ? VLOAD_F16((const uint16_t *)vsrc + i) : VLOAD((const float *)vsrc + i);
+            vv[v] = v >= nv ? VSET1(0.0f) : VLOAD_F16(v16 + i);
         }
         for (int r = 0; r < nr; r++) {
             float pj = p[r][j];
@@ -354,10 +423,10 @@ FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_pv_group)(
             VSTORE(acc[r] + d0 + v * VL, a[r][v]);
 }
 
-/* For nr rows: keys j0..j1-1 in order, acc[r][d] += p[r][j] * v[j][d] and l[r] += p[r][j]; v is float32
- * [KT][ldv] (Dp dimensions), or (f16 = 1) the cache's own fp16 rows, ldv values apart (then D == Dp). */
-FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_pv_any)(
-    float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1, const void *vsrc, int f16,
+/* For nr (<= RB) rows in a block: keys j0..j1-1 in order, acc[r][d] += p[r][j] * v[j][d] and
+ * l[r] += p[r][j], v the cache's own fp16 rows, ldv values apart (D == Dp). */
+FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_pv_block)(
+    float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1, const uint16_t *v16,
     int64_t ldv, int64_t Dp, int nr, const fs_attn_next *nx)
 {
     float ls[RB];
@@ -367,33 +436,64 @@ FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_pv_any)(
     for (int64_t d0 = 0; d0 < Dp; d0 += NV * VL) {     /* the sums' flag a constant in each call: no test per key */
         int nv = Dp - d0 >= NV * VL ? NV : (int)((Dp - d0) / VL);
         if (d0 == 0 && nv == NV)
-            FS_S(fs_pv_group)(acc, p, ls, 1, j0, j1, vsrc, f16, ldv, d0, NV, nr, nx, groups);
+            FS_S(fs_pv_group)(acc, p, ls, 1, j0, j1, v16, ldv, d0, NV, nr, nx, groups);
         else if (d0 == 0)
-            FS_S(fs_pv_group)(acc, p, ls, 1, j0, j1, vsrc, f16, ldv, d0, nv, nr, nx, groups);
+            FS_S(fs_pv_group)(acc, p, ls, 1, j0, j1, v16, ldv, d0, nv, nr, nx, groups);
         else if (nv == NV)
-            FS_S(fs_pv_group)(acc, p, ls, 0, j0, j1, vsrc, f16, ldv, d0, NV, nr, nx, groups);
+            FS_S(fs_pv_group)(acc, p, ls, 0, j0, j1, v16, ldv, d0, NV, nr, nx, groups);
         else
-            FS_S(fs_pv_group)(acc, p, ls, 0, j0, j1, vsrc, f16, ldv, d0, nv, nr, nx, groups);
+            FS_S(fs_pv_group)(acc, p, ls, 0, j0, j1, v16, ldv, d0, nv, nr, nx, groups);
     }
     for (int r = 0; r < nr; r++)
         *l[r] = ls[r];
 }
 
-FS_ATTR static void FS_S(fs_pv)(float *const *acc, const float *const *p, float *const *l, int64_t j0, int64_t j1,
+#define FS_PW 8                    /* vectors of dimensions one pass of fs_pv_row holds */
+
+/* One row's acc[d0 .. d0 + nv VL) += p[j] * vt[j][d] over keys j0..j1-1 in order (nv a constant where it
+ * is FS_PW): one broadcast of p[j] per nv products. pf: read the next tile's V rows ahead (row j a key). */
+FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_pv_row)(float *acc, const float *p, int64_t j0,
+                                                                         int64_t j1, const float *vt, int64_t Dp,
+                                                                         int64_t d0, int nv, const fs_attn_next *pf)
+{
+    VF a[FS_PW];
+    for (int v = 0; v < nv; v++)
+        a[v] = VLOAD(acc + d0 + v * VL);
+    for (int64_t j = j0; j < j1; j++) {
+        if (pf && j < pf->v_rows)
+            fs_attn_prefetch(pf->v + j * pf->v_stride, 0, pf->v_run);
+        VF pb = VSET1(p[j]);
+        for (int v = 0; v < nv; v++)
+            a[v] = VADD(a[v], VMUL(pb, VLOAD(vt + j * Dp + d0 + v * VL)));
+    }
+    for (int v = 0; v < nv; v++)
+        VSTORE(acc + d0 + v * VL, a[v]);
+}
+
+/* For nr rows, each over its own keys lo[r]..n[r]-1 in order: acc[r][d] += p[r][j] * vt[j][d], vt float32
+ * [KT][Dp], row by row (the first reads the next tile ahead). (The row sums l: fs_probs.) */
+FS_ATTR static void FS_S(fs_pv)(float *const *acc, const float *const *p, const int64_t *lo, const int64_t *n,
                                 const float *vt, int64_t Dp, int nr, const fs_attn_next *nx)
 {
-#define FS_CALL(k) (nx ? FS_S(fs_pv_any)(acc, p, l, j0, j1, vt, 0, Dp, Dp, k, nx) \
-                      : FS_S(fs_pv_any)(acc, p, l, j0, j1, vt, 0, Dp, Dp, k, NULL))
-    FS_NR_CASES(nr, FS_CALL)
-#undef FS_CALL
+    for (int r = 0; r < nr; r++)
+        for (int64_t d0 = 0; d0 < Dp; d0 += FS_PW * VL) {
+            const fs_attn_next *pf = r == 0 && d0 == 0 ? nx : NULL;
+            int64_t nv = (Dp - d0) / VL < FS_PW ? (Dp - d0) / VL : FS_PW;
+            switch (nv) {                       /* the count a constant: the sums stay in registers */
+#define FS_CASE(k) case k: FS_S(fs_pv_row)(acc[r], p[r], lo[r], n[r], vt, Dp, d0, k, pf); break;
+            FS_CASE(1) FS_CASE(2) FS_CASE(3) FS_CASE(4) FS_CASE(5) FS_CASE(6) FS_CASE(7)
+            default: FS_S(fs_pv_row)(acc[r], p[r], lo[r], n[r], vt, Dp, d0, FS_PW, pf);
+#undef FS_CASE
+            }
+        }
 }
 
 FS_ATTR static void FS_S(fs_pv_f16)(float *const *acc, const float *const *p, float *const *l, int64_t j0,
                                     int64_t j1, const uint16_t *v, int64_t ldv, int64_t D, int nr,
                                     const fs_attn_next *nx)
 {
-#define FS_CALL(k) (nx ? FS_S(fs_pv_any)(acc, p, l, j0, j1, v, 1, ldv, D, k, nx) \
-                      : FS_S(fs_pv_any)(acc, p, l, j0, j1, v, 1, ldv, D, k, NULL))
+#define FS_CALL(k) (nx ? FS_S(fs_pv_block)(acc, p, l, j0, j1, v, ldv, D, k, nx) \
+                      : FS_S(fs_pv_block)(acc, p, l, j0, j1, v, ldv, D, k, NULL))
     FS_NR_CASES(nr, FS_CALL)
 #undef FS_CALL
 }
@@ -418,6 +518,7 @@ static const fs_attn_isa FS_S(fs_attn) = {RB, FS_S(fs_k_tile), FS_S(fs_v_tile), 
 #undef NV
 #undef RB
 #undef FS_NR_CASES
+#undef FS_PW
 #undef VF
 #undef VLOAD
 #undef VSTORE
