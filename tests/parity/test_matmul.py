@@ -533,6 +533,30 @@ def test_stacked_iq4_parts():
             assert_same(product(c_mod(), x[:n], wc, threads=threads, isa=isa), want[:n], f"{isa}, {threads} threads, n={n}")
 
 
+@pytest.mark.parametrize("type_name", [t for t in TYPES if B.TYPES[t][2] != "f"])
+def test_verification_batches_bit_exact(type_name):
+    """A verification's 7 to 49 rows through the staged panels (on avx2 tiles of 3 rows times both halves of a
+    panel, the 1 or 2 rows left in a last tile; a last panel of 13 outputs, whose second half is partial, and
+    one of 5, a half alone): the twin's bits, on 1 and 2 threads, the first n rows or the last."""
+    m = c_mod()
+    rng = np.random.default_rng(21)
+    n_in = n_in_for(type_name, 2 if B.TYPES[type_name][0] == 256 else 3)
+    x = rand(rng, 49, n_in)
+    x[8, :32] = 0.0
+    for n_out in (29, 21):
+        raw = random_blocks(type_name, n_out, n_in, seed=n_out)
+        want = product(twin(), x, matrix(twin(), [(type_name, raw)], n_in))
+        wc = matrix(m, [(type_name, raw)], n_in)
+        for isa, threads in kernels():
+            if threads == 3:
+                continue
+            mm = m.Matmul(threads=threads, isa=isa, fused=False)
+            for n in (7, 9, 10, 17, 33, 49):
+                for rows in (slice(0, n), slice(49 - n, 49)):
+                    got = mm(x[rows], wc, np.full((n, n_out), np.nan, np.float32))
+                    assert_same(got, want[rows], f"{type_name} {n_out}x{n_in} rows {rows} {isa} {threads} threads")
+
+
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4", "Q3_K", "Q2_K", "F16"])
 def test_batch_invariance(type_name):
     """Each row's outputs are bit-identical alone, among 2, 7 or 31 other rows, at any offset."""

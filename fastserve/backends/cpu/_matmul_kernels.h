@@ -352,122 +352,177 @@ FS_AVX2 FS_INLINE __m256i fs_pair16_avx2(__m256i s)
     return _mm256_blend_epi16(s, _mm256_slli_epi32(s, 16), 0xAA);
 }
 
-/* AVX2 (no VNNI): one half panel (8 outputs) times R rows; G: fs_avx2_group's, off: fs_q_offset's (the panel
- * was staged as q + fs_stage_bias(1, type): q + off for G > 0, the plain int8 q for G = 0). The integer
- * result is VNNI's exact dot either way. G > 0: each row's sum starts at minus what the offset adds,
+/* v as it is now, in a register: an empty asm that GCC must assume reads and rewrites it. In the fully
+ * unrolled steps of a group it keeps each step's sums in place; left free, GCC hoists the eight steps'
+ * loads and multiplies ahead of their adds and spills (the Zen 2 ran a step loop unrolled by 2 at
+ * 73 GMAC/s a core, fully unrolled 66, fully unrolled and settled 80, Q4_1 at n = 33). */
+FS_AVX2 FS_INLINE void fs_settle_avx2(__m256i *v)
+{
+    __asm__("" : "+x"(*v));
+}
+
+/* AVX2 (no VNNI): halves h0 .. h0 + H - 1 of a panel (8 outputs each) times R rows; G: fs_avx2_group's, off:
+ * fs_q_offset's (the panel was staged as q + fs_stage_bias(1, type): q + off for G > 0, the plain int8 q for G = 0).
+ * The integer result is VNNI's exact dot either way. G > 0: each row's sum starts at minus what the offset adds,
  * -off * sum(q_x) (sub-scaled kinds: -off * (s_0 * sum of inputs 0..15 + s_1 * sum of 16..31), one madd of
  * the int16 pairs (-off s_0, -off s_1) and (sum 0..15, sum 16..31)), and a group's pair sums are widened by a
- * madd with ones, or with its half's sub-scale: no int32 multiply per row. */
-FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, int h, int64_t r0, const int R, const int kind, const int G,
-                                    const int32_t off)
+ * madd with ones, or with its half's sub-scale: no int32 multiply per row. Both halves at once (H = 2) load
+ * each row's four inputs once for two weight vectors; every output's operations are those of H = 1. */
+FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, const int h0, const int H, int64_t r0, const int R,
+                                    const int kind, const int G, const int32_t off)
 {
     const int64_t nb = j->nb, K = nb * FS_QK, pbb = fs_stage_bytes(kind);
     const int S = kind == FS_KIND_QS || kind == FS_KIND_QSM, M = kind == FS_KIND_QM, QSM = kind == FS_KIND_QSM;
-    const uint8_t *wp = j->w + h * 32;
+    const uint8_t *wp = j->w + h0 * 32;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 f[4];
-    __m256i a[4], ah[4];
+    __m256 f[4][2];
+    __m256i a[4][2], ah[4][2];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
-        f[r] = _mm256_setzero_ps();
+#pragma GCC unroll 2
+        for (int h = 0; h < H; h++)
+            f[r][h] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *pb = wp + b * pbb;
         const int8_t *xb = j->xq + r0 * K + b * FS_QK;
         if (G) {
-            __m256i sc[2] = {ones, ones}, offs = ones;
-            if (S) {
-                const __m256i s0 = _mm256_loadu_si256((const __m256i *)(pb + 576));
-                const __m256i s1 = _mm256_loadu_si256((const __m256i *)(pb + 640));
-                sc[0] = fs_pair16_avx2(s0);
-                sc[1] = fs_pair16_avx2(s1);
+            __m256i sc[2][2] = {{ones, ones}, {ones, ones}}, offs[2] = {ones, ones};
+#pragma GCC unroll 2
+            for (int h = 0; h < H && S; h++) {
+                const __m256i s0 = _mm256_loadu_si256((const __m256i *)(pb + h * 32 + 576));
+                const __m256i s1 = _mm256_loadu_si256((const __m256i *)(pb + h * 32 + 640));
+                sc[h][0] = fs_pair16_avx2(s0);
+                sc[h][1] = fs_pair16_avx2(s1);
                 if (off)      /* (-off s_0, -off s_1): |off s| <= 4096 */
-                    offs = _mm256_mullo_epi16(_mm256_blend_epi16(s0, _mm256_slli_epi32(s1, 16), 0xAA),
-                                              _mm256_set1_epi16((int16_t)-off));
+                    offs[h] = _mm256_mullo_epi16(_mm256_blend_epi16(s0, _mm256_slli_epi32(s1, 16), 0xAA),
+                                                 _mm256_set1_epi16((int16_t)-off));
             }
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 const int64_t o = (r0 + r) * nb + b;
-                if (off && S) {
-                    const uint32_t xs2 = (uint16_t)j->xh[o] | (uint32_t)(j->xs[o] - j->xh[o]) << 16;
-                    a[r] = _mm256_madd_epi16(offs, _mm256_set1_epi32((int32_t)xs2));
-                } else {
-                    a[r] = off ? _mm256_set1_epi32(-off * j->xs[o]) : _mm256_setzero_si256();
+#pragma GCC unroll 2
+                for (int h = 0; h < H; h++) {
+                    if (off && S) {
+                        const uint32_t xs2 = (uint16_t)j->xh[o] | (uint32_t)(j->xs[o] - j->xh[o]) << 16;
+                        a[r][h] = _mm256_madd_epi16(offs[h], _mm256_set1_epi32((int32_t)xs2));
+                    } else {
+                        a[r][h] = off ? _mm256_set1_epi32(-off * j->xs[o]) : _mm256_setzero_si256();
+                    }
                 }
             }
 #pragma GCC unroll 8
             for (int k0 = 0; k0 < 8; k0 += G) {
-                __m256i s16[4];
+                __m256i s16[4][2];
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++)
-                    s16[r] = _mm256_setzero_si256();
 #pragma GCC unroll 2
+                    for (int h = 0; h < H; h++)
+                        s16[r][h] = _mm256_setzero_si256();
+#pragma GCC unroll 8
                 for (int k = k0; k < k0 + G; k++) {
-                    const __m256i w = _mm256_loadu_si256((const __m256i *)(pb + k * 64));
+                    __m256i w[2];
+#pragma GCC unroll 2
+                    for (int h = 0; h < H; h++)
+                        w[h] = _mm256_loadu_si256((const __m256i *)(pb + k * 64 + h * 32));
+#pragma GCC unroll 4
+                    for (int r = 0; r < R; r++) {
+                        const __m256i xv = _mm256_set1_epi32(fs_load4(xb + r * K + k * 4));
+#pragma GCC unroll 2
+                        for (int h = 0; h < H; h++)
+                            s16[r][h] = _mm256_add_epi16(s16[r][h], _mm256_maddubs_epi16(w[h], xv));
+                    }
 #pragma GCC unroll 4
                     for (int r = 0; r < R; r++)
-                        s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(fs_load4(xb + r * K + k * 4))));
+#pragma GCC unroll 2
+                        for (int h = 0; h < H; h++)
+                            fs_settle_avx2(&s16[r][h]);
                 }
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++)
-                    a[r] = _mm256_add_epi32(a[r], _mm256_madd_epi16(s16[r], sc[k0 >= 4]));
+#pragma GCC unroll 2
+                    for (int h = 0; h < H; h++)
+                        a[r][h] = _mm256_add_epi32(a[r][h], _mm256_madd_epi16(s16[r][h], sc[h][k0 >= 4]));
             }
         } else {
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++)
-                a[r] = ah[r] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+                for (int h = 0; h < H; h++)
+                    a[r][h] = ah[r][h] = _mm256_setzero_si256();
 #pragma GCC unroll 2
             for (int k = 0; k < 8; k++) {
-                __m256i ws = _mm256_loadu_si256((const __m256i *)(pb + k * 64));
-                __m256i aw = _mm256_abs_epi8(ws);
+                __m256i ws[2], aw[2];
+#pragma GCC unroll 2
+                for (int h = 0; h < H; h++) {
+                    ws[h] = _mm256_loadu_si256((const __m256i *)(pb + k * 64 + h * 32));
+                    aw[h] = _mm256_abs_epi8(ws[h]);
+                }
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++) {
-                    __m256i xv = _mm256_set1_epi32(fs_load4(xb + r * K + k * 4));
-                    __m256i m = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, ws)), ones);
-                    if (S && k >= 4)
-                        ah[r] = _mm256_add_epi32(ah[r], m);
-                    else
-                        a[r] = _mm256_add_epi32(a[r], m);
+                    const __m256i xv = _mm256_set1_epi32(fs_load4(xb + r * K + k * 4));
+#pragma GCC unroll 2
+                    for (int h = 0; h < H; h++) {
+                        __m256i m = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[h], _mm256_sign_epi8(xv, ws[h])), ones);
+                        if (S && k >= 4)
+                            ah[r][h] = _mm256_add_epi32(ah[r][h], m);
+                        else
+                            a[r][h] = _mm256_add_epi32(a[r][h], m);
+                    }
                 }
             }
-            if (S) {
+#pragma GCC unroll 2
+            for (int h = 0; h < H && S; h++) {
                 /* half h's 8 sub-scales sit h*32 bytes into them, as its quants into each chunk */
-                __m256i s0 = _mm256_loadu_si256((const __m256i *)(pb + 576));
-                __m256i s1 = _mm256_loadu_si256((const __m256i *)(pb + 640));
+                __m256i s0 = _mm256_loadu_si256((const __m256i *)(pb + h * 32 + 576));
+                __m256i s1 = _mm256_loadu_si256((const __m256i *)(pb + h * 32 + 640));
 #pragma GCC unroll 4
                 for (int r = 0; r < R; r++)
-                    a[r] = _mm256_add_epi32(_mm256_mullo_epi32(a[r], s0), _mm256_mullo_epi32(ah[r], s1));
+                    a[r][h] = _mm256_add_epi32(_mm256_mullo_epi32(a[r][h], s0), _mm256_mullo_epi32(ah[r][h], s1));
             }
         }
-        __m256 dw = _mm256_loadu_ps((const float *)(pb + 512));
-        __m256 mw = M ? _mm256_loadu_ps((const float *)(pb + 576)) : dw;
-        __m256 m0w = QSM ? _mm256_loadu_ps((const float *)(pb + 704)) : dw;     /* QSM: the halves' offsets */
-        __m256 m1w = QSM ? _mm256_loadu_ps((const float *)(pb + 768)) : dw;
+#pragma GCC unroll 2
+        for (int h = 0; h < H; h++) {
+            const uint8_t *ph = pb + h * 32;
+            __m256 dw = _mm256_loadu_ps((const float *)(ph + 512));
+            __m256 mw = M ? _mm256_loadu_ps((const float *)(ph + 576)) : dw;
+            __m256 m0w = QSM ? _mm256_loadu_ps((const float *)(ph + 704)) : dw;     /* QSM: the halves' offsets */
+            __m256 m1w = QSM ? _mm256_loadu_ps((const float *)(ph + 768)) : dw;
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            __m256 s = _mm256_mul_ps(dw, _mm256_set1_ps(j->dx[(r0 + r) * nb + b]));
-            f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(_mm256_cvtepi32_ps(a[r]), s));
-            if (M)
-                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(mw, _mm256_set1_ps(j->sx[(r0 + r) * nb + b])));
-            if (QSM) {
-                const int64_t o = (r0 + r) * nb + b;
-                const float dxo = j->dx[o], sl = dxo * (float)j->xh[o], sh = dxo * (float)(j->xs[o] - j->xh[o]);
-                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(m0w, _mm256_set1_ps(sl)));
-                f[r] = _mm256_add_ps(f[r], _mm256_mul_ps(m1w, _mm256_set1_ps(sh)));
+            for (int r = 0; r < R; r++) {
+                __m256 s = _mm256_mul_ps(dw, _mm256_set1_ps(j->dx[(r0 + r) * nb + b]));
+                f[r][h] = _mm256_add_ps(f[r][h], _mm256_mul_ps(_mm256_cvtepi32_ps(a[r][h]), s));
+                if (M)
+                    f[r][h] = _mm256_add_ps(f[r][h], _mm256_mul_ps(mw, _mm256_set1_ps(j->sx[(r0 + r) * nb + b])));
+                if (QSM) {
+                    const int64_t o = (r0 + r) * nb + b;
+                    const float dxo = j->dx[o], sl = dxo * (float)j->xh[o], sh = dxo * (float)(j->xs[o] - j->xh[o]);
+                    f[r][h] = _mm256_add_ps(f[r][h], _mm256_mul_ps(m0w, _mm256_set1_ps(sl)));
+                    f[r][h] = _mm256_add_ps(f[r][h], _mm256_mul_ps(m1w, _mm256_set1_ps(sh)));
+                }
             }
         }
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
-        fs_store_half_avx2(j, h, r0 + r, f[r]);
+#pragma GCC unroll 2
+        for (int h = 0; h < H; h++)
+            fs_store_half_avx2(j, h0 + h, r0 + r, f[r][h]);
 }
 
-/* One half panel's rows, in tiles of 4, for G a constant. */
-FS_AVX2 FS_INLINE void fs_half_avx2(const fs_job *j, int h, const int kind, const int G, const int32_t off)
+/* All rows over halves h0 .. h0 + H - 1, in tiles of 4 rows (H = 1) or 3 (H = 2: 6 accumulators of each
+ * kind in the 16 registers), for G a constant. */
+FS_AVX2 FS_INLINE void fs_rows_avx2(const fs_job *j, const int h0, const int H, const int kind, const int G,
+                                    const int32_t off)
 {
     int64_t r = 0;
-#define FS_T(R) fs_tile_avx2(j, h, r, R, kind, G, off)
-    for (; r + 4 <= j->n; r += 4)
-        FS_T(4);
+#define FS_T(R) fs_tile_avx2(j, h0, H, r, R, kind, G, off)
+    if (H == 1) {
+        for (; r + 4 <= j->n; r += 4)
+            FS_T(4);
+    } else {
+        for (; r + 3 <= j->n; r += 3)
+            FS_T(3);
+    }
     switch (j->n - r) {
     case 3: FS_T(3); break;
     case 2: FS_T(2); break;
@@ -477,20 +532,26 @@ FS_AVX2 FS_INLINE void fs_half_avx2(const fs_job *j, int h, const int kind, cons
 #undef FS_T
 }
 
+FS_AVX2 FS_INLINE void fs_halves_avx2(const fs_job *j, const int kind, const int G, const int32_t off)
+{
+    if (j->valid > 8) {
+        fs_rows_avx2(j, 0, 2, kind, G, off);
+        return;
+    }
+    for (int h = 0; h < 2 && j->valid > h * 8; h++)
+        fs_rows_avx2(j, h, 1, kind, G, off);
+}
+
 FS_AVX2 FS_INLINE void fs_panel_avx2(const fs_job *j, const int kind)
 {
     const int G = fs_avx2_group(j->type);
     const int32_t off = fs_q_offset(j->type);
-    for (int h = 0; h < 2; h++) {
-        if (j->valid <= h * 8)
-            break;
-        /* off = 0 a constant where it is 0 (Q4_1, Q4_K, ...): no offset code in their loops */
-        switch (G) {
-        case 8: off ? fs_half_avx2(j, h, kind, 8, off) : fs_half_avx2(j, h, kind, 8, 0); break;
-        case 4: off ? fs_half_avx2(j, h, kind, 4, off) : fs_half_avx2(j, h, kind, 4, 0); break;
-        case 2: off ? fs_half_avx2(j, h, kind, 2, off) : fs_half_avx2(j, h, kind, 2, 0); break;
-        default: fs_half_avx2(j, h, kind, 0, 0); break;
-        }
+    /* off = 0 a constant where it is 0 (Q4_1, Q4_K, ...): no offset code in their loops */
+    switch (G) {
+    case 8: off ? fs_halves_avx2(j, kind, 8, off) : fs_halves_avx2(j, kind, 8, 0); break;
+    case 4: off ? fs_halves_avx2(j, kind, 4, off) : fs_halves_avx2(j, kind, 4, 0); break;
+    case 2: off ? fs_halves_avx2(j, kind, 2, off) : fs_halves_avx2(j, kind, 2, 0); break;
+    default: fs_halves_avx2(j, kind, 0, 0); break;
     }
 }
 
