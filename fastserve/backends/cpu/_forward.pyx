@@ -47,9 +47,8 @@ cdef extern from "_layer_ops.h" nogil:
     void fs_scale(float *x, int64_t d, float s)
     void fs_rope(float *x, int64_t heads, int64_t D, int64_t rope_dim, int neox, const float *cos,
                  const float *sin)
-    void fs_swiglu(const float *gate, const float *up, int64_t n, float *out)
-    void fs_geglu(const float *gate, const float *up, int64_t n, float *out)
-    void fs_swiglu_oai(const float *gate, const float *up, int64_t n, float *out)
+    void fs_glu(int kind, const float *gate, const float *up, int64_t n, float *out, int simd)
+    int fs_glu_simd_supported()
     void fs_softcap(float *x, int64_t n, float c)
     float fs_exp_neg(float x)
 
@@ -100,6 +99,7 @@ cdef struct fs_fwd:
     int64_t d, H, Hkv, D, q_dim, kv_dim, n_ff, rope_dim, n_layer
     int64_t n_expert, n_used        # a mixture of experts (0: dense FFNs), the experts a token runs
     int neox, glu                   # glu: GLU_KINDS' value of the row's ffn_act
+    int glu_simd                    # 1: the GLU's AVX2 code (same bits; not under FASTSERVE_ISA=scalar)
     int64_t glu_rows                # _glu_cols' rows
     int topk_softmax                # the router's gating: 1 TOPK_SOFTMAX, 0 SOFTMAX (models/architecture.py)
     float eps, embd_scale, softcap, attn_scale, residual_scale, logit_scale, expert_scale
@@ -194,12 +194,7 @@ cdef inline void _glu_span(fs_fwd *f, int64_t i, int64_t c0, int64_t c1) noexcep
     """Row i's GLU outputs [c0, c1): each is its own gate and up element's alone."""
     cdef int64_t nf = f.n_ff
     cdef const float *g = f.gu + i * 2 * nf + c0
-    if f.glu == GLU_GELU:
-        fs_geglu(g, g + nf, c1 - c0, f.act + i * nf + c0)
-    elif f.glu == GLU_SWIGLU_OAI:
-        fs_swiglu_oai(g, g + nf, c1 - c0, f.act + i * nf + c0)
-    else:
-        fs_swiglu(g, g + nf, c1 - c0, f.act + i * nf + c0)
+    fs_glu(f.glu, g, g + nf, c1 - c0, f.act + i * nf + c0, f.glu_simd)
 
 
 cdef void _glu(void *ctx, int64_t b, int64_t e) noexcept nogil:
@@ -375,6 +370,7 @@ cdef class Forward:
         f.d, f.H, f.Hkv, f.D = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim
         f.q_dim, f.kv_dim, f.n_ff, f.rope_dim = f.H * f.D, f.Hkv * f.D, cfg.n_ff, cfg.rope_dim
         f.n_layer, f.neox, f.glu = cfg.n_layer, cfg.rope_neox, GLU_KINDS[cfg.arch.ffn_act]
+        f.glu_simd = 1 if attn.isa != "scalar" and fs_glu_simd_supported() else 0
         f.eps, f.embd_scale, f.softcap, f.attn_scale = cfg.norm_eps, cfg.embd_scale, cfg.logit_softcap, cfg.attn_scale
         f.residual_scale, f.logit_scale = cfg.residual_scale, cfg.logit_scale
         f.n_expert, f.n_used, f.expert_scale = cfg.n_expert, cfg.n_expert_used, cfg.expert_weights_scale
@@ -704,19 +700,26 @@ def rope(const float[:, :, ::1] x, const float[:, ::1] cos, const float[:, ::1] 
     return out
 
 
-def glu(const float[::1] gate, const float[::1] up, int kind):
+def glu(const float[::1] gate, const float[::1] up, int kind, bint simd=False):
     """gate, up [n] -> float32 [n]: silu(gate) * up (kind GLU_SILU, or False), gelu(gate) * up (GLU_GELU, or
-    True), gpt-oss's swiglu_oai(gate, up) (GLU_SWIGLU_OAI)."""
+    True), gpt-oss's swiglu_oai(gate, up) (GLU_SWIGLU_OAI); simd: the AVX2 code (ValueError where the machine
+    has none)."""
     out = np.zeros(gate.shape[0], np.float32)
     cdef float[::1] o = out
     if up.shape[0] != gate.shape[0]:
         raise ValueError("glu: gate and up differ in size")
     if kind not in GLU_KINDS.values():
         raise ValueError(f"glu: unknown kind {kind}")
+    if simd and not fs_glu_simd_supported():
+        raise ValueError("glu: this machine has no AVX2")
     if gate.shape[0]:
-        (fs_geglu if kind == GLU_GELU else fs_swiglu_oai if kind == GLU_SWIGLU_OAI else fs_swiglu)(
-            &gate[0], &up[0], gate.shape[0], &o[0])
+        fs_glu(kind, &gate[0], &up[0], gate.shape[0], &o[0], simd)
     return out
+
+
+def glu_simd_supported():
+    """True where glu(..., simd=True) and the forward's GLU can run the AVX2 code."""
+    return bool(fs_glu_simd_supported())
 
 
 def softcap(const float[::1] x, float c):
