@@ -56,15 +56,18 @@ FS_STAGE256 static inline __m256i fs_fifth_bits_avx2(__m256i qh, int k)
 }
 
 /* The f16 d at byte `at` of each of 16 rows -> 16 floats at dst, and the f16 m after it -> dst_m unless NULL
- * (Q4_1, Q5_1): one gather of the dword at `at` per 8 rows, its low and high halves (in bounds: the blocks
- * that start with d are longer than 4 bytes), instead of 16 scalar loads and stores per f16. */
+ * (Q4_1, Q5_1): the dword at `at` of each row (in bounds: the blocks that start with d are longer than 4
+ * bytes), its low and high halves. 16 scalar loads, not two gathers: a Zen 2 gather is some 20 ops, and the
+ * panels of Q4_1 / Q8_0 staged 27 % faster (576 inputs: 533 -> 389 ns a panel, one core). */
 FS_STAGE256 static inline void fs_dm16_avx2(const uint8_t *rows, int64_t row_bytes, int64_t at, uint8_t *dst,
                                             uint8_t *dst_m)
 {
-    const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)row_bytes));
     const __m256i low = _mm256_set1_epi32(0xFFFF);
-    const __m256i v0 = _mm256_i32gather_epi32((const int *)(rows + at), idx, 1);
-    const __m256i v1 = _mm256_i32gather_epi32((const int *)(rows + 8 * row_bytes + at), idx, 1);
+    int32_t w[16];
+    for (int g = 0; g < 16; g++)
+        memcpy(&w[g], rows + g * row_bytes + at, 4);
+    const __m256i v0 = _mm256_setr_epi32(w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]);
+    const __m256i v1 = _mm256_setr_epi32(w[8], w[9], w[10], w[11], w[12], w[13], w[14], w[15]);
     for (int half = 0; half < (dst_m ? 2 : 1); half++) {
         const __m256i a = half ? _mm256_srli_epi32(v0, 16) : _mm256_and_si256(v0, low);
         const __m256i b = half ? _mm256_srli_epi32(v1, 16) : _mm256_and_si256(v1, low);
