@@ -456,6 +456,8 @@ def test_bad_input_is_refused():
         _run(attn, q, kc, vc, "f32", "f16", [0, 1], [0, 1], 0.1)
     with pytest.raises(ValueError, match="cannot share"):
         _run(attn, np.zeros((2, 3, 64), np.float32), kc, vc, "f16", "f16", [0, 1], [0, 1], 0.1)
+    with pytest.raises(ValueError, match="cannot share"):         # more query heads a KV head than an item's rows
+        _run(attn, np.zeros((1, 2 * (C.ROWS + 1), 64), np.float32), kc, vc, "f16", "f16", [0], [0], 0.1)
     with pytest.raises(ValueError, match="unknown KV cache type"):
         _run(attn, q, kc, vc, "bf16", "f16", [0, 1], [0, 1], 0.1)
     with pytest.raises(ValueError, match="window must be 0"):

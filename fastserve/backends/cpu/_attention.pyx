@@ -87,6 +87,7 @@ cdef extern from "_attention_kernels.h" nogil:
 
 KT = FS_KT
 SEG = FS_SEG
+ROWS = FS_ROWS              # most query rows of one work item: a KV head's query heads may not be more
 KV_TYPES = {"f32": FS_KV_F32, "f16": FS_KV_F16, "q8_0": FS_KV_Q8_0}
 ISA_NAMES = {FS_ATTN_SCALAR: "scalar", FS_ATTN_AVX2: "avx2", FS_ATTN_AVX512: "avx512", FS_ATTN_NEON: "neon"}
 _ISA_IDS = {v: k for k, v in ISA_NAMES.items()}
