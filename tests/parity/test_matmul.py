@@ -537,10 +537,12 @@ def test_stacked_iq4_parts():
 def test_verification_batches_bit_exact(type_name):
     """A verification's 7 to 49 rows through the staged panels (on avx2 tiles of 3 rows times both halves of a
     panel, the 1 or 2 rows left in a last tile; a last panel of 13 outputs, whose second half is partial, and
-    one of 5, a half alone): the twin's bits, on 1 and 2 threads, the first n rows or the last."""
+    one of 5, a half alone; 13 or 16 blocks of inputs: the sums carried across avx2's input blocks of 6, the
+    last one short, and across its row blocks of 24): the twin's bits, on 1 and 2 threads, the first n rows or
+    the last."""
     m = c_mod()
     rng = np.random.default_rng(21)
-    n_in = n_in_for(type_name, 2 if B.TYPES[type_name][0] == 256 else 3)
+    n_in = n_in_for(type_name, 2 if B.TYPES[type_name][0] == 256 else 13)
     x = rand(rng, 49, n_in)
     x[8, :32] = 0.0
     for n_out in (29, 21):
