@@ -136,13 +136,14 @@ FS_ATTR static inline VF FS_S(fs_exp2v)(VF x)
     return VZERO_BELOW(x, -126.0f, VMUL(p, VPOW2I(n)));
 }
 
-/* s[0 .. 4 VL) = fs_exp2v(s + mb), four vectors in lock step: the polynomial's chains are long (a multiply
- * and an add per coefficient, one after the other), so that one vector at a time leaves the pipes idle. */
-FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_exp2v_x4)(float *s, VF mb)
+/* s[0 .. U VL) = fs_exp2v(s + mb), U (a constant) vectors in lock step: the polynomial's chains are long (a
+ * multiply and an add per coefficient, one after the other), so that one vector at a time leaves the pipes
+ * idle; 8 (a key tile's row, AVX2) keep Zen 2's two multipliers and two adders busier than 4. */
+FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_exp2v_xu)(float *s, VF mb, const int U)
 {
     const VF magic = VSET1(12582912.0f);
-    VF x[4], n[4], f[4], p[4];
-    for (int u = 0; u < 4; u++) {
+    VF x[8], n[8], f[8], p[8];
+    for (int u = 0; u < U; u++) {
         x[u] = VADD(VLOAD(s + u * VL), mb);
         VF xc = VMINF(VMAXF(x[u], VSET1(-127.0f)), VSET1(0.0f));
         n[u] = VSUB(VADD(xc, magic), magic);
@@ -151,9 +152,9 @@ FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_exp2v_x4)(floa
     }
     const float coef[5] = {FS_E5, FS_E4, FS_E3, FS_E2, FS_E1};
     for (int c = 0; c < 5; c++)
-        for (int u = 0; u < 4; u++)
+        for (int u = 0; u < U; u++)
             p[u] = VADD(VMUL(p[u], f[u]), VSET1(coef[c]));
-    for (int u = 0; u < 4; u++) {
+    for (int u = 0; u < U; u++) {
         p[u] = VADD(VMUL(p[u], f[u]), VSET1(1.0f));
         VSTORE(s + u * VL, VZERO_BELOW(x[u], -126.0f, VMUL(p[u], VPOW2I(n[u]))));
     }
@@ -371,8 +372,10 @@ FS_ATTR static void FS_S(fs_probs)(float *const *s, const int64_t *lo, const int
             *m[r0 + k] = mnew[k];
             VF mb = VSET1(-mnew[k]);
             int64_t j = 0;                                  /* whole vectors: lanes past n are never read */
+            for (; j + 7 * VL < n[r0 + k]; j += 8 * VL)
+                FS_S(fs_exp2v_xu)(sr + j, mb, 8);
             for (; j + 3 * VL < n[r0 + k]; j += 4 * VL)
-                FS_S(fs_exp2v_x4)(sr + j, mb);
+                FS_S(fs_exp2v_xu)(sr + j, mb, 4);
             for (; j < n[r0 + k]; j += VL)
                 VSTORE(sr + j, FS_S(fs_exp2v)(VADD(VLOAD(sr + j), mb)));
             *l[r0 + k] = *l[r0 + k] * alpha[k];
