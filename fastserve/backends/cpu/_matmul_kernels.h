@@ -518,7 +518,12 @@ FS_AVX2 FS_INLINE void fs_tile_avx2(const fs_job *j, const int h0, const int H, 
  * heights, so the tiles are those of one pass over all rows) over FS_AVX2_K_BLOCK blocks of inputs at a time,
  * each tile's float sums carried from one input block to the next in part (exact: a float stored and loaded).
  * In one pass a tile re-read the whole panel (11.5 KB at 576 inputs, 30 KB at 1536) after the other rows'
- * activations (28 / 75 KB at 49 rows) had pushed it out of L1. */
+ * activations (28 / 75 KB at 49 rows) had pushed it out of L1. Up to FS_AVX2_BLOCKED_MAX_IN inputs: wider rows
+ * (the 1 B shape's 2048 and 8192) ran 4-11 % slower in blocks than in one sequential pass the prefetcher follows
+ * (Zen 2, 2 threads, bench_matmul --rows: Q4_K 8192 x 2048 and Q6_K 2048 x 8192 at n = 49 and 512). */
+#ifndef FS_AVX2_BLOCKED_MAX_IN
+#define FS_AVX2_BLOCKED_MAX_IN 1536
+#endif
 #ifndef FS_AVX2_ROW_BLOCK
 #define FS_AVX2_ROW_BLOCK 24
 #endif
@@ -532,10 +537,11 @@ FS_AVX2 FS_INLINE void fs_rows_avx2(const fs_job *j, const int h0, const int H, 
                                     const int32_t off)
 {
     float part[FS_AVX2_ROW_BLOCK * 16];
+    const int64_t kb = j->nb * FS_QK <= FS_AVX2_BLOCKED_MAX_IN ? FS_AVX2_K_BLOCK : j->nb;
     for (int64_t rb = 0; rb < j->n; rb += FS_AVX2_ROW_BLOCK) {
         const int64_t re = j->n - rb < FS_AVX2_ROW_BLOCK ? j->n : rb + FS_AVX2_ROW_BLOCK;
-        for (int64_t b0 = 0; b0 < j->nb; b0 += FS_AVX2_K_BLOCK) {
-            const int64_t b1 = j->nb - b0 < FS_AVX2_K_BLOCK ? j->nb : b0 + FS_AVX2_K_BLOCK;
+        for (int64_t b0 = 0; b0 < j->nb; b0 += kb) {
+            const int64_t b1 = j->nb - b0 < kb ? j->nb : b0 + kb;
             int64_t r = rb;
 #define FS_T(R) fs_tile_avx2(j, h0, H, r, R, kind, G, off, b0, b1, part + (r - rb) * 16)
             if (H == 1) {
