@@ -20,6 +20,7 @@ from .killed_streams import InProcessServer, census, kill_streams, rss_mb
 ROUNDS, PER_ROUND = 5, 160
 ROUND_BAR_MB = 1.0      # a leak grows every round: the median round is judged, so that a one-off
                         # allocator step (an arena or a page of pytest's own, seen once in CI) is not
+SETTLE_S = 10.0         # a late-accepted connection's time to end (_left_behind)
 NO_EOG = [[0, False], [2, False]]        # the tiny model's end-of-generation tokens banned: runs to n_predict
 LONG = {"prompt": "once upon a time", "n_predict": 200, "temperature": 0.8, "stream": True, "logit_bias": NO_EOG}
 
@@ -41,6 +42,19 @@ def _stop_string(srv) -> str:
     return text[4:6]
 
 
+def _left_behind(srv, base, settle_s: float = SETTLE_S):
+    """The request path's objects alive beyond base. A connection the kernel had queued while idle() looked
+    (the loop, starved on a busy machine, accepts it later: seen in make test as 2 connections with their
+    request) is served and closed within settle_s; a leak is still there after it."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        left = srv.census() - base
+        if not left or time.monotonic() > deadline:
+            return left
+        srv.idle(settle_s)
+        time.sleep(0.2)
+
+
 def _rounds(srv, body: dict, how: str, after_s: float) -> list:
     """RssAnon after a warm-up and after each round, each round's census of the request path."""
     kill_streams(srv.host, srv.port, 16, body=body, how=how, after_s=after_s)
@@ -50,7 +64,7 @@ def _rounds(srv, body: dict, how: str, after_s: float) -> list:
     for _ in range(ROUNDS):
         kill_streams(srv.host, srv.port, PER_ROUND, body=body, how=how, after_s=after_s)
         assert srv.idle(20), (srv.engine.snapshot, len(srv.app.inflight), len(srv.app.connections))
-        left = srv.census() - base
+        left = _left_behind(srv, base)
         assert not left, f"after {PER_ROUND} {how} requests, still alive: {dict(left)}"
         rows.append(rss_mb(field="RssAnon"))
     return rows
