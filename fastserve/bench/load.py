@@ -154,6 +154,17 @@ async def read_trace(target: Target, client, engine) -> dict | None:
         return None
 
 
+def poisson_offsets(rate: float, span_s: float, seed: int) -> list:
+    """The open loop's arrival times, seconds after the level's start: exponential gaps of mean 1/rate
+    up to span_s, fixed by the seed (the same schedule for every target)."""
+    rng = np.random.default_rng(seed)
+    offsets, t = [], float(rng.exponential(1.0 / rate))
+    while t < span_s:
+        offsets.append(t)
+        t += float(rng.exponential(1.0 / rate))
+    return offsets
+
+
 async def run_level(target: Target, level: Level, prompts: list, params: Params, warmup_s: float,
                     duration_s: float, *, client=None, engine=None, probe_paths=(), probe_every: float = 0.1,
                     progress=None, seed: int = 0) -> LevelRun:
@@ -182,20 +193,14 @@ async def run_level(target: Target, level: Level, prompts: list, params: Params,
             i += n
 
     async def open_arrivals() -> None:
-        rng = np.random.default_rng(seed)
         inflight: set = set()
-        t, i = t_start, 0
-        while True:
-            t += float(rng.exponential(1.0 / level.value))
-            if t >= t1:
-                break
-            await asyncio.sleep(max(0.0, t - time.perf_counter()))
+        for i, offset in enumerate(poisson_offsets(level.value, t1 - t_start, seed)):
+            await asyncio.sleep(max(0.0, t_start + offset - time.perf_counter()))
             rec = Record(time.perf_counter())
             records.append(rec)
             task = asyncio.create_task(one(prompts[i % len(prompts)], rec))
             inflight.add(task)
             task.add_done_callback(inflight.discard)
-            i += 1
         await asyncio.sleep(max(0.0, t1 - time.perf_counter()))
         for task in list(inflight):
             task.cancel()
