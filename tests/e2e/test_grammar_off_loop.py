@@ -201,14 +201,14 @@ def test_a_compile_counts_against_the_requests_limits(srv, slow_compile, limit, 
 
 
 def test_the_total_limit_runs_from_arrival_through_the_compile(srv, monkeypatch):
-    """A 0.25 s compile, then a generation far longer than the rest of a 0.4 s total limit: the 504 comes
-    at 0.4 s from arrival, not 0.4 s after the compile."""
-    _hook(monkeypatch, 0.25)
+    """A 0.5 s compile, then a generation far longer than the rest of a 0.6 s total limit: the 504 comes
+    at 0.6 s from arrival, not 0.6 s after the compile (1.1 s: the bound leaves a busy 2-core box 0.35 s)."""
+    _hook(monkeypatch, 0.5)
     assert srv.idle(10)
     with httpx.Client(base_url=f"http://{srv.host}:{srv.port}", timeout=30) as c:
         t0 = time.monotonic()
         r = c.post("/completion", json={"prompt": "x", "grammar": 'root ::= [a-z]+', "n_predict": 8000,
-                                        "ignore_eos": True, "request_timeout": 0.4})
+                                        "ignore_eos": True, "request_timeout": 0.6})
         dt = time.monotonic() - t0
     assert r.status_code == 504 and "time limit" in r.json()["error"]["message"], r.text
-    assert 0.4 <= dt < 0.6, dt
+    assert 0.6 <= dt < 0.95, dt
