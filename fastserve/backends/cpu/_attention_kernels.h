@@ -66,9 +66,10 @@
 #define FS_KT 64                  /* keys per tile */
 #define FS_QB 32                  /* values per q8_0 block */
 #define FS_Q8_BLOCK 34            /* bytes per q8_0 block: fp16 scale + 32 int8 */
-#define FS_ROWS 128               /* most query rows (tokens x heads of a KV head) in one work item (64: a
+#define FS_ROWS 196               /* most query rows (tokens x heads of a KV head) in one work item (64: a
                                      verification block of 33 tokens x 3 heads took two, each converting
-                                     every K / V tile to float32; 128: ~4 % less at 33, prefill ~4 %) */
+                                     every K / V tile to float32; 128: ~4 % less at 33, prefill ~4 %; 196: a
+                                     block of up to 65 tokens x 3 heads in one, ~3 % less at 49 and 65) */
 #ifndef FS_SEG                    /* (the C harness of tests/parity sets it smaller) */
 #define FS_SEG 512                /* keys per segment (positions 0, 512, ...), a multiple of FS_KT */
 #endif

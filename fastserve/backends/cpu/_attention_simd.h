@@ -323,6 +323,30 @@ FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_sums_k)(float 
         ls[i] = a[i];
 }
 
+#if defined(FS_SIMD_AVX2)
+/* fs_sums_k for 8 rows, 4 keys at a time: the rows' p of key j gathered into one vector (lane i: row i) by a
+ * 4 x 8 transposition, so that one vector add extends the 8 chains by a key (each lane's additions in key
+ * order, as fs_sums_k's) in place of 8 scalar adds and 8 loads. */
+FS_ATTR static inline void fs_sums8_avx2(float *ls, const float *const *p, int64_t j0, int64_t j1)
+{
+    __m256 a = _mm256_loadu_ps(ls);
+    int64_t j = j0;
+    for (; j + 4 <= j1; j += 4) {
+        __m256 r[4];
+        for (int i = 0; i < 4; i++)     /* lanes 0-3: row i's keys j..j+3; lanes 4-7: row i + 4's */
+            r[i] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(p[i] + j)), _mm_loadu_ps(p[i + 4] + j), 1);
+        __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        a = _mm256_add_ps(a, _mm256_shuffle_ps(t0, t2, 0x44));   /* key j: rows 0, 1, 2, 3 | 4, 5, 6, 7 */
+        a = _mm256_add_ps(a, _mm256_shuffle_ps(t0, t2, 0xee));
+        a = _mm256_add_ps(a, _mm256_shuffle_ps(t1, t3, 0x44));
+        a = _mm256_add_ps(a, _mm256_shuffle_ps(t1, t3, 0xee));
+    }
+    _mm256_storeu_ps(ls, a);
+    FS_S(fs_sums_k)(ls, p, j, j1, 8);
+}
+#endif
+
 /* The row sums of nr (<= FS_SUMS) rows: l[i] + p[i][j] for j = lo[i] .. n[i] - 1 in order, each row's chain
  * its own; the keys all rows share run interleaved (nr chains in flight, not one add's latency per key). */
 FS_ATTR static void FS_S(fs_row_sums)(const float *const *p, const int64_t *lo, const int64_t *n, float *const *l,
@@ -339,6 +363,11 @@ FS_ATTR static void FS_S(fs_row_sums)(const float *const *p, const int64_t *lo, 
         lmax = nmin;
     for (int64_t i = 0; i < nr; i++)                 /* each row's own keys before the common ones */
         FS_S(fs_sums_k)(ls + i, p + i, lo[i], lmax > lo[i] ? lmax : lo[i], 1);
+#if defined(FS_SIMD_AVX2)
+    if (nr == 8)
+        fs_sums8_avx2(ls, p, lmax, nmin);
+    else
+#endif
     switch (nr) {
 #define FS_CASE(k) case k: FS_S(fs_sums_k)(ls, p, lmax, nmin, k); break;
     FS_CASE(1) FS_CASE(2) FS_CASE(3) FS_CASE(4) FS_CASE(5) FS_CASE(6) FS_CASE(7) FS_CASE(8)
