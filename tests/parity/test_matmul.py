@@ -559,6 +559,29 @@ def test_verification_batches_bit_exact(type_name):
                     assert_same(got, want[rows], f"{type_name} {n_out}x{n_in} rows {rows} {isa} {threads} threads")
 
 
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q8_0", "Q6_K"])
+def test_activations_quantized_by_the_tasks_threads(type_name):
+    """From QUANT_SPLIT_N rows the threads of a product's tasks quantize its activations, 4 rows at a time, and
+    wait for each other's rows before their first panel: on a matrix of 64 panels (tasks on every thread), n
+    around the split and around the 4-row takes gives the twin's bits on 2 and 3 threads as on 1 (which
+    quantizes alone), the quantization's special values included (a zero block, a row of one huge input)."""
+    m = c_mod()
+    split = m.QUANT_SPLIT_N
+    rng = np.random.default_rng(23)
+    n_in = n_in_for(type_name, 18 if B.TYPES[type_name][0] == 32 else 3)
+    x = rand(rng, 49, n_in)
+    x[5, :32] = 0.0
+    x[split, 7] = 3e38
+    raw = random_blocks(type_name, 1024, n_in, seed=24, special=False)
+    want = product(twin(), x, matrix(twin(), [(type_name, raw)], n_in))
+    wc = matrix(m, [(type_name, raw)], n_in)
+    for isa, threads in kernels():
+        mm = m.Matmul(threads=threads, isa=isa)
+        for n in (split - 1, split, split + 1, split + 3, 49):
+            got = mm(x[:n], wc, np.full((n, 1024), np.nan, np.float32))
+            assert_same(got, want[:n], f"{type_name} n={n} {isa} {threads} threads")
+
+
 @pytest.mark.parametrize("type_name", ["Q4_1", "Q4_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4", "Q3_K", "Q2_K", "F16"])
 def test_batch_invariance(type_name):
     """Each row's outputs are bit-identical alone, among 2, 7 or 31 other rows, at any offset."""

@@ -52,10 +52,10 @@ cdef extern from "_layer_ops.h" nogil:
     void fs_softcap(float *x, int64_t n, float c)
     float fs_exp_neg(float x)
 
-# Rows from which an element-wise stage is split over the pool. Measured on 2 busy vCPUs (default
-# model, threads 2): a 32-row batch was ~5 % slower split, a 256-row prefill chunk ~2 % faster (within
-# the noise): the stages are ~0.15 ms a row against ~2 ms of products, so only big chunks split.
-PARALLEL_ROWS = 64
+# Rows from which an element-wise stage is split over the pool (rows are independent: same bits). Zen 2,
+# 2 threads, quiet, a verification pass at 3,100 tokens of context (bench_verify_cost): element-wise ops
+# 2.9 / 5.4 / 8.0 ms at 17 / 33 / 49 rows on one thread, 2.4 / 4.1 / 5.5 split; 2 to 5 rows the same.
+PARALLEL_ROWS = 8
 # The first bytes of the next product that idle threads prefetch while this one ends and the
 # element-wise ops, attention and the next quantization run (pool_then): about what a thread reads
 # in one such gap, and well within a core's L2.

@@ -43,6 +43,16 @@ cdef extern from "_matmul_kernels.h" nogil:
         FS_N_KINDS
     ctypedef struct fs_type_info:
         int block_inputs, block_bytes, kind
+    ctypedef struct fs_quant:
+        const float *x
+        int64_t ldx, n, n_in
+        int isa
+        int8_t *q
+        float *d
+        int32_t *qsum
+        int32_t *qhalf
+        float *sx
+        int64_t next, done
     ctypedef struct fs_product:
         const fs_part *parts
         int n_parts
@@ -53,6 +63,7 @@ cdef extern from "_matmul_kernels.h" nogil:
         uint8_t *stage
         int64_t stage_bytes, chunk
         int fused
+        fs_quant *quant
     int fs_type(int type, fs_type_info *info)
     int64_t fs_stage_bytes(int kind)
     int fs_stage_bias(int avx2, int type)
@@ -70,6 +81,7 @@ cdef extern from "_matmul_kernels.h" nogil:
     enum:
         FS_FUSED_MAX_N
         FS_FUSED_GROUPS_MAX_N
+        FS_QUANT_SPLIT_N
     int fs_best_isa()
     fs_kernel fs_kernel_for(int isa, int kind)
     void fs_product_task(void *ctx, int64_t begin, int64_t end) noexcept
@@ -101,6 +113,7 @@ def fused_types(str isa="auto"):
 
 FUSED_MAX_N = FS_FUSED_MAX_N
 FUSED_GROUPS_MAX_N = FS_FUSED_GROUPS_MAX_N    # avx2, narrow matrices: up to this many rows fused, in groups
+QUANT_SPLIT_N = FS_QUANT_SPLIT_N              # from this many rows the tasks' threads quantize the activations
 
 
 def best_isa():
@@ -411,6 +424,7 @@ cdef class Matmul:
         pool's threads. 0, or -1 when the scratch could not grow (nothing written)."""
         cdef int64_t nb = _blocks(w.n_in), n_tasks
         cdef fs_product pr
+        cdef fs_quant qt
         cdef int k
         if n == 0:
             return 0
@@ -428,7 +442,13 @@ cdef class Matmul:
         pr.act.xf = self.xf
         pr.act.n, pr.act.y, pr.act.ldy = n, y, ldy
         pr.stage, pr.stage_bytes = self.stage, w.stage_bytes
-        if w.has_int:
+        pr.quant = NULL
+        if w.has_int and n >= FS_QUANT_SPLIT_N and self.threads > 1:    # quantized by the tasks' threads
+            qt.x, qt.ldx, qt.n, qt.n_in, qt.isa = x, ldx, n, w.n_in, self.isa_id
+            qt.q, qt.d, qt.qsum, qt.qhalf, qt.sx = self.xq, self.dx, self.xs, self.xh, self.sx
+            qt.next = qt.done = 0
+            pr.quant = &qt
+        elif w.has_int:
             fs_quantize_rows_isa(self.isa_id, x, n, w.n_in, ldx, self.xq, self.dx, self.xs, self.xh, self.sx)
         if w.has_float:
             fs_pad_rows(x, n, w.n_in, ldx, self.xf)
@@ -487,6 +507,7 @@ cdef class Matmul:
             pr[g].act.xh, pr[g].act.sx = self.xh + r0 * nb, self.sx + r0 * nb
             pr[g].act.xf = self.xf + r0 * nb * FS_QK if ws[0].has_float else NULL
             pr[g].stage, pr[g].stage_bytes = self.stage, ws[g].stage_bytes
+            pr[g].quant = NULL                  # quantized above
         pool_run(self.pool.pl, _groups_task, &gs, total, gs.chunk)
         free(pr)
         free(<void *>gs.first)
