@@ -135,8 +135,9 @@ def per_replica(url: str, sample: str) -> dict:
 
 
 def sse_stream(url: str, path: str, body: dict) -> dict:
-    """A raw streamed /completion: {status, events (its tokens' data objects), error (the error event or None)}."""
-    out = {"status": 0, "events": [], "error": None}
+    """A raw streamed /completion: {status, events (its tokens' data objects), error (the error event or None),
+    final (the last event, stop: true, or None)}."""
+    out = {"status": 0, "events": [], "error": None, "final": None}
     with httpx.Client(base_url=url, timeout=120) as c, c.stream("POST", path, json={**body, "stream": True}) as r:
         out["status"] = r.status_code
         if r.status_code != 200:
@@ -148,9 +149,42 @@ def sse_stream(url: str, path: str, body: dict) -> dict:
             obj = json.loads(line[6:])
             if "error" in obj:
                 out["error"] = obj
-            elif not obj.get("stop"):   # a token's event (the last one holds the timings)
+            elif obj.get("stop"):       # the last event: the whole count and the timings
+                out["final"] = obj
+            else:
                 out["events"].append(obj)
     return out
+
+
+def finished(r: dict, n: int) -> bool:
+    """The stream ended as a finished request does: its token events up to n tokens, then the final event
+    saying n, no error. Tokens, not events: an event carries the tokens its server's loop found waiting (one
+    each while the loop keeps up; several when it falls behind the decode thread on a busy box), and its
+    tokens_predicted counts them."""
+    counts = [e["tokens_predicted"] for e in r["events"]]
+    return (r["error"] is None and r["final"] is not None and r["final"]["tokens_predicted"] == n
+            and counts[-1:] == [n] and counts == sorted(counts))
+
+
+def seen(results: list) -> list:
+    """What each stream got, for a failed assertion: (token events, tokens, final event?, error code)."""
+    return [(len(r["events"]), r["events"][-1]["tokens_predicted"] if r["events"] else 0, r["final"] is not None,
+             r["error"] and r["error"]["error"]["code"]) for r in results]
+
+
+def test_a_stream_is_finished_by_its_tokens_and_its_final_event():
+    """finished(): 48 tokens in 22 events is a finished stream; a stream that ends without its final event (a cut
+    passed off as an end), one whose final says fewer tokens, or one with an error event, is not."""
+    def stream(counts, final=48, error=None):
+        return {"status": 200, "events": [{"tokens_predicted": c} for c in counts], "error": error,
+                "final": None if final is None else {"stop": True, "tokens_predicted": final}}
+    merged = [*range(1, 11), *range(12, 48, 3), 48]             # a loop that fell behind: several tokens an event
+    assert finished(stream(range(1, 49)), 48) and finished(stream(merged), 48) and len(merged) == 23
+    assert not finished(stream(range(1, 23), final=None), 48)      # cut after 22 tokens, no final event
+    assert not finished(stream(range(1, 49), final=None), 48)
+    assert not finished(stream(range(1, 48), final=47), 48)
+    assert not finished(stream([3, 2, 48]), 48)
+    assert not finished(stream(range(1, 23), final=None, error={"error": {"code": 503}}), 48)
 
 
 def test_chats_route_by_prefix_and_complete(cluster):
@@ -204,10 +238,16 @@ def test_a_client_that_goes_away_frees_its_slot(cluster):
 
 
 def busiest(url: str, board) -> tuple:
-    """(replica, its report) running the most requests now."""
+    """(replica, its report) running the most requests, once a report says that one runs any: on a loaded box
+    the requests reach their slots, and the reports the board, later than REPORT_WAIT_S."""
     time.sleep(REPORT_WAIT_S)
-    running = per_replica(url, "vllm:num_requests_running")
-    victim = max(running, key=running.get)
+    deadline = time.monotonic() + RECOVER_S
+    while True:
+        running = per_replica(url, "vllm:num_requests_running")
+        victim = max(running, key=running.get)
+        if running[victim] > 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
     assert running[victim] > 0, running
     return victim, reports(board)[victim]
 
@@ -224,10 +264,10 @@ def test_wedged_replica_is_replaced(cluster):
     cut = [r for r in results if r["error"] is not None]
     assert cut, "no stream was on the wedged replica"
     for r in cut:                   # started there: the wedged server's watchdog ends them with a clear 503
-        assert r["status"] == 200 and r["events"] and r["error"]["error"]["code"] == 503, r["error"]
+        assert r["status"] == 200 and r["events"] and r["final"] is None and r["error"]["error"]["code"] == 503, r
         assert "stalled" in r["error"]["error"]["message"]
     # the others, and those that had not started there (passed on to the other replica), whole
-    assert all(len(r["events"]) == 48 for r in results if r["error"] is None), [len(r["events"]) for r in results]
+    assert all(finished(r, 48) for r in results if r["error"] is None), seen(results)
     t0 = time.monotonic()
     again = healthy_replicas(url, board, 2, exclude={wedged})
     assert again and wedged not in again, reports(board)
@@ -252,8 +292,8 @@ def test_killed_replica_loses_no_request_that_had_not_started(cluster):
     cut = [r for r in results if r["error"] is not None]
     assert cut, "no stream was on the killed replica"
     for r in cut:                   # started on the killed replica: a 503 event after what it had sent
-        assert r["status"] == 200 and r["events"] and r["error"]["error"]["code"] == 503, r
-    assert all(len(r["events"]) == 48 for r in results if r["error"] is None), [len(r["events"]) for r in results]
+        assert r["status"] == 200 and r["events"] and r["final"] is None and r["error"]["error"]["code"] == 503, r
+    assert all(finished(r, 48) for r in results if r["error"] is None), seen(results)
     t0 = time.monotonic()
     again = healthy_replicas(url, board, 2, exclude={victim})
     assert again and time.monotonic() - t0 < RECOVER_S, reports(board)
