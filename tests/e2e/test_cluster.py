@@ -32,6 +32,8 @@ SYSTEM = ("You are a careful assistant for a small bakery. You answer questions 
           "does not sell. The bakery sells sourdough, rye, baguettes, croissants, cinnamon rolls and apple cake.")
 RECOVER_S = 30.0
 REPORT_WAIT_S = 1.5             # the replicas report every second
+# a completion that always runs its 4 tokens (a sampled EOS once ended one at 3)
+FOUR_TOKENS = {"prompt": "The capital of France is", "n_predict": 4, "temperature": 0, "ignore_eos": True}
 # prompts that share no prefix (their first letters differ): the router spreads them over the replicas
 OPENINGS = [f"{w} morning, the old lighthouse keeper" for w in ("Alpha", "Bright", "Cold", "Damp", "Early", "Foggy",
                                                                    "Grey", "Hazy", "Icy", "Jolly", "Kind", "Lazy")]
@@ -60,7 +62,7 @@ def test_fastserve_serve_replicas_starts_serves_and_stops(default_model_file, tm
             time.sleep(0.2)
         url = f"http://127.0.0.1:{port}"
         assert httpx.get(url + "/health", timeout=10).status_code == 200      # healthy once it says it listens
-        r = httpx.post(url + "/completion", json={"prompt": "The capital of France is", "n_predict": 4}, timeout=60)
+        r = httpx.post(url + "/completion", json=FOUR_TOKENS, timeout=60)
         assert r.status_code == 200 and r.json()["tokens_predicted"] == 4
         deadline = time.monotonic() + 15     # the replicas report to the board every second (later on a busy box)
         while len(per_replica(url, "vllm:num_requests_waiting")) != 1 and time.monotonic() < deadline:
@@ -210,7 +212,7 @@ def test_chats_route_by_prefix_and_complete(cluster):
     assert max(served.values()) >= 0.9 * 17, served         # the shared prefix's requests on one replica
 
     # the same API: a completion, llama-server's error shape, OpenAI's error shape through the openai client
-    r = httpx.post(url + "/completion", json={"prompt": "The capital of France is", "n_predict": 4}, timeout=60)
+    r = httpx.post(url + "/completion", json=FOUR_TOKENS, timeout=60)
     assert r.status_code == 200 and r.json()["tokens_predicted"] == 4
     r = httpx.post(url + "/completion", json={"prompt": "x", "n_predict": "many"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == 400
