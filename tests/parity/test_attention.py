@@ -223,6 +223,26 @@ def test_sinks_match_twin_every_kernel_and_split(tk, tv, window):
                        want[i:i + 1])
 
 
+@pytest.mark.parametrize("tk,tv,window,sinks", [("f16", "f16", 0, False), ("q8_0", "f32", 0, True),
+                                                ("f32", "f16", 700, False)])
+def test_verification_block_merged_over_the_pool(tk, tv, window, sinks):
+    """A verification block (8 to 65 rows of one slot after 1,100 keys: few items, so split by key segment,
+    its (row, head) merges shared by the pool's threads) gives the twin's bits on 2 and 3 threads, every
+    kernel; so do 7 rows (merged by the caller)."""
+    D, Hkv, G, n_ctx = 64, 3, 3, 1200
+    kc, vc = _filled(tk, tv, 2, n_ctx, Hkv, D, seed=41)
+    rng = np.random.default_rng(42)
+    q = rng.standard_normal((65, Hkv * G, D)).astype(np.float32)
+    sk = _sinks(Hkv * G, 43) if sinks else None
+    for n in (7, 8, 17, 49, 65):
+        slots, pos = np.ones(n), np.arange(1100, 1100 + n)
+        want = _run(R.Attention(), q[:n], kc, vc, tk, tv, slots, pos, 0.125, window, sk)
+        for isa in C.isas():
+            for threads in (2, 3):
+                _same_bits(_run(C.Attention(Pool(threads), isa=isa), q[:n], kc, vc, tk, tv, slots, pos, 0.125,
+                                window, sk), want)
+
+
 def test_sinks_are_in_the_denominator_only():
     """Against float64: softmax over [the visible keys' scores, the head's sink] with the sink's column dropped.
     Fails if the sink is ignored (weights summing to 1) or given a value (added to the numerator)."""
@@ -583,6 +603,51 @@ def _native_cc():
 def test_c_kernels_agree_natively(tmp_path):
     out = _harness(tmp_path, _native_cc())
     assert int(out.split(" checks")[0].split()[-1]) > 0 or C.isas() == ("scalar",), out
+
+
+F16_HARNESS = r"""
+#include "_attention_kernels.h"
+#include <stdio.h>
+/* every float's bits through F16C (eight at a time) and through fs_f32_to_f16: the same half */
+static uint64_t sweep(uint64_t from, uint64_t to, uint64_t step) {
+    uint64_t bad = 0;
+    float x[64];
+    uint8_t h[128];
+    for (uint64_t u = from; u < to; u += 64 * step) {
+        for (int i = 0; i < 64; i++) { uint32_t b = (uint32_t)(u + i * step); memcpy(&x[i], &b, 4); }
+        fs_f16_row_f16c(x, 64, h);
+        for (int i = 0; i < 64; i++) {
+            uint16_t v, w = fs_f32_to_f16(x[i]);
+            memcpy(&v, h + 2 * i, 2);
+            if (v != w && bad++ < 5) printf("%08x: f16c %04x, software %04x\n", (uint32_t)(u + i * step), v, w);
+        }
+    }
+    return bad;
+}
+int main(void) {
+    if (!__builtin_cpu_supports("f16c")) { printf("no f16c\n"); return 0; }
+    uint64_t bad = sweep(0, 1ull << 32, 1);
+    /* under flush-to-zero and denormals-are-zero (a library built with -ffast-math sets them): the small
+     * values, both signs, a sample */
+    _mm_setcsr(_mm_getcsr() | 0x8040);
+    bad += sweep(0, 0x38800000u, 7) + sweep(0x80000000u, 0xb8800000u, 7);
+    printf("%llu mismatches\n", (unsigned long long)bad);
+    return bad != 0;
+}
+"""
+
+
+@pytest.mark.skipif("avx2" not in C.isas(), reason="F16C is x86's: needs the AVX2 kernels' machine")
+def test_f16c_store_is_the_software_rounding_for_every_float(tmp_path):
+    """The f16 KV store converts with F16C where the CPU has it: all 2^32 float bit patterns (normals,
+    subnormals, overflow to inf, -0.0, inf, every NaN) give fs_f32_to_f16's half, so the twin's."""
+    src, exe = tmp_path / "f16_harness.c", tmp_path / "f16_harness"
+    src.write_text(F16_HARNESS)
+    built = subprocess.run([*_native_cc(), *CFLAGS, "-I", HEADER_DIR, str(src), "-o", str(exe), "-lm"],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    ran = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0 and ran.stdout.strip() == "0 mismatches", ran.stdout + ran.stderr
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="cross-checks run on Linux")

@@ -38,6 +38,7 @@ cdef extern from "_attention_kernels.h" nogil:
         FS_SEG
         FS_QB
         FS_ROWS
+        FS_MERGE_POOL_ROWS
         FS_KV_F32
         FS_KV_F16
         FS_KV_Q8_0
@@ -80,7 +81,8 @@ cdef extern from "_attention_kernels.h" nogil:
     void fs_attn_task(void *ctx, int64_t begin, int64_t end)
     int64_t fs_attn_plan(fs_attn_job *jb)
     int64_t fs_attn_partial_floats(const fs_attn_job *jb)
-    void fs_attn_merge(const fs_attn_job *jb)
+    void fs_attn_merge_task(void *ctx, int64_t begin, int64_t end)
+    int64_t fs_attn_merge_units(const fs_attn_job *jb)
     int fs_attn_isa_supported(int isa)
     int fs_attn_best_isa()
     const fs_attn_isa *fs_attn_isa_for(int isa)
@@ -366,11 +368,16 @@ cdef class Attention:
             if self.partial == NULL:
                 return -1
         job.partial = self.partial
+        cdef int64_t units = fs_attn_merge_units(&job), tasks = 2 * self.n_scratch
+        cdef int64_t per_task = (units + tasks - 1) // tasks
         if self.pool is not None and self.pool.pl != NULL:
             pool_run(self.pool.pl, <fs_task_fn>fs_attn_task, &job, n_items, 1)
+            if n >= FS_MERGE_POOL_ROWS:     # a verification block's merge: (row, head) units, two tasks a thread
+                pool_run(self.pool.pl, <fs_task_fn>fs_attn_merge_task, &job, units, per_task)
+                return 0
         else:
             fs_attn_task(&job, 0, n_items)
-        fs_attn_merge(&job)
+        fs_attn_merge_task(&job, 0, units)
         return 0
 
     def __call__(self, const float[:, :, ::1] q, const uint8_t[:, :, :, ::1] k_cache,

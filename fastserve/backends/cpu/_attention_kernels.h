@@ -75,6 +75,8 @@
 #endif
 #define FS_SUMS 8                 /* rows whose sums l run interleaved (fs_row_sums) */
 #define FS_SPLIT_BELOW 4          /* fewer (token tile, KV head) items than this per thread: split by segment */
+#define FS_MERGE_POOL_ROWS 8      /* a split job of this many rows merges its segments over the pool (decode
+                                     rows on the caller: a pool round costs more than their merge) */
 #define FS_MAX_DP 1024            /* most head_dim (padded to 16) */
 
 enum { FS_KV_F32 = 0, FS_KV_F16 = 1, FS_KV_Q8_0 = 2 };
@@ -124,6 +126,41 @@ static inline uint16_t fs_f32_to_f16(float f)
     return (uint16_t)(sign | q);
 }
 
+/* A row of n floats -> IEEE half, fs_f32_to_f16's bits value by value. With F16C, eight at a time:
+ * vcvtps2ph rounding to nearest even (the immediate, not MXCSR) gives fs_f32_to_f16's bits for every one of
+ * the 2^32 floats, NaNs quieted with their payload's top bits as it does (the C harness of
+ * tests/parity/test_attention.py checks them all); software value by value took ~1 % of a verification. */
+static inline void fs_f16_row_sw(const float *x, int64_t n, uint8_t *out)
+{
+    for (int64_t d = 0; d < n; d++) {
+        uint16_t h = fs_f32_to_f16(x[d]);
+        memcpy(out + 2 * d, &h, 2);
+    }
+}
+
+#if defined(FS_ATTN_X86) && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 8))
+#define FS_ATTN_F16C 1
+__attribute__((target("avx,f16c"))) static void fs_f16_row_f16c(const float *x, int64_t n, uint8_t *out)
+{
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8)
+        _mm_storeu_si128((__m128i *)(out + 2 * d),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    fs_f16_row_sw(x + d, n - d, out + 2 * d);
+}
+#endif
+
+static inline void fs_f16_row(const float *x, int64_t n, uint8_t *out)
+{
+#if defined(FS_ATTN_F16C)
+    if (__builtin_cpu_supports("f16c")) {
+        fs_f16_row_f16c(x, n, out);
+        return;
+    }
+#endif
+    fs_f16_row_sw(x, n, out);
+}
+
 /* rint for |v| < 2^22 under round-to-nearest-even: adding 1.5 * 2^23 leaves no fraction bits. */
 static inline float fs_rintf(float v)
 {
@@ -151,10 +188,7 @@ static void fs_kv_encode(int type, const float *x, int64_t n, int64_t D, uint8_t
         if (type == FS_KV_F32) {
             memcpy(o, xr, (size_t)D * 4);
         } else if (type == FS_KV_F16) {
-            for (int64_t d = 0; d < D; d++) {
-                uint16_t h = fs_f32_to_f16(xr[d]);
-                memcpy(o + 2 * d, &h, 2);
-            }
+            fs_f16_row(xr, D, o);
         } else {
             for (int64_t b = 0; b < D / FS_QB; b++) {
                 const float *xb = xr + b * FS_QB;
@@ -619,26 +653,35 @@ static inline int64_t fs_attn_partial_floats(const fs_attn_job *jb)
     return jb->split ? n * jb->H * jb->n_seg * (2 + jb->Dp) : 0;
 }
 
-/* A split job's outputs: each (row, head)'s segments merged in segment order, then acc / l. */
-static void fs_attn_merge(const fs_attn_job *jb)
+/* A split job's outputs of units [begin, end), unit b * H + h the (row b, head h): its segments merged in
+ * segment order, then acc / l. Units are independent: any split of them over threads gives the same bits. */
+static void fs_attn_merge_task(void *ctx, int64_t begin, int64_t end)
 {
-    if (!jb->split)
-        return;
-    int64_t n = jb->tile_start[jb->n_tiles_q - 1] + jb->tile_len[jb->n_tiles_q - 1];
+    const fs_attn_job *jb = (const fs_attn_job *)ctx;
     int64_t H = jb->H, D = jb->D, Dp = jb->Dp;
     float racc[FS_MAX_DP], rm = 0.0f, rl = 0.0f;
-    for (int64_t b = 0; b < n; b++) {
-        int64_t p = jb->pos[b], rs0 = fs_attn_lo(p, jb->window) / FS_SEG;
-        for (int64_t h = 0; h < H; h++) {
-            const float *pt = jb->partial + (b * H + h) * jb->n_seg * (2 + Dp);
-            for (int64_t i = 0; i <= p / FS_SEG - rs0; i++)       /* the row's segments, from its first */
-                fs_attn_merge_state(&rm, &rl, racc, pt[i * (2 + Dp)], pt[i * (2 + Dp) + 1], pt + i * (2 + Dp) + 2,
-                                    Dp, i == 0);
-            if (jb->sinks)
-                fs_attn_sink(&rm, &rl, racc, jb->sinks[h], Dp);
-            jb->isa->finish(racc, rl, D, jb->out + b * H * D + h * D);
-        }
+    for (int64_t u = begin; u < end; u++) {
+        int64_t b = u / H, h = u % H, p = jb->pos[b], rs0 = fs_attn_lo(p, jb->window) / FS_SEG;
+        const float *pt = jb->partial + u * jb->n_seg * (2 + Dp);
+        for (int64_t i = 0; i <= p / FS_SEG - rs0; i++)       /* the row's segments, from its first */
+            fs_attn_merge_state(&rm, &rl, racc, pt[i * (2 + Dp)], pt[i * (2 + Dp) + 1], pt + i * (2 + Dp) + 2,
+                                Dp, i == 0);
+        if (jb->sinks)
+            fs_attn_sink(&rm, &rl, racc, jb->sinks[h], Dp);
+        jb->isa->finish(racc, rl, D, jb->out + b * H * D + h * D);
     }
+}
+
+/* The (row, head) units of a split job's merge (0 for a job not split). */
+static inline int64_t fs_attn_merge_units(const fs_attn_job *jb)
+{
+    return jb->split ? (jb->tile_start[jb->n_tiles_q - 1] + jb->tile_len[jb->n_tiles_q - 1]) * jb->H : 0;
+}
+
+/* A split job's outputs, on this thread. */
+static void fs_attn_merge(const fs_attn_job *jb)
+{
+    fs_attn_merge_task((void *)jb, 0, fs_attn_merge_units(jb));
 }
 
 /* ---- the kernels: one template, instantiated per ISA ------------------------------------------ */
