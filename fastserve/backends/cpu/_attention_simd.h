@@ -120,44 +120,44 @@ static inline float32x4_t fs_load_i8_neon(const int8_t *p)
 #define VZERO_BELOW(x, t, r) vbslq_f32(vcltq_f32((x), vdupq_n_f32(t)), vdupq_n_f32(0.0f), (r))
 #endif
 
-/* fs_exp2 (_attention_kernels.h) lane by lane. */
-FS_ATTR static inline VF FS_S(fs_exp2v)(VF x)
-{
-    VF xc = VMINF(VMAXF(x, VSET1(-127.0f)), VSET1(0.0f));
-    const VF magic = VSET1(12582912.0f);
-    VF n = VSUB(VADD(xc, magic), magic), f = VSUB(xc, n);
-    VF p = VSET1(FS_E6);
-    p = VADD(VMUL(p, f), VSET1(FS_E5));
-    p = VADD(VMUL(p, f), VSET1(FS_E4));
-    p = VADD(VMUL(p, f), VSET1(FS_E3));
-    p = VADD(VMUL(p, f), VSET1(FS_E2));
-    p = VADD(VMUL(p, f), VSET1(FS_E1));
-    p = VADD(VMUL(p, f), VSET1(1.0f));
-    return VZERO_BELOW(x, -126.0f, VMUL(p, VPOW2I(n)));
-}
-
-/* s[0 .. U VL) = fs_exp2v(s + mb), U (a constant) vectors in lock step: the polynomial's chains are long (a
- * multiply and an add per coefficient, one after the other), so that one vector at a time leaves the pipes
- * idle; 8 (a key tile's row, AVX2) keep Zen 2's two multipliers and two adders busier than 4. */
-FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_exp2v_xu)(float *s, VF mb, const int U)
+/* x[u] = exp2(x[u]) for U (a constant) vectors in lock step: the polynomial's chains are long (a multiply and
+ * an add per coefficient, one after the other), so that one vector at a time leaves the pipes idle; 8 (a key
+ * tile's row, AVX2) keep Zen 2's two multipliers and two adders busier than 4. Each vector's operations are
+ * those of U = 1. */
+FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_exp2v_n)(VF *x, const int U)
 {
     const VF magic = VSET1(12582912.0f);
-    VF x[8], n[8], f[8], p[8];
+    VF n[8], f[8], p[8];
     for (int u = 0; u < U; u++) {
-        x[u] = VADD(VLOAD(s + u * VL), mb);
         VF xc = VMINF(VMAXF(x[u], VSET1(-127.0f)), VSET1(0.0f));
         n[u] = VSUB(VADD(xc, magic), magic);
         f[u] = VSUB(xc, n[u]);
         p[u] = VSET1(FS_E6);
     }
-    const float coef[5] = {FS_E5, FS_E4, FS_E3, FS_E2, FS_E1};
-    for (int c = 0; c < 5; c++)
+    const float coef[6] = {FS_E5, FS_E4, FS_E3, FS_E2, FS_E1, 1.0f};
+    for (int c = 0; c < 6; c++)
         for (int u = 0; u < U; u++)
             p[u] = VADD(VMUL(p[u], f[u]), VSET1(coef[c]));
-    for (int u = 0; u < U; u++) {
-        p[u] = VADD(VMUL(p[u], f[u]), VSET1(1.0f));
-        VSTORE(s + u * VL, VZERO_BELOW(x[u], -126.0f, VMUL(p[u], VPOW2I(n[u]))));
-    }
+    for (int u = 0; u < U; u++)
+        x[u] = VZERO_BELOW(x[u], -126.0f, VMUL(p[u], VPOW2I(n[u])));
+}
+
+/* fs_exp2 (_attention_kernels.h) lane by lane. */
+FS_ATTR static inline VF FS_S(fs_exp2v)(VF x)
+{
+    FS_S(fs_exp2v_n)(&x, 1);
+    return x;
+}
+
+/* s[0 .. U VL) = fs_exp2v(s + mb), U vectors in lock step (fs_exp2v_n). */
+FS_ATTR static inline __attribute__((always_inline)) void FS_S(fs_exp2v_xu)(float *s, VF mb, const int U)
+{
+    VF x[8];
+    for (int u = 0; u < U; u++)
+        x[u] = VADD(VLOAD(s + u * VL), mb);
+    FS_S(fs_exp2v_n)(x, U);
+    for (int u = 0; u < U; u++)
+        VSTORE(s + u * VL, x[u]);
 }
 
 /* kt [D][KT] float32 from the tile's storage (f32: the cache itself, no copy). */
